@@ -1,0 +1,96 @@
+"""The cluster a job was launched on: Megatron's TP x PP x DP grid and which nodes have failed.
+
+A *node* is one tensor-parallel group (the TP ranks of one stage replica): losing any of its ranks
+loses the node. Node ids follow Megatron's default rank order (TP fastest, then DP, then PP), so
+the node of pipeline stage ``s`` in data-parallel replica ``d`` is ``s * dp + d`` and global rank
+``= node * tp + tp_rank``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .errors import PlanningError
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    tp: int
+    pp: int
+    dp: int
+    num_layers: int
+    global_batch: int
+    micro_batch: int
+    failed: frozenset[int] = field(default_factory=frozenset)
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp", "num_layers", "global_batch", "micro_batch"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise PlanningError(f"{name} must be a positive integer, got {value!r}")
+        if self.pp > self.num_layers:
+            raise PlanningError(
+                f"pipeline size {self.pp} is greater than the number of layers {self.num_layers}: "
+                "every stage needs at least one transformer layer"
+            )
+        if self.global_batch % (self.micro_batch * self.dp) != 0:
+            raise PlanningError(
+                f"global batch {self.global_batch} is not divisible by micro-batch x DP "
+                f"= {self.micro_batch} x {self.dp} = {self.micro_batch * self.dp}"
+            )
+        object.__setattr__(self, "failed", frozenset(self.failed))
+        bad = sorted(n for n in self.failed if not 0 <= n < self.num_nodes)
+        if bad:
+            raise PlanningError(
+                f"failed node(s) {bad} not in the cluster: node ids are 0..{self.num_nodes - 1} "
+                f"(node = stage * DP + replica, with PP={self.pp}, DP={self.dp})"
+            )
+
+    @property
+    def num_nodes(self) -> int:
+        return self.pp * self.dp
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_nodes * self.tp
+
+    @property
+    def num_micro_batches(self) -> int:
+        """Micro-batches in one global batch (over all pipelines)."""
+        return self.global_batch // self.micro_batch
+
+    def node_of(self, stage: int, replica: int) -> int:
+        return stage * self.dp + replica
+
+    def stage_of(self, node: int) -> int:
+        return node // self.dp
+
+    def replica_of(self, node: int) -> int:
+        return node % self.dp
+
+    def ranks_of(self, node: int) -> list[int]:
+        return [node * self.tp + t for t in range(self.tp)]
+
+    def node_of_rank(self, rank: int) -> int:
+        if not 0 <= rank < self.num_devices:
+            raise PlanningError(f"rank {rank} not in the cluster: ranks are 0..{self.num_devices - 1}")
+        return rank // self.tp
+
+    def with_failed(self, failed: set[int] | frozenset[int]) -> "ClusterSpec":
+        return ClusterSpec(self.tp, self.pp, self.dp, self.num_layers, self.global_batch,
+                           self.micro_batch, frozenset(failed))
+
+
+def parse_node_list(text: str | None) -> frozenset[int]:
+    """Parse ``"3,5"`` (the ``--failed`` flag) into node ids, with a clear error on junk."""
+    if not text:
+        return frozenset()
+    nodes = set()
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            nodes.add(int(part))
+        except ValueError:
+            raise PlanningError(f"--failed expects comma-separated node ids, got {part!r}") from None
+    return frozenset(nodes)

@@ -1,0 +1,237 @@
+"""Time and memory of a plan: the paper's closed forms (Eq. 9, 12, 13, 14) and the general Eq. 11
+simulation that plays every node's actual operation order.
+
+Step time = slowest pipeline (Eq. 10, from the simulation) + gradient-sync rounds x their all-reduce
+cost (restorer colouring) + the slowest node's optimizer step. The closed forms are kept for the
+settings they describe (uniform stages, no communication) and the tests check that the simulation
+reproduces Eq. 9 exactly there.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from .plan import ExecutionPlan
+from .profile import LayerCost, ModelProfile
+from .schedule import BACKWARD, FORWARD, Op, dependency, fault_free_slots, node_operations, one_f_one_b
+
+# -- closed forms ---------------------------------------------------------------------------------
+
+
+def eq9_step_time(n_pp: int, n_m: int, t_f: float, t_b: float) -> float:
+    """Symmetric 1F1B: (N_pp + N_m - 1)(T_f + T_b)."""
+    return (n_pp + n_m - 1) * (t_f + t_b)
+
+
+def eq12_step_time(n_pp: int, n_m: int, n_dp: int, t_f: float, t_b: float) -> float:
+    """Rerouting after one failure: the dead node's N_m micro-batches spread over N_dp - 1 peers."""
+    if n_dp < 2:
+        return math.inf
+    return (n_pp + n_m - 1 + n_m / (n_dp - 1)) * (t_f + t_b)
+
+
+def eq13_step_time(n_pp: int, n_m: int, n_dp: int, failures_per_stage: list[int], t_f: float, t_b: float) -> float:
+    """Rerouting after several failures; infinite when a stage has lost every replica."""
+    if len(failures_per_stage) != n_pp:
+        raise ValueError(f"need one failure count per stage ({n_pp}), got {len(failures_per_stage)}")
+    extra = 0.0
+    for f in failures_per_stage:
+        if f >= n_dp:
+            return math.inf
+        if f > 0:
+            extra += n_m * f / (n_dp - f)
+    return (n_pp + n_m - 1 + extra) * (t_f + t_b)
+
+
+def eq14_peak_memory(stage: int, n_pp: int, n_layers: int, m_p: int, m_o: int, m_g: int, m_a: int) -> int:
+    """Peak memory of zero-based stage ``stage``: N_l(m_p+m_o+m_g) + (N_pp - stage) N_l m_a."""
+    return n_layers * (m_p + m_o + m_g) + (n_pp - stage) * n_layers * m_a
+
+
+def allreduce_time(nbytes: int, group_size: int, bandwidth_Bps: float, latency_s: float) -> float:
+    """Ring all-reduce: 2(n-1) hops, each moving bytes/n."""
+    if group_size <= 1 or nbytes == 0:
+        return 0.0
+    n = group_size
+    return 2 * (n - 1) / n * nbytes / bandwidth_Bps + 2 * (n - 1) * latency_s
+
+
+# -- Eq. 11 simulation ----------------------------------------------------------------------------
+
+
+@dataclass
+class Simulation:
+    pipeline_times: list[float]
+    peak_in_flight: dict[int, int]  # node -> most micro-batches whose activations it holds at once
+
+
+def _unit_sum(units: list[LayerCost], attr: str) -> float:
+    return sum(getattr(u, attr) for u in units)
+
+
+def stage_layers(plan: ExecutionPlan, profile: ModelProfile, pipeline: int, stage: int) -> list[LayerCost]:
+    all_units = profile.units()
+    return [all_units[u] for u in sorted(plan.stage_units(pipeline, stage))]
+
+
+@lru_cache(maxsize=65536)
+def _plain_pipeline(costs: tuple[tuple[float, float], ...], m: int, p2p: float) -> tuple[float, tuple[int, ...]]:
+    """Time and per-stage peak in-flight count of one 1F1B pipeline with its own nodes (memoised by shape)."""
+    p = len(costs)
+    slots = fault_free_slots(p, m)
+    ops = sorted((slots[(kind, i, j)], kind, i, j) for i in range(p) for kind, j in one_f_one_b(p, i, m))
+    end: dict[tuple[str, int, int], float] = {}
+    free = [0.0] * p
+    in_flight = [0] * p
+    peak = [0] * p
+    for _, kind, i, j in ops:
+        if kind == FORWARD:
+            ready = end[(FORWARD, i - 1, j)] + p2p if i > 0 else 0.0
+            dur = costs[i][0]
+            in_flight[i] += 1
+            peak[i] = max(peak[i], in_flight[i])
+        else:
+            ready = end[(BACKWARD, i + 1, j)] + p2p if i < p - 1 else end[(FORWARD, i, j)]
+            dur = costs[i][1]
+            in_flight[i] -= 1
+        free[i] = end[(kind, i, j)] = max(free[i], ready) + dur
+    return max(free), tuple(peak)
+
+
+def simulate(plan: ExecutionPlan, profile: ModelProfile) -> Simulation:
+    """Play every node's operation order (Eq. 11) and return each pipeline's time (Eq. 10's t_p)."""
+    costs = [
+        tuple((_unit_sum(ls, "forward_s"), _unit_sum(ls, "backward_s"))
+              for ls in (stage_layers(plan, profile, k, i) for i in range(pipe.length)))
+        for k, pipe in enumerate(plan.pipelines)
+    ]
+    coupled = _coupled_pipelines(plan)
+    times = [0.0] * len(plan.pipelines)
+    peak: dict[int, int] = {}
+    for k, pipe in enumerate(plan.pipelines):
+        if k in coupled:
+            continue
+        times[k], per_stage = _plain_pipeline(costs[k], pipe.micro_batches, profile.p2p_s)
+        for i, s in enumerate(pipe.stages):
+            peak[s.node] = per_stage[i]
+    if coupled:
+        _simulate_coupled(plan, profile, costs, coupled, times, peak)
+    return Simulation(times, peak)
+
+
+def _coupled_pipelines(plan: ExecutionPlan) -> set[int]:
+    """Pipelines whose timing depends on another pipeline: a dead stage, or a node adopting work."""
+    if not plan.reroutes:
+        return set()
+    pos = plan.position_of()
+    out = set()
+    for r in plan.reroutes:
+        out.add(r.pipeline)
+        out.add(pos[r.peer][0])
+    return out
+
+
+def _simulate_coupled(plan: ExecutionPlan, profile: ModelProfile, costs: list, coupled: set[int],
+                      times: list[float], peak: dict[int, int]) -> None:
+    orders = node_operations(plan)
+    pos = plan.position_of()
+    executor_of: dict[Op, int] = {}
+    ops: list[tuple[int, Op]] = []
+    for node, node_ops in orders.items():
+        if pos[node][0] not in coupled:  # peers of a coupled pipeline are coupled themselves
+            continue
+        for op in node_ops:
+            executor_of[op] = node
+            pipe = plan.pipelines[op.pipeline]
+            ops.append((fault_free_slots(pipe.length, pipe.micro_batches)[(op.kind, op.stage, op.micro_batch)], op))
+    ops.sort(key=lambda x: (x[0], x[1].pipeline, x[1].stage, x[1].kind, x[1].micro_batch))
+    end: dict[Op, float] = {}
+    free: dict[int, float] = {}
+    in_flight: dict[int, int] = {}
+    for _, op in ops:
+        node = executor_of[op]
+        dep = dependency(op, plan.pipelines[op.pipeline].length)
+        ready = 0.0
+        if dep is not None:
+            ready = end[dep] + (profile.p2p_s if executor_of[dep] != node else 0.0)
+        f, b = costs[op.pipeline][op.stage]
+        if op.kind == FORWARD:
+            in_flight[node] = in_flight.get(node, 0) + 1
+            peak[node] = max(peak.get(node, 0), in_flight[node])
+        else:
+            in_flight[node] -= 1
+        end[op] = free[node] = max(free.get(node, 0.0), ready) + (f if op.kind == FORWARD else b)
+    for op, t in end.items():
+        if op.pipeline in coupled:
+            times[op.pipeline] = max(times[op.pipeline], t)
+
+
+# -- full step estimate ---------------------------------------------------------------------------
+
+
+@dataclass
+class StepEstimate:
+    pipeline_times: list[float]
+    compute_s: float
+    sync_s: float
+    sync_rounds: int
+    sync_lower_bound: int
+    optimizer_s: float
+    peak_memory_bytes: dict[int, int] = field(default_factory=dict)
+    device_memory_bytes: int = 0
+
+    @property
+    def step_time_s(self) -> float:
+        return self.compute_s + self.sync_s + self.optimizer_s
+
+    @property
+    def fits_memory(self) -> bool:
+        return all(m <= self.device_memory_bytes for m in self.peak_memory_bytes.values())
+
+    def over_memory(self) -> dict[int, int]:
+        return {n: m for n, m in self.peak_memory_bytes.items() if m > self.device_memory_bytes}
+
+
+def node_memory(plan: ExecutionPlan, profile: ModelProfile, peak_in_flight: dict[int, int]) -> dict[int, int]:
+    """Eq. 14 per node, with the in-flight count taken from the node's actual operation order."""
+    units = profile.units()
+    out = {}
+    for node, held in plan.holdings().items():
+        static = sum(units[u].static_bytes for u in held)
+        act = sum(units[u].activation_bytes for u in held)
+        out[node] = static + peak_in_flight.get(node, 0) * act
+    return out
+
+
+def estimate_step(plan: ExecutionPlan, profile: ModelProfile) -> StepEstimate:
+    from .restorer import sync_rounds  # restorer depends on the estimator's all-reduce model
+
+    sim = simulate(plan, profile)
+    rounds = sync_rounds(plan, profile)
+    units = profile.units()
+    optimizer = max((sum(units[u].optimizer_s for u in held) for held in plan.holdings().values()), default=0.0)
+    return StepEstimate(
+        pipeline_times=sim.pipeline_times,
+        compute_s=max(sim.pipeline_times),
+        sync_s=rounds.time_s,
+        sync_rounds=rounds.num_rounds,
+        sync_lower_bound=rounds.lower_bound,
+        optimizer_s=optimizer,
+        peak_memory_bytes=node_memory(plan, profile, sim.peak_in_flight),
+        device_memory_bytes=profile.device_memory_bytes,
+    )
+
+
+# -- Eq. 8 ----------------------------------------------------------------------------------------
+
+
+def score(global_batch: int, step_time_s: float, transition_s: float, time_to_next_failure_s: float) -> float:
+    """Throughput x effective-time ratio (Eq. 8); the time in the new state is the expected time to
+    the next failure minus the transition (floored at zero)."""
+    if not math.isfinite(step_time_s) or step_time_s <= 0:
+        return 0.0
+    in_state = max(time_to_next_failure_s - transition_s, 0.0)
+    total = transition_s + in_state
+    ratio = in_state / total if total > 0 else 1.0
+    return global_batch / step_time_s * ratio

@@ -1,0 +1,240 @@
+"""How to cut things up: survivors into pipelines, micro-batches over pipelines, layers over stages.
+
+These are the three enumerations of Odyssey's Algorithm 1 (``integer_partition``,
+``distribute_batch``, ``split_layers``) plus the exhaustive versions the oracle search uses.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from itertools import combinations
+from typing import Callable, Iterator
+
+from .errors import PlanningError
+from .estimator import _plain_pipeline
+from .profile import ModelProfile
+
+# -- pipelines ------------------------------------------------------------------------------------
+
+
+def length_multisets(num_nodes: int, num_pipelines: int, min_len: int, max_len: int) -> Iterator[tuple[int, ...]]:
+    """Every multiset of ``num_pipelines`` lengths in [min_len, max_len] summing to ``num_nodes``
+    (non-increasing tuples)."""
+
+    def rec(remaining: int, parts: int, cap: int) -> Iterator[tuple[int, ...]]:
+        if parts == 0:
+            if remaining == 0:
+                yield ()
+            return
+        lo = max(min_len, remaining - cap * (parts - 1))
+        hi = min(cap, remaining - min_len * (parts - 1))
+        for first in range(hi, lo - 1, -1):
+            for rest in rec(remaining - first, parts - 1, first):
+                yield (first, *rest)
+
+    if num_pipelines < 1 or min_len < 1:
+        return
+    yield from rec(num_nodes, num_pipelines, max_len)
+
+
+def balanced_multisets(num_nodes: int, num_pipelines: int, min_len: int, max_len: int) -> list[tuple[int, ...]]:
+    """Multisets whose lengths use at most two adjacent values (the balanced family), for clusters too
+    large to enumerate every multiset."""
+    out = []
+    for low in range(min_len, max_len + 1):
+        # a pipelines of length low+1, num_pipelines-a of length low
+        a = num_nodes - low * num_pipelines
+        if 0 <= a <= num_pipelines and (a == 0 or low + 1 <= max_len):
+            out.append(tuple([low + 1] * a + [low] * (num_pipelines - a)))
+    return out
+
+
+# -- micro-batches --------------------------------------------------------------------------------
+
+
+def distribute_batch(num_micro_batches: int, pipeline_sizes: list[int]) -> list[int]:
+    """Odyssey's batch distribution: proportional to node count, the remainder one by one (largest
+    fractional share first), then no pipeline left idle (take one from the largest partition)."""
+    k = len(pipeline_sizes)
+    if k == 0:
+        raise PlanningError("no pipelines to distribute micro-batches over")
+    if num_micro_batches < k:
+        raise PlanningError(f"{num_micro_batches} micro-batches cannot keep {k} pipelines busy")
+    total = sum(pipeline_sizes)
+    alloc = [num_micro_batches * n // total for n in pipeline_sizes]
+    order = sorted(range(k), key=lambda i: (-(num_micro_batches * pipeline_sizes[i] % total), -pipeline_sizes[i], i))
+    for i in order[: num_micro_batches - sum(alloc)]:
+        alloc[i] += 1
+    while 0 in alloc:
+        donor = max(range(k), key=lambda i: (alloc[i], -i))
+        alloc[donor] -= 1
+        alloc[alloc.index(0)] += 1
+    return alloc
+
+
+def compositions(total: int, parts: int, minimum: int = 1) -> Iterator[tuple[int, ...]]:
+    """Every ordered way to write ``total`` as ``parts`` integers >= ``minimum``."""
+    if parts == 1:
+        if total >= minimum:
+            yield (total,)
+        return
+    for first in range(minimum, total - minimum * (parts - 1) + 1):
+        for rest in compositions(total - first, parts - 1, minimum):
+            yield (first, *rest)
+
+
+# -- layers ---------------------------------------------------------------------------------------
+
+
+class PipelineModel:
+    """Prefix sums over a profile so a layer split's stage costs and memory are O(stages)."""
+
+    def __init__(self, profile: ModelProfile):
+        self.profile = profile
+        self.fwd = _prefix([u.forward_s for u in profile.layers])
+        self.bwd = _prefix([u.backward_s for u in profile.layers])
+        self.static = _prefix([u.static_bytes for u in profile.layers])
+        self.act = _prefix([u.activation_bytes for u in profile.layers])
+
+    def stage_costs(self, split: tuple[int, ...]) -> tuple[tuple[float, float], ...]:
+        prof, out, start = self.profile, [], 0
+        for i, n in enumerate(split):
+            f = self.fwd[start + n] - self.fwd[start]
+            b = self.bwd[start + n] - self.bwd[start]
+            if i == 0:
+                f, b = f + prof.embedding.forward_s, b + prof.embedding.backward_s
+            if i == len(split) - 1:
+                f, b = f + prof.output.forward_s, b + prof.output.backward_s
+            out.append((f, b))
+            start += n
+        return tuple(out)
+
+    def fits(self, split: tuple[int, ...], micro_batches: int) -> bool:
+        """Eq. 14 for every stage of a 1F1B pipeline: stage i holds min(p - i, m) micro-batches."""
+        prof, p, start = self.profile, len(split), 0
+        for i, n in enumerate(split):
+            static = self.static[start + n] - self.static[start]
+            act = self.act[start + n] - self.act[start]
+            if i == 0:
+                static, act = static + prof.embedding.static_bytes, act + prof.embedding.activation_bytes
+            if i == p - 1:
+                static, act = static + prof.output.static_bytes, act + prof.output.activation_bytes
+            if static + min(p - i, micro_batches) * act > prof.device_memory_bytes:
+                return False
+            start += n
+        return True
+
+    def time(self, split: tuple[int, ...], micro_batches: int) -> float:
+        return _plain_pipeline(self.stage_costs(split), micro_batches, self.profile.p2p_s)[0]
+
+
+def _prefix(values: list[float]) -> list[float]:
+    out = [0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
+
+MAX_REMAINDER_PLACEMENTS = 128
+
+
+def remainder_placements(num_layers: int, stages: int) -> list[tuple[int, ...]]:
+    """Even split first, then every placement of the ``L mod p`` extra layers (one per stage);
+    past ``MAX_REMAINDER_PLACEMENTS`` only placements that differ in the first/last stage and where
+    the middle extras sit (front, back, spread), since middle stages cost the same."""
+    base, extra = divmod(num_layers, stages)
+    if base == 0:
+        return []
+    combos = list(combinations(range(stages), extra)) if _n_choose_k(stages, extra) <= MAX_REMAINDER_PLACEMENTS \
+        else _representative_placements(stages, extra)
+    return [tuple(base + (1 if i in set(c) else 0) for i in range(stages)) for c in combos]
+
+
+def _n_choose_k(n: int, k: int) -> int:
+    from math import comb
+    return comb(n, k)
+
+
+def _representative_placements(stages: int, extra: int) -> list[tuple[int, ...]]:
+    out = set()
+    middle = list(range(1, stages - 1))
+    for first in (0, 1):
+        for last in (0, 1):
+            rest = extra - first - last
+            if not 0 <= rest <= len(middle):
+                continue
+            ends = ([0] if first else []) + ([stages - 1] if last else [])
+            spread = [middle[round(i * (len(middle) - 1) / max(rest - 1, 1))] for i in range(rest)] if rest else []
+            for mid in (middle[:rest], middle[len(middle) - rest:], sorted(set(spread))):
+                if len(mid) == rest:
+                    out.add(tuple(sorted(ends + list(mid))))
+    return sorted(out)
+
+
+def split_layers(model: PipelineModel, stages: int, micro_batches: int, improve: bool = True) -> tuple[int, ...] | None:
+    """Odyssey's layer split: even first, enumerate the remainder's placements, drop those that do not
+    fit in memory (Eq. 14), keep the fastest; then move single layers off the bottleneck stage while
+    the estimate improves (covers embedding/output-heavy ends that an even split cannot balance)."""
+    return _split_layers_cached(model, stages, micro_batches, improve)
+
+
+@lru_cache(maxsize=65536)
+def _split_layers_cached(model: PipelineModel, stages: int, micro_batches: int, improve: bool) -> tuple[int, ...] | None:
+    best, best_t = None, float("inf")
+    for split in remainder_placements(model.profile.num_layers, stages):
+        if model.fits(split, micro_batches):
+            t = model.time(split, micro_batches)
+            if t < best_t:
+                best, best_t = split, t
+    if best is None or not improve:
+        return best
+    while True:
+        moved = False
+        for src in sorted(range(stages), key=lambda i: -sum(model.stage_costs(best)[i])):
+            if best[src] <= 1:
+                continue
+            for dst in (src - 1, src + 1):
+                if not 0 <= dst < stages:
+                    continue
+                trial = list(best)
+                trial[src] -= 1
+                trial[dst] += 1
+                trial_t = tuple(trial)
+                if model.fits(trial_t, micro_batches):
+                    t = model.time(trial_t, micro_batches)
+                    if t < best_t - 1e-12:
+                        best, best_t, moved = trial_t, t, True
+                        break
+            if moved:
+                break
+        if not moved:
+            return best
+
+
+def best_split_exhaustive(model: PipelineModel, stages: int, micro_batches: int) -> tuple[int, ...] | None:
+    """The fastest memory-feasible split over every composition (oracle; small models only)."""
+    front = split_front_exhaustive(model, stages, micro_batches)
+    return min(front, key=lambda s: model.time(s, micro_batches)) if front else None
+
+
+def split_front_exhaustive(model: PipelineModel, stages: int, micro_batches: int) -> list[tuple[int, ...]]:
+    """Every memory-feasible split that is Pareto-optimal in (pipeline time, most units on one node).
+
+    The second coordinate drives the gradient-sync rounds and the optimizer time of the whole plan,
+    so an oracle that only kept the fastest split could miss the best plan."""
+    best: dict[int, tuple[float, tuple[int, ...]]] = {}
+    for split in compositions(model.profile.num_layers, stages):
+        if model.fits(split, micro_batches):
+            units = max(n + (i == 0) + (i == stages - 1) for i, n in enumerate(split))
+            t = model.time(split, micro_batches)
+            if units not in best or t < best[units][0]:
+                best[units] = (t, split)
+    front, fastest = [], float("inf")
+    for units in sorted(best):
+        t, split = best[units]
+        if t < fastest:
+            front.append(split)
+            fastest = t
+    return front
+
+
+SplitFn = Callable[[PipelineModel, int, int], "tuple[int, ...] | None"]

@@ -1,0 +1,390 @@
+"""The decision centre: given the current plan and the failed nodes, build the best plan of each
+policy (reroute, reconfigure, restart), estimate them, and choose by Eq. 8.
+
+Reconfiguration follows Odyssey's Algorithm 1: enumerate ways to split the survivors into pipelines
+(DP within +-``dp_range`` of the current DP, lengths within a PP range), distribute the batch,
+split the layers, estimate, keep the fastest. ``search="exhaustive"`` enumerates every pipeline
+count and length, every batch split and every layer split instead: an oracle for small clusters.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, replace
+from itertools import product
+from typing import Any, Iterator
+
+from .errors import PlanningError
+from .estimator import StepEstimate, allreduce_time, estimate_step, score
+from .partition import (PipelineModel, balanced_multisets, distribute_batch, length_multisets, split_front_exhaustive,
+                        split_layers)
+from .plan import ExecutionPlan, Reroute, layout
+from .profile import ModelProfile
+from .restorer import TransferSchedule, assign_nodes
+
+SEARCH_MODES = ("heuristic", "exhaustive")
+# Llama 3 (Grattafiori et al. 2024) saw 419 interruptions in 54 days on 16,384 GPUs: about 50,000
+# device-hours between failures of one device.
+DEFAULT_MTBF_HOURS = 50_000.0
+
+
+@dataclass(frozen=True)
+class PlannerOptions:
+    search: str = "heuristic"
+    dp_range: int = 2  # new DP within +-dp_range of the current one (the paper's observation)
+    pp_range: int = 2  # pipeline lengths within +-pp_range of the current length ...
+    mtbf_hours: float = DEFAULT_MTBF_HOURS  # per device; the next failure is expected after mtbf / devices
+    max_multisets_per_dp: int = 2000  # past this, only balanced multisets (two adjacent lengths)
+    refine_top: int = 8  # candidates that get the full estimate (sync + optimizer) and batch refinement
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        if self.search not in SEARCH_MODES:
+            raise PlanningError(f"--search must be one of {SEARCH_MODES}, got {self.search!r}")
+        if not self.mtbf_hours > 0:
+            raise PlanningError(f"--mtbf-hours must be positive, got {self.mtbf_hours}")
+
+
+@dataclass
+class Transition:
+    search_s: float = 0.0
+    transfer_s: float = 0.0
+    overhead_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return self.search_s + self.transfer_s + self.overhead_s
+
+
+@dataclass
+class Candidate:
+    policy: str
+    plan: ExecutionPlan | None
+    step: StepEstimate | None = None
+    transition: Transition = field(default_factory=Transition)
+    transfers: TransferSchedule | None = None
+    reason: str = ""
+    score: float = 0.0
+
+    @property
+    def feasible(self) -> bool:
+        return self.plan is not None and self.step is not None
+
+    @property
+    def step_time_s(self) -> float:
+        return self.step.step_time_s if self.step else math.inf
+
+    def summary(self) -> dict[str, Any]:
+        return {"policy": self.policy, "step_time_s": _finite(self.step_time_s),
+                "transition_time_s": self.transition.total_s if self.feasible else None,
+                "score": self.score, "feasible": self.feasible, "reason": self.reason}
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+@dataclass
+class Decision:
+    policy: str
+    chosen: Candidate
+    candidates: list[Candidate]
+    search_time_s: float
+    time_to_next_failure_s: float
+    global_batch: int
+    failed: frozenset[int]
+    cached: bool = False
+
+    @property
+    def plan(self) -> ExecutionPlan | None:
+        return self.chosen.plan
+
+    @property
+    def reason(self) -> str:
+        return self.chosen.reason
+
+    def to_json(self) -> dict[str, Any]:
+        c = self.chosen
+        step = c.step_time_s
+        return {
+            "policy": self.policy,
+            "plan": c.plan.to_dict() if c.plan else None,
+            "estimates": {
+                "step_time_s": _finite(step),
+                "transition_time_s": c.transition.total_s,
+                "throughput": self.global_batch / step if math.isfinite(step) and step > 0 else 0.0,
+                "score": c.score,
+                "search_s": c.transition.search_s,
+                "transfer_s": c.transition.transfer_s,
+                "overhead_s": c.transition.overhead_s,
+                "sync_rounds": c.step.sync_rounds if c.step else None,
+                "sync_lower_bound": c.step.sync_lower_bound if c.step else None,
+                "transfer_bytes": c.transfers.total_bytes if c.transfers else 0,
+            },
+            "candidates": [x.summary() for x in self.candidates],
+            "search_time_s": self.search_time_s,
+            "time_to_next_failure_s": self.time_to_next_failure_s,
+            "failed": sorted(self.failed),
+            "reason": c.reason,
+            "cached": self.cached,
+        }
+
+
+class Planner:
+    def __init__(self, profile: ModelProfile, global_batch: int, micro_batch: int,
+                 options: PlannerOptions = PlannerOptions()):
+        if global_batch % micro_batch:
+            raise PlanningError(f"global batch {global_batch} is not divisible by micro-batch {micro_batch}")
+        self.profile = profile
+        self.global_batch = global_batch
+        self.num_micro_batches = global_batch // micro_batch
+        self.options = options
+        self.model = PipelineModel(profile)
+
+    # -- entry point ------------------------------------------------------------------------------
+    def decide(self, current: ExecutionPlan, new_failed: frozenset[int] | set[int]) -> Decision:
+        start = time.perf_counter()
+        named = set(current.nodes())
+        unknown = sorted(set(new_failed) - named)
+        if unknown:
+            raise PlanningError(f"failed node(s) {unknown} are not in the current plan (nodes {sorted(named)})")
+        failed = frozenset(current.failed | set(new_failed))
+        survivors = [n for n in current.live_nodes() if n not in failed]
+        if not survivors:
+            raise PlanningError("every node has failed: nothing left to plan on")
+        dead_view = ExecutionPlan(current.policy, current.num_layers, current.pipelines, failed=failed)
+        candidates = [self._reroute(current, failed), *self._reconfigure_and_restart(dead_view, survivors)]
+        search_s = time.perf_counter() - start
+        devices = len(survivors) * self.options.tp
+        t_next = self.options.mtbf_hours * 3600.0 / devices
+        for c in candidates:
+            c.transition.search_s = search_s
+            if c.feasible:
+                c.score = score(self.global_batch, c.step_time_s, c.transition.total_s, t_next)
+        feasible = [c for c in candidates if c.feasible]
+        if not feasible:
+            reasons = "; ".join(f"{c.policy}: {c.reason}" for c in candidates)
+            raise PlanningError(f"no plan can run on the {len(survivors)} surviving nodes ({reasons})")
+        chosen = max(feasible, key=lambda c: (c.score, -c.step_time_s))
+        return Decision(chosen.policy, chosen, candidates, search_s, t_next, self.global_batch, failed)
+
+    # -- reroute ----------------------------------------------------------------------------------
+    def _reroute(self, current: ExecutionPlan, failed: frozenset[int]) -> Candidate:
+        plan = reroute_plan(current, failed)
+        if isinstance(plan, str):
+            return Candidate("reroute", None, reason=plan)
+        step = estimate_step(plan, self.profile)
+        if not step.fits_memory:
+            over = step.over_memory()
+            node = max(over, key=over.get)
+            return Candidate("reroute", None, reason=f"node {node} would need {over[node] / 2**30:.1f} GiB with the "
+                             f"adopted micro-batches, more than the device's {self.profile.device_memory_bytes / 2**30:.1f} GiB")
+        return Candidate("reroute", plan, step, Transition(overhead_s=self.profile.reroute_overhead_s),
+                         reason=f"{len(failed)} dead node(s); their micro-batches run on data-parallel peers")
+
+    # -- reconfigure / restart --------------------------------------------------------------------
+    def _reconfigure_and_restart(self, current: ExecutionPlan, survivors: list[int]) -> list[Candidate]:
+        shape = self.search_layout(len(survivors), len(current.pipelines), _typical_length(current))
+        if shape is None:
+            why = (f"no layout of {len(survivors)} nodes fits the model in "
+                   f"{self.profile.device_memory_bytes / 2**30:.1f} GiB per device")
+            return [Candidate("reconfigure", None, reason=why), Candidate("restart", None, reason=why)]
+        lost = [u for u, nodes in current.holders().items() if not nodes]
+        out = []
+        if lost:
+            out.append(Candidate("reconfigure", None, reason=f"{_describe_units(lost, current.num_layers)} "
+                                 "have no live copy"))
+        else:
+            plan, transfers = assign_nodes(current, shape, self.profile)
+            out.append(Candidate("reconfigure", plan, estimate_step(plan, self.profile),
+                                 Transition(transfer_s=transfers.time_s(self.profile.transfer_bandwidth_Bps),
+                                            overhead_s=self.profile.rebuild_overhead_s),
+                                 transfers=transfers,
+                                 reason=f"{len(shape.pipelines)} pipelines of lengths "
+                                        f"{[p.length for p in shape.pipelines]}"))
+        why = (f"{_describe_units(lost, current.num_layers)} have no live copy: restore the last checkpoint"
+               if lost else "relaunch from the last checkpoint")
+        restart = replace(layout([(p.layer_split(), p.micro_batches) for p in shape.pipelines], survivors,
+                                 current.num_layers, policy="restart"), reason=why)
+        out.append(Candidate("restart", restart, estimate_step(restart, self.profile),
+                             Transition(overhead_s=self.profile.restart_overhead_s
+                                        + self.profile.checkpoint_interval_s / 2),
+                             reason=why))
+        return out
+
+    def search_layout(self, num_nodes: int, current_dp: int, current_pp: int) -> ExecutionPlan | None:
+        """Algorithm 1: the fastest layout (node ids are placeholders 0..N-1), or None if none fits."""
+        if self.options.search == "exhaustive":
+            return self._search_exhaustive(num_nodes)
+        L, m_total = self.profile.num_layers, self.num_micro_batches
+        dps = [d for d in range(max(1, current_dp - self.options.dp_range), current_dp + self.options.dp_range + 1)
+               if d <= min(num_nodes, m_total)]
+        ranked: list[tuple[float, tuple[int, ...], list[int], list[tuple[int, ...]]]] = []
+        for dp in dps:
+            lo = max(1, min(current_pp - self.options.pp_range, num_nodes // dp))
+            hi = min(L, max(current_pp + self.options.pp_range, -(-num_nodes // dp)))
+            for lengths in self._multisets(num_nodes, dp, lo, hi):
+                batch = distribute_batch(m_total, list(lengths))
+                evaluated = self._evaluate(lengths, batch)
+                if evaluated is not None:
+                    approx = evaluated[0] + self._approx_sync_s(evaluated[1])
+                    ranked.append((approx, lengths, batch, evaluated[1]))
+        if not ranked:
+            return None
+        ranked.sort(key=lambda r: r[0])
+        best_plan, best_t = None, math.inf
+        for _, lengths, batch, splits in ranked[: self.options.refine_top]:
+            batch, splits = self._refine_batch(lengths, batch, splits)
+            plan = layout(list(zip(splits, batch)), num_layers=L)
+            t = estimate_step(plan, self.profile).step_time_s
+            if t < best_t:
+                best_plan, best_t = plan, t
+        return best_plan
+
+    def _approx_sync_s(self, splits: list[tuple[int, ...]]) -> float:
+        """Cheap stand-in for the colouring's sync time, to rank candidates: as many rounds as the most
+        layers on one node (the colouring's lower bound), each a layer's all-reduce over all pipelines."""
+        dp = len(splits)
+        if dp < 2:
+            return 0.0
+        layer = max(self.profile.layers, key=lambda u: u.grad_bytes)
+        rounds = max(max(s) for s in splits)
+        return rounds * allreduce_time(layer.grad_bytes, dp, self.profile.allreduce_bandwidth_Bps,
+                                       self.profile.allreduce_latency_s)
+
+    def _multisets(self, n: int, dp: int, lo: int, hi: int) -> list[tuple[int, ...]]:
+        # C(dp + w - 1, w - 1) multisets of dp lengths from w values bound the count from above
+        if math.comb(dp + hi - lo, hi - lo) <= self.options.max_multisets_per_dp:
+            return list(length_multisets(n, dp, lo, hi))
+        return balanced_multisets(n, dp, lo, hi)
+
+    def _evaluate(self, lengths: tuple[int, ...], batch: list[int]) -> tuple[float, list[tuple[int, ...]]] | None:
+        """Slowest pipeline time with each pipeline's best layer split; None if one cannot fit."""
+        splits, worst = [], 0.0
+        for length, m in zip(lengths, batch):
+            split = split_layers(self.model, length, m)
+            if split is None:
+                return None
+            splits.append(split)
+            worst = max(worst, self.model.time(split, m))
+        return worst, splits
+
+    def _refine_batch(self, lengths: tuple[int, ...], batch: list[int], splits: list[tuple[int, ...]]):
+        """Move single micro-batches from the slowest pipeline to the one that stays fastest while the
+        slowest pipeline gets faster (fixes rounding in the proportional split)."""
+        batch, splits = list(batch), list(splits)
+        times = [self.model.time(s, m) for s, m in zip(splits, batch)]
+        while True:
+            slow = max(range(len(batch)), key=lambda k: times[k])
+            if batch[slow] <= 1:
+                return batch, splits
+            best = None
+            for k in range(len(batch)):
+                if k == slow:
+                    continue
+                split = split_layers(self.model, lengths[k], batch[k] + 1)
+                if split is None:
+                    continue
+                t = self.model.time(split, batch[k] + 1)
+                if best is None or t < best[0]:
+                    best = (t, k, split)
+            slow_split = split_layers(self.model, lengths[slow], batch[slow] - 1)
+            if best is None or slow_split is None:
+                return batch, splits
+            new_slow = self.model.time(slow_split, batch[slow] - 1)
+            if max(best[0], new_slow, *(t for k, t in enumerate(times) if k not in (slow, best[1]))) >= times[slow] - 1e-12:
+                return batch, splits
+            t, k, split = best
+            batch[slow] -= 1
+            batch[k] += 1
+            splits[slow], splits[k] = slow_split, split
+            times[slow], times[k] = new_slow, t
+
+    def _search_exhaustive(self, num_nodes: int) -> ExecutionPlan | None:
+        """Every pipeline count, every length multiset, every batch split, and for each pipeline every
+        layer split on the Pareto front of (pipeline time, most units per node), combined."""
+        L, m_total = self.profile.num_layers, self.num_micro_batches
+        best_plan, best_t = None, math.inf
+        fronts: dict[tuple[int, int], list[tuple[int, ...]]] = {}
+
+        def front(length: int, m: int) -> list[tuple[int, ...]]:
+            if (length, m) not in fronts:
+                fronts[(length, m)] = split_front_exhaustive(self.model, length, m)
+            return fronts[(length, m)]
+
+        for dp in range(1, min(num_nodes, m_total) + 1):
+            for lengths in length_multisets(num_nodes, dp, 1, L):
+                for batch in _batch_splits(lengths, m_total):
+                    options = [front(n, m) for n, m in zip(lengths, batch)]
+                    if not all(options):
+                        continue
+                    fastest = max(min(self.model.time(s, m) for s in opts) for opts, m in zip(options, batch))
+                    if fastest >= best_t:  # sync and optimizer only add time
+                        continue
+                    for splits in product(*options):
+                        plan = layout(list(zip(splits, batch)), num_layers=L)
+                        t = estimate_step(plan, self.profile).step_time_s
+                        if t < best_t:
+                            best_plan, best_t = plan, t
+        return best_plan
+
+
+def _batch_splits(lengths: tuple[int, ...], total: int) -> Iterator[list[int]]:
+    """Every assignment of micro-batches (>=1 each) to pipelines, up to swapping equal-length ones."""
+    k = len(lengths)
+
+    def rec(i: int, remaining: int, prev: int | None) -> Iterator[list[int]]:
+        if i == k - 1:
+            if remaining >= 1 and (prev is None or lengths[i] != lengths[i - 1] or remaining <= prev):
+                yield [remaining]
+            return
+        cap = remaining - (k - 1 - i)
+        if prev is not None and lengths[i] == lengths[i - 1]:
+            cap = min(cap, prev)
+        for m in range(1, cap + 1):
+            for rest in rec(i + 1, remaining - m, m):
+                yield [m, *rest]
+
+    yield from rec(0, total, None)
+
+
+def _typical_length(plan: ExecutionPlan) -> int:
+    return max(1, round(len(plan.nodes()) / len(plan.pipelines)))
+
+
+def _describe_units(units: list[int], num_layers: int) -> str:
+    names = []
+    for u in units:
+        names.append("embedding" if u == 0 else "output layer" if u == num_layers + 1 else f"layer {u - 1}")
+    return ", ".join(names)
+
+
+def reroute_plan(current: ExecutionPlan, failed: frozenset[int]) -> ExecutionPlan | str:
+    """ReCycle-style rerouting on the current layout, or the reason it is impossible.
+
+    Each dead node's micro-batches go one by one to the live twin (same layers) with the least work
+    so far; ties go to the twin whose pipeline has adopted the least, which spreads several failures
+    over different pipelines the way ReCycle's failure normalisation does."""
+    pos = current.position_of()
+    twins: dict[frozenset[int], list[int]] = {}
+    for node, (k, i) in pos.items():
+        if node not in failed:
+            twins.setdefault(current.stage_units(k, i), []).append(node)
+    load = {n: current.pipelines[pos[n][0]].micro_batches for n in pos if n not in failed}
+    adopted_by_pipeline = [0] * len(current.pipelines)
+    reroutes = []
+    for node in sorted((n for n in failed if n in pos), key=lambda n: (pos[n][1], pos[n][0])):
+        k, i = pos[node]
+        units = current.stage_units(k, i)
+        peers = twins.get(units, [])
+        if not peers:
+            s = current.pipelines[k].stages[i]
+            return (f"stage {i} (layers {s.layer_start}-{s.layer_end - 1}) has lost every replica: "
+                    "no peer can take its micro-batches")
+        for j in range(current.pipelines[k].micro_batches):
+            peer = min(peers, key=lambda n: (load[n], adopted_by_pipeline[pos[n][0]], n))
+            load[peer] += 1
+            adopted_by_pipeline[pos[peer][0]] += 1
+            reroutes.append(Reroute(k, i, j, peer))
+    return ExecutionPlan("reroute", current.num_layers, current.pipelines, failed=failed, reroutes=tuple(reroutes),
+                         reason=f"micro-batches of dead node(s) {sorted(failed)} rerouted to data-parallel peers")

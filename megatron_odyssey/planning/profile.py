@@ -1,0 +1,261 @@
+"""What one layer costs in time and memory, and what the hardware offers: the estimator's inputs.
+
+A profile is per node (one TP group) at a fixed micro-batch size and sequence length. The
+embedding and the output layer (final norm + LM head) are entries of their own, because they are
+large and sit only on the first and last stage. Profiles come from the runtime profiler (Megatron
+timers) or from ``builtin_profile``, which derives them from FLOPs with the assumptions stated in
+``BUILTIN_ASSUMPTIONS``.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import MISSING, asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from .errors import PlanningError
+
+PROFILE_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Cost of one layer for one micro-batch on one node."""
+
+    name: str
+    forward_s: float
+    backward_s: float
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int  # kept per in-flight micro-batch until its backward
+    optimizer_s: float = 0.0
+
+    @property
+    def static_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes that move when a node takes over this layer: weights and optimizer state."""
+        return self.param_bytes + self.optimizer_bytes
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    name: str
+    embedding: LayerCost
+    layers: tuple[LayerCost, ...]
+    output: LayerCost
+    p2p_s: float  # one activation (or its gradient) between neighbouring stages
+    allreduce_bandwidth_Bps: float  # bus bandwidth of a ring all-reduce
+    allreduce_latency_s: float  # per ring hop
+    transfer_bandwidth_Bps: float  # point-to-point state transfer during reconfiguration
+    device_memory_bytes: int
+    reroute_overhead_s: float = 1.0  # new groups, no state moves
+    rebuild_overhead_s: float = 10.0  # in-process rebuild after reconfiguration
+    restart_overhead_s: float = 300.0  # relaunch the job and load a checkpoint
+    checkpoint_interval_s: float = 1800.0  # expected lost work on restart = half of this
+    tp: int = 1
+    micro_batch: int = 1
+    seq_length: int = 4096
+    schema_version: int = PROFILE_SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(self.layers))
+        if not self.layers:
+            raise PlanningError("profile has no transformer layers")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def units(self) -> list[LayerCost]:
+        """Every weight-holding unit in model order: embedding, layers 0..L-1, output."""
+        return [self.embedding, *self.layers, self.output]
+
+    # -- JSON ---------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "profile") -> "ModelProfile":
+        _check_fields(cls, data, source)
+        version = data.get("schema_version", PROFILE_SCHEMA_VERSION)
+        if version != PROFILE_SCHEMA_VERSION:
+            raise PlanningError(f"{source}: schema_version {version} is not supported "
+                                f"(this version reads {PROFILE_SCHEMA_VERSION})")
+        kw = dict(data)
+        for key in ("embedding", "output"):
+            if key not in kw:
+                raise PlanningError(f"{source}: missing field {key!r}")
+            kw[key] = _layer_from_dict(kw[key], f"{source}.{key}")
+        if "layers" not in kw or not isinstance(kw["layers"], (list, tuple)):
+            raise PlanningError(f"{source}: field 'layers' must be a list of layer entries")
+        kw["layers"] = tuple(_layer_from_dict(x, f"{source}.layers[{i}]") for i, x in enumerate(kw["layers"]))
+        missing = [f.name for f in fields(cls) if f.name not in kw and f.default is MISSING]
+        if missing:
+            raise PlanningError(f"{source}: missing field(s) {missing}")
+        return cls(**kw)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ModelProfile":
+        try:
+            data = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise PlanningError(f"profile file {path} does not exist") from None
+        except json.JSONDecodeError as exc:
+            raise PlanningError(f"profile file {path} is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise PlanningError(f"profile file {path} must hold a JSON object")
+        return cls.from_dict(data, source=str(path))
+
+    def with_layers(self, num_layers: int) -> "ModelProfile":
+        """The same per-layer costs for a model of ``num_layers`` identical layers."""
+        return replace(self, layers=tuple(self.layers[i % len(self.layers)] for i in range(num_layers)))
+
+
+def _check_fields(cls: type, data: dict[str, Any], source: str) -> None:
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise PlanningError(f"{source}: unknown profile field(s) {unknown}; known fields are {sorted(known)}")
+
+
+def _layer_from_dict(data: Any, source: str) -> LayerCost:
+    if not isinstance(data, dict):
+        raise PlanningError(f"{source}: a layer entry must be a JSON object")
+    _check_fields(LayerCost, data, source)
+    missing = [f.name for f in fields(LayerCost) if f.name not in data and f.default is MISSING]
+    if missing:
+        raise PlanningError(f"{source}: missing field(s) {missing}")
+    layer = LayerCost(**data)
+    for name in ("forward_s", "backward_s", "param_bytes", "grad_bytes", "optimizer_bytes",
+                 "activation_bytes", "optimizer_s"):
+        value = getattr(layer, name)
+        if not isinstance(value, (int, float)) or value < 0:
+            raise PlanningError(f"{source}: field {name!r} must be a non-negative number, got {value!r}")
+    return layer
+
+
+# -- built-in profiles derived from FLOPs --------------------------------------------------------
+
+@dataclass(frozen=True)
+class TransformerShape:
+    hidden: int
+    ffn_hidden: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    num_layers: int
+
+
+SHAPES = {
+    "llama2-7b": TransformerShape(hidden=4096, ffn_hidden=11008, heads=32, kv_heads=32, vocab=32000, num_layers=32),
+    "llama2-70b": TransformerShape(hidden=8192, ffn_hidden=28672, heads=64, kv_heads=8, vocab=32000, num_layers=80),
+}
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """A 910B-class accelerator; numbers are public spec-sheet values, see BUILTIN_ASSUMPTIONS."""
+
+    name: str = "ascend-910b"
+    peak_flops: float = 313e12  # dense BF16
+    mfu: float = 0.45  # achieved fraction of peak in large-model training
+    hbm_bytes: int = 64 * 2**30
+    hbm_bandwidth_Bps: float = 1.6e12
+    link_bandwidth_Bps: float = 25e9  # 200 Gb/s RoCE per device between servers
+    link_latency_s: float = 20e-6
+    tp_efficiency: float = 0.9  # per-device efficiency inside a TP group (intra-server HCCS)
+
+
+BUILTIN_ASSUMPTIONS = """\
+Built-in profiles are derived from FLOPs, not measured:
+- forward FLOPs per layer = 2*b*s*(h*(h + 2*h_kv) + h*h) + 4*b*s^2*h (attention) + 6*b*s*h*f (SwiGLU MLP);
+  backward = 2 x forward; output layer = 2*b*s*h*V forward; the embedding is a lookup (memory-bound).
+- time = FLOPs / (peak * MFU * TP * tp_efficiency) with peak 313 TFLOP/s BF16 (910B-class), MFU 0.45.
+- memory per parameter: 2 B BF16 weight, 4 B FP32 main gradient, 12 B FP32 master weight + Adam m, v
+  (Megatron mixed precision, non-distributed optimizer); divided by TP.
+- activations per layer and micro-batch = 34*s*b*h bytes / TP (Korthikanti et al., flash attention,
+  sequence parallel, no recomputation); stage-boundary activation = 2*s*b*h bytes.
+- links: 25 GB/s per device (200 Gb/s RoCE), 20 us per hop; optimizer step = 30 B touched per
+  parameter at 1.6 TB/s HBM; device memory 64 GiB.
+- overheads: reroute 1 s (new groups only), in-process rebuild 10 s (Odyssey reports 8.2-11.2 s total
+  recovery on 8 NPUs), job restart + checkpoint load 300 s, checkpoint every 30 min.
+"""
+
+
+def builtin_profile(model: str = "llama2-7b", num_layers: int | None = None, tp: int = 1,
+                    micro_batch: int = 1, seq_length: int = 4096,
+                    device: DeviceSpec = DeviceSpec()) -> ModelProfile:
+    """A Llama-2 profile on a 910B-class device (64 GB HBM), derived from FLOPs (see BUILTIN_ASSUMPTIONS)."""
+    if model not in SHAPES:
+        raise PlanningError(f"unknown built-in profile {model!r}; choose one of {sorted(SHAPES)} or pass a JSON file")
+    shape = SHAPES[model]
+    L = num_layers if num_layers is not None else shape.num_layers
+    h, f, b, s = shape.hidden, shape.ffn_hidden, micro_batch, seq_length
+    h_kv = h * shape.kv_heads // shape.heads
+    flops_rate = device.peak_flops * device.mfu * tp * (device.tp_efficiency if tp > 1 else 1.0)
+
+    layer_params = h * (h + 2 * h_kv) + h * h + 3 * h * f + 2 * h
+    layer_fwd = 2 * b * s * (h * (h + 2 * h_kv) + h * h) + 4 * b * s * s * h + 6 * b * s * h * f
+    bytes_per_param = {"param": 2, "grad": 4, "optimizer": 12}
+
+    def unit(name: str, params: int, fwd_flops: float, act_bytes: float, fwd_floor_s: float = 0.0) -> LayerCost:
+        fwd = max(fwd_flops / flops_rate, fwd_floor_s)
+        return LayerCost(
+            name=name, forward_s=fwd, backward_s=2 * fwd,
+            param_bytes=int(params * bytes_per_param["param"] / tp),
+            grad_bytes=int(params * bytes_per_param["grad"] / tp),
+            optimizer_bytes=int(params * bytes_per_param["optimizer"] / tp),
+            activation_bytes=int(act_bytes / tp),
+            optimizer_s=30 * params / tp / device.hbm_bandwidth_Bps,
+        )
+
+    boundary_bytes = 2 * s * b * h
+    embedding = unit("embedding", shape.vocab * h, 0.0, boundary_bytes,
+                     fwd_floor_s=2 * boundary_bytes / device.hbm_bandwidth_Bps)
+    layer = unit("layer", layer_params, layer_fwd, 34 * s * b * h)
+    output = unit("output", shape.vocab * h + h, 2 * b * s * h * shape.vocab, 4 * s * b * shape.vocab)
+    return ModelProfile(
+        name=f"{model}-{device.name}-tp{tp}-mb{micro_batch}-seq{seq_length}",
+        embedding=embedding,
+        layers=tuple(replace(layer, name=f"layer{i}") for i in range(L)),
+        output=output,
+        p2p_s=boundary_bytes / device.link_bandwidth_Bps + device.link_latency_s,
+        allreduce_bandwidth_Bps=device.link_bandwidth_Bps,
+        allreduce_latency_s=device.link_latency_s,
+        transfer_bandwidth_Bps=device.link_bandwidth_Bps,
+        device_memory_bytes=device.hbm_bytes,
+        tp=tp, micro_batch=micro_batch, seq_length=seq_length,
+    )
+
+
+def uniform_profile(num_layers: int, forward_s: float = 1.0, backward_s: float = 2.0,
+                    layer_bytes: int = 1, activation_bytes: int = 0, device_memory_bytes: int = 2**62,
+                    p2p_s: float = 0.0, allreduce_bandwidth_Bps: float = float("inf"),
+                    allreduce_latency_s: float = 0.0, **overheads: float) -> ModelProfile:
+    """Identical layers and free embedding/output: the setting of the paper's closed forms (Eq. 9, 12, 13)."""
+    layer = LayerCost("layer", forward_s, backward_s, layer_bytes, layer_bytes, 2 * layer_bytes, activation_bytes)
+    free = LayerCost("free", 0.0, 0.0, 0, 0, 0, 0)
+    return ModelProfile(
+        name=f"uniform-{num_layers}", embedding=replace(free, name="embedding"),
+        layers=tuple(replace(layer, name=f"layer{i}") for i in range(num_layers)),
+        output=replace(free, name="output"), p2p_s=p2p_s,
+        allreduce_bandwidth_Bps=allreduce_bandwidth_Bps, allreduce_latency_s=allreduce_latency_s,
+        transfer_bandwidth_Bps=1e9, device_memory_bytes=device_memory_bytes, **overheads,
+    )
+
+
+def resolve_profile(spec: str | None, num_layers: int, tp: int, micro_batch: int) -> ModelProfile:
+    """``--profile`` value -> profile: a built-in name, a JSON file, or the default Llama-2-7B."""
+    if spec is None or spec in SHAPES:
+        return builtin_profile(spec or "llama2-7b", num_layers=num_layers, tp=tp, micro_batch=micro_batch)
+    profile = ModelProfile.load(spec)
+    if profile.num_layers != num_layers:
+        raise PlanningError(f"profile {spec} describes {profile.num_layers} layers but --layers is {num_layers}")
+    return profile

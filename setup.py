@@ -1,0 +1,26 @@
+"""megatron-odyssey: adaptive fault tolerance (reroute or reconfigure) for Megatron-LM pre-training."""
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-odyssey",
+    version="0.1.0",
+    description="Keeps Megatron-LM pre-training running through accelerator failures without spare nodes",
+    packages=find_packages(include=["megatron_odyssey", "megatron_odyssey.*"]),
+    package_data={"megatron_odyssey": ["data/*.txt", "data/*.json"]},
+    python_requires=">=3.10",
+    install_requires=[
+        # The planning layer needs only these; torch is pinned by the README's install command
+        # (the CPU wheel must be installed first, or pip pulls a multi-GB CUDA build).
+        "numpy",
+        "scipy",
+        "networkx",
+        "rich",
+        "tqdm",
+        "matplotlib",
+    ],
+    extras_require={
+        "runtime": ["torch==2.13.0", "megatron-core==0.16.1"],
+        "test": ["pytest"],
+    },
+    entry_points={"console_scripts": ["odyssey=megatron_odyssey.cli:main"]},
+)
