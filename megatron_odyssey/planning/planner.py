@@ -153,10 +153,9 @@ class Planner:
         if not survivors:
             raise PlanningError("every node has failed: nothing left to plan on")
         dead_view = ExecutionPlan(current.policy, current.num_layers, current.pipelines, failed=failed)
-        candidates = [self._reroute(current, failed), *self._reconfigure_and_restart(dead_view, survivors)]
+        t_next = self.options.mtbf_hours * 3600.0 / (len(survivors) * self.options.tp)
+        candidates = [self._reroute(current, failed), *self._reconfigure_and_restart(dead_view, survivors, t_next)]
         search_s = time.perf_counter() - start
-        devices = len(survivors) * self.options.tp
-        t_next = self.options.mtbf_hours * 3600.0 / devices
         for c in candidates:
             c.transition.search_s = search_s
             if c.feasible:
@@ -183,25 +182,33 @@ class Planner:
                          reason=f"{len(failed)} dead node(s); their micro-batches run on data-parallel peers")
 
     # -- reconfigure / restart --------------------------------------------------------------------
-    def _reconfigure_and_restart(self, current: ExecutionPlan, survivors: list[int]) -> list[Candidate]:
-        shape = self.search_layout(len(survivors), len(current.pipelines), _typical_length(current))
-        if shape is None:
+    def _reconfigure_and_restart(self, current: ExecutionPlan, survivors: list[int], t_next: float) -> list[Candidate]:
+        shapes = self.search_layouts(len(survivors), len(current.pipelines), _typical_length(current))
+        if not shapes:
             why = (f"no layout of {len(survivors)} nodes fits the model in "
                    f"{self.profile.device_memory_bytes / 2**30:.1f} GiB per device")
             return [Candidate("reconfigure", None, reason=why), Candidate("restart", None, reason=why)]
+        shape = shapes[0]  # fastest steps: what a restart (no transfers) would use
         lost = [u for u, nodes in current.holders().items() if not nodes]
         out = []
         if lost:
             out.append(Candidate("reconfigure", None, reason=f"{_describe_units(lost, current.num_layers)} "
                                  "have no live copy"))
         else:
-            plan, transfers = assign_nodes(current, shape, self.profile)
-            out.append(Candidate("reconfigure", plan, estimate_step(plan, self.profile),
+            # Eq. 8 per layout: a slightly slower layout that moves far fewer bytes can win
+            best = None
+            for candidate_shape in shapes:
+                plan, transfers = assign_nodes(current, candidate_shape, self.profile)
+                cand = Candidate("reconfigure", plan, estimate_step(plan, self.profile),
                                  Transition(transfer_s=transfers.time_s(self.profile.transfer_bandwidth_Bps),
                                             overhead_s=self.profile.rebuild_overhead_s),
                                  transfers=transfers,
-                                 reason=f"{len(shape.pipelines)} pipelines of lengths "
-                                        f"{[p.length for p in shape.pipelines]}"))
+                                 reason=f"{len(plan.pipelines)} pipelines of lengths "
+                                        f"{[p.length for p in plan.pipelines]}")
+                cand.score = score(self.global_batch, cand.step_time_s, cand.transition.total_s, t_next)
+                if best is None or cand.score > best.score:
+                    best = cand
+            out.append(best)
         why = (f"{_describe_units(lost, current.num_layers)} have no live copy: restore the last checkpoint"
                if lost else "relaunch from the last checkpoint")
         restart = replace(layout([(p.layer_split(), p.micro_batches) for p in shape.pipelines], survivors,
@@ -214,8 +221,14 @@ class Planner:
 
     def search_layout(self, num_nodes: int, current_dp: int, current_pp: int) -> ExecutionPlan | None:
         """Algorithm 1: the fastest layout (node ids are placeholders 0..N-1), or None if none fits."""
+        layouts = self.search_layouts(num_nodes, current_dp, current_pp)
+        return layouts[0] if layouts else None
+
+    def search_layouts(self, num_nodes: int, current_dp: int, current_pp: int) -> list[ExecutionPlan]:
+        """The best few layouts, fastest step first (the caller weighs their transfer costs)."""
         if self.options.search == "exhaustive":
-            return self._search_exhaustive(num_nodes)
+            best = self._search_exhaustive(num_nodes)
+            return [best] if best else []
         L, m_total = self.profile.num_layers, self.num_micro_batches
         dps = [d for d in range(max(1, current_dp - self.options.dp_range), current_dp + self.options.dp_range + 1)
                if d <= min(num_nodes, m_total)]
@@ -229,17 +242,13 @@ class Planner:
                 if evaluated is not None:
                     approx = evaluated[0] + self._approx_sync_s(evaluated[1])
                     ranked.append((approx, lengths, batch, evaluated[1]))
-        if not ranked:
-            return None
         ranked.sort(key=lambda r: r[0])
-        best_plan, best_t = None, math.inf
+        refined: dict[str, tuple[float, ExecutionPlan]] = {}
         for _, lengths, batch, splits in ranked[: self.options.refine_top]:
             batch, splits = self._refine_batch(lengths, batch, splits)
             plan = layout(list(zip(splits, batch)), num_layers=L)
-            t = estimate_step(plan, self.profile).step_time_s
-            if t < best_t:
-                best_plan, best_t = plan, t
-        return best_plan
+            refined.setdefault(plan.plan_id, (estimate_step(plan, self.profile).step_time_s, plan))
+        return [plan for _, plan in sorted(refined.values(), key=lambda x: x[0])]
 
     def _approx_sync_s(self, splits: list[tuple[int, ...]]) -> float:
         """Cheap stand-in for the colouring's sync time, to rank candidates: as many rounds as the most

@@ -189,3 +189,25 @@ def test_decide_rejects_unknown_failed_nodes():
     planner = Planner(uniform_profile(4), 4, 1)
     with pytest.raises(PlanningError, match=r"failed node\(s\) \[9\]"):
         planner.decide(symmetric_plan(2, 2, 4, 4), {9})
+
+
+def test_reconfigure_weighs_transfer_cost_against_step_time():
+    """With slow links and failures expected soon, Eq. 8 prefers a layout that moves fewer bytes over
+    the fastest-stepping one; with failures far apart it takes the fastest."""
+    from megatron_odyssey.planning.plan import ExecutionPlan
+    from megatron_odyssey.planning.restorer import assign_nodes
+
+    prof = replace(builtin_profile(num_layers=32), transfer_bandwidth_Bps=2e8)
+    current = symmetric_plan(4, 4, 32, 64)
+    dead = ExecutionPlan(current.policy, 32, current.pipelines, failed=frozenset({5}))
+
+    def reconfigure(mtbf):
+        d = Planner(prof, 64, 1, PlannerOptions(mtbf_hours=mtbf)).decide(current, {5})
+        return next(c for c in d.candidates if c.policy == "reconfigure")
+
+    fastest = Planner(prof, 64, 1).search_layout(15, 4, 4)
+    _, fastest_transfers = assign_nodes(dead, fastest, prof)
+    soon, later = reconfigure(1.0), reconfigure(50_000.0)
+    assert later.transfers.total_bytes == fastest_transfers.total_bytes
+    assert soon.transfers.total_bytes < fastest_transfers.total_bytes
+    assert soon.step_time_s >= later.step_time_s
