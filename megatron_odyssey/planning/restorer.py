@@ -32,9 +32,11 @@ class SyncRounds:
         return len(self.rounds)
 
 
-def sync_rounds(plan: ExecutionPlan, profile: ModelProfile) -> SyncRounds:
+def colour_units(plan: ExecutionPlan) -> tuple[list[list[int]], dict[int, list[int]], int]:
     """Colour the unit-conflict graph (units sharing a node conflict); one colour = one round of
-    parallel all-reduces over disjoint node sets. Units held by a single node need no sync."""
+    parallel all-reduces over disjoint node sets. Units held by a single node need no sync.
+
+    Returns (rounds, unit -> holder nodes, lower bound on rounds)."""
     holders = plan.holders()
     groups = {u: nodes for u, nodes in holders.items() if len(nodes) >= 2}
     graph = nx.Graph()
@@ -54,7 +56,12 @@ def sync_rounds(plan: ExecutionPlan, profile: ModelProfile) -> SyncRounds:
     rounds: dict[int, list[int]] = {}
     for unit, colour in sorted((best or {}).items()):
         rounds.setdefault(colour, []).append(unit)
-    ordered_rounds = [rounds[c] for c in sorted(rounds)]
+    return [rounds[c] for c in sorted(rounds)], groups, lower
+
+
+def sync_rounds(plan: ExecutionPlan, profile: ModelProfile) -> SyncRounds:
+    """The colouring's rounds and their time: each round costs its slowest all-reduce."""
+    ordered_rounds, groups, lower = colour_units(plan)
     units = profile.units()
     time_s = sum(
         max(allreduce_time(units[u].grad_bytes, len(groups[u]), profile.allreduce_bandwidth_Bps,

@@ -1,0 +1,101 @@
+"""What ``odyssey train`` runs: one JSON-serialisable config shared by the launcher and every rank."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..planning.errors import PlanningError
+from ..planning.plan import ExecutionPlan, symmetric_plan
+
+
+@dataclass
+class TrainConfig:
+    nproc: int = 4
+    tp: int = 1
+    pp: int = 2
+    layers: int = 4
+    hidden: int = 64
+    heads: int = 4
+    seq: int = 32
+    global_batch: int = 8
+    micro_batch: int = 1
+    steps: int = 3
+    seed: int = 1234
+    ffn_hidden: int | None = None  # default: Llama-style ~8/3 x hidden, rounded to 16
+    vocab: int = 320  # >= the byte tokenizer's 258, divisible by TP
+    lr: float = 1e-3
+    data_path: str | None = None  # Megatron indexed dataset prefix; None = megatron's mock dataset
+    plan: dict[str, Any] | None = None  # explicit plan JSON (e.g. rerouted or asymmetric); else symmetric
+    save_params: str | None = None
+    report: str | None = None
+    # estimator-fidelity mode: every layer sleeps instead of computing (seconds per micro-batch)
+    sleep_forward_s: float | None = None
+    sleep_backward_s: float | None = None
+    backend: str | None = None  # default from the accelerator (gloo on CPU)
+    timeout_s: float = 120.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.nproc // self.tp
+
+    @property
+    def dp(self) -> int:
+        return self.num_nodes // self.pp
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.global_batch // self.micro_batch
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden or 16 * -(-(8 * self.hidden // 3) // 16)
+
+    def validate(self) -> ExecutionPlan:
+        """Check everything before any process starts; returns the plan to run."""
+        for name in ("nproc", "tp", "pp", "layers", "hidden", "heads", "seq", "global_batch", "micro_batch", "steps"):
+            if getattr(self, name) < 1:
+                raise PlanningError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.nproc % self.tp:
+            raise PlanningError(f"--nproc {self.nproc} is not a multiple of --tp {self.tp}")
+        if self.hidden % self.heads:
+            raise PlanningError(f"--hidden {self.hidden} is not divisible by --heads {self.heads}")
+        if self.heads % self.tp or self.vocab % self.tp:
+            raise PlanningError(f"--heads {self.heads} and the vocabulary {self.vocab} must be divisible by --tp {self.tp}")
+        if self.global_batch % self.micro_batch:
+            raise PlanningError(f"--global-batch {self.global_batch} is not divisible by --micro-batch {self.micro_batch}")
+        if self.plan is not None:
+            plan = ExecutionPlan.from_dict(self.plan)
+            if plan.num_layers != self.layers:
+                raise PlanningError(f"the plan is for {plan.num_layers} layers, --layers is {self.layers}")
+            plan.validate(num_micro_batches=self.num_micro_batches, valid_nodes=range(self.num_nodes))
+            return plan
+        if self.num_nodes % self.pp:
+            raise PlanningError(f"{self.num_nodes} nodes (--nproc / --tp) are not a multiple of --pp {self.pp}")
+        if self.pp > self.layers:
+            raise PlanningError(f"--pp {self.pp} is greater than --layers {self.layers}")
+        if self.num_micro_batches % self.dp:
+            raise PlanningError(f"global batch {self.global_batch} is not divisible by micro-batch x DP "
+                                f"= {self.micro_batch} x {self.dp}")
+        return symmetric_plan(self.pp, self.dp, self.layers, self.num_micro_batches)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self)))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "TrainConfig":
+        return cls(**json.loads(Path(path).read_text()))
+
+    def model_config(self):
+        from .model import ModelConfig
+
+        return ModelConfig(num_layers=self.layers, hidden_size=self.hidden, num_attention_heads=self.heads,
+                           ffn_hidden_size=self.ffn, seq_length=self.seq, vocab_size=self.vocab, seed=self.seed)
+
+    def data_config(self):
+        from .data import DataConfig
+
+        return DataConfig(seq_length=self.seq, micro_batch_size=self.micro_batch, global_batch_size=self.global_batch,
+                          train_steps=self.steps, seed=self.seed, data_path=self.data_path)

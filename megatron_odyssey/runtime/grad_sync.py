@@ -1,0 +1,68 @@
+"""Per-layer gradient synchronisation for any layout (replaces Megatron's bucketed DP all-reduce).
+
+Each weight-holding unit (embedding, transformer layer, output layer) is all-reduced among exactly
+the ranks holding it, in the rounds the restorer's graph colouring gives: the units of one round
+live on disjoint ranks, so their all-reduces run side by side, and every rank walks the rounds in
+the same order, so two ranks sharing several units always meet in the same order. The executor
+normalises the loss by the global batch's token count, so a plain SUM yields the global-batch
+gradient whatever the number of micro-batches each pipeline processed.
+"""
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+from ..planning.plan import ExecutionPlan
+from ..planning.restorer import colour_units
+from .world import PlanGroups
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def unit_of(global_name: str, num_layers: int) -> int:
+    """Unit index of a parameter's global name: 0 embedding, 1..L layers, L+1 output."""
+    if global_name.startswith("embedding."):
+        return 0
+    m = _LAYER.match(global_name)
+    if m:
+        return int(m.group(1)) + 1
+    return num_layers + 1  # final norm and output layer travel together
+
+
+def params_by_unit(named_params: Iterable[tuple[str, torch.nn.Parameter]], num_layers: int) -> dict[int, list[torch.nn.Parameter]]:
+    out: dict[int, list[torch.nn.Parameter]] = defaultdict(list)
+    for name, p in named_params:
+        out[unit_of(name, num_layers)].append(p)
+    return dict(out)
+
+
+class GradientSync:
+    def __init__(self, plan: ExecutionPlan, groups: PlanGroups, params: dict[int, list[torch.nn.Parameter]]):
+        self.rounds, _, self.lower_bound = colour_units(plan)
+        self.groups = groups
+        self.params = params
+
+    def __call__(self) -> int:
+        """All-reduce this rank's shared units' gradients; returns the number of all-reduces joined."""
+        joined = 0
+        for round_units in self.rounds:
+            for unit in round_units:
+                entry = self.groups.unit_groups.get(unit)
+                if entry is None or unit not in self.params:
+                    continue
+                group, _ = entry
+                params = self.params[unit]
+                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+                offset = 0
+                for p in params:
+                    n = p.numel()
+                    p.grad = flat[offset:offset + n].view_as(p).clone()
+                    offset += n
+                joined += 1
+        return joined

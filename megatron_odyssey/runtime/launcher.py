@@ -1,0 +1,53 @@
+"""``odyssey train``: validate the job, then hand it to the agent (a fresh process that hosts the
+store and forks the ranks).
+
+Under torchrun (``RANK`` in the environment) the command instead runs as that one rank and meets
+the others at ``MASTER_ADDR:MASTER_PORT``, torchrun's agent store, so multi-node launches work
+unchanged.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+
+from .config import TrainConfig
+
+
+class TrainingFailed(RuntimeError):
+    pass
+
+
+def launch(cfg: TrainConfig, workdir: str | Path | None = None, quiet: bool = False) -> None:
+    """Run the job to completion on this machine; raises TrainingFailed with the failing ranks' logs."""
+    cfg.validate()  # reject bad plans and flags before any process starts
+    workdir = Path(workdir or tempfile.mkdtemp(prefix="odyssey-train-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    cfg_path = workdir / "config.json"
+    cfg.save(cfg_path)
+    cmd = [sys.executable, "-m", "megatron_odyssey.runtime.agent", "--config", str(cfg_path), "--workdir", str(workdir)]
+    if quiet:
+        cmd.append("--quiet")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, env=env, stdout=None if not quiet else subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if proc.returncode:
+        raise TrainingFailed(f"training failed (agent exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+
+
+def is_torchrun_worker() -> bool:
+    return "RANK" in os.environ and "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ
+
+
+def run_under_torchrun(cfg: TrainConfig) -> None:
+    """One rank of a torchrun launch; the store is torchrun's agent store at MASTER_ADDR:MASTER_PORT."""
+    import torch.distributed as dist
+
+    from .trainer import run
+
+    cfg.validate()
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=cfg.timeout_s))
+    run(cfg, int(os.environ["RANK"]), store)

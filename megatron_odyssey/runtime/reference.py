@@ -1,0 +1,63 @@
+"""Fault-free single-process reference: the whole model on one rank, every micro-batch of the
+global batch in order, the same loss normalisation and optimizer. Deliberately shares nothing with
+the executor, groups or gradient sync, so exactness tests compare against an independent run.
+
+``python -m megatron_odyssey.runtime.reference --config CFG --out FILE`` writes
+``{"losses": [...], "params": {global name: tensor}}``.
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+from .config import TrainConfig
+
+
+def run_reference(cfg: TrainConfig) -> dict:
+    from megatron.core import parallel_state
+
+    from .accelerator import enable_cpu_mode, seed_all
+    from .data import MicroBatchData
+    from .model import build_stage_model, stage_forward
+
+    store = tempfile.mktemp(prefix="odyssey-ref-")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    enable_cpu_mode()
+    seed_all(cfg.seed, tp_rank=0)
+    model = build_stage_model(cfg.model_config(), 0, cfg.layers)
+    data = MicroBatchData(cfg.data_config())
+    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    losses = []
+    for step in range(cfg.steps):
+        optimizer.zero_grad(set_to_none=True)
+        batches = data.global_batch(step)
+        tokens = float(sum(b["loss_mask"].sum() for b in batches))
+        total = 0.0
+        for batch in batches:
+            per_token = stage_forward(model, batch)
+            loss = (per_token.float() * batch["loss_mask"].float()).sum() / tokens
+            loss.backward()
+            total += float(loss.detach())
+        optimizer.step()
+        losses.append(total)
+    out = {"losses": losses, "params": model.global_state_dict(gather=False)}
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    torch.save(run_reference(TrainConfig.load(args.config)), args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""The communication world of one plan: which process is which node, and the groups each rank needs.
+
+A world is built per *generation* (the initial launch, then once per recovery) over the live nodes
+only, so a plan with dead nodes needs no placeholder processes: world rank = (index of the node among
+the plan's live nodes) x TP + tp_rank. Groups are created by every rank in the same deterministic
+order (``torch.distributed.new_group`` is collective over the world), one per distinct rank set, and
+megatron-core's ``parallel_state`` globals are pointed at them so code inside the model sees a
+consistent world even when pipelines have different lengths (``initialize_model_parallel`` can only
+express uniform grids).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ..planning.plan import ExecutionPlan
+
+
+@dataclass(frozen=True)
+class RankMap:
+    """node <-> world rank for one generation of a plan."""
+
+    live_nodes: tuple[int, ...]
+    tp: int
+
+    @classmethod
+    def for_plan(cls, plan: ExecutionPlan, tp: int) -> "RankMap":
+        return cls(tuple(plan.live_nodes()), tp)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.live_nodes) * self.tp
+
+    def rank(self, node: int, tp_rank: int) -> int:
+        return self.live_nodes.index(node) * self.tp + tp_rank
+
+    def node(self, rank: int) -> int:
+        return self.live_nodes[rank // self.tp]
+
+    def tp_rank(self, rank: int) -> int:
+        return rank % self.tp
+
+    def node_ranks(self, node: int) -> list[int]:
+        return [self.rank(node, t) for t in range(self.tp)]
+
+
+@dataclass
+class PlanGroups:
+    """What one rank needs to run its part of a plan."""
+
+    rank_map: RankMap
+    node: int
+    tp_rank: int
+    tp_group: dist.ProcessGroup | None
+    # unit -> (group, member ranks) for every unit this rank holds that more than one node holds
+    unit_groups: dict[int, tuple[dist.ProcessGroup, list[int]]] = field(default_factory=dict)
+    self_group: dist.ProcessGroup | None = None
+
+
+def init_world(store: dist.Store, generation: int, rank: int, world_size: int, backend: str,
+               timeout_s: float = 60.0) -> None:
+    """Join generation ``generation``'s world through a fresh key prefix of the agent's store."""
+    prefixed = dist.PrefixStore(f"odyssey/gen{generation}/", store)
+    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+def build_plan_groups(plan: ExecutionPlan, rank_map: RankMap, my_rank: int) -> PlanGroups:
+    """Create (collectively, in the same order on every rank) the TP groups and the per-unit
+    gradient-sync groups of ``plan``, and return this rank's handles."""
+    node, tp_rank = rank_map.node(my_rank), rank_map.tp_rank(my_rank)
+    groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+
+    def group(ranks: list[int]) -> dist.ProcessGroup | None:
+        key = tuple(sorted(ranks))
+        if key not in groups:
+            groups[key] = dist.new_group(list(key)) if rank_map.world_size > 1 else dist.group.WORLD
+        return groups[key]
+
+    # 1. TP groups, one per live node (every rank takes part in every creation)
+    tp_groups = {n: group(rank_map.node_ranks(n)) for n in rank_map.live_nodes}
+    # 2. gradient-sync groups: for each unit held by >= 2 nodes, one group per TP rank
+    holders = plan.holders()
+    unit_ranks: dict[int, list[list[int]]] = {}
+    for unit in sorted(holders):
+        nodes = holders[unit]
+        if len(nodes) < 2:
+            continue
+        unit_ranks[unit] = [[rank_map.rank(n, t) for n in nodes] for t in range(rank_map.tp)]
+        for ranks in unit_ranks[unit]:
+            group(ranks)
+    # 3. a group of just this rank for megatron's data/pipeline/context groups, which our own
+    #    executor replaces (each rank creates only its own, hence local synchronisation)
+    me = dist.new_group([my_rank], use_local_synchronization=True) if rank_map.world_size > 1 else dist.group.WORLD
+    mine = {}
+    for unit, per_tp in unit_ranks.items():
+        ranks = per_tp[tp_rank]
+        if my_rank in ranks:
+            mine[unit] = (groups[tuple(sorted(ranks))], ranks)
+    return PlanGroups(rank_map, node, tp_rank, tp_groups[node], mine, me)
+
+
+# -- megatron-core's parallel_state ----------------------------------------------------------------
+
+# (global name, what we set it to); names follow megatron-core 0.12-0.16's parallel_state.
+def install_parallel_state(groups: PlanGroups) -> None:
+    """Point megatron-core's parallel_state at this plan's groups (replaces
+    ``parallel_state.initialize_model_parallel``, which only builds uniform TP x PP x DP grids)."""
+    from megatron.core import parallel_state as ps
+
+    tp_ranks = groups.rank_map.node_ranks(groups.node)
+    me = [dist.get_rank()]
+    values = {
+        "_TENSOR_MODEL_PARALLEL_GROUP": groups.tp_group,
+        "_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS": tp_ranks,
+        "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE": len(tp_ranks),
+        "_MPU_TENSOR_MODEL_PARALLEL_RANK": groups.tp_rank,
+        "_MODEL_PARALLEL_GROUP": groups.tp_group,
+        "_MODEL_PARALLEL_GLOBAL_RANKS": tp_ranks,
+        "_TENSOR_AND_CONTEXT_PARALLEL_GROUP": groups.tp_group,
+        # pipeline, data and context parallelism are ours (executor, per-unit sync): megatron sees
+        # a world of one along those dimensions
+        "_PIPELINE_MODEL_PARALLEL_GROUP": groups.self_group,
+        "_PIPELINE_GLOBAL_RANKS": me,
+        "_MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE": 1,
+        "_MPU_PIPELINE_MODEL_PARALLEL_RANK": 0,
+        "_DATA_PARALLEL_GROUP": groups.self_group,
+        "_DATA_PARALLEL_GROUP_GLOO": groups.self_group,
+        "_DATA_PARALLEL_GLOBAL_RANKS": me,
+        "_DATA_PARALLEL_GROUP_WITH_CP": groups.self_group,
+        "_DATA_PARALLEL_GROUP_WITH_CP_GLOO": groups.self_group,
+        "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP": me,
+        "_MPU_DATA_PARALLEL_WORLD_SIZE": 1,
+        "_MPU_DATA_PARALLEL_RANK": 0,
+        "_CONTEXT_PARALLEL_GROUP": groups.self_group,
+        "_CONTEXT_PARALLEL_GLOBAL_RANKS": me,
+        "_TENSOR_AND_DATA_PARALLEL_GROUP": groups.tp_group,
+        "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP": groups.tp_group,
+        "_EMBEDDING_GROUP": groups.self_group,
+        "_EMBEDDING_GLOBAL_RANKS": me,
+        "_POSITION_EMBEDDING_GROUP": groups.self_group,
+        "_POSITION_EMBEDDING_GLOBAL_RANKS": me,
+    }
+    for name, value in values.items():
+        if hasattr(ps, name):
+            setattr(ps, name, value)
+    if getattr(ps, "_GLOBAL_MEMORY_BUFFER", None) is None:
+        ps._set_global_memory_buffer()
+
+
+def clear_parallel_state() -> None:
+    """Forget the groups of a world that is being torn down (before building the next)."""
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+
+
+def plan_process_groups(groups: PlanGroups):
+    """megatron-core's ProcessGroupCollection for a stage of this plan: real TP group, and a group of
+    one for pipeline/context/data parallelism (the executor and per-unit sync do those)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    one = groups.self_group
+    return ProcessGroupCollection(tp=groups.tp_group, pp=one, mp=groups.tp_group, cp=one, tp_cp=groups.tp_group,
+                                  embd=None, pos_embd=None, dp=one, dp_cp=one)

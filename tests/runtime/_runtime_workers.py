@@ -1,0 +1,158 @@
+"""Process bodies for the multi-process runtime tests (torch.multiprocessing.spawn targets).
+
+Kept in a plain module (not a test file) so spawned children can import them by name.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Dict, List, Tuple
+
+import torch
+
+warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
+
+
+def make_batch(vocab_size: int, seq_length: int, batch_size: int = 2, seed: int = 7) -> Dict[str, torch.Tensor]:
+    """A fixed random micro-batch (own generator: identical in every process)."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab_size, (batch_size, seq_length + 1), generator=gen)
+    loss_mask = torch.ones(batch_size, seq_length)
+    loss_mask[0, :3] = 0.0  # exercise the mask
+    return {
+        "tokens": tokens[:, :-1].contiguous(),
+        "labels": tokens[:, 1:].contiguous(),
+        "loss_mask": loss_mask,
+        "position_ids": torch.arange(seq_length).expand(batch_size, seq_length).contiguous(),
+    }
+
+
+def run_split(stages: List[torch.nn.Module], batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+    """Forward through consecutive stages by hand, backprop through every boundary; returns loss."""
+    from megatron_odyssey.runtime.model import masked_lm_loss, stage_forward
+
+    outputs: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (stage input, stage output)
+    x = None
+    for stage in stages:
+        inp = None if x is None else x.detach().requires_grad_()
+        out = stage_forward(stage, batch, inp)
+        outputs.append((inp, out))
+        x = out
+    loss = masked_lm_loss(x, batch["loss_mask"])
+    loss.backward()
+    # Send each stage's input gradient back to the previous stage's output.
+    for i in range(len(stages) - 1, 0, -1):
+        inp, _ = outputs[i]
+        _, prev_out = outputs[i - 1]
+        prev_out.backward(inp.grad)
+    return loss.detach()
+
+
+def run_megatron_schedule(stage: torch.nn.Module, batches: List[Dict[str, torch.Tensor]]) -> List[torch.Tensor]:
+    """One training step of ``batches`` through megatron's ``get_forward_backward_func()``
+    (no-pipelining or 1F1B, depending on parallel_state); returns the last stage's losses."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_odyssey.runtime.model import masked_lm_loss
+
+    def forward_step(data_iterator, model):  # type: ignore[no-untyped-def]
+        b = next(data_iterator)
+        # megatron's schedule has already called model.set_input_tensor() on non-first stages.
+        out = model(
+            input_ids=b["tokens"] if model.pre_process else None,
+            position_ids=b["position_ids"] if model.pre_process else None,
+            attention_mask=None,
+            labels=b["labels"] if model.post_process else None,
+        )
+
+        def loss_func(output: torch.Tensor):  # type: ignore[no-untyped-def]
+            loss = masked_lm_loss(output, b["loss_mask"])
+            # clone: megatron divides the returned loss in place by the micro-batch count
+            return loss, {"lm loss": loss.detach().clone()}
+
+        return out, loss_func
+
+    out = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(batches),
+        model=[stage],
+        num_microbatches=len(batches),
+        seq_length=batches[0]["tokens"].shape[1],
+        micro_batch_size=batches[0]["tokens"].shape[0],
+        forward_only=False,
+    )
+    return [d["lm loss"] for d in out]
+
+
+def tp_and_data_worker(rank: int, world_size: int, init_file: str, out_path: str, data_dir: str) -> None:
+    """2 ranks: TP=1 reference vs TP=2 model (whole and split), and rank-independent data."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_odyssey.runtime.accelerator import enable_cpu_mode, seed_all
+    from megatron_odyssey.runtime.data import DataConfig, MicroBatchData, build_indexed_dataset
+    from megatron_odyssey.runtime.model import ModelConfig, build_stage_model, initial_full_state_dict
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    enable_cpu_mode()
+    cfg = ModelConfig()
+    L = cfg.num_layers
+    batch = make_batch(cfg.vocab_size, cfg.seq_length)
+    results: Dict[str, object] = {}
+
+    # TP=1 reference (DP=2: both ranks compute the same thing).
+    parallel_state.initialize_model_parallel(1, 1)
+    seed_all(cfg.seed)
+    ref = build_stage_model(cfg, 0, L)
+    results["loss_tp1"] = run_split([ref], batch)
+    results["grads_tp1"] = ref.global_grads(gather=False)
+    parallel_state.destroy_model_parallel()
+
+    # TP=2, whole model and split into [0, 1) + [1, L).
+    parallel_state.initialize_model_parallel(2, 1)
+    seed_all(cfg.seed)
+    whole = build_stage_model(cfg, 0, L)
+    params_tp2 = whole.global_state_dict(gather=True)
+    results["params_match_init"] = all(
+        torch.equal(params_tp2[k], v) for k, v in initial_full_state_dict(cfg).items()
+    ) and set(params_tp2) == set(initial_full_state_dict(cfg))
+    results["loss_tp2"] = run_split([whole], batch)
+    results["grads_tp2"] = whole.global_grads(gather=True)
+    first, second = build_stage_model(cfg, 0, 1), build_stage_model(cfg, 1, L)
+    results["loss_tp2_split"] = run_split([first, second], batch)
+    results["grads_tp2_split"] = {**first.global_grads(gather=True), **second.global_grads(gather=True)}
+    results["local_qkv_rows"] = whole.decoder.layers[0].self_attention.linear_qkv.weight.shape[0]
+    parallel_state.destroy_model_parallel()
+
+    # PP=2 through megatron's own 1F1B schedule (p2p over gloo): stages [0, 1) and [1, L).
+    parallel_state.initialize_model_parallel(1, 2)
+    seed_all(cfg.seed)
+    stage = build_stage_model(cfg, 0, 1) if rank == 0 else build_stage_model(cfg, 1, L)
+    losses = run_megatron_schedule(stage, [batch, batch])  # empty except on the last stage
+    pp_out: List[object] = [None] * world_size
+    dist.all_gather_object(pp_out, (losses, stage.global_grads()))
+    results["pp2_losses"] = [l for ls, _ in pp_out for l in ls]  # type: ignore[misc]
+    results["grads_pp2"] = {k: v for _, g in pp_out for k, v in g.items()}  # type: ignore[misc]
+    parallel_state.destroy_model_parallel()
+
+    # Data: every rank builds the datasets and computes addresses in a different order.
+    if rank == 0:
+        build_indexed_dataset(f"{data_dir}/demo")
+    dist.barrier()
+    addresses = [(t, j) for t in (0, 1, 7) for j in range(4)]
+    order = addresses if rank == 0 else list(reversed(addresses))
+    per_rank: Dict[str, Dict[Tuple[int, int], Dict[str, torch.Tensor]]] = {}
+    for name, dcfg in {
+        "mock": DataConfig(),
+        "real": DataConfig(data_path=f"{data_dir}/demo", path_to_cache=f"{data_dir}/cache"),
+    }.items():
+        data = MicroBatchData(dcfg)
+        per_rank[name] = {a: data.micro_batch(*a) for a in order}
+    gathered: List[object] = [None] * world_size
+    dist.all_gather_object(gathered, per_rank)
+    results["data"] = gathered
+
+    if rank == 0:
+        torch.save(results, out_path)
+    dist.barrier()
+    dist.destroy_process_group()
