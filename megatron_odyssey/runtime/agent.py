@@ -1,21 +1,39 @@
-"""The per-machine agent: hosts the control store and starts the local ranks.
+"""The agent: hosts the control store, starts the local ranks, detects failures and coordinates
+recovery. It never trains, so no rank's death can take the store or the coordination with it.
 
 It runs in a fresh process (``python -m megatron_odyssey.runtime.agent``), imports torch and
-megatron-core once, creates the TCP store (so the store survives any rank's death), then forks one
-process per rank; the children inherit the imported modules, which turns ~5-10 s of import per
-rank into none. The agent knows every rank's pid and exit code, which is what failure handling
-builds on.
+megatron-core once and forks the ranks while still single-threaded (they inherit the imports;
+the store's server starts only afterwards). Then it loops:
+
+- **detection**: a rank's process exited, or its heartbeat went stale (a hung rank), which the agent
+  fences with SIGKILL so it cannot come back half-alive;
+- **commit**: step ``t`` is committed (``commit/t``) only when every live rank has synchronised its
+  gradients (``ready/t``); after a failure the generation is aborted instead, so a step is either
+  applied by every survivor or redone by all of them;
+- **membership**: after a failure the survivor set is sealed only when every rank has registered or
+  is dead/fenced;
+- **decision**: the planner (plan cache for single failures) picks reroute / reconfigure / restart;
+  the agent publishes the next generation's plan, transfer schedule and resume step;
+- **report**: per-step loss and time, and per failure its detection, decision, transfer and
+  recovery times.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import os
+import signal
 import sys
 import time
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
+from ..planning.errors import PlanningError
+from ..planning.plan import ExecutionPlan
+from ..planning.planner import Decision, Planner, PlannerOptions
 from .config import TrainConfig
 
 
@@ -24,70 +42,300 @@ def preload(sleep_mode: bool) -> None:
     import torch  # noqa: F401
     import torch.distributed  # noqa: F401
 
+    from . import state, trainer  # noqa: F401
+
     if not sleep_mode:
         from . import accelerator, data, model  # noqa: F401
 
 
-def _rank_main(cfg_path: str, rank: int, port: int, log_path: str, echo: bool) -> None:
+def native_threads() -> int:
+    return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(cfg_path: str, ident: int, port: int, log_path: str, echo: bool) -> None:
     """Body of a forked rank: own log file, own store client, then train."""
-    import torch
+    import faulthandler
+
     import torch.distributed as dist
+
 
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     if not echo:
         os.dup2(log, 1)
     os.dup2(log, 2)
-    os.environ.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-    torch.set_num_threads(1)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 pid` dumps a hung rank's stacks
+    # no torch.set_num_threads here: OpenMP is not fork-safe; the agent runs with OMP_NUM_THREADS=1
     cfg = TrainConfig.load(cfg_path)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=cfg.timeout_s))
     from .trainer import run
 
-    run(cfg, rank, store)
+    run(cfg, ident, store, ("127.0.0.1", port))
+
+
+@dataclass
+class FailureRecord:
+    ranks: list[int]
+    phase: str = ""
+    policy: str = ""
+    detection_s: float = 0.0
+    decision_s: float = 0.0
+    transfer_s: float = 0.0
+    recovery_s: float = 0.0
+    step: int = -1
+    reason: str = ""
+    candidates: list[dict[str, Any]] = field(default_factory=list)
+    started: float = 0.0  # injection (or detection) time, for recovery_s
+    generation: int = 0
+
+
+class Agent:
+    def __init__(self, cfg: TrainConfig, cfg_path: Path, workdir: Path, echo_rank0: bool = True):
+        import torch.distributed as dist
+
+        self.cfg, self.cfg_path, self.workdir, self.echo = cfg, cfg_path, workdir, echo_rank0
+        self.plan = cfg.validate()
+        self.gen = 0
+        self.store = None  # created after the ranks are forked (see run)
+        self.procs: dict[int, Any] = {}
+        self.dead: set[int] = set()
+        self.fenced: set[int] = set()
+        self.steps: dict[int, dict[str, Any]] = {}
+        self.failures: list[FailureRecord] = []
+        self.next_step = 0
+        self.step_started = time.time()
+        self.checkpoints: dict[int, set[int]] = {}  # step -> idents expected to write it
+        self.phases = {(s.rank, s.step): s.phase for s in cfg.fail_specs()}
+        from .cpu_profile import estimated_profile
+
+        options = PlannerOptions(tp=cfg.tp, **({"mtbf_hours": cfg.mtbf_hours} if cfg.mtbf_hours else {}))
+        self.planner = Planner(estimated_profile(cfg), cfg.global_batch, cfg.micro_batch, options)
+
+    # -- bookkeeping ----------------------------------------------------------------------------------
+    def members(self) -> list[int]:
+        return [n * self.cfg.tp + t for n in self.plan.live_nodes() for t in range(self.cfg.tp)]
+
+    def key(self, name: str) -> str:
+        return f"odyssey/gen{self.gen}/{name}"
+
+    def alive(self, ident: int) -> bool:
+        return ident not in self.dead and self.procs[ident].exitcode is None
+
+    def log(self, msg: str) -> None:
+        print(f"[odyssey agent] {msg}", flush=True)
+
+    # -- main loop ------------------------------------------------------------------------------------
+    def run(self) -> int:
+        import torch.distributed as dist
+
+        # Fork while this process has a single thread: a child of a multi-threaded parent can
+        # inherit a lock some other thread held (malloc, the store's server loop) and hang.
+        preload(self.cfg.sleep_forward_s is not None)
+        if native_threads() != 1:
+            self.log(f"warning: forking ranks with {native_threads()} threads alive")
+        port = free_port()
+        ctx = mp.get_context("fork")
+        for ident in self.members():
+            p = ctx.Process(target=_rank_main, name=f"rank{ident}",
+                            args=(str(self.cfg_path), ident, port, str(self.workdir / f"rank{ident}.log"),
+                                  self.echo and ident == 0))
+            p.start()
+            self.procs[ident] = p
+        self.store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=self.cfg.timeout_s))
+        self.started = time.time()
+        while True:
+            failed = self.detect()
+            if failed:
+                if not self.recover(failed):
+                    self.stop_all()
+                    self.write_report(ok=False)
+                    return 1
+                continue
+            self.advance()
+            if all(self.procs[i].exitcode is not None for i in self.members()):
+                break
+            time.sleep(0.005)
+        bad = [i for i in self.members() if self.procs[i].exitcode != 0]
+        for ident in bad:
+            self.log(f"rank {ident} exited {self.procs[ident].exitcode}:\n" + self._tail(ident))
+        self.write_report(ok=not bad)
+        return 1 if bad else 0
+
+    def detect(self) -> set[int]:
+        """Members that died or hung since the last look (hung ones are fenced here)."""
+        now, out = time.time(), set()
+        for ident in self.members():
+            if ident in self.dead:
+                continue
+            code = self.procs[ident].exitcode
+            if code is not None and code != 0:
+                out.add(ident)
+            elif code is None and self._stale(ident, now):
+                self.log(f"rank {ident} missed heartbeats for {self.cfg.heartbeat_timeout_s:.1f} s: fencing it (SIGKILL)")
+                os.kill(self.procs[ident].pid, signal.SIGKILL)
+                self.procs[ident].join(5)
+                self.fenced.add(ident)
+                out.add(ident)
+        return out
+
+    def _stale(self, ident: int, now: float) -> bool:
+        key = f"odyssey/hb/{ident}"
+        if not self.store.check([key]):
+            return now - self.started > max(60.0, 10 * self.cfg.heartbeat_timeout_s)  # never came up
+        return now - float(self.store.get(key)) > self.cfg.heartbeat_timeout_s
+
+    def advance(self) -> None:
+        """Commit the next step once every member has synchronised; track checkpoints."""
+        t = self.next_step
+        if t >= self.cfg.steps:
+            return
+        ready = [f"{self.key('ready')}/{t}/{i}" for i in self.members()]
+        if not self.store.check(ready):
+            return
+        loss = sum(float(self.store.get(k)) for k in ready)
+        self.store.set(f"{self.key('commit')}/{t}", "1")
+        now = time.time()
+        self.steps[t] = {"step": t, "loss": loss, "time_s": now - self.step_started, "plan_id": self.plan.plan_id,
+                         "alive": len(self.members()), "policy": self.plan.policy, "generation": self.gen,
+                         "wall_s": now - self.started}
+        print(f"step {t:4d}  loss {loss:.6f}  time {now - self.step_started:.3f}s  devices {len(self.members())}  "
+              f"plan {self.plan.plan_id} ({self.plan.policy})", flush=True)
+        self.step_started = now
+        self.next_step = t + 1
+        if self.cfg.checkpoint_interval and (t + 1) % self.cfg.checkpoint_interval == 0:
+            self.checkpoints[t] = set(self.members())
+        for rec in self.failures:
+            if rec.generation == self.gen and rec.recovery_s == 0.0:
+                rec.recovery_s = now - rec.started
+                rec.transfer_s = max((float(self.store.get(k)) for k in
+                                      (f"{self.key('transfer_s')}/{i}" for i in self.members()) if self.store.check([k])),
+                                     default=0.0)
+
+    def latest_checkpoint(self) -> int | None:
+        """Newest checkpoint every member of its time finished writing."""
+        done = []
+        for step, writers in self.checkpoints.items():
+            gens = [g for g in range(self.gen + 1)]
+            if all(any(self.store.check([f"odyssey/gen{g}/ckpt/{step}/{i}"]) for g in gens) for i in writers):
+                done.append(step)
+        return max(done) if done else None
+
+    # -- recovery -------------------------------------------------------------------------------------
+    def recover(self, failed: set[int]) -> bool:
+        detected = time.time()
+        gen_failed = set(failed)
+        self.store.set(self.key("abort"), f"ranks {sorted(failed)} failed")
+        started = min((float(self.store.get(f"odyssey/injected/{i}")) for i in failed
+                       if self.store.check([f"odyssey/injected/{i}"])), default=detected)
+        self.dead |= failed
+        self.log(f"generation {self.gen}: rank(s) {sorted(failed)} failed at step {self.next_step}; aborting the step")
+        # seal membership: every other member registers or is dead/fenced
+        while True:
+            more = self.detect() - self.dead
+            if more:
+                self.dead |= more
+                gen_failed |= more
+                self.log(f"rank(s) {sorted(more)} failed during recovery")
+            waiting = [i for i in self.members() if i not in self.dead
+                       and not self.store.check([f"{self.key('recover')}/{i}"])]
+            if not waiting:
+                break
+            time.sleep(0.005)
+        survivors = [i for i in self.members() if i not in self.dead]
+        committed = {int(self.store.get(f"{self.key('recover')}/{i}")) for i in survivors}
+        if len(committed) > 1:
+            self.log(f"survivors disagree on the last committed step {sorted(committed)}: taking the smallest")
+        last = min(committed) if committed else self.next_step - 1
+        dead_nodes = {i // self.cfg.tp for i in self.dead} & set(self.plan.live_nodes())
+        rec = FailureRecord(ranks=sorted(gen_failed), phase=self._phase_of(gen_failed, last + 1),
+                            detection_s=max(0.0, detected - started), step=last + 1, started=started)
+        t0 = time.perf_counter()
+        try:
+            decision = self.planner.decide(self.plan, dead_nodes)
+        except PlanningError as exc:
+            self.log(f"cannot continue: {exc}")
+            rec.reason = str(exc)
+            self.failures.append(rec)
+            return False
+        rec.decision_s = time.perf_counter() - t0
+        chosen = self._apply_policy(decision)
+        rec.policy, rec.reason = chosen.policy, chosen.reason
+        rec.candidates = [c.summary() for c in decision.candidates]
+        resume, ckpt = last + 1, None
+        if chosen.policy == "restart":
+            ckpt = self.latest_checkpoint()
+            resume = (ckpt + 1) if ckpt is not None else 0
+            where = f"checkpoint of step {ckpt}" if ckpt is not None else "the initial weights (no checkpoint yet)"
+            self.log(f"restart: {chosen.reason}; restoring {where}, resuming at step {resume}")
+        for c in decision.candidates:
+            self.log(f"  candidate {c.policy:<11} step {c.step_time_s:.4g}s transition "
+                     f"{c.transition.total_s if c.feasible else float('nan'):.4g}s score {c.score:.4g}  {c.reason}")
+        self.log(f"decision: {chosen.policy} ({rec.decision_s * 1e3:.1f} ms); resuming at step {resume}")
+        transfers = [[t.unit, t.src, t.dst] for t in chosen.transfers.transfers] if chosen.transfers else []
+        msg = {"plan": chosen.plan.to_dict(), "policy": chosen.policy, "transfers": transfers,
+               "resume_step": resume, "checkpoint_step": ckpt}
+        self.gen += 1
+        rec.generation = self.gen
+        self.failures.append(rec)
+        self.plan = chosen.plan
+        self.next_step = resume
+        self.step_started = time.time()
+        for step in [s for s in self.steps if s >= resume]:
+            self.steps[step]["redone"] = True
+        self.store.set(self.key("plan"), json.dumps(msg))
+        return True
+
+    def _apply_policy(self, decision: Decision):
+        """The planner's choice, or the forced policy when it is feasible (else say why not)."""
+        if self.cfg.policy == "auto":
+            return decision.chosen
+        forced = next(c for c in decision.candidates if c.policy == self.cfg.policy)
+        if forced.feasible:
+            return forced
+        self.log(f"--policy {self.cfg.policy} is not possible here ({forced.reason}); using {decision.policy}")
+        return decision.chosen
+
+    def _phase_of(self, ranks: set[int], step: int) -> str:
+        for r in ranks:
+            for (rank, s), phase in self.phases.items():
+                if rank == r and s <= step:
+                    return phase
+        return "unknown"
+
+    # -- end ------------------------------------------------------------------------------------------
+    def stop_all(self) -> None:
+        for p in self.procs.values():
+            if p.exitcode is None:
+                p.kill()
+
+    def _tail(self, ident: int) -> str:
+        path = self.workdir / f"rank{ident}.log"
+        return "  " + "\n  ".join(path.read_text().strip().splitlines()[-12:]) if path.exists() else ""
+
+    def write_report(self, ok: bool) -> None:
+        if not self.cfg.report:
+            return
+        failures = [{k: v for k, v in vars(f).items() if k not in ("started", "generation")} for f in self.failures]
+        report = {"ok": ok, "steps": [self.steps[s] for s in sorted(self.steps)], "failures": failures,
+                  "final_plan": self.plan.to_dict(), "config": {k: v for k, v in vars(self.cfg).items()}}
+        Path(self.cfg.report).write_text(json.dumps(report, indent=1))
 
 
 def run_agent(cfg_path: Path, workdir: Path, echo_rank0: bool = True) -> int:
-    import torch.distributed as dist
-
     cfg = TrainConfig.load(cfg_path)
-    plan = cfg.validate()
-    world = len(plan.live_nodes()) * cfg.tp
-    preload(cfg.sleep_forward_s is not None)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=cfg.timeout_s))
-    ctx = mp.get_context("fork")
-    procs = []
-    for rank in range(world):
-        p = ctx.Process(target=_rank_main, args=(str(cfg_path), rank, store.port, str(workdir / f"rank{rank}.log"),
-                                                 echo_rank0 and rank == 0), name=f"rank{rank}")
-        p.start()
-        procs.append(p)
-    codes = wait_all(procs)
-    failed = [(r, c) for r, c in enumerate(codes) if c]
-    for rank, code in failed:
-        tail = (workdir / f"rank{rank}.log").read_text().strip().splitlines()[-15:]
-        print(f"rank {rank} exited {code}:\n  " + "\n  ".join(tail), file=sys.stderr)
-    return 1 if failed else 0
-
-
-def wait_all(procs: list) -> list[int]:
-    """Wait for every rank; once one fails, give the rest a moment to notice, then stop them."""
-    deadline = None
-    while True:
-        codes = [p.exitcode for p in procs]
-        if all(c is not None for c in codes):
-            return [int(c) for c in codes]
-        if deadline is None and any(c not in (None, 0) for c in codes):
-            deadline = time.monotonic() + 10.0
-        if deadline is not None and time.monotonic() > deadline:
-            for p in procs:
-                if p.exitcode is None:
-                    p.kill()
-        time.sleep(0.05)
+    return Agent(cfg, cfg_path, workdir, echo_rank0).run()
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="odyssey agent: hosts the store and runs the local ranks")
+    parser = argparse.ArgumentParser(description="odyssey agent: hosts the store, runs the ranks, coordinates recovery")
     parser.add_argument("--config", required=True, type=Path)
     parser.add_argument("--workdir", required=True, type=Path)
     parser.add_argument("--quiet", action="store_true", help="do not echo rank 0's output")

@@ -35,6 +35,14 @@ class TrainConfig:
     sleep_backward_s: float | None = None
     backend: str | None = None  # default from the accelerator (gloo on CPU)
     timeout_s: float = 120.0
+    # fault tolerance
+    fail: list[str] = field(default_factory=list)  # --fail specs (runtime.faults.FailSpec text)
+    policy: str = "auto"  # auto | reroute | reconfigure
+    heartbeat_interval_s: float = 0.2
+    heartbeat_timeout_s: float = 3.0  # CPU tests; use 30-60 s on real clusters
+    checkpoint_interval: int = 2  # steps between checkpoints (0: never)
+    workdir: str | None = None  # checkpoints and logs
+    mtbf_hours: float | None = None  # per device, for Eq. 8; None: planner default
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -64,6 +72,16 @@ class TrainConfig:
             raise PlanningError(f"--hidden {self.hidden} is not divisible by --heads {self.heads}")
         if self.heads % self.tp or self.vocab % self.tp:
             raise PlanningError(f"--heads {self.heads} and the vocabulary {self.vocab} must be divisible by --tp {self.tp}")
+        if self.policy not in ("auto", "reroute", "reconfigure"):
+            raise PlanningError(f"--policy must be auto, reroute or reconfigure, got {self.policy!r}")
+        from .faults import FailSpec
+
+        for text in self.fail:
+            spec = FailSpec.parse(text)
+            if spec.rank >= self.nproc:
+                raise PlanningError(f"--fail {text!r}: rank {spec.rank} does not exist (ranks 0..{self.nproc - 1})")
+            if spec.step >= self.steps:
+                raise PlanningError(f"--fail {text!r}: step {spec.step} is past the last step {self.steps - 1}")
         if self.global_batch % self.micro_batch:
             raise PlanningError(f"--global-batch {self.global_batch} is not divisible by --micro-batch {self.micro_batch}")
         if self.plan is not None:
@@ -80,6 +98,11 @@ class TrainConfig:
             raise PlanningError(f"global batch {self.global_batch} is not divisible by micro-batch x DP "
                                 f"= {self.micro_batch} x {self.dp}")
         return symmetric_plan(self.pp, self.dp, self.layers, self.num_micro_batches)
+
+    def fail_specs(self):
+        from .faults import FailSpec
+
+        return [FailSpec.parse(t) for t in self.fail]
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self)))

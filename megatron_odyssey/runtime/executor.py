@@ -70,7 +70,8 @@ class PipelineExecutor:
         return ((pipeline * self._max_stages + stage) * self._max_mbs + micro_batch) * 2 + (kind == FORWARD)
 
     # -- one step ---------------------------------------------------------------------------------
-    def run_step(self, step: int, token_count: float) -> StepResult:
+    def run_step(self, step: int, token_count: float, on_op: Callable[[str], None] | None = None) -> StepResult:
+        """Run this rank's operations of ``step``; ``on_op(kind)`` is called before each (fault injection)."""
         import time
 
         result = StepResult()
@@ -79,6 +80,8 @@ class PipelineExecutor:
         for op in self._ops:
             key = (op.pipeline, op.stage, op.micro_batch)
             last_stage = op.stage == self.plan.pipelines[op.pipeline].length - 1
+            if on_op is not None:
+                on_op(op.kind)
             t0 = time.perf_counter()
             if op.kind == FORWARD:
                 inp = None

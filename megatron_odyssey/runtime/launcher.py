@@ -26,6 +26,8 @@ def launch(cfg: TrainConfig, workdir: str | Path | None = None, quiet: bool = Fa
     cfg.validate()  # reject bad plans and flags before any process starts
     workdir = Path(workdir or tempfile.mkdtemp(prefix="odyssey-train-"))
     workdir.mkdir(parents=True, exist_ok=True)
+    if cfg.workdir is None:
+        cfg.workdir = str(workdir)  # checkpoints go next to the logs
     cfg_path = workdir / "config.json"
     cfg.save(cfg_path)
     cmd = [sys.executable, "-m", "megatron_odyssey.runtime.agent", "--config", str(cfg_path), "--workdir", str(workdir)]
@@ -50,4 +52,4 @@ def run_under_torchrun(cfg: TrainConfig) -> None:
     cfg.validate()
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=timedelta(seconds=cfg.timeout_s))
-    run(cfg, int(os.environ["RANK"]), store)
+    run(cfg, int(os.environ["RANK"]), store, (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))

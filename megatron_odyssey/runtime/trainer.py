@@ -1,14 +1,22 @@
-"""One rank's training loop: build the world and groups for the plan, the stage model, the data,
-then step: pipeline executor -> per-layer gradient sync -> optimizer (torch Adam on fp32 params).
+"""One rank's training loop, through failures.
 
-Run as ``python -m megatron_odyssey.runtime.trainer --config CFG --rank R --store HOST:PORT``;
-the launcher (``odyssey train``) starts one per process and hosts the store.
+Each generation: join the world of the generation's plan, build groups, (re)build the stage model
+and move state into it, then step: pipeline executor -> per-layer gradient sync -> *ready* ->
+wait for the agent's *commit* -> optimizer. Any communication error, or the agent's abort, sends the
+rank into recovery: tear the group down at once (so peers blocked on us fail fast too), apply the
+step if the agent had committed it, register, wait for the next generation's plan, and go on.
+
+Run as ``python -m megatron_odyssey.runtime.trainer --config CFG --rank R --store HOST:PORT``
+(under torchrun: ``$RANK``, ``$MASTER_ADDR:$MASTER_PORT``); normally the agent forks ranks directly.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -21,7 +29,7 @@ from ..planning.plan import ExecutionPlan
 from .config import TrainConfig
 from .executor import PipelineExecutor
 from .grad_sync import GradientSync, params_by_unit
-from .world import PlanGroups, RankMap, build_plan_groups, init_world, install_parallel_state, plan_process_groups
+from .world import RankMap, build_plan_groups, clear_parallel_state, init_world, install_parallel_state, plan_process_groups
 
 
 @dataclass
@@ -85,31 +93,106 @@ def _node_stage(plan: ExecutionPlan, node: int) -> tuple[int, int]:
     return s.layer_start, s.layer_end
 
 
-class RankTrainer:
-    def __init__(self, cfg: TrainConfig, plan: ExecutionPlan, groups: PlanGroups):
+class Abort(RuntimeError):
+    """The agent aborted this generation (a failure elsewhere)."""
+
+
+def keys(gen: int) -> dict[str, str]:
+    g = f"odyssey/gen{gen}"
+    return {"plan": f"{g}/plan", "abort": f"{g}/abort", "ready": f"{g}/ready", "commit": f"{g}/commit",
+            "recover": f"{g}/recover", "transfer": f"{g}/transfer_s", "ckpt": f"{g}/ckpt"}
+
+
+class Heartbeat(threading.Thread):
+    """Proves liveness to the agent; stops with the process (SIGSTOP stops it too)."""
+
+    def __init__(self, host: str, port: int, ident: int, interval_s: float):
+        super().__init__(daemon=True, name="odyssey-heartbeat")
+        self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
+        self.key, self.interval_s = f"odyssey/hb/{ident}", interval_s
+
+    def run(self) -> None:
+        while True:
+            try:
+                self.store.set(self.key, repr(time.time()))
+            except Exception:  # the agent is gone: nothing left to prove liveness to
+                return
+            time.sleep(self.interval_s)
+
+
+class RankRuntime:
+    def __init__(self, cfg: TrainConfig, ident: int, store: dist.Store, store_addr: tuple[str, int]):
+        from .faults import Injector
+
+        self.cfg, self.ident, self.store = cfg, ident, store
+        self.node, self.tp_rank = divmod(ident, cfg.tp)
+        self.injector = Injector(cfg.fail_specs(), ident, store)
+        self.store_addr = store_addr
+        self.sleep_mode = cfg.sleep_forward_s is not None
+        self.backend = cfg.backend or ("gloo" if self.sleep_mode else _default_backend())
+        self.gen = 0
+        self.model: Any = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.committed = -1
+        self.pending: int | None = None
+        self.saved: Any = None  # state captured at teardown, restored into the next generation's model
+        self.named: list = []
+        self._token_counts: dict[int, float] = {}
         from .data import MicroBatchData
 
-        self.cfg, self.plan, self.groups = cfg, plan, groups
-        start, end = _node_stage(plan, groups.node)
-        if cfg.sleep_forward_s is not None:
+        self.data = MicroBatchData(cfg.data_config())
+
+    # -- generations --------------------------------------------------------------------------------
+    def enter(self, gen: int, plan: ExecutionPlan, policy: str, transfers: list, checkpoint_step: int | None) -> None:
+        from . import state as st
+
+        cfg = self.cfg
+        self.gen, self.plan, self.k = gen, plan, keys(gen)
+        self.rank_map = RankMap.for_plan(plan, cfg.tp)
+        if self.node not in self.rank_map.live_nodes:  # not part of this generation: nothing left to do
+            sys.exit(0)
+        rank = self.rank_map.rank(self.node, self.tp_rank)
+        init_world(self.store, gen, rank, self.rank_map.world_size, self.backend, cfg.timeout_s)
+        self.groups = build_plan_groups(plan, self.rank_map, rank)
+        if not self.sleep_mode:
+            install_parallel_state(self.groups)
+        old, self.saved = self.saved, None
+        self._build_model(*_node_stage(plan, self.node))
+        t0 = time.perf_counter()
+        if policy == "restart":
+            if checkpoint_step is not None and checkpoint_step >= 0:
+                st.restore(self.named, self.optimizer, st.load_checkpoint(self._ckpt_root(), checkpoint_step,
+                                                                          self.tp_rank, dict(self.named)))
+        elif old is not None:
+            received = st.transfer(transfers, self.node, self.tp_rank, self.rank_map.rank, cfg.layers, old,
+                                   {n: p.shape for n, p in self.named})
+            st.restore(self.named, self.optimizer, {**old, **received})
+        self.store.set(f"{self.k['transfer']}/{self.ident}", repr(time.perf_counter() - t0))
+        self.executor = PipelineExecutor(plan, self.groups, self.runner, self.data.micro_batch,
+                                         (cfg.seq, cfg.micro_batch, cfg.hidden))
+        self.sync = GradientSync(plan, self.groups, params_by_unit(self.named, cfg.layers))
+
+    def _build_model(self, start: int, end: int) -> None:
+        """A fresh stage model on this generation's groups (state is restored into it afterwards)."""
+        cfg = self.cfg
+        if self.sleep_mode:
             self.model = SleepStage(cfg, start, end)
             self.runner = self.model
-            named = [(f"decoder.layers.{start}.sleep", self.model.weight)]
+            self.named = [(f"decoder.layers.{start}.sleep", self.model.weight)]
         else:
             from .accelerator import seed_all
             from .model import build_stage_model
 
-            seed_all(cfg.seed, tp_rank=groups.tp_rank)
-            self.model = build_stage_model(cfg.model_config(), start, end, pg_collection=plan_process_groups(groups))
+            seed_all(cfg.seed, tp_rank=self.tp_rank)
+            self.model = build_stage_model(cfg.model_config(), start, end, pg_collection=plan_process_groups(self.groups))
             self.runner = MegatronStage(self.model)
-            named = list(self.model.named_global_parameters())
-        self.data = MicroBatchData(cfg.data_config())
-        self.executor = PipelineExecutor(plan, groups, self.runner, self.data.micro_batch,
-                                         (cfg.seq, cfg.micro_batch, cfg.hidden))
-        self.sync = GradientSync(plan, groups, params_by_unit(named, cfg.layers))
+            self.named = list(self.model.named_global_parameters())
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=cfg.lr)
-        self._token_counts: dict[int, float] = {}
 
+    def _ckpt_root(self) -> str:
+        return os.path.join(self.cfg.workdir or ".", "checkpoints")
+
+    # -- steps ----------------------------------------------------------------------------------------
     def token_count(self, step: int) -> float:
         """Loss tokens in the whole global batch of ``step`` (any rank can compute it)."""
         if step not in self._token_counts:
@@ -117,25 +200,109 @@ class RankTrainer:
                                                  for j in range(self.cfg.num_micro_batches)))
         return self._token_counts[step]
 
-    def step(self, step: int) -> dict[str, float]:
-        t0 = time.perf_counter()
+    def train_step(self, step: int) -> None:
+        self.pending = step
         self.optimizer.zero_grad(set_to_none=True)
-        result = self.executor.run_step(step, self.token_count(step))
-        t_pipe = time.perf_counter()
+        phase = {"F": "forward", "B": "backward"}
+        result = self.executor.run_step(step, self.token_count(step), on_op=lambda kind: self.injector(step, phase[kind]))
+        self.injector(step, "grad-sync")
         self.sync()
+        self.store.set(f"{self.k['ready']}/{step}/{self.ident}", repr(result.loss_sum if self.tp_rank == 0 else 0.0))
+        self._wait_commit(step)
+        self.injector(step, "optimizer")
+        self._apply(step)
+        interval = self.cfg.checkpoint_interval
+        if interval and (step + 1) % interval == 0:
+            from .state import capture, save_checkpoint
+
+            save_checkpoint(self._ckpt_root(), step, self.node, self.tp_rank, capture(self.named, self.optimizer))
+            self.store.set(f"{self.k['ckpt']}/{step}/{self.ident}", "1")
+
+    def _apply(self, step: int) -> None:
         self.optimizer.step()
-        loss = torch.tensor([result.loss_sum if self.groups.tp_rank == 0 else 0.0], dtype=torch.float64)
-        dist.all_reduce(loss)
-        return {"loss": float(loss), "time_s": time.perf_counter() - t0, "pipeline_s": t_pipe - t0}
+        self.committed, self.pending = step, None
+
+    def _wait_commit(self, step: int) -> None:
+        commit, abort = f"{self.k['commit']}/{step}", self.k["abort"]
+        while True:
+            if self.store.check([commit]):
+                return
+            if self.store.check([abort]):
+                raise Abort(self.store.get(abort).decode())
+            time.sleep(0.001)
+
+    # -- recovery -------------------------------------------------------------------------------------
+    def recover(self, step: int) -> int:
+        """Leave the broken generation and join the next one; returns the step to resume at."""
+        if self.pending is not None and self.store.check([f"{self.k['commit']}/{self.pending}"]):
+            self._apply(self.pending)  # the agent committed it before the failure: keep it
+        self.pending = None
+        self.teardown()
+        self.store.set(f"{self.k['recover']}/{self.ident}", str(self.committed))
+        self.injector(step, "recovery")
+        nxt = keys(self.gen + 1)["plan"]
+        deadline = time.monotonic() + self.cfg.timeout_s
+        while not self.store.check([nxt]):  # polled: a failure must never leave us waiting on a lost wake-up
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no plan for generation {self.gen + 1} after {self.cfg.timeout_s} s")
+            time.sleep(0.005)
+        msg = json.loads(self.store.get(nxt))
+        self.enter(self.gen + 1, ExecutionPlan.from_dict(msg["plan"]), msg["policy"],
+                   [tuple(t) for t in msg["transfers"]], msg.get("checkpoint_step"))
+        return int(msg["resume_step"])
+
+    def teardown(self) -> None:
+        """Close this generation's connections now, so peers blocked on us fail at once instead of
+        waiting out a timeout. Gloo closes its sockets only when no Python object references a
+        group any more, so the state is captured and every holder of a group is dropped first."""
+        from .state import capture
+
+        self.saved = capture(self.named, self.optimizer) if self.model is not None else None
+        self.model = self.runner = self.executor = self.sync = self.groups = self.optimizer = None
+        self.named = []
+        if not self.sleep_mode:
+            clear_parallel_state()
+        gc.collect()
+        try:
+            dist.destroy_process_group()
+        except Exception:  # already torn down by a previous failure
+            pass
+        gc.collect()
+
+    def main(self) -> None:
+        plan = self.cfg.validate()
+        self.enter(0, plan, "initial", [], None)
+        # Heartbeats start once set-up (dataset building holds the GIL for seconds) is done; until
+        # then the agent judges the rank by its process alone.
+        Heartbeat(*self.store_addr, self.ident, self.cfg.heartbeat_interval_s).start()
+        step = 0
+        while step < self.cfg.steps:
+            failed = False
+            try:
+                self.train_step(step)
+                step += 1
+            except (RuntimeError, Abort):  # torch.distributed errors are RuntimeErrors
+                failed = True
+            if failed:  # outside the except block: the traceback's frames (pending sends) are gone
+                step = self.recover(step)
+        self.finish()
+
+    def finish(self) -> None:
+        state = self.gathered_state() if self.cfg.save_params else None
+        if dist.get_rank() == 0 and self.cfg.save_params:
+            torch.save(state, self.cfg.save_params)
+        self.store.set(f"odyssey/done/{self.ident}", "1")
+        dist.barrier()
+        dist.destroy_process_group()
 
     def gathered_state(self) -> dict[str, torch.Tensor]:
-        """The full model by global name, at the lowest rank (a collective: every rank calls it)."""
-        if isinstance(self.model, SleepStage):
-            local = {f"sleep.{self.groups.node}": self.model.weight.detach().clone()}
+        """The full model by global name, at the lowest surviving rank (collective over the world)."""
+        if self.sleep_mode:
+            local = {f"sleep.{self.node}": self.model.weight.detach().clone()}
         else:
             local = self.model.global_state_dict(gather=True)
-        mine = local if self.groups.tp_rank == 0 else {}
-        gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None  # type: ignore[assignment]
+        mine = local if self.tp_rank == 0 else {}
+        gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(mine, gathered, dst=0)
         out: dict[str, torch.Tensor] = {}
         for part in gathered or []:
@@ -144,42 +311,20 @@ class RankTrainer:
         return out
 
 
-def run(cfg: TrainConfig, rank: int, store: dist.Store) -> None:
-    plan = cfg.validate()
-    rank_map = RankMap.for_plan(plan, cfg.tp)
-    if cfg.sleep_forward_s is None:
-        from .accelerator import dist_backend, enable_cpu_mode, get_accelerator
+def _default_backend() -> str:
+    from .accelerator import dist_backend, enable_cpu_mode, get_accelerator
 
-        if get_accelerator().is_cpu:
-            enable_cpu_mode()
-        backend = cfg.backend or dist_backend()
-    else:
-        backend = cfg.backend or "gloo"
-    init_world(store, 0, rank, rank_map.world_size, backend, cfg.timeout_s)
-    groups = build_plan_groups(plan, rank_map, rank)
-    if cfg.sleep_forward_s is None:
-        install_parallel_state(groups)
-    trainer = RankTrainer(cfg, plan, groups)
-    steps = []
-    for step in range(cfg.steps):
-        stats = trainer.step(step)
-        steps.append({"step": step, "loss": stats["loss"], "time_s": stats["time_s"], "plan_id": plan.plan_id,
-                      "alive": rank_map.world_size})
-        if rank == 0:
-            print(f"step {step} loss {stats['loss']:.6f} time {stats['time_s']:.3f}s", flush=True)
-    state = trainer.gathered_state() if cfg.save_params else None
-    if rank == 0:
-        if cfg.save_params:
-            torch.save(state, cfg.save_params)
-        if cfg.report:
-            with open(cfg.report, "w") as f:
-                json.dump({"steps": steps, "failures": [], "plan": plan.to_dict()}, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    if get_accelerator().is_cpu:
+        enable_cpu_mode()
+    return dist_backend()
+
+
+def run(cfg: TrainConfig, rank: int, store: dist.Store, store_addr: tuple[str, int]) -> None:
+    RankRuntime(cfg, rank, store, store_addr).main()
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="one odyssey training rank (started by `odyssey train`)")
+    parser = argparse.ArgumentParser(description="one odyssey training rank (normally forked by the agent)")
     parser.add_argument("--config", required=True)
     parser.add_argument("--rank", type=int, default=None, help="default: $RANK (torchrun)")
     parser.add_argument("--store", default=None, help="HOST:PORT of the agent's store (default $MASTER_ADDR:$MASTER_PORT)")
@@ -188,8 +333,8 @@ def main(argv: list[str] | None = None) -> None:
     rank = args.rank if args.rank is not None else int(os.environ["RANK"])
     host, port = (args.store or f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}").rsplit(":", 1)
     store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=cfg.timeout_s))
-    torch.set_num_threads(1)
-    run(cfg, rank, store)
+    torch.set_num_threads(1)  # a fresh process (torchrun): safe here, unlike in a forked rank
+    run(cfg, rank, store, (host, int(port)))
 
 
 if __name__ == "__main__":

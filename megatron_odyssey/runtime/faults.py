@@ -1,0 +1,78 @@
+"""Fault injection for tests and demos: ``--fail step=5,rank=3,phase=backward,kind=kill``.
+
+``kill`` sends SIGKILL to the rank's own (real) process, ``hang`` SIGSTOP (the agent's heartbeat
+check must catch and fence it), ``slow`` sleeps (a straggler that must *not* be declared dead).
+The rank records when it fired in the store, so the agent can report detection latency.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+from ..planning.errors import PlanningError
+
+PHASES = ("forward", "backward", "grad-sync", "optimizer", "recovery")
+KINDS = ("kill", "hang", "slow")
+SLOW_S = 2.0
+
+
+@dataclass(frozen=True)
+class FailSpec:
+    step: int
+    rank: int  # launch-time global rank (node * TP + tp_rank)
+    phase: str = "forward"
+    kind: str = "kill"
+
+    @classmethod
+    def parse(cls, text: str) -> "FailSpec":
+        fields: dict[str, str] = {}
+        for part in text.split(","):
+            if "=" not in part:
+                raise PlanningError(f"--fail {text!r}: expected key=value pairs like step=5,rank=3,phase=backward,kind=kill")
+            key, value = (x.strip() for x in part.split("=", 1))
+            fields[key] = value
+        unknown = set(fields) - {"step", "rank", "phase", "kind"}
+        if unknown:
+            raise PlanningError(f"--fail {text!r}: unknown key(s) {sorted(unknown)}; use step, rank, phase, kind")
+        try:
+            spec = cls(int(fields["step"]), int(fields["rank"]), fields.get("phase", "forward"), fields.get("kind", "kill"))
+        except KeyError as missing:
+            raise PlanningError(f"--fail {text!r}: missing {missing.args[0]}") from None
+        except ValueError:
+            raise PlanningError(f"--fail {text!r}: step and rank must be integers") from None
+        if spec.phase not in PHASES:
+            raise PlanningError(f"--fail {text!r}: phase must be one of {PHASES}")
+        if spec.kind not in KINDS:
+            raise PlanningError(f"--fail {text!r}: kind must be one of {KINDS}")
+        if spec.step < 0 or spec.rank < 0:
+            raise PlanningError(f"--fail {text!r}: step and rank must be >= 0")
+        return spec
+
+    def to_text(self) -> str:
+        return f"step={self.step},rank={self.rank},phase={self.phase},kind={self.kind}"
+
+
+class Injector:
+    """Fires this rank's fault specs when the training loop reaches their step and phase."""
+
+    def __init__(self, specs: list[FailSpec], ident: int, store=None):
+        self.specs = [s for s in specs if s.rank == ident]
+        self.ident = ident
+        self.store = store
+        self.fired: set[FailSpec] = set()
+
+    def __call__(self, step: int, phase: str) -> None:
+        for spec in self.specs:
+            if spec in self.fired or spec.step != step or spec.phase != phase:
+                continue
+            self.fired.add(spec)
+            if self.store is not None:
+                self.store.set(f"odyssey/injected/{self.ident}", repr(time.time()))
+            if spec.kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif spec.kind == "hang":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            else:
+                time.sleep(SLOW_S)

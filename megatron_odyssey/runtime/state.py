@@ -1,0 +1,122 @@
+"""Training state by global parameter name: capture, restore, move between ranks, checkpoint.
+
+State of one parameter shard = its fp32 value, Adam's two moments and Adam's step count. Names are
+plan-independent (``decoder.layers.{k}.…``), so the same state fits any layout; a node that takes
+over new layers receives exactly their state from a live holder along the restorer's transfer
+schedule, and a restart reads it from the checkpoint files of whichever nodes wrote it.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+from .grad_sync import unit_of
+
+ParamState = dict[str, torch.Tensor | float]
+State = dict[str, ParamState]  # global name -> state of this rank's shard
+
+
+def capture(named_params: Iterable[tuple[str, torch.nn.Parameter]], optimizer: torch.optim.Optimizer) -> State:
+    out: State = {}
+    for name, p in named_params:
+        st = optimizer.state.get(p, {})
+        out[name] = {
+            "param": p.detach().clone(),
+            "exp_avg": st["exp_avg"].detach().clone() if "exp_avg" in st else torch.zeros_like(p),
+            "exp_avg_sq": st["exp_avg_sq"].detach().clone() if "exp_avg_sq" in st else torch.zeros_like(p),
+            "step": float(st["step"]) if "step" in st else 0.0,
+        }
+    return out
+
+
+@torch.no_grad()
+def restore(named_params: Iterable[tuple[str, torch.nn.Parameter]], optimizer: torch.optim.Optimizer,
+            state: State, strict: bool = True) -> list[str]:
+    """Copy values and Adam state into a (new) model and its optimizer; returns missing names."""
+    missing = []
+    for name, p in named_params:
+        st = state.get(name)
+        if st is None:
+            missing.append(name)
+            continue
+        p.copy_(st["param"])
+        if st["step"] > 0:
+            optimizer.state[p] = {"step": torch.tensor(float(st["step"])), "exp_avg": st["exp_avg"].clone(),
+                                  "exp_avg_sq": st["exp_avg_sq"].clone()}
+    if strict and missing:
+        raise KeyError(f"no state for {missing}")
+    return missing
+
+
+def transfer(transfers: list[tuple[int, int, int]], my_node: int, tp_rank: int, rank_of, num_layers: int,
+             old: State, wanted: dict[str, torch.Size]) -> State:
+    """Move unit states along the schedule ``[(unit, src node, dst node), ...]`` (same order on every
+    rank). Each TP rank moves its own shards. All sends are posted before any receive, so no order
+    of roles can deadlock. ``wanted`` gives the shapes of this rank's new parameters."""
+    sends, received = [], {}
+    plan = list(transfers)
+    for index, (unit, src, dst) in enumerate(plan):
+        if src != my_node:
+            continue
+        names = sorted(n for n in old if unit_of(n, num_layers) == unit)
+        for j, t in enumerate(_flatten(old, names)):
+            sends.append(dist.isend(t, dst=rank_of(dst, tp_rank), tag=index * 4096 + j))
+    for index, (unit, src, dst) in enumerate(plan):
+        if dst != my_node:
+            continue
+        names = sorted(n for n in wanted if unit_of(n, num_layers) == unit)
+        bufs = []
+        for name in names:
+            for _ in ("param", "exp_avg", "exp_avg_sq"):
+                bufs.append(torch.empty(wanted[name]))
+            bufs.append(torch.empty(1))
+        for j, buf in enumerate(bufs):
+            dist.recv(buf, src=rank_of(src, tp_rank), tag=index * 4096 + j)
+        for k, name in enumerate(names):
+            p, m, v, step = bufs[4 * k: 4 * k + 4]
+            received[name] = {"param": p, "exp_avg": m, "exp_avg_sq": v, "step": float(step.item())}
+    for work in sends:
+        work.wait()
+    return received
+
+
+def _flatten(state: State, names: list[str]) -> list[torch.Tensor]:
+    out = []
+    for name in names:
+        st = state[name]
+        out += [st["param"].contiguous(), st["exp_avg"].contiguous(), st["exp_avg_sq"].contiguous(),
+                torch.tensor([float(st["step"])])]
+    return out
+
+
+# -- checkpoints ----------------------------------------------------------------------------------
+
+
+def checkpoint_path(root: str | Path, step: int, node: int, tp_rank: int) -> Path:
+    return Path(root) / f"step{step:06d}" / f"node{node}_tp{tp_rank}.pt"
+
+
+def save_checkpoint(root: str | Path, step: int, node: int, tp_rank: int, state: State) -> Path:
+    path = checkpoint_path(root, step, node, tp_rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    tmp.rename(path)  # a reader never sees half a file
+    return path
+
+
+def load_checkpoint(root: str | Path, step: int, tp_rank: int, names: Iterable[str]) -> State:
+    """Gather the named shards of ``tp_rank`` from every node's file of checkpoint ``step``."""
+    wanted = set(names)
+    out: State = {}
+    for path in sorted((Path(root) / f"step{step:06d}").glob(f"node*_tp{tp_rank}.pt")):
+        part = torch.load(path, weights_only=False)
+        for name in wanted & set(part) - set(out):
+            out[name] = part[name]
+    missing = wanted - set(out)
+    if missing:
+        raise FileNotFoundError(f"checkpoint step {step} lacks {sorted(missing)[:5]}...")
+    return out
