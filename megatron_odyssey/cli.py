@@ -59,7 +59,7 @@ def print_decision(decision: Decision) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 160)
     table = Table(title=f"Recovery candidates for failed nodes {sorted(decision.failed) or 'none'}")
     for col in ("policy", "step time (s)", "transition (s)", "score (samples/s)", "note"):
         table.add_column(col)
@@ -86,7 +86,13 @@ def print_decision(decision: Decision) -> None:
                   f"next failure expected in {decision.time_to_next_failure_s / 3600:.1f} h")
 
 
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_plan]
+def _add_train_and_demo(sub: argparse._SubParsersAction) -> None:
+    from .train_cli import register  # imports no torch until a command runs
+
+    register(sub)
+
+
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_plan, _add_train_and_demo]
 
 
 def build_parser() -> argparse.ArgumentParser:

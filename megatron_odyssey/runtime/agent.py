@@ -203,9 +203,10 @@ class Agent:
         loss = sum(float(self.store.get(k)) for k in ready)
         self.store.set(f"{self.key('commit')}/{t}", "1")
         now = time.time()
+        redone = t in self.steps  # trained before, lost to a restart from an older checkpoint
         self.steps[t] = {"step": t, "loss": loss, "time_s": now - self.step_started, "plan_id": self.plan.plan_id,
                          "alive": len(self.members()), "policy": self.plan.policy, "generation": self.gen,
-                         "wall_s": now - self.started}
+                         "wall_s": now - self.started, "redone": redone}
         print(f"step {t:4d}  loss {loss:.6f}  time {now - self.step_started:.3f}s  devices {len(self.members())}  "
               f"plan {self.plan.plan_id} ({self.plan.policy})", flush=True)
         self.step_started = now
@@ -288,8 +289,6 @@ class Agent:
         self.plan = chosen.plan
         self.next_step = resume
         self.step_started = time.time()
-        for step in [s for s in self.steps if s >= resume]:
-            self.steps[step]["redone"] = True
         self.store.set(self.key("plan"), json.dumps(msg))
         return True
 
