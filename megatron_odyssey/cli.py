@@ -86,13 +86,60 @@ def print_decision(decision: Decision) -> None:
                   f"next failure expected in {decision.time_to_next_failure_s / 3600:.1f} h")
 
 
+def _add_simulate(sub: argparse._SubParsersAction) -> None:
+    from .sim import DEFAULT_POLICIES
+
+    p = sub.add_parser("simulate", help="compare Odyssey, ReCycle, Oobleck, checkpoint restart under failures",
+                       description="Event-driven simulation of one training job under a failure process or a trace.")
+    p.add_argument("--npus", type=int, required=True, help="devices")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, required=True)
+    p.add_argument("--dp", type=int, required=True)
+    p.add_argument("--failure-rate", type=float, default=None, help="failures per device-hour (Poisson)")
+    p.add_argument("--trace", default=None, help="replay a spot trace (time_ms,add|remove,nodeNAME) instead")
+    p.add_argument("--hours", type=float, required=True)
+    p.add_argument("--seeds", type=int, default=1)
+    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
+    p.add_argument("--model", default="llama2-7b", help="built-in model (llama2-7b, llama2-70b, ...)")
+    p.add_argument("--profile", default=None, help="profile JSON instead of a built-in model")
+    p.add_argument("--global-batch", type=int, default=64)
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--out", default=None, help="folder for result.json, per-policy CSV time series and plots")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_simulate)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from .sim import SimulationConfig, SimulationError, parse_policies, print_summary, run_simulation, write_outputs
+
+    if args.failure_rate is None and args.trace is None:
+        args.failure_rate = 0.1
+    try:
+        cfg = SimulationConfig(npus=args.npus, tp=args.tp, pp=args.pp, dp=args.dp, failure_rate=args.failure_rate,
+                               trace=args.trace, hours=args.hours, seeds=args.seeds,
+                               policies=parse_policies(args.policies), model=args.model, profile=args.profile,
+                               global_batch=args.global_batch, micro_batch=args.micro_batch,
+                               progress=not args.json)
+        result = run_simulation(cfg)
+    except SimulationError as exc:
+        raise PlanningError(str(exc)) from None
+    if args.out:
+        write_outputs(result, args.out)
+    if args.json:
+        out = result.to_json()
+        print(out if isinstance(out, str) else json.dumps(out, indent=1))
+    else:
+        print_summary(result)
+    return 0
+
+
 def _add_train_and_demo(sub: argparse._SubParsersAction) -> None:
     from .train_cli import register  # imports no torch until a command runs
 
     register(sub)
 
 
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_plan, _add_train_and_demo]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_plan, _add_simulate, _add_train_and_demo]
 
 
 def build_parser() -> argparse.ArgumentParser:

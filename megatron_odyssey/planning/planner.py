@@ -230,8 +230,11 @@ class Planner:
             best = self._search_exhaustive(num_nodes)
             return [best] if best else []
         L, m_total = self.profile.num_layers, self.num_micro_batches
+        cap = min(num_nodes, m_total)
         dps = [d for d in range(max(1, current_dp - self.options.dp_range), current_dp + self.options.dp_range + 1)
-               if d <= min(num_nodes, m_total)]
+               if d <= cap]
+        if not dps:  # many nodes lost at once: the window slid past the survivors; take the top of what fits
+            dps = list(range(max(1, cap - 2 * self.options.dp_range), cap + 1))
         ranked: list[tuple[float, tuple[int, ...], list[int], list[tuple[int, ...]]]] = []
         for dp in dps:
             lo = max(1, min(current_pp - self.options.pp_range, num_nodes // dp))

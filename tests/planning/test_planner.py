@@ -211,3 +211,13 @@ def test_reconfigure_weighs_transfer_cost_against_step_time():
     assert later.transfers.total_bytes == fastest_transfers.total_bytes
     assert soon.transfers.total_bytes < fastest_transfers.total_bytes
     assert soon.step_time_s >= later.step_time_s
+
+
+def test_losing_many_nodes_at_once_still_finds_a_layout():
+    """8 pipelines reduced to 5 survivors: DP 6..10 cannot be formed, the search must still answer."""
+    prof = builtin_profile(num_layers=8, seq_length=2048)
+    current = symmetric_plan(1, 8, 8, 16)
+    decision = Planner(prof, 16, 1).decide(current, {0, 1, 2})
+    assert decision.policy in ("reroute", "reconfigure")
+    reconf = next(c for c in decision.candidates if c.policy == "reconfigure")
+    assert reconf.feasible and len(reconf.plan.live_nodes()) == 5

@@ -1,0 +1,29 @@
+"""The compared fault-tolerance policies, by the names ``odyssey simulate --policies`` takes."""
+from __future__ import annotations
+
+from typing import Callable
+
+from .base import Policy, Reaction, SimContext
+from .bounds import FaultScaledPolicy, IdealPolicy
+from .checkpoint import CheckpointPolicy
+from .odyssey import OdysseyPolicy
+from .oobleck_policy import OobleckPolicy
+from .recycle import RecyclePolicy
+
+FACTORIES: dict[str, Callable[[SimContext], Policy]] = {
+    "odyssey": OdysseyPolicy,
+    "odyssey-f1": lambda ctx: OdysseyPolicy(ctx, min_pipelines=2),
+    "oobleck": OobleckPolicy,
+    "recycle": RecyclePolicy,
+    "recycle-nofill": lambda ctx: RecyclePolicy(ctx, bubble_filling=False),
+    "checkpoint": CheckpointPolicy,
+    "fault-scaled": FaultScaledPolicy,
+    "ideal": IdealPolicy,
+}
+
+
+def make_policy(name: str, ctx: SimContext) -> Policy:
+    return FACTORIES[name](ctx)
+
+
+__all__ = ["FACTORIES", "Policy", "Reaction", "SimContext", "make_policy"]

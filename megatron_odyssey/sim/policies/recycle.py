@@ -1,0 +1,183 @@
+"""ReCycle (Gandhi et al., SOSP '24): always reroute; never move weights except to rebalance.
+
+* A failed worker's micro-batches run on its data-parallel peers of the same stage; the adaptive
+  schedule (decoupled back-propagation, staggered optimizer) hides them in pipeline bubbles as far as
+  they fit (``normalisation.adaptive_compute_time``). With ``bubble_filling=False`` (policy
+  ``recycle-nofill``) the step time is instead the planning estimator's play of the rerouted 1F1B
+  schedule, i.e. rerouting as the Odyssey paper models it (Eq. 12/13).
+* Failure normalisation (slides' Algorithm 1) places the failures over stages; surviving workers
+  change stage when that lowers the step time (they fetch the new stage's parameters from a peer).
+* A stage that loses every replica cannot be rerouted: restart from the last checkpoint into the
+  best symmetric configuration of the survivors.
+* A node that joins takes a dead worker's place (ReCycle handles re-joins; it fetches its stage's
+  parameters from a peer while training continues, then the groups are rebuilt). With no place left
+  to fill, extra nodes can only be used by a restart into a larger grid, which we do (after saving)
+  when that pays back before the expected next failure (``SimContext.worth_growing``).
+"""
+from __future__ import annotations
+
+import math
+
+from ...planning.plan import ExecutionPlan, Pipeline, Stage
+from ...planning.planner import reroute_plan
+from ..normalisation import adaptive_compute_time, failure_normalisation
+from .base import FILL, KEEP, REROUTE, RESTART, START, STOP, Policy, Reaction, then
+
+
+class RecyclePolicy(Policy):
+    name = "recycle"
+
+    def __init__(self, ctx, bubble_filling: bool = True):
+        super().__init__(ctx)
+        self.bubble_filling = bubble_filling
+        if not bubble_filling:
+            self.name = "recycle-nofill"
+        self.grid: ExecutionPlan | None = None  # the layout, dead nodes still in place
+        self.failed: frozenset[int] = frozenset()
+        self.stopped = False
+        self._step_memo = ctx.memo_of(f"{self.name}.step")
+
+    # -- geometry ----------------------------------------------------------------------------------
+    @property
+    def dp(self) -> int:
+        return len(self.grid.pipelines)
+
+    @property
+    def pp(self) -> int:
+        return self.grid.pipelines[0].length
+
+    @property
+    def mb(self) -> int:
+        return self.grid.pipelines[0].micro_batches
+
+    def _counts(self, grid: ExecutionPlan, failed: frozenset[int]) -> list[int]:
+        return [sum(1 for p in grid.pipelines if p.stages[s].node in failed) for s in range(grid.pipelines[0].length)]
+
+    # -- engine view -------------------------------------------------------------------------------
+    def throughput(self) -> float:
+        if self.grid is None:
+            return 0.0
+        t = self._step(self.grid, self.failed)
+        return self.cost.samples_per_step / t if math.isfinite(t) and t > 0 else 0.0
+
+    def nodes_in_use(self) -> frozenset[int]:
+        if self.grid is None:
+            return frozenset()
+        return frozenset(self.grid.nodes()) - self.failed
+
+    @property
+    def running(self) -> bool:
+        return self.grid is not None
+
+    def _step(self, grid: ExecutionPlan, failed: frozenset[int]) -> float:
+        plain = ExecutionPlan(grid.policy, grid.num_layers, grid.pipelines)
+        if not failed:
+            return self.cost.step_time(plain)
+        if self.bubble_filling:
+            counts = tuple(self._counts(grid, failed))
+            split, mb = grid.pipelines[0].layer_split(), grid.pipelines[0].micro_batches
+            key = (split, mb, len(grid.pipelines), counts)
+            hit = self._step_memo.get(key)
+            if hit is None:
+                model = self.cost.model
+                ff_compute = model.time(split, mb)
+                overhead = self.cost.step_time(plain) - ff_compute  # gradient sync + optimizer
+                compute = adaptive_compute_time(model.stage_costs(split), counts, len(grid.pipelines), mb,
+                                                ff_compute, self.ctx.config.recycle_residual_bubble)
+                hit = self._step_memo[key] = compute + overhead
+            return hit
+        rerouted = reroute_plan(plain, failed)
+        return self.cost.step_time(rerouted) if isinstance(rerouted, ExecutionPlan) else math.inf
+
+    # -- reactions ---------------------------------------------------------------------------------
+    def start(self, alive, full_launch):
+        nodes = self.pick(alive)
+        grid = self.ctx.initial_plan(nodes) if full_launch else self._best_grid(nodes)
+        if grid is None:
+            return None
+        self.grid, self.failed = grid, frozenset()
+        kind, cost = (RESTART, self.ctx.restart_s) if self.stopped else (START, 0.0)
+        self.stopped = False
+        return Reaction(kind, cost, note=f"grid PP={self.pp} x DP={self.dp}")
+
+    def _best_grid(self, nodes: list[int]) -> ExecutionPlan | None:
+        return self.cost.best_symmetric_plan(nodes)
+
+    def on_failure(self, removed, alive):
+        assert self.grid is not None
+        hit = frozenset(removed) & self.nodes_in_use()
+        if not hit:
+            return KEEP
+        failed = self.failed | hit
+        counts = self._counts(self.grid, failed)
+        if max(counts) >= self.dp:
+            return self._restart(alive, lose=True, why=f"a stage lost every replica ({counts})")
+        self.failed = failed
+        reaction = Reaction(REROUTE, self.ctx.profile.reroute_overhead_s, note=f"failures per stage {counts}")
+        reaction = then(reaction, self._normalise())
+        return then(reaction, self.on_add(frozenset(), alive))
+
+    def _normalise(self) -> Reaction:
+        """Move surviving workers between stages to the normalised failure placement if it is faster."""
+        grid, failed = self.grid, self.failed
+        counts = self._counts(grid, failed)
+        target, cost = failure_normalisation(self.dp, self.pp, self.mb, sum(counts))
+        if target == counts or not math.isfinite(cost):
+            return KEEP
+        nodes = [[p.stages[s].node for p in grid.pipelines] for s in range(self.pp)]  # nodes[stage][replica]
+        takers = [s for s in range(self.pp) for _ in range(counts[s] - target[s]) if counts[s] > target[s]]
+        givers = [s for s in range(self.pp) for _ in range(target[s] - counts[s]) if target[s] > counts[s]]
+        holdings = {n: grid.stage_units(d, s) for s in range(self.pp) for d, n in enumerate(nodes[s]) if n not in failed}
+        targets = {}
+        for recv, give in zip(takers, givers):
+            d_dead = next(d for d, n in enumerate(nodes[recv]) if n in failed)
+            d_live = max(d for d, n in enumerate(nodes[give]) if n not in failed)
+            mover, dead = nodes[give][d_live], nodes[recv][d_dead]
+            nodes[recv][d_dead], nodes[give][d_live] = mover, dead
+            targets[mover] = grid.stage_units(d_dead, recv)
+        pipes = tuple(Pipeline(tuple(Stage(nodes[s][d], st.layer_start, st.layer_end) for s, st in enumerate(p.stages)),
+                               p.micro_batches) for d, p in enumerate(grid.pipelines))
+        moved = ExecutionPlan(grid.policy, grid.num_layers, pipes)
+        before, after = self._step(grid, failed), self._step(moved, failed)
+        if (after, max(target)) >= (before, max(counts)):
+            return KEEP
+        self.grid = moved
+        copy_s = self.cost.transfer_time(holdings, targets)
+        return Reaction(REROUTE, copy_s, note=f"failure normalisation {counts} -> {target}")
+
+    def _restart(self, alive, lose: bool, why: str, voluntary: bool = False) -> Reaction:
+        grid = self._best_grid(self.pick(alive))
+        if grid is None:
+            self.grid, self.failed, self.stopped = None, frozenset(), True
+            return Reaction(STOP, 0.0, lose_since_checkpoint=lose, saves_checkpoint=not lose, note=why)
+        self.grid, self.failed = grid, frozenset()
+        cost = self.ctx.voluntary_restart_s if voluntary else self.ctx.restart_s
+        return Reaction(RESTART, cost, lose_since_checkpoint=lose, saves_checkpoint=voluntary,
+                        note=f"{why}; restart as PP={self.pp} x DP={self.dp}")
+
+    def on_add(self, added, alive):
+        if self.grid is None:
+            return self.start(alive, False) or KEEP
+        spare = self.spare(alive)
+        if not spare:
+            return KEEP
+        reaction = KEEP
+        if self.failed:
+            counts = self._counts(self.grid, self.failed)
+            pos = {p.stages[s].node: (s, d) for d, p in enumerate(self.grid.pipelines) for s in range(self.pp)}
+            dead = sorted(self.failed, key=lambda n: (-counts[pos[n][0]], pos[n]))
+            mapping = dict(zip(dead, spare))
+            pipes = tuple(Pipeline(tuple(Stage(mapping.get(st.node, st.node), st.layer_start, st.layer_end)
+                                         for st in p.stages), p.micro_batches) for p in self.grid.pipelines)
+            self.grid = ExecutionPlan(self.grid.policy, self.grid.num_layers, pipes)
+            self.failed = self.failed - set(mapping)
+            reaction = Reaction(FILL, self.ctx.profile.reroute_overhead_s, note=f"{len(mapping)} node(s) rejoin")
+            spare = spare[len(mapping):]
+        if spare and not self.failed:
+            n = len(self.nodes_in_use()) + len(spare)
+            bigger = self.cost.best_symmetric_plan(list(range(n)))
+            if bigger is not None:
+                if self.ctx.worth_growing(self.throughput(), self.cost.throughput(bigger),
+                                                                 self.ctx.voluntary_restart_s, n):
+                    return then(reaction, self._restart(alive, lose=False, why="grow", voluntary=True))
+        return reaction
