@@ -5,7 +5,7 @@ from megatron_odyssey.cli import main
 
 
 def test_simulate_json_contract_and_outputs(tmp_path, capsys):
-    argv = ["simulate", "--npus", "8", "--pp", "2", "--dp", "4", "--failure-rate", "0.05", "--hours", "2",
+    argv = ["simulate", "--npus", "8", "--pp", "4", "--dp", "2", "--failure-rate", "0.05", "--hours", "2",
             "--seeds", "2", "--policies", "odyssey,oobleck,recycle,checkpoint,fault-scaled", "--out", str(tmp_path),
             "--json", "--global-batch", "16"]
     assert main(argv) == 0
