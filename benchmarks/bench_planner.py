@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from docs_section import write_section
 from megatron_odyssey.planning.cache import PlanCache
 from megatron_odyssey.planning.estimator import _plain_pipeline
 from megatron_odyssey.planning.partition import _split_layers_cached
@@ -87,15 +88,6 @@ def render(rows: list[dict], command: str) -> str:
     return "\n".join(lines)
 
 
-def write_section(path: Path, text: str) -> None:
-    old = path.read_text() if path.exists() else "# Benchmarks\n\nEvery figure below comes with the command that produced it.\n"
-    if START in old and END in old:
-        new = old[: old.index(START)] + text + old[old.index(END) + len(END):]
-    else:
-        new = old.rstrip("\n") + "\n\n" + text + "\n"
-    path.write_text(new)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
@@ -113,7 +105,7 @@ def main() -> None:
     text = render(rows, "python " + " ".join([sys.argv[0], *sys.argv[1:]]))
     print(text)
     if args.write:
-        write_section(args.write, text)
+        write_section(args.write, text, START, END)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ try:
     os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
 except (AttributeError, OSError):
     pass
+from docs_section import write_section
 from megatron_odyssey.sim import SimulationConfig, run_simulation
 cfg = SimulationConfig(progress=False, **json.loads(sys.argv[1]))
 t = time.perf_counter()
@@ -89,18 +90,6 @@ def render(rows: list[dict], command: str, repeat: int) -> str:
     return "\n".join(lines)
 
 
-def refresh_docs(section: str) -> None:
-    text = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n"
-    if START in text and END in text:
-        head, rest = text.split(START, 1)
-        _, tail = rest.split(END, 1)
-        text = head + section + tail
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    DOCS.parent.mkdir(parents=True, exist_ok=True)
-    DOCS.write_text(text)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeat", type=int, default=3, help="runs per case (median reported)")
@@ -124,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['name']:<26} {r['median']:>9.1f} {r['target']:>9.0f}  {'yes' if r['median'] < r['target'] else 'NO'}")
     if not args.no_docs:
         command = "python benchmarks/bench_simulator.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
-        refresh_docs(render(rows, command.strip(), args.repeat))
+        write_section(DOCS, render(rows, command.strip(), args.repeat), START, END)
         print(f"\nwrote the simulator section of {DOCS}")
     return 0 if all(r["median"] < r["target"] for r in rows) else 1
 

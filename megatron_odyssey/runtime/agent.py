@@ -92,7 +92,11 @@ class FailureRecord:
     step: int = -1
     reason: str = ""
     candidates: list[dict[str, Any]] = field(default_factory=list)
+    rebuild: dict[str, float] = field(default_factory=dict)  # slowest rank's world/groups/model time
+    phases: dict[str, float] = field(default_factory=dict)  # since the failure: sealed, published, first step
     started: float = 0.0  # injection (or detection) time, for recovery_s
+    sealed_at: float = 0.0
+    published_at: float = 0.0
     generation: int = 0
 
 
@@ -102,7 +106,9 @@ class Agent:
 
         self.cfg, self.cfg_path, self.workdir, self.echo = cfg, cfg_path, workdir, echo_rank0
         self.plan = cfg.validate()
+        self.state_plan = self.plan  # layout of the newest committed state (what survivors hold)
         self.gen = 0
+        self.started_gen = True  # generation 0 needs no join barrier
         self.store = None  # created after the ranks are forked (see run)
         self.procs: dict[int, Any] = {}
         self.dead: set[int] = set()
@@ -141,6 +147,8 @@ class Agent:
         if native_threads() != 1:
             self.log(f"warning: forking ranks with {native_threads()} threads alive")
         port = free_port()
+        # a gloo error otherwise symbolises a C++ backtrace (seconds on a loaded machine) on every rank
+        os.environ.setdefault("TORCH_SHOW_CPP_STACKTRACES", "0")
         ctx = mp.get_context("fork")
         for ident in self.members():
             p = ctx.Process(target=_rank_main, name=f"rank{ident}",
@@ -193,7 +201,13 @@ class Agent:
         return now - float(self.store.get(key)) > self.cfg.heartbeat_timeout_s
 
     def advance(self) -> None:
-        """Commit the next step once every member has synchronised; track checkpoints."""
+        """Start a new generation once every member joined; commit the next step once every member has
+        synchronised; track checkpoints."""
+        if not self.started_gen:
+            if self.store.check([f"{self.key('join')}/{i}" for i in self.members()]):
+                self.store.set(self.key("go"), "1")
+                self.started_gen = True
+            return
         t = self.next_step
         if t >= self.cfg.steps:
             return
@@ -203,10 +217,11 @@ class Agent:
         loss = sum(float(self.store.get(k)) for k in ready)
         self.store.set(f"{self.key('commit')}/{t}", "1")
         now = time.time()
+        self.state_plan = self.plan  # survivors now hold their state in this generation's layout
         redone = t in self.steps  # trained before, lost to a restart from an older checkpoint
         self.steps[t] = {"step": t, "loss": loss, "time_s": now - self.step_started, "plan_id": self.plan.plan_id,
                          "alive": len(self.members()), "policy": self.plan.policy, "generation": self.gen,
-                         "wall_s": now - self.started, "redone": redone}
+                         "wall_s": now - self.started, "t": now, "redone": redone}
         print(f"step {t:4d}  loss {loss:.6f}  time {now - self.step_started:.3f}s  devices {len(self.members())}  "
               f"plan {self.plan.plan_id} ({self.plan.policy})", flush=True)
         self.step_started = now
@@ -219,6 +234,11 @@ class Agent:
                 rec.transfer_s = max((float(self.store.get(k)) for k in
                                       (f"{self.key('transfer_s')}/{i}" for i in self.members()) if self.store.check([k])),
                                      default=0.0)
+                parts = [json.loads(self.store.get(k)) for k in (f"{self.key('rebuild')}/{i}" for i in self.members())
+                         if self.store.check([k])]
+                rec.rebuild = {name: max(p[name] for p in parts) for name in parts[0]} if parts else {}
+                rec.phases = {"sealed_s": rec.sealed_at - rec.started, "published_s": rec.published_at - rec.started,
+                              "first_step_s": rec.recovery_s}
 
     def latest_checkpoint(self) -> int | None:
         """Newest checkpoint every member of its time finished writing."""
@@ -250,17 +270,22 @@ class Agent:
             if not waiting:
                 break
             time.sleep(0.005)
+        sealed_at = time.time()
         survivors = [i for i in self.members() if i not in self.dead]
         committed = {int(self.store.get(f"{self.key('recover')}/{i}")) for i in survivors}
         if len(committed) > 1:
             self.log(f"survivors disagree on the last committed step {sorted(committed)}: taking the smallest")
         last = min(committed) if committed else self.next_step - 1
-        dead_nodes = {i // self.cfg.tp for i in self.dead} & set(self.plan.live_nodes())
+        # plan from the layout that holds the state: a generation that failed before its first commit
+        # never moved any (its ranks still hold the previous layout's state)
+        base = self.state_plan
+        dead_nodes = {i // self.cfg.tp for i in self.dead} & set(base.live_nodes())
         rec = FailureRecord(ranks=sorted(gen_failed), phase=self._phase_of(gen_failed, last + 1),
-                            detection_s=max(0.0, detected - started), step=last + 1, started=started)
+                            detection_s=max(0.0, detected - started), step=last + 1, started=started,
+                            sealed_at=sealed_at)
         t0 = time.perf_counter()
         try:
-            decision = self.planner.decide(self.plan, dead_nodes)
+            decision = self.planner.decide(base, dead_nodes)
         except PlanningError as exc:
             self.log(f"cannot continue: {exc}")
             rec.reason = str(exc)
@@ -290,6 +315,8 @@ class Agent:
         self.next_step = resume
         self.step_started = time.time()
         self.store.set(self.key("plan"), json.dumps(msg))
+        self.started_gen = False
+        rec.published_at = time.time()
         return True
 
     def _apply_policy(self, decision: Decision):
@@ -322,7 +349,8 @@ class Agent:
     def write_report(self, ok: bool) -> None:
         if not self.cfg.report:
             return
-        failures = [{k: v for k, v in vars(f).items() if k not in ("started", "generation")} for f in self.failures]
+        hidden = ("started", "generation", "sealed_at", "published_at")
+        failures = [{k: v for k, v in vars(f).items() if k not in hidden} for f in self.failures]
         report = {"ok": ok, "steps": [self.steps[s] for s in sorted(self.steps)], "failures": failures,
                   "final_plan": self.plan.to_dict(), "config": {k: v for k, v in vars(self.cfg).items()}}
         Path(self.cfg.report).write_text(json.dumps(report, indent=1))

@@ -39,7 +39,7 @@ class TrainConfig:
     fail: list[str] = field(default_factory=list)  # --fail specs (runtime.faults.FailSpec text)
     policy: str = "auto"  # auto | reroute | reconfigure
     heartbeat_interval_s: float = 0.2
-    heartbeat_timeout_s: float = 3.0  # CPU tests; use 30-60 s on real clusters
+    heartbeat_timeout_s: float = 5.0  # 2-core CI with 8 ranks; use 30-60 s on real clusters
     checkpoint_interval: int = 2  # steps between checkpoints (0: never)
     workdir: str | None = None  # checkpoints and logs
     mtbf_hours: float | None = None  # per device, for Eq. 8; None: planner default

@@ -12,7 +12,6 @@ Run as ``python -m megatron_odyssey.runtime.trainer --config CFG --rank R --stor
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
@@ -29,7 +28,8 @@ from ..planning.plan import ExecutionPlan
 from .config import TrainConfig
 from .executor import PipelineExecutor
 from .grad_sync import GradientSync, params_by_unit
-from .world import RankMap, build_plan_groups, clear_parallel_state, init_world, install_parallel_state, plan_process_groups
+from .world import (RankMap, abort_all_groups, build_plan_groups, clear_parallel_state, init_world,
+                    install_parallel_state, plan_process_groups)
 
 
 @dataclass
@@ -68,7 +68,8 @@ class _Sleep(torch.autograd.Function):
 
 
 class SleepStage(torch.nn.Module):
-    """A stage whose layers sleep instead of computing, so timing has no CPU contention."""
+    """A stage whose layers sleep instead of computing, so timing has no CPU contention. It holds one
+    weight per unit (embedding, each layer, output) so gradient sync runs the real per-unit groups."""
 
     def __init__(self, cfg: TrainConfig, layer_start: int, layer_end: int):
         super().__init__()
@@ -76,13 +77,20 @@ class SleepStage(torch.nn.Module):
         self.layers = layer_end - layer_start
         self.is_first = layer_start == 0
         self.is_last = layer_end == cfg.layers
-        self.weight = torch.nn.Parameter(torch.ones(cfg.hidden))
+        self.names = ((["embedding.sleep"] if self.is_first else [])
+                      + [f"decoder.layers.{k}.sleep" for k in range(layer_start, layer_end)]
+                      + (["output_layer.sleep"] if self.is_last else []))
+        self.unit_weights = torch.nn.ParameterList(torch.nn.Parameter(torch.ones(cfg.hidden)) for _ in self.names)
+
+    def named_global_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return list(zip(self.names, self.unit_weights))
 
     def forward(self, batch: Mapping[str, torch.Tensor], input_tensor: torch.Tensor | None) -> torch.Tensor:
+        weight = torch.stack(list(self.unit_weights)).prod(0)
         if input_tensor is None:
-            x = batch["tokens"].t().unsqueeze(-1).float().expand(-1, -1, self.cfg.hidden) * self.weight
+            x = batch["tokens"].t().unsqueeze(-1).float().expand(-1, -1, self.cfg.hidden) * weight
         else:
-            x = input_tensor * self.weight
+            x = input_tensor * weight
         x = _Sleep.apply(x, self.cfg.sleep_forward_s * self.layers, self.cfg.sleep_backward_s * self.layers)
         return x.mean(-1).t() if self.is_last else x
 
@@ -152,12 +160,18 @@ class RankRuntime:
         if self.node not in self.rank_map.live_nodes:  # not part of this generation: nothing left to do
             sys.exit(0)
         rank = self.rank_map.rank(self.node, self.tp_rank)
+        if gen > 0:
+            self._join(gen)
+        marks = [time.perf_counter()]
         init_world(self.store, gen, rank, self.rank_map.world_size, self.backend, cfg.timeout_s)
+        marks.append(time.perf_counter())
         self.groups = build_plan_groups(plan, self.rank_map, rank)
         if not self.sleep_mode:
             install_parallel_state(self.groups)
-        old, self.saved = self.saved, None
+        marks.append(time.perf_counter())
+        old = self.saved  # kept until this generation commits a step: a failure before that restarts from it
         self._build_model(*_node_stage(plan, self.node))
+        marks.append(time.perf_counter())
         t0 = time.perf_counter()
         if policy == "restart":
             if checkpoint_step is not None and checkpoint_step >= 0:
@@ -168,9 +182,24 @@ class RankRuntime:
                                    {n: p.shape for n, p in self.named})
             st.restore(self.named, self.optimizer, {**old, **received})
         self.store.set(f"{self.k['transfer']}/{self.ident}", repr(time.perf_counter() - t0))
+        self.store.set(f"odyssey/gen{gen}/rebuild/{self.ident}", json.dumps(
+            {"world_s": marks[1] - marks[0], "groups_s": marks[2] - marks[1], "model_s": marks[3] - marks[2]}))
         self.executor = PipelineExecutor(plan, self.groups, self.runner, self.data.micro_batch,
                                          (cfg.seq, cfg.micro_batch, cfg.hidden))
         self.sync = GradientSync(plan, self.groups, params_by_unit(self.named, cfg.layers))
+
+    def _join(self, gen: int) -> None:
+        """Wait until the agent saw every member of ``gen`` alive and joining (or aborted ``gen``), so a
+        member that dies now cannot strand the others inside the process-group rendezvous."""
+        self.store.set(f"odyssey/gen{gen}/join/{self.ident}", "1")
+        go, abort = f"odyssey/gen{gen}/go", f"odyssey/gen{gen}/abort"
+        deadline = time.monotonic() + self.cfg.timeout_s
+        while not self.store.check([go]):
+            if self.store.check([abort]):
+                raise Abort(self.store.get(abort).decode())
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"generation {gen} never started")
+            time.sleep(0.002)
 
     def _build_model(self, start: int, end: int) -> None:
         """A fresh stage model on this generation's groups (state is restored into it afterwards)."""
@@ -178,7 +207,7 @@ class RankRuntime:
         if self.sleep_mode:
             self.model = SleepStage(cfg, start, end)
             self.runner = self.model
-            self.named = [(f"decoder.layers.{start}.sleep", self.model.weight)]
+            self.named = list(self.model.named_global_parameters())
         else:
             from .accelerator import seed_all
             from .model import build_stage_model
@@ -221,6 +250,7 @@ class RankRuntime:
     def _apply(self, step: int) -> None:
         self.optimizer.step()
         self.committed, self.pending = step, None
+        self.saved = None  # the live model now holds the newest state
 
     def _wait_commit(self, step: int) -> None:
         commit, abort = f"{self.k['commit']}/{step}", self.k["abort"]
@@ -237,37 +267,42 @@ class RankRuntime:
         if self.pending is not None and self.store.check([f"{self.k['commit']}/{self.pending}"]):
             self._apply(self.pending)  # the agent committed it before the failure: keep it
         self.pending = None
-        self.teardown()
-        self.store.set(f"{self.k['recover']}/{self.ident}", str(self.committed))
-        self.injector(step, "recovery")
-        nxt = keys(self.gen + 1)["plan"]
-        deadline = time.monotonic() + self.cfg.timeout_s
-        while not self.store.check([nxt]):  # polled: a failure must never leave us waiting on a lost wake-up
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no plan for generation {self.gen + 1} after {self.cfg.timeout_s} s")
-            time.sleep(0.005)
-        msg = json.loads(self.store.get(nxt))
-        self.enter(self.gen + 1, ExecutionPlan.from_dict(msg["plan"]), msg["policy"],
-                   [tuple(t) for t in msg["transfers"]], msg.get("checkpoint_step"))
-        return int(msg["resume_step"])
+        while True:
+            # register first: the agent seals membership while we clean up
+            self.store.set(f"{self.k['recover']}/{self.ident}", str(self.committed))
+            self.teardown()
+            self.injector(step, "recovery")
+            nxt = keys(self.gen + 1)["plan"]
+            deadline = time.monotonic() + self.cfg.timeout_s
+            while not self.store.check([nxt]):  # polled: a failure must never leave us waiting on a lost wake-up
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no plan for generation {self.gen + 1} after {self.cfg.timeout_s} s")
+                time.sleep(0.005)
+            msg = json.loads(self.store.get(nxt))
+            try:
+                self.enter(self.gen + 1, ExecutionPlan.from_dict(msg["plan"]), msg["policy"],
+                           [tuple(t) for t in msg["transfers"]], msg.get("checkpoint_step"))
+                return int(msg["resume_step"])
+            except (RuntimeError, Abort):  # another failure while setting up: recover again
+                abort_all_groups()
 
     def teardown(self) -> None:
         """Close this generation's connections now, so peers blocked on us fail at once instead of
-        waiting out a timeout. Gloo closes its sockets only when no Python object references a
-        group any more, so the state is captured and every holder of a group is dropped first."""
+        waiting out a timeout: abort every group first, then capture the state and drop every
+        holder of a group (a destroyed but still referenced gloo group keeps its sockets open)."""
         from .state import capture
 
-        self.saved = capture(self.named, self.optimizer) if self.model is not None else None
+        abort_all_groups()
+        if self.saved is None and self.model is not None:
+            self.saved = capture(self.named, self.optimizer)
         self.model = self.runner = self.executor = self.sync = self.groups = self.optimizer = None
         self.named = []
         if not self.sleep_mode:
             clear_parallel_state()
-        gc.collect()
         try:
             dist.destroy_process_group()
         except Exception:  # already torn down by a previous failure
             pass
-        gc.collect()
 
     def main(self) -> None:
         plan = self.cfg.validate()
@@ -281,8 +316,11 @@ class RankRuntime:
             try:
                 self.train_step(step)
                 step += 1
-            except (RuntimeError, Abort):  # torch.distributed errors are RuntimeErrors
+            except (RuntimeError, Abort) as exc:  # torch.distributed errors are RuntimeErrors
+                abort_all_groups()  # at once: peers blocked on us fail now, not after our clean-up
                 failed = True
+                print(f"[rank {self.ident}] step {step}: {type(exc).__name__} at {time.time():.3f}; recovering",
+                      file=sys.stderr, flush=True)
             if failed:  # outside the except block: the traceback's frames (pending sends) are gone
                 step = self.recover(step)
         self.finish()
@@ -298,7 +336,7 @@ class RankRuntime:
     def gathered_state(self) -> dict[str, torch.Tensor]:
         """The full model by global name, at the lowest surviving rank (collective over the world)."""
         if self.sleep_mode:
-            local = {f"sleep.{self.node}": self.model.weight.detach().clone()}
+            local = {n: p.detach().clone() for n, p in self.model.named_global_parameters()}
         else:
             local = self.model.global_state_dict(gather=True)
         mine = local if self.tp_rank == 0 else {}

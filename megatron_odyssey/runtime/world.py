@@ -79,8 +79,9 @@ def build_plan_groups(plan: ExecutionPlan, rank_map: RankMap, my_rank: int) -> P
             groups[key] = dist.new_group(list(key)) if rank_map.world_size > 1 else dist.group.WORLD
         return groups[key]
 
-    # 1. TP groups, one per live node (every rank takes part in every creation)
-    tp_groups = {n: group(rank_map.node_ranks(n)) for n in rank_map.live_nodes}
+    # 1. TP groups, one per live node (every rank takes part in every creation); with TP=1 a node's
+    #    group is the rank itself, created locally below (N collective creations saved per recovery)
+    tp_groups = {n: group(rank_map.node_ranks(n)) for n in rank_map.live_nodes} if rank_map.tp > 1 else {}
     # 2. gradient-sync groups: for each unit held by >= 2 nodes, one group per TP rank
     holders = plan.holders()
     unit_ranks: dict[int, list[list[int]]] = {}
@@ -99,7 +100,7 @@ def build_plan_groups(plan: ExecutionPlan, rank_map: RankMap, my_rank: int) -> P
         ranks = per_tp[tp_rank]
         if my_rank in ranks:
             mine[unit] = (groups[tuple(sorted(ranks))], ranks)
-    return PlanGroups(rank_map, node, tp_rank, tp_groups[node], mine, me)
+    return PlanGroups(rank_map, node, tp_rank, tp_groups.get(node, me), mine, me)
 
 
 # -- megatron-core's parallel_state ----------------------------------------------------------------
@@ -148,6 +149,18 @@ def install_parallel_state(groups: PlanGroups) -> None:
             setattr(ps, name, value)
     if getattr(ps, "_GLOBAL_MEMORY_BUFFER", None) is None:
         ps._set_global_memory_buffer()
+
+
+def abort_all_groups() -> None:
+    """Abort every process group of this rank (closes its connections at once; the cascade that lets
+    every survivor notice a failure in milliseconds instead of waiting out a timeout)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    for pg in list(getattr(c10d._world, "pg_map", {}).keys()):
+        try:
+            pg.abort()
+        except Exception:  # already aborted, or a backend without abort
+            pass
 
 
 def clear_parallel_state() -> None:

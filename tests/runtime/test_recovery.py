@@ -57,7 +57,7 @@ def test_hang_is_fenced_and_training_goes_on(reference, tmp_path):
     assert_exact(reference, params, report)
     (failure,) = report["failures"]
     assert failure["ranks"] == [2]
-    assert failure["detection_s"] >= 2.0  # caught by the heartbeat timeout (3 s), not by an error
+    assert failure["detection_s"] >= 4.0  # caught by the heartbeat timeout (5 s), not by an error
 
 
 def test_two_nodes_of_different_stages_at_once(reference, tmp_path):
