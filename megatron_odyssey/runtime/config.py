@@ -43,6 +43,7 @@ class TrainConfig:
     checkpoint_interval: int = 2  # steps between checkpoints (0: never)
     workdir: str | None = None  # checkpoints and logs
     mtbf_hours: float | None = None  # per device, for Eq. 8; None: planner default
+    profile_out: str | None = None  # write the measured per-layer profile (planner format) here
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -217,6 +217,12 @@ class RankRuntime:
             self.runner = MegatronStage(self.model)
             self.named = list(self.model.named_global_parameters())
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=cfg.lr)
+        self.profiler = None
+        if cfg.profile_out and not self.sleep_mode:  # hooks time every unit; results are unchanged
+            from .profiler import LayerProfiler
+
+            self.profiler = LayerProfiler(self.model, num_layers=cfg.layers, optimizer=self.optimizer,
+                                          micro_batch=cfg.micro_batch).attach()
 
     def _ckpt_root(self) -> str:
         return os.path.join(self.cfg.workdir or ".", "checkpoints")
@@ -248,7 +254,10 @@ class RankRuntime:
             self.store.set(f"{self.k['ckpt']}/{step}/{self.ident}", "1")
 
     def _apply(self, step: int) -> None:
+        t0 = time.perf_counter()
         self.optimizer.step()
+        if getattr(self, "profiler", None) is not None:
+            self.profiler.observe_optimizer_step(time.perf_counter() - t0)
         self.committed, self.pending = step, None
         self.saved = None  # the live model now holds the newest state
 
@@ -295,7 +304,9 @@ class RankRuntime:
         abort_all_groups()
         if self.saved is None and self.model is not None:
             self.saved = capture(self.named, self.optimizer)
-        self.model = self.runner = self.executor = self.sync = self.groups = self.optimizer = None
+        if getattr(self, "profiler", None) is not None:
+            self.profiler.detach()
+        self.model = self.runner = self.executor = self.sync = self.groups = self.optimizer = self.profiler = None
         self.named = []
         if not self.sleep_mode:
             clear_parallel_state()
@@ -326,12 +337,25 @@ class RankRuntime:
         self.finish()
 
     def finish(self) -> None:
+        if self.profiler is not None:
+            self._write_profile()
         state = self.gathered_state() if self.cfg.save_params else None
         if dist.get_rank() == 0 and self.cfg.save_params:
             torch.save(state, self.cfg.save_params)
         self.store.set(f"odyssey/done/{self.ident}", "1")
         dist.barrier()
         dist.destroy_process_group()
+
+    def _write_profile(self) -> None:
+        """Merge every rank's measured units into one planner profile (collective; lowest rank writes)."""
+        from .cpu_profile import estimated_profile
+        from .profiler import gather_stage_profiles, merge_profiles, pipeline_p2p_s
+
+        cfg = self.cfg
+        parts = gather_stage_profiles(self.profiler.stage_profile())
+        p2p = pipeline_p2p_s(self.plan, lambda n: self.rank_map.rank(n, 0), (cfg.seq, cfg.micro_batch, cfg.hidden))
+        if dist.get_rank() == 0:
+            merge_profiles(parts, p2p_s=p2p, base=estimated_profile(cfg), name="measured").save(cfg.profile_out)
 
     def gathered_state(self) -> dict[str, torch.Tensor]:
         """The full model by global name, at the lowest surviving rank (collective over the world)."""

@@ -235,3 +235,23 @@ def test_synchronize_runs_before_each_clock_reading(gloo_world: None) -> None:
     prof.detach()
     # forward start/end per unit, backward start/input/parameter readings
     assert len(calls) >= 2 * (L + 2) + 2 * (L + 2)
+
+
+def test_training_writes_a_measured_profile_the_planner_reads(tmp_path):
+    """`odyssey train --profile-out` measures during real training and the result plans."""
+    from megatron_odyssey.planning.plan import symmetric_plan
+    from megatron_odyssey.planning.planner import Planner
+    from megatron_odyssey.planning.profile import ModelProfile
+    from megatron_odyssey.runtime.config import TrainConfig
+    from megatron_odyssey.runtime.launcher import launch
+
+    out = tmp_path / "profile.json"
+    cfg = TrainConfig(nproc=4, tp=1, pp=2, layers=4, hidden=32, heads=4, seq=16, global_batch=8, steps=3,
+                      profile_out=str(out))
+    launch(cfg, tmp_path / "run", quiet=True)
+    profile = ModelProfile.load(out)
+    assert profile.num_layers == 4
+    assert all(layer.forward_s > 0 and layer.backward_s > 0 for layer in profile.layers)
+    assert profile.embedding.param_bytes == 4 * 320 * 32  # vocab x hidden fp32
+    decision = Planner(profile, 8, 1).decide(symmetric_plan(2, 2, 4, 8), {1})
+    assert decision.plan is not None
