@@ -32,13 +32,9 @@ dead (7 live ranks; ``planning.planner.reroute_plan``); asymmetric [2, 2, 3] on 
 paper's example: splits (4,4), (4,4), (3,3,2); micro-batches 5, 5, 6) and [3, 3, 2] on 8 nodes
 (splits (3,3,2), (3,3,2), (4,4); micro-batches 5, 5, 6). Target (issue): |error| < 3 % on each.
 
-Sleep-mode gradient sync: the runtime's ``SleepStage`` holds one parameter named after its first
-layer, so on plans whose stages start at different layers (every asymmetric plan) ranks disagree
-on which per-layer all-reduces they join and the step hangs. Until ``trainer.py`` gives
-``SleepStage`` one parameter per held unit (``named_global_parameters``), this script installs
-exactly that change in the rank processes (``sitecustomize`` on ``PYTHONPATH``, every plan
-including the calibrations, so all jobs sync the same way a real model does); it disables itself
-once ``SleepStage.named_global_parameters`` exists. The report says whether it was used.
+Sleep mode: the runtime's ``SleepStage`` holds one weight per unit, so every job (calibrations
+included) runs the real per-unit gradient-sync groups. (The recorded run below predates that fix
+and installed the same change in its rank processes; its report says so.)
 """
 from __future__ import annotations
 
@@ -65,80 +61,6 @@ from megatron_odyssey.runtime.launcher import launch
 START, END = "<!-- estimator:start -->", "<!-- estimator:end -->"
 TARGET_PCT = 3.0
 PAPER_PCT = 8.02
-
-# -- sleep-mode per-unit parameters (see the module docstring) ------------------------------------
-
-SHIM_ENV = "ODYSSEY_BENCH_SLEEP_UNITS"
-SITECUSTOMIZE = r'''
-"""Written by benchmarks/bench_estimator.py: gives the runtime's SleepStage one parameter per
-held unit, so sleep-mode gradient sync joins the same per-unit all-reduces as a real model."""
-import os, sys
-
-if os.environ.get("%(env)s") == "1":
-    import importlib.abc, importlib.util
-
-    def _patch(T):
-        import torch
-        if hasattr(T.SleepStage, "named_global_parameters"):
-            return  # trainer.py already has per-unit parameters
-        init0 = T.SleepStage.__init__
-
-        def __init__(self, cfg, layer_start, layer_end):
-            init0(self, cfg, layer_start, layer_end)
-            names = (["embedding.sleep"] if layer_start == 0 else []) + \
-                [f"decoder.layers.{k}.sleep" for k in range(layer_start, layer_end)] + \
-                (["output_layer.sleep"] if layer_end == cfg.layers else [])
-            self.unit_names = names
-            self.unit_weights = torch.nn.ParameterList([torch.nn.Parameter(torch.ones(cfg.hidden)) for _ in names])
-
-        def named_global_parameters(self):
-            return list(zip(self.unit_names, self.unit_weights))
-
-        build0 = T.RankRuntime._build_model
-
-        def _build_model(self, start, end):
-            build0(self, start, end)
-            if self.sleep_mode:
-                self.named = list(self.model.named_global_parameters())
-
-        T.SleepStage.__init__ = __init__
-        T.SleepStage.named_global_parameters = named_global_parameters
-        T.RankRuntime._build_model = _build_model
-
-    class _Finder(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path, target=None):
-            if name != "megatron_odyssey.runtime.trainer":
-                return None
-            sys.meta_path.remove(self)
-            try:
-                spec = importlib.util.find_spec(name)
-            finally:
-                sys.meta_path.insert(0, self)
-            if spec is None or spec.loader is None:
-                return spec
-            exec0 = spec.loader.exec_module
-
-            def exec_module(module):
-                exec0(module)
-                _patch(module)
-            spec.loader.exec_module = exec_module
-            return spec
-
-    sys.meta_path.insert(0, _Finder())
-''' % {"env": SHIM_ENV}
-
-
-def runtime_has_unit_params() -> bool:
-    from megatron_odyssey.runtime import trainer
-
-    return hasattr(trainer.SleepStage, "named_global_parameters")
-
-
-def install_shim(tmp: Path) -> None:
-    (tmp / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(tmp), *filter(None, [os.environ.get("PYTHONPATH")])])
-    os.environ[SHIM_ENV] = "1"
-
 
 # -- plans ------------------------------------------------------------------------------------------
 
@@ -439,10 +361,6 @@ def main(argv: list[str] | None = None) -> dict:
         evals = [j for j in evals if j.name in keep]
     root = Path(tempfile.mkdtemp(prefix="bench-estimator-"))
     shim = "not needed (trainer.py's SleepStage has per-unit parameters)"
-    if not runtime_has_unit_params():
-        install_shim(root)
-        shim = ("used: SleepStage got one parameter per held unit (see the script's docstring); "
-                "without it asymmetric plans hang in sleep mode")
     load_before = loadavg()
     times: dict[str, list[float]] = {j.name: [] for j in cal + evals}
     t_start = time.time()
