@@ -170,6 +170,12 @@ def _representative_placements(stages: int, extra: int) -> list[tuple[int, ...]]
     return sorted(out)
 
 
+def max_units(split: tuple[int, ...]) -> int:
+    """Most weight-holding units on one stage (embedding and output count): the colouring's lower
+    bound on gradient-sync rounds, and what sets the slowest optimizer step."""
+    return max(n + (i == 0) + (i == len(split) - 1) for i, n in enumerate(split))
+
+
 def split_layers(model: PipelineModel, stages: int, micro_batches: int, improve: bool = True) -> tuple[int, ...] | None:
     """Odyssey's layer split: even first, enumerate the remainder's placements, drop those that do not
     fit in memory (Eq. 14), keep the fastest; then move single layers off the bottleneck stage while
@@ -179,10 +185,13 @@ def split_layers(model: PipelineModel, stages: int, micro_batches: int, improve:
 
 @lru_cache(maxsize=65536)
 def _split_layers_cached(model: PipelineModel, stages: int, micro_batches: int, improve: bool) -> tuple[int, ...] | None:
+    def cost(split: tuple[int, ...]) -> float:
+        return model.time(split, micro_batches)
+
     best, best_t = None, float("inf")
     for split in remainder_placements(model.profile.num_layers, stages):
         if model.fits(split, micro_batches):
-            t = model.time(split, micro_batches)
+            t = cost(split)
             if t < best_t:
                 best, best_t = split, t
     if best is None or not improve:
@@ -200,7 +209,7 @@ def _split_layers_cached(model: PipelineModel, stages: int, micro_batches: int, 
                 trial[dst] += 1
                 trial_t = tuple(trial)
                 if model.fits(trial_t, micro_batches):
-                    t = model.time(trial_t, micro_batches)
+                    t = cost(trial_t)
                     if t < best_t - 1e-12:
                         best, best_t, moved = trial_t, t, True
                         break
@@ -208,6 +217,40 @@ def _split_layers_cached(model: PipelineModel, stages: int, micro_batches: int, 
                 break
         if not moved:
             return best
+
+
+@lru_cache(maxsize=65536)
+def split_front(model: PipelineModel, stages: int, micro_batches: int) -> tuple[tuple[int, ...], ...]:
+    """The heuristic's splits (the remainder placements, the improved split, and each with one layer
+    moved off an end stage) that are Pareto-optimal in (pipeline time, most units on one node): the
+    second coordinate sets the whole plan's gradient-sync rounds, which one pipeline cannot see."""
+    base = split_layers(model, stages, micro_batches)
+    if base is None:
+        return ()
+    candidates = set(remainder_placements(model.profile.num_layers, stages)) | {base}
+    for split in list(candidates):
+        for src, dst in ((0, 1), (stages - 1, stages - 2)):
+            if stages > 1 and split[src] > 1:
+                moved = list(split)
+                moved[src] -= 1
+                moved[dst] += 1
+                candidates.add(tuple(moved))
+    return _front([s for s in candidates if model.fits(s, micro_batches)], model, micro_batches)
+
+
+def _front(splits: list[tuple[int, ...]], model: PipelineModel, micro_batches: int) -> tuple[tuple[int, ...], ...]:
+    best: dict[int, tuple[float, tuple[int, ...]]] = {}
+    for split in splits:
+        units, t = max_units(split), model.time(split, micro_batches)
+        if units not in best or t < best[units][0]:
+            best[units] = (t, split)
+    front, fastest = [], float("inf")
+    for units in sorted(best):
+        t, split = best[units]
+        if t < fastest:
+            front.append(split)
+            fastest = t
+    return tuple(front)
 
 
 def best_split_exhaustive(model: PipelineModel, stages: int, micro_batches: int) -> tuple[int, ...] | None:
@@ -221,20 +264,8 @@ def split_front_exhaustive(model: PipelineModel, stages: int, micro_batches: int
 
     The second coordinate drives the gradient-sync rounds and the optimizer time of the whole plan,
     so an oracle that only kept the fastest split could miss the best plan."""
-    best: dict[int, tuple[float, tuple[int, ...]]] = {}
-    for split in compositions(model.profile.num_layers, stages):
-        if model.fits(split, micro_batches):
-            units = max(n + (i == 0) + (i == stages - 1) for i, n in enumerate(split))
-            t = model.time(split, micro_batches)
-            if units not in best or t < best[units][0]:
-                best[units] = (t, split)
-    front, fastest = [], float("inf")
-    for units in sorted(best):
-        t, split = best[units]
-        if t < fastest:
-            front.append(split)
-            fastest = t
-    return front
+    feasible = [s for s in compositions(model.profile.num_layers, stages) if model.fits(s, micro_batches)]
+    return list(_front(feasible, model, micro_batches))
 
 
 SplitFn = Callable[[PipelineModel, int, int], "tuple[int, ...] | None"]

@@ -16,8 +16,8 @@ from typing import Any, Iterator
 
 from .errors import PlanningError
 from .estimator import StepEstimate, allreduce_time, estimate_step, score
-from .partition import (PipelineModel, balanced_multisets, distribute_batch, length_multisets, split_front_exhaustive,
-                        split_layers)
+from .partition import (PipelineModel, balanced_multisets, distribute_batch, length_multisets, max_units,
+                        split_front, split_front_exhaustive, split_layers)
 from .plan import ExecutionPlan, Reroute, layout
 from .profile import ModelProfile
 from .restorer import TransferSchedule, assign_nodes
@@ -36,6 +36,8 @@ class PlannerOptions:
     mtbf_hours: float = DEFAULT_MTBF_HOURS  # per device; the next failure is expected after mtbf / devices
     max_multisets_per_dp: int = 2000  # past this, only balanced multisets (two adjacent lengths)
     refine_top: int = 8  # candidates that get the full estimate (sync + optimizer) and batch refinement
+    min_pipelines: int = 2  # keep a live replica of every layer when the survivors allow (see search_layouts)
+    unit_balance_top: int = 2  # of those, how many also try capping units per node (fewer sync rounds)
     tp: int = 1
 
     def __post_init__(self) -> None:
@@ -225,9 +227,24 @@ class Planner:
         return layouts[0] if layouts else None
 
     def search_layouts(self, num_nodes: int, current_dp: int, current_pp: int) -> list[ExecutionPlan]:
-        """The best few layouts, fastest step first (the caller weighs their transfer costs)."""
+        """The best few layouts, fastest step first (the caller weighs their transfer costs).
+
+        Layouts keep at least ``min_pipelines`` pipelines when any such layout fits: a single pipeline
+        holds the only copy of every layer, so the next failure would force a checkpoint restart, a
+        cost Eq. 8 does not see (Oobleck keeps f+1 pipelines for the same reason). Only when no
+        layout with that many fits does the search fall back to fewer."""
+        if num_nodes < 1:
+            return []
+        floor = max(1, min(self.options.min_pipelines, num_nodes, self.num_micro_batches))
+        while True:
+            found = self._search_layouts(num_nodes, current_dp, current_pp, floor)
+            if found or floor <= 1:
+                return found
+            floor = 1
+
+    def _search_layouts(self, num_nodes: int, current_dp: int, current_pp: int, floor: int) -> list[ExecutionPlan]:
         if self.options.search == "exhaustive":
-            best = self._search_exhaustive(num_nodes)
+            best = self._search_exhaustive(num_nodes, floor)
             return [best] if best else []
         L, m_total = self.profile.num_layers, self.num_micro_batches
         cap = min(num_nodes, m_total)
@@ -235,6 +252,7 @@ class Planner:
                if d <= cap]
         if not dps:  # many nodes lost at once: the window slid past the survivors; take the top of what fits
             dps = list(range(max(1, cap - 2 * self.options.dp_range), cap + 1))
+        dps = [d for d in dps if d >= floor] or list(range(floor, min(cap, floor + 2 * self.options.dp_range) + 1))
         ranked: list[tuple[float, tuple[int, ...], list[int], list[tuple[int, ...]]]] = []
         for dp in dps:
             lo = max(1, min(current_pp - self.options.pp_range, num_nodes // dp))
@@ -247,28 +265,49 @@ class Planner:
                     ranked.append((approx, lengths, batch, evaluated[1]))
         ranked.sort(key=lambda r: r[0])
         refined: dict[str, tuple[float, ExecutionPlan]] = {}
-        for _, lengths, batch, splits in ranked[: self.options.refine_top]:
+        for rank, (_, lengths, batch, splits) in enumerate(ranked[: self.options.refine_top]):
             batch, splits = self._refine_batch(lengths, batch, splits)
-            plan = layout(list(zip(splits, batch)), num_layers=L)
-            refined.setdefault(plan.plan_id, (estimate_step(plan, self.profile).step_time_s, plan))
+            plans = (self._unit_balanced(lengths, batch, splits) if rank < self.options.unit_balance_top
+                     else [layout(list(zip(splits, batch)), num_layers=L)])
+            for plan in plans:
+                if plan.plan_id not in refined:
+                    refined[plan.plan_id] = (estimate_step(plan, self.profile).step_time_s, plan)
         return [plan for _, plan in sorted(refined.values(), key=lambda x: x[0])]
 
     def _approx_sync_s(self, splits: list[tuple[int, ...]]) -> float:
         """Cheap stand-in for the colouring's sync time, to rank candidates: as many rounds as the most
-        layers on one node (the colouring's lower bound), each a layer's all-reduce over all pipelines."""
-        dp = len(splits)
-        if dp < 2:
-            return 0.0
-        layer = max(self.profile.layers, key=lambda u: u.grad_bytes)
-        rounds = max(max(s) for s in splits)
-        return rounds * allreduce_time(layer.grad_bytes, dp, self.profile.allreduce_bandwidth_Bps,
-                                       self.profile.allreduce_latency_s)
+        units on one node (the colouring's lower bound), each a layer's all-reduce over all pipelines."""
+        return max(max_units(s) for s in splits) * self._sync_per_unit_s(len(splits))
 
     def _multisets(self, n: int, dp: int, lo: int, hi: int) -> list[tuple[int, ...]]:
         # C(dp + w - 1, w - 1) multisets of dp lengths from w values bound the count from above
         if math.comb(dp + hi - lo, hi - lo) <= self.options.max_multisets_per_dp:
             return list(length_multisets(n, dp, lo, hi))
         return balanced_multisets(n, dp, lo, hi)
+
+    def _unit_balanced(self, lengths: tuple[int, ...], batch: list[int], splits: list[tuple[int, ...]]):
+        """The layout as refined, plus, for each cap R on units per node, every pipeline's fastest split
+        within the cap (fewer units per node = fewer sync rounds for the whole plan)."""
+        L = self.profile.num_layers
+        yield layout(list(zip(splits, batch)), num_layers=L)
+        fronts = [split_front(self.model, n, m) for n, m in zip(lengths, batch)]
+        for cap in sorted({max_units(s) for f in fronts for s in f}):
+            chosen = []
+            for front, m in zip(fronts, batch):
+                within = [s for s in front if max_units(s) <= cap]
+                if not within:
+                    break
+                chosen.append(min(within, key=lambda s, m=m: self.model.time(s, m)))
+            else:
+                yield layout(list(zip(chosen, batch)), num_layers=L)
+
+    def _sync_per_unit_s(self, num_pipelines: int) -> float:
+        """One gradient-sync round: the largest layer's all-reduce across the pipelines."""
+        if num_pipelines < 2:
+            return 0.0
+        layer = max(self.profile.layers, key=lambda u: u.grad_bytes)
+        return allreduce_time(layer.grad_bytes, num_pipelines, self.profile.allreduce_bandwidth_Bps,
+                              self.profile.allreduce_latency_s)
 
     def _evaluate(self, lengths: tuple[int, ...], batch: list[int]) -> tuple[float, list[tuple[int, ...]]] | None:
         """Slowest pipeline time with each pipeline's best layer split; None if one cannot fit."""
@@ -312,7 +351,7 @@ class Planner:
             splits[slow], splits[k] = slow_split, split
             times[slow], times[k] = new_slow, t
 
-    def _search_exhaustive(self, num_nodes: int) -> ExecutionPlan | None:
+    def _search_exhaustive(self, num_nodes: int, floor: int = 1) -> ExecutionPlan | None:
         """Every pipeline count, every length multiset, every batch split, and for each pipeline every
         layer split on the Pareto front of (pipeline time, most units per node), combined."""
         L, m_total = self.profile.num_layers, self.num_micro_batches
@@ -324,7 +363,7 @@ class Planner:
                 fronts[(length, m)] = split_front_exhaustive(self.model, length, m)
             return fronts[(length, m)]
 
-        for dp in range(1, min(num_nodes, m_total) + 1):
+        for dp in range(floor, min(num_nodes, m_total) + 1):
             for lengths in length_multisets(num_nodes, dp, 1, L):
                 for batch in _batch_splits(lengths, m_total):
                     options = [front(n, m) for n, m in zip(lengths, batch)]
