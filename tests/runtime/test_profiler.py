@@ -105,18 +105,24 @@ def test_real_optimizer_state_bytes(gloo_world: None) -> None:
     assert units[0].optimizer_s / total == pytest.approx(units[0].param_bytes / sum(c.param_bytes for c in units.values()))
 
 
+FWD_DELAY, BWD_DELAY = 0.2, 0.3
+
+
 def test_time_lands_in_the_right_unit(gloo_world: None) -> None:
-    """A delay injected into layer 1's MLP (forward) and its backward shows up in unit 2 only."""
+    """A delay injected into layer 1's MLP (forward) and its backward shows up in unit 2 only.
+
+    The delays are large next to what a loaded 2-core machine adds to a tiny layer (medians of 6
+    passes), so the check stays about attribution, not about timing noise."""
 
     class Slow(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x):  # type: ignore[override]
-            time.sleep(0.05)
+            time.sleep(FWD_DELAY)
             return x.clone()
 
         @staticmethod
         def backward(ctx, g):  # type: ignore[override]
-            time.sleep(0.1)
+            time.sleep(BWD_DELAY)
             return g
 
     seed_all(CFG.seed)
@@ -128,11 +134,11 @@ def test_time_lands_in_the_right_unit(gloo_world: None) -> None:
         run_split([stage], b)
     units = prof.stage_profile().units
     prof.detach()
-    assert units[2].forward_s >= 0.05 and units[2].backward_s >= 0.1
+    assert units[2].forward_s >= FWD_DELAY and units[2].backward_s >= BWD_DELAY
     for u, c in units.items():  # the delay is attributed to unit 2 alone (margins for a busy machine)
         if u != 2:
-            assert c.forward_s < units[2].forward_s - 0.03, (u, c)
-            assert c.backward_s < units[2].backward_s - 0.06, (u, c)
+            assert c.forward_s < units[2].forward_s - FWD_DELAY / 2, (u, c)
+            assert c.backward_s < units[2].backward_s - BWD_DELAY / 2, (u, c)
 
 
 def test_merge_round_trip_and_estimate(gloo_world: None) -> None:
