@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from docs_section import write_section
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "benchmarks.md"
 START, END = "<!-- simulator:start -->", "<!-- simulator:end -->"
@@ -45,7 +47,6 @@ try:
     os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
 except (AttributeError, OSError):
     pass
-from docs_section import write_section
 from megatron_odyssey.sim import SimulationConfig, run_simulation
 cfg = SimulationConfig(progress=False, **json.loads(sys.argv[1]))
 t = time.perf_counter()
