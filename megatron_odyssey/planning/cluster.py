@@ -58,27 +58,6 @@ class ClusterSpec:
         """Micro-batches in one global batch (over all pipelines)."""
         return self.global_batch // self.micro_batch
 
-    def node_of(self, stage: int, replica: int) -> int:
-        return stage * self.dp + replica
-
-    def stage_of(self, node: int) -> int:
-        return node // self.dp
-
-    def replica_of(self, node: int) -> int:
-        return node % self.dp
-
-    def ranks_of(self, node: int) -> list[int]:
-        return [node * self.tp + t for t in range(self.tp)]
-
-    def node_of_rank(self, rank: int) -> int:
-        if not 0 <= rank < self.num_devices:
-            raise PlanningError(f"rank {rank} not in the cluster: ranks are 0..{self.num_devices - 1}")
-        return rank // self.tp
-
-    def with_failed(self, failed: set[int] | frozenset[int]) -> "ClusterSpec":
-        return ClusterSpec(self.tp, self.pp, self.dp, self.num_layers, self.global_batch,
-                           self.micro_batch, frozenset(failed))
-
 
 def parse_node_list(text: str | None) -> frozenset[int]:
     """Parse ``"3,5"`` (the ``--failed`` flag) into node ids, with a clear error on junk."""

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 from itertools import combinations
-from typing import Callable, Iterator
+from math import comb
+from typing import Iterator
 
 from .errors import PlanningError
 from .estimator import _plain_pipeline
@@ -144,14 +145,9 @@ def remainder_placements(num_layers: int, stages: int) -> list[tuple[int, ...]]:
     base, extra = divmod(num_layers, stages)
     if base == 0:
         return []
-    combos = list(combinations(range(stages), extra)) if _n_choose_k(stages, extra) <= MAX_REMAINDER_PLACEMENTS \
+    combos = list(combinations(range(stages), extra)) if comb(stages, extra) <= MAX_REMAINDER_PLACEMENTS \
         else _representative_placements(stages, extra)
     return [tuple(base + (1 if i in set(c) else 0) for i in range(stages)) for c in combos]
-
-
-def _n_choose_k(n: int, k: int) -> int:
-    from math import comb
-    return comb(n, k)
 
 
 def _representative_placements(stages: int, extra: int) -> list[tuple[int, ...]]:
@@ -253,12 +249,6 @@ def _front(splits: list[tuple[int, ...]], model: PipelineModel, micro_batches: i
     return tuple(front)
 
 
-def best_split_exhaustive(model: PipelineModel, stages: int, micro_batches: int) -> tuple[int, ...] | None:
-    """The fastest memory-feasible split over every composition (oracle; small models only)."""
-    front = split_front_exhaustive(model, stages, micro_batches)
-    return min(front, key=lambda s: model.time(s, micro_batches)) if front else None
-
-
 def split_front_exhaustive(model: PipelineModel, stages: int, micro_batches: int) -> list[tuple[int, ...]]:
     """Every memory-feasible split that is Pareto-optimal in (pipeline time, most units on one node).
 
@@ -267,5 +257,3 @@ def split_front_exhaustive(model: PipelineModel, stages: int, micro_batches: int
     feasible = [s for s in compositions(model.profile.num_layers, stages) if model.fits(s, micro_batches)]
     return list(_front(feasible, model, micro_batches))
 
-
-SplitFn = Callable[[PipelineModel, int, int], "tuple[int, ...] | None"]

@@ -113,10 +113,6 @@ class ModelProfile:
             raise PlanningError(f"profile file {path} must hold a JSON object")
         return cls.from_dict(data, source=str(path))
 
-    def with_layers(self, num_layers: int) -> "ModelProfile":
-        """The same per-layer costs for a model of ``num_layers`` identical layers."""
-        return replace(self, layers=tuple(self.layers[i % len(self.layers)] for i in range(num_layers)))
-
 
 def _check_fields(cls: type, data: dict[str, Any], source: str) -> None:
     known = {f.name for f in fields(cls)}

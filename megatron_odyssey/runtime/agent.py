@@ -243,8 +243,8 @@ class Agent:
     def latest_checkpoint(self) -> int | None:
         """Newest checkpoint every member of its time finished writing."""
         done = []
+        gens = range(self.gen + 1)
         for step, writers in self.checkpoints.items():
-            gens = [g for g in range(self.gen + 1)]
             if all(any(self.store.check([f"odyssey/gen{g}/ckpt/{step}/{i}"]) for g in gens) for i in writers):
                 done.append(step)
         return max(done) if done else None

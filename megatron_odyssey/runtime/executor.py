@@ -70,11 +70,16 @@ class PipelineExecutor:
         return ((pipeline * self._max_stages + stage) * self._max_mbs + micro_batch) * 2 + (kind == FORWARD)
 
     # -- one step ---------------------------------------------------------------------------------
-    def run_step(self, step: int, token_count: float, on_op: Callable[[str], None] | None = None) -> StepResult:
-        """Run this rank's operations of ``step``; ``on_op(kind)`` is called before each (fault injection)."""
+    def run_step(self, step: int, token_count: Callable[[], float],
+                 on_op: Callable[[str], None] | None = None) -> StepResult:
+        """Run this rank's operations of ``step``; ``on_op(kind)`` is called before each (fault injection).
+
+        ``token_count()`` (loss tokens in the whole global batch) is asked for only if this rank runs
+        last-stage work, so other ranks never read the whole global batch."""
         import time
 
         result = StepResult()
+        tokens: float | None = None
         saved: dict[tuple[int, int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         pending: list[tuple[dist.Work, torch.Tensor]] = []
         for op in self._ops:
@@ -94,7 +99,9 @@ class PipelineExecutor:
                 out = self.runner.forward(batch, inp)
                 if last_stage:
                     mask = batch["loss_mask"].to(out.dtype)
-                    out = (out.float() * mask).sum() / token_count
+                    if tokens is None:
+                        tokens = token_count()
+                    out = (out.float() * mask).sum() / tokens
                     result.loss_sum += float(out.detach())
                 else:
                     send = out.detach().contiguous()

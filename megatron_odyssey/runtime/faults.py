@@ -50,9 +50,6 @@ class FailSpec:
             raise PlanningError(f"--fail {text!r}: step and rank must be >= 0")
         return spec
 
-    def to_text(self) -> str:
-        return f"step={self.step},rank={self.rank},phase={self.phase},kind={self.kind}"
-
 
 class Injector:
     """Fires this rank's fault specs when the training loop reaches their step and phase."""

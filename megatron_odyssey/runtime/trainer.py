@@ -145,7 +145,6 @@ class RankRuntime:
         self.pending: int | None = None
         self.saved: Any = None  # state captured at teardown, restored into the next generation's model
         self.named: list = []
-        self._token_counts: dict[int, float] = {}
         from .data import MicroBatchData
 
         self.data = MicroBatchData(cfg.data_config())
@@ -230,16 +229,14 @@ class RankRuntime:
     # -- steps ----------------------------------------------------------------------------------------
     def token_count(self, step: int) -> float:
         """Loss tokens in the whole global batch of ``step`` (any rank can compute it)."""
-        if step not in self._token_counts:
-            self._token_counts[step] = float(sum(self.data.micro_batch(step, j)["loss_mask"].sum()
-                                                 for j in range(self.cfg.num_micro_batches)))
-        return self._token_counts[step]
+        return float(sum(self.data.micro_batch(step, j)["loss_mask"].sum() for j in range(self.cfg.num_micro_batches)))
 
     def train_step(self, step: int) -> None:
         self.pending = step
         self.optimizer.zero_grad(set_to_none=True)
         phase = {"F": "forward", "B": "backward"}
-        result = self.executor.run_step(step, self.token_count(step), on_op=lambda kind: self.injector(step, phase[kind]))
+        result = self.executor.run_step(step, lambda: self.token_count(step),
+                                        on_op=lambda kind: self.injector(step, phase[kind]))
         self.injector(step, "grad-sync")
         self.sync()
         self.store.set(f"{self.k['ready']}/{step}/{self.ident}", repr(result.loss_sum if self.tp_rank == 0 else 0.0))
