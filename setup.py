@@ -22,5 +22,6 @@ setup(
         "runtime": ["torch==2.13.0", "megatron-core==0.16.1"],
         "test": ["pytest"],
     },
-    entry_points={"console_scripts": ["odyssey=megatron_odyssey.cli:main"]},
+    entry_points={"console_scripts": ["odyssey=megatron_odyssey.cli:main",
+                                     "odyssey-launch=megatron_odyssey.launch:main"]},
 )

@@ -101,21 +101,24 @@ class FailureRecord:
 
 
 class Agent:
-    def __init__(self, cfg: TrainConfig, cfg_path: Path, workdir: Path, echo_rank0: bool = True):
-        import torch.distributed as dist
-
+    def __init__(self, cfg: TrainConfig, cfg_path: Path | None, workdir: Path, echo_rank0: bool = True,
+                 procs: dict[int, Any] | None = None, store: Any = None):
+        """``procs``/``store`` given: the ranks were started elsewhere (the Megatron-LM launcher), and
+        the agent only supervises them; otherwise it forks its own ranks (``odyssey train``)."""
+        self.external = procs is not None
         self.cfg, self.cfg_path, self.workdir, self.echo = cfg, cfg_path, workdir, echo_rank0
         self.plan = cfg.validate()
         self.state_plan = self.plan  # layout of the newest committed state (what survivors hold)
         self.gen = 0
         self.started_gen = True  # generation 0 needs no join barrier
-        self.store = None  # created after the ranks are forked (see run)
-        self.procs: dict[int, Any] = {}
+        self.store = store  # created after the ranks are forked (see run) unless given
+        self.procs: dict[int, Any] = dict(procs or {})
         self.dead: set[int] = set()
         self.fenced: set[int] = set()
         self.steps: dict[int, dict[str, Any]] = {}
         self.failures: list[FailureRecord] = []
-        self.next_step = 0
+        self.started = time.time()
+        self.next_step = int(cfg.extra.get("start_step", 0))  # a Megatron job may resume from --load
         self.step_started = time.time()
         self.checkpoints: dict[int, set[int]] = {}  # step -> idents expected to write it
         self.phases = {(s.rank, s.step): s.phase for s in cfg.fail_specs()}
@@ -139,6 +142,12 @@ class Agent:
 
     # -- main loop ------------------------------------------------------------------------------------
     def run(self) -> int:
+        if not self.external:
+            self._fork_ranks()
+        self.started = time.time()
+        return self.supervise()
+
+    def _fork_ranks(self) -> None:
         import torch.distributed as dist
 
         # Fork while this process has a single thread: a child of a multi-threaded parent can
@@ -158,7 +167,9 @@ class Agent:
             self.procs[ident] = p
         self.store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=self.cfg.timeout_s))
-        self.started = time.time()
+
+    def supervise(self) -> int:
+        """Detect, commit, recover until every rank has exited; returns the job's exit code."""
         while True:
             failed = self.detect()
             if failed:
@@ -188,7 +199,7 @@ class Agent:
                 out.add(ident)
             elif code is None and self._stale(ident, now):
                 self.log(f"rank {ident} missed heartbeats for {self.cfg.heartbeat_timeout_s:.1f} s: fencing it (SIGKILL)")
-                os.kill(self.procs[ident].pid, signal.SIGKILL)
+                self.procs[ident].kill()
                 self.procs[ident].join(5)
                 self.fenced.add(ident)
                 out.add(ident)
@@ -215,7 +226,7 @@ class Agent:
         if not self.store.check(ready):
             return
         loss = sum(float(self.store.get(k)) for k in ready)
-        self.store.set(f"{self.key('commit')}/{t}", "1")
+        self.store.set(f"{self.key('commit')}/{t}", repr(loss))  # ranks report the committed loss
         now = time.time()
         self.state_plan = self.plan  # survivors now hold their state in this generation's layout
         redone = t in self.steps  # trained before, lost to a restart from an older checkpoint
@@ -301,6 +312,12 @@ class Agent:
             resume = (ckpt + 1) if ckpt is not None else 0
             where = f"checkpoint of step {ckpt}" if ckpt is not None else "the initial weights (no checkpoint yet)"
             self.log(f"restart: {chosen.reason}; restoring {where}, resuming at step {resume}")
+        if chosen.policy == "restart" and self.external:
+            self.log(f"cannot continue in-process: {chosen.reason}; stopping the job - relaunch it with --load "
+                     f"from the latest Megatron checkpoint")
+            rec.policy, rec.reason = "restart", chosen.reason
+            self.failures.append(rec)
+            return False
         for c in decision.candidates:
             self.log(f"  candidate {c.policy:<11} step {c.step_time_s:.4g}s transition "
                      f"{c.transition.total_s if c.feasible else float('nan'):.4g}s score {c.score:.4g}  {c.reason}")

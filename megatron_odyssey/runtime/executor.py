@@ -51,6 +51,10 @@ class PipelineExecutor:
     micro_batch: MicroBatchFn
     activation_shape: tuple[int, ...]  # [seq, micro-batch, hidden]
     dtype: torch.dtype = torch.float32
+    # False: Megatron's default loss, each micro-batch's token mean weighted equally (1 / all
+    # micro-batches); True: every token of the global batch weighs the same (--calculate-per-token-loss)
+    per_token_loss: bool = True
+    device: torch.device | str = "cpu"  # where activations arrive (the stage model's device)
     _ops: list[Op] = field(init=False)
     _executor: dict[tuple[int, int, int], int] = field(init=False)
 
@@ -91,7 +95,7 @@ class PipelineExecutor:
             if op.kind == FORWARD:
                 inp = None
                 if op.stage > 0:
-                    inp = torch.empty(self.activation_shape, dtype=self.dtype)
+                    inp = torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
                     dist.recv(inp, src=self._rank_of(op.pipeline, op.stage - 1, op.micro_batch),
                               tag=self._tag(FORWARD, op.pipeline, op.stage - 1, op.micro_batch))
                     inp.requires_grad_()
@@ -99,9 +103,12 @@ class PipelineExecutor:
                 out = self.runner.forward(batch, inp)
                 if last_stage:
                     mask = batch["loss_mask"].to(out.dtype)
-                    if tokens is None:
-                        tokens = token_count()
-                    out = (out.float() * mask).sum() / tokens
+                    if not self.per_token_loss:
+                        out = (out.float() * mask).sum() / mask.sum() / self.plan.num_micro_batches
+                    else:
+                        if tokens is None:
+                            tokens = token_count()
+                        out = (out.float() * mask).sum() / tokens
                     result.loss_sum += float(out.detach())
                 else:
                     send = out.detach().contiguous()
@@ -114,7 +121,7 @@ class PipelineExecutor:
                 if last_stage:
                     torch.autograd.backward(out)
                 else:
-                    grad = torch.empty(self.activation_shape, dtype=self.dtype)
+                    grad = torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
                     dist.recv(grad, src=self._rank_of(op.pipeline, op.stage + 1, op.micro_batch),
                               tag=self._tag("B", op.pipeline, op.stage + 1, op.micro_batch))
                     torch.autograd.backward(out, grad)

@@ -41,10 +41,12 @@ def params_by_unit(named_params: Iterable[tuple[str, torch.nn.Parameter]], num_l
 
 
 class GradientSync:
-    def __init__(self, plan: ExecutionPlan, groups: PlanGroups, params: dict[int, list[torch.nn.Parameter]]):
+    def __init__(self, plan: ExecutionPlan, groups: PlanGroups, params: dict[int, list[torch.nn.Parameter]],
+                 attr: str = "grad"):
         self.rounds, _, self.lower_bound = colour_units(plan)
         self.groups = groups
         self.params = params
+        self.attr = attr  # "main_grad": Megatron DDP's fp32 gradient buffers, reduced in place
 
     def __call__(self) -> int:
         """All-reduce this rank's shared units' gradients; returns the number of all-reduces joined."""
@@ -56,13 +58,17 @@ class GradientSync:
                     continue
                 group, _ = entry
                 params = self.params[unit]
-                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-                flat = torch.cat([g.reshape(-1) for g in grads])
+                grads = [getattr(p, self.attr, None) for p in params]
+                flat = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(grads, params)])
                 dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
                 offset = 0
-                for p in params:
+                for p, g in zip(params, grads):
                     n = p.numel()
-                    p.grad = flat[offset:offset + n].view_as(p).clone()
+                    part = flat[offset:offset + n].view_as(p)
+                    if self.attr == "grad" or g is None:
+                        setattr(p, self.attr, part.clone())
+                    else:
+                        g.copy_(part)
                     offset += n
                 joined += 1
         return joined

@@ -1,0 +1,124 @@
+"""The ``--odyssey-*`` argument group that Megatron-LM's ``parse_args`` gains, and its validation.
+
+Pure argparse, no Megatron import: the adaptor adds :func:`add_odyssey_args` to Megatron's parser
+and runs :func:`validate_odyssey_args` after Megatron's own ``validate_args``, so a bad combination
+stops the job before any process group or model exists, with a message naming the flag to change.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+POLICIES = ("auto", "reroute", "reconfigure")
+
+# Megatron features whose state or communication is laid out for one uniform grid; each would be
+# silently wrong (or hang) on a rerouted or asymmetric plan. (attribute, flag, why)
+_INCOMPATIBLE: tuple[tuple[str, str, str], ...] = (
+    ("use_distributed_optimizer", "--use-distributed-optimizer",
+     "it shards optimizer state over the data-parallel group, but after a failure layers are held by "
+     "different rank sets (asymmetric plans) and state moves per layer"),
+    ("overlap_grad_reduce", "--overlap-grad-reduce",
+     "it all-reduces whole DDP buckets over one data-parallel group during backward; Odyssey "
+     "synchronises each layer over the ranks that hold it after backward"),
+    ("overlap_param_gather", "--overlap-param-gather", "it needs the distributed optimizer"),
+    ("use_torch_fsdp2", "--use-torch-fsdp2", "FSDP shards parameters over one uniform data-parallel group"),
+    ("use_megatron_fsdp", "--use-megatron-fsdp", "FSDP shards parameters over one uniform data-parallel group"),
+    ("fp16", "--fp16", "the dynamic loss scaler's skip/scale decisions are not part of the step commit; use --bf16 or fp32"),
+)
+
+
+class OdysseyArgumentError(ValueError):
+    """A flag combination Odyssey cannot run; the message names the flag and the fix."""
+
+
+def add_odyssey_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``odyssey`` group (used as, or chained into, Megatron's ``extra_args_provider``)."""
+    if any(a.dest == "odyssey" for a in parser._actions):  # already added (idempotent)
+        return parser
+    g = parser.add_argument_group(title="odyssey", description="keep training through accelerator failures")
+    g.add_argument("--odyssey", action="store_true",
+                   help="enable failure recovery by rerouting or re-arranging pipelines in-process")
+    g.add_argument("--odyssey-policy", choices=POLICIES, default="auto",
+                   help="auto: the performance model chooses per failure; reroute/reconfigure: force one "
+                        "when feasible (default: auto)")
+    g.add_argument("--odyssey-max-cached-failures", type=int, default=1, metavar="K",
+                   help="precompute plans for every set of up to K failed nodes (0: plan on demand; default 1)")
+    g.add_argument("--odyssey-mtbf-hours", type=float, default=None, metavar="H",
+                   help="mean time between failures per device, weighing a transition's cost against its "
+                        "speed-up (Eq. 8; default: the planner's 50000 h)")
+    g.add_argument("--odyssey-heartbeat-timeout", type=float, default=30.0, metavar="S",
+                   help="seconds without a heartbeat before a rank is declared hung and fenced (default 30)")
+    g.add_argument("--odyssey-profile-iters", type=int, default=0, metavar="N",
+                   help="time the first N iterations with Megatron's timers and plan from the measured "
+                        "per-layer costs instead of the analytical estimate (default 0: estimate)")
+    g.add_argument("--odyssey-report", default=None, metavar="FILE",
+                   help="write per-iteration and per-failure records (JSON) here")
+    g.add_argument("--odyssey-inject-fault", action="append", default=[], metavar="SPEC",
+                   help="testing: step=I,rank=R,phase=forward|backward|grad-sync|optimizer|recovery,"
+                        "kind=kill|hang|slow (repeatable; rank is the launch-time global rank)")
+    return parser
+
+
+def odyssey_flags_given(args: Any) -> list[str]:
+    """The ``--odyssey-*`` options set away from their defaults (to reject them without ``--odyssey``)."""
+    defaults = {"odyssey_policy": "auto", "odyssey_max_cached_failures": 1, "odyssey_mtbf_hours": None,
+                "odyssey_heartbeat_timeout": 30.0, "odyssey_profile_iters": 0, "odyssey_report": None,
+                "odyssey_inject_fault": []}
+    return ["--" + k.replace("_", "-") for k, v in defaults.items() if getattr(args, k, v) != v]
+
+
+def validate_odyssey_args(args: Any) -> None:
+    """Raise :class:`OdysseyArgumentError` for flags Odyssey cannot honour; adjust harmless ones.
+
+    Called after Megatron's ``validate_args`` (so world size, data-parallel size and micro-batch
+    counts are known)."""
+    if not getattr(args, "odyssey", False):
+        stray = odyssey_flags_given(args)
+        if stray:
+            raise OdysseyArgumentError(f"{', '.join(stray)} given without --odyssey; add --odyssey to enable recovery")
+        return
+    if args.odyssey_max_cached_failures < 0:
+        raise OdysseyArgumentError(f"--odyssey-max-cached-failures must be >= 0, got {args.odyssey_max_cached_failures}")
+    if args.odyssey_mtbf_hours is not None and not args.odyssey_mtbf_hours > 0:
+        raise OdysseyArgumentError(f"--odyssey-mtbf-hours must be > 0, got {args.odyssey_mtbf_hours}")
+    if not args.odyssey_heartbeat_timeout > 0:
+        raise OdysseyArgumentError(f"--odyssey-heartbeat-timeout must be > 0 seconds, got {args.odyssey_heartbeat_timeout}")
+    if args.odyssey_profile_iters < 0:
+        raise OdysseyArgumentError(f"--odyssey-profile-iters must be >= 0, got {args.odyssey_profile_iters}")
+    for attr, flag, why in _INCOMPATIBLE:
+        if getattr(args, attr, False):
+            raise OdysseyArgumentError(f"--odyssey cannot be combined with {flag}: {why}. Remove {flag}.")
+    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    if vpp not in (None, 1):
+        raise OdysseyArgumentError("--odyssey does not support the interleaved schedule "
+                                   "(--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank): "
+                                   "its stages are fixed round-robin chunks that an asymmetric plan cannot keep")
+    for attr, flag in (("context_parallel_size", "--context-parallel-size"),
+                       ("expert_model_parallel_size", "--expert-model-parallel-size")):
+        if getattr(args, attr, 1) not in (None, 1):
+            raise OdysseyArgumentError(f"--odyssey supports tensor, pipeline and data parallelism; {flag} "
+                                       f"{getattr(args, attr)} is not supported (set it to 1)")
+    if getattr(args, "num_experts", None):
+        raise OdysseyArgumentError("--odyssey plans dense models; --num-experts (MoE) is not supported")
+    from .runtime.faults import FailSpec
+    from .planning.errors import PlanningError
+
+    world = getattr(args, "world_size", None)
+    train_iters = getattr(args, "train_iters", None)
+    for text in args.odyssey_inject_fault:
+        try:
+            spec = FailSpec.parse(text)
+        except PlanningError as exc:
+            raise OdysseyArgumentError(str(exc).replace("--fail", "--odyssey-inject-fault")) from None
+        if world is not None and spec.rank >= world:
+            raise OdysseyArgumentError(f"--odyssey-inject-fault {text!r}: rank {spec.rank} does not exist "
+                                       f"(world size {world})")
+        if train_iters is not None and spec.step >= train_iters:
+            raise OdysseyArgumentError(f"--odyssey-inject-fault {text!r}: step {spec.step} is not before "
+                                       f"--train-iters {train_iters}")
+    if args.odyssey_policy == "reroute" and getattr(args, "data_parallel_size", 2) < 2:
+        raise OdysseyArgumentError("--odyssey-policy reroute needs a data-parallel peer to take over a dead "
+                                   "node's micro-batches, but the data-parallel size is 1")
+    # world barriers inside timers would wait forever for a dead rank (DESIGN.md, timers)
+    if getattr(args, "barrier_with_L1_time", False):
+        args.barrier_with_L1_time = False

@@ -1,0 +1,179 @@
+"""``odyssey-launch``: start a Megatron-LM script on one or more machines with Odyssey's agent beside it.
+
+Takes torchrun's arguments (``--nnodes --node-rank --nproc-per-node --master-addr --master-port``)
+and gives every rank torchrun's environment (``RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE
+MASTER_ADDR MASTER_PORT``), so ``pretrain_gpt.py`` needs no change beyond the adaptor import. What it
+does *not* take from torchrun is the supervision: torchrun's elastic agent stops every worker of a
+machine as soon as one fails (then restarts them all), which is the relaunch Odyssey exists to avoid.
+Here each machine runs a node agent that starts its ranks and only reports their exits; machine 0
+also runs the coordinator (:class:`~megatron_odyssey.runtime.agent.Agent`), which hosts the control
+store on ``--odyssey-port`` (default ``--master-port`` + 1), detects failures from exits and
+heartbeats, fences hung ranks through their node agent, and coordinates recovery.
+
+    odyssey-launch --nproc-per-node 8 [--nnodes 2 --node-rank 0 --master-addr HOST] pretrain_gpt.py ARGS
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+EXIT_KEY = "odyssey/exit/{}"  # node agents report a rank's exit code here
+FENCE_KEY = "odyssey/fence/{}"  # the coordinator asks a rank's node agent to SIGKILL it
+
+
+class LocalRank:
+    """A rank process on this machine, with the interface the agent expects of a process."""
+
+    def __init__(self, popen: subprocess.Popen):
+        self.popen = popen
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGKILL)
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+class RemoteRank:
+    """A rank on another machine, seen through the store its node agent reports to."""
+
+    def __init__(self, store: Any, ident: int):
+        self.store, self.ident = store, ident
+
+    @property
+    def exitcode(self) -> int | None:
+        key = EXIT_KEY.format(self.ident)
+        return int(self.store.get(key)) if self.store.check([key]) else None
+
+    def kill(self) -> None:
+        self.store.set(FENCE_KEY.format(self.ident), "1")
+
+    def join(self, timeout: float | None = None) -> None:
+        deadline = time.monotonic() + (timeout or 0)
+        while self.exitcode is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="odyssey-launch", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", "--node_rank", type=int, default=0)
+    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1)
+    p.add_argument("--master-addr", "--master_addr", default="127.0.0.1")
+    p.add_argument("--master-port", "--master_port", type=int, default=29500)
+    p.add_argument("--odyssey-port", type=int, default=None, help="the agent's control store (default master port + 1)")
+    p.add_argument("--workdir", type=Path, default=Path("odyssey-run"), help="per-rank logs")
+    p.add_argument("--no-python", action="store_true", help="run the script as an executable (like torchrun)")
+    p.add_argument("script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER)
+    args = p.parse_args(argv)
+    for name in ("nnodes", "nproc_per_node"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 <= args.node_rank < args.nnodes:
+        p.error(f"--node-rank {args.node_rank} is outside 0..{args.nnodes - 1}")
+    if args.odyssey_port is None:
+        args.odyssey_port = args.master_port + 1
+    return args
+
+
+def start_ranks(args: argparse.Namespace) -> dict[int, LocalRank]:
+    """This machine's ranks, each with torchrun's environment plus the agent's store address."""
+    world = args.nnodes * args.nproc_per_node
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    procs = {}
+    for local in range(args.nproc_per_node):
+        rank = args.node_rank * args.nproc_per_node + local
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world),
+                   LOCAL_WORLD_SIZE=str(args.nproc_per_node), GROUP_RANK=str(args.node_rank),
+                   MASTER_ADDR=args.master_addr, MASTER_PORT=str(args.master_port),
+                   ODYSSEY_STORE=f"{args.master_addr}:{args.odyssey_port}", ODYSSEY_WORKDIR=str(args.workdir),
+                   TORCH_SHOW_CPP_STACKTRACES=os.environ.get("TORCH_SHOW_CPP_STACKTRACES", "0"))
+        cmd = ([args.script] if args.no_python else [sys.executable, "-u", args.script]) + args.script_args
+        log = open(args.workdir / f"rank{rank}.log", "w")
+        echo = rank == world - 1  # Megatron logs training progress on the last rank
+        procs[rank] = LocalRank(subprocess.Popen(cmd, env=env, stdout=None if echo else log, stderr=log))
+    return procs
+
+
+def coordinate(args: argparse.Namespace, local: dict[int, LocalRank]) -> int:
+    """Machine 0: host the store, wait for the job's description from rank 0, supervise."""
+    import torch.distributed as dist
+
+    from .runtime.agent import Agent
+    from .runtime.config import TrainConfig
+
+    store = dist.TCPStore("0.0.0.0", args.odyssey_port, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=300))
+    world = args.nnodes * args.nproc_per_node
+    procs: dict[int, Any] = {i: local.get(i) or RemoteRank(store, i) for i in range(world)}
+    while not store.check(["odyssey/config"]):  # rank 0 publishes it when Megatron's train() starts
+        dead = {i: p.exitcode for i, p in procs.items() if p.exitcode is not None}
+        if dead:
+            for p in procs.values():
+                p.kill()
+            print(f"[odyssey launch] rank(s) {sorted(dead)} exited {sorted(set(dead.values()))} before training "
+                  f"started; see {args.workdir}/rank*.log", file=sys.stderr)
+            return 1
+        time.sleep(0.05)
+    cfg = TrainConfig(**json.loads(store.get("odyssey/config")))
+    agent = Agent(cfg, None, args.workdir, procs=procs, store=store)
+    code = agent.supervise()
+    store.set("odyssey/finished", str(code))
+    return code
+
+
+def serve_node(args: argparse.Namespace, local: dict[int, LocalRank]) -> int:
+    """Machines 1..: report rank exits to the coordinator and fence ranks it asks to fence."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(args.master_addr, args.odyssey_port, is_master=False, timeout=timedelta(seconds=300))
+    reported: set[int] = set()
+    while len(reported) < len(local) and not store.check(["odyssey/finished"]):
+        for ident, p in local.items():
+            if ident not in reported and store.check([FENCE_KEY.format(ident)]):
+                p.kill()
+            if ident not in reported and p.exitcode is not None:
+                store.set(EXIT_KEY.format(ident), str(p.exitcode))
+                reported.add(ident)
+        time.sleep(0.01)
+    return max((p.exitcode or 0 for p in local.values()), default=0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    local = start_ranks(args)
+    try:
+        code = coordinate(args, local) if args.node_rank == 0 else serve_node(args, local)
+    except KeyboardInterrupt:
+        code = 130
+    finally:
+        for p in local.values():
+            p.kill()
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""Megatron-LM drop-in: ``import megatron_odyssey.megatron_adaptor`` at the top of ``pretrain_gpt.py``
+(after ``import mindspeed.megatron_adaptor`` on Ascend) and add ``--odyssey`` to the flags.
+
+Every change to Megatron is one :class:`Patch` in :data:`PATCHES`: the Megatron name it replaces, a
+factory that wraps the original, and why. Importing this module applies them
+(:func:`apply_patches`, idempotent); :func:`remove_patches` puts every original back. Patches whose
+module is not importable (``megatron.training`` is not in the megatron-core wheel) are skipped and
+reported by :func:`patch_status`. Each replacement defers to the original unless ``--odyssey`` is on
+and a runtime is active, so the import alone changes nothing about a job.
+
+Aliases matter: ``from x import f`` copies the name, so a function used through such an import is
+patched where it is used (``initialize.parse_args``, ``training.get_forward_backward_func``...).
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .runtime import megatron_hooks as hooks
+
+ORIGINAL_ATTR = "__odyssey_original__"
+
+
+@dataclass(frozen=True)
+class Patch:
+    target: str  # "package.module:attribute" or "package.module:Class.attribute"
+    wrap: Callable[[Any], Any]  # original -> replacement
+    why: str
+
+    @property
+    def module(self) -> str:
+        return self.target.split(":")[0]
+
+    @property
+    def path(self) -> list[str]:
+        return self.target.split(":")[1].split(".")
+
+
+# -- replacements that need Megatron-LM's training package (imported lazily) ---------------------------
+
+def _parse_args(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Chains the --odyssey-* group into whatever extra_args_provider the script passes."""
+    from .arguments import add_odyssey_args
+
+    @functools.wraps(original)
+    def parse_args(extra_args_provider: Callable[..., Any] | None = None, *args: Any, **kwargs: Any) -> Any:
+        def provider(parser: Any) -> Any:
+            if extra_args_provider is not None:
+                parser = extra_args_provider(parser)
+            return add_odyssey_args(parser)
+
+        return original(provider, *args, **kwargs)
+
+    return parse_args
+
+
+def _validate_args(original: Callable[..., Any]) -> Callable[..., Any]:
+    from .arguments import OdysseyArgumentError, validate_odyssey_args
+
+    @functools.wraps(original)
+    def validate_args(args: Any, *a: Any, **k: Any) -> Any:
+        out = original(args, *a, **k)
+        try:
+            validate_odyssey_args(args)
+        except OdysseyArgumentError as exc:
+            raise SystemExit(f"odyssey: {exc}") from None
+        return out
+
+    return validate_args
+
+
+def _finalize_model_grads(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def finalize_model_grads(model: Any, *args: Any, **kwargs: Any) -> Any:
+        runtime = hooks.STATE.runtime
+        if runtime is None or runtime.sync is None:
+            return original(model, *args, **kwargs)
+        runtime.sync()  # per layer, over exactly the ranks holding it
+        return None
+
+    return finalize_model_grads
+
+
+def _train_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    from .runtime.megatron_rank import train_step
+
+    return train_step(original)
+
+
+def _dispatcher(original: Callable[..., Any]) -> Callable[..., Any]:
+    from .runtime.megatron_schedule import get_forward_backward_func
+
+    return get_forward_backward_func(original)
+
+
+_T, _C = "megatron.training", "megatron.core"
+
+#: The registry: one entry per Megatron name Odyssey replaces.
+PATCHES: tuple[Patch, ...] = (
+    # arguments
+    Patch(f"{_T}.arguments:parse_args", _parse_args,
+          "pretrain_gpt.py passes no extra_args_provider for plugins: the --odyssey-* group is chained in here"),
+    Patch(f"{_T}.initialize:parse_args", _parse_args, "initialize_megatron calls its own imported alias"),
+    Patch(f"{_T}.arguments:validate_args", _validate_args,
+          "rejects flag combinations Odyssey cannot run (distributed optimizer, overlapped grad reduce, ...) "
+          "once world and data-parallel sizes are known"),
+    Patch(f"{_T}.initialize:validate_args", _validate_args, "initialize_megatron calls its own imported alias"),
+    # schedule
+    Patch(f"{_C}.pipeline_parallel:get_forward_backward_func", _dispatcher,
+          "returns a dispatcher that picks the stock schedule or this node's plan schedule at every call"),
+    Patch(f"{_T}.training:get_forward_backward_func", _dispatcher,
+          "train() captures the schedule once before its loop: the captured object must switch after a failure"),
+    # the step: commit and redo, gradients, norm
+    Patch(f"{_T}.training:train_step", _train_step,
+          "one iteration becomes executor -> per-layer grad sync -> plan-wide norm -> commit -> optimizer, "
+          "redone on the next generation when a rank fails before the commit"),
+    Patch(f"{_T}.training:finalize_model_grads", _finalize_model_grads,
+          "DDP all-reduces whole buckets over one data-parallel group; layers of non-uniform plans are "
+          "held by different rank sets and are all-reduced per layer"),
+    Patch(f"{_C}.optimizer.optimizer:get_grad_norm_fp32", hooks.grad_norm_fp32,
+          "the stock norm all-reduces over the uniform model-parallel group, after the commit; Odyssey "
+          "computes it over the plan before the commit and the optimizer reuses it"),
+    # stages of any layer range (group installation itself is runtime.world.install_parallel_state)
+    Patch(f"{_C}.transformer.transformer_block:get_num_layers_to_build", hooks.num_layers_to_build,
+          "derives a stage's layer count from a uniform split; asymmetric plans give each stage its own"),
+    Patch(f"{_C}.transformer.transformer_layer:get_transformer_layer_offset", hooks.layer_offset,
+          "derives a stage's first layer number from a uniform split (TransformerLayer keeps global numbers)"),
+    Patch(f"{_C}.transformer.transformer_block:get_transformer_layer_offset", hooks.layer_offset,
+          "TransformerBlock's imported alias (local <-> global layer names in sharded state dicts)"),
+    # capture what a rebuild needs
+    Patch(f"{_T}.training:get_model", hooks.capture_get_model,
+          "remembers the model provider, to rebuild a stage after a failure with Megatron's own get_model"),
+    Patch(f"{_T}.training:get_megatron_optimizer", hooks.capture_get_optimizer,
+          "remembers the optimizer arguments (they differ between megatron-core versions) for rebuilds"),
+    Patch(f"{_T}.training:build_train_valid_test_datasets", hooks.capture_datasets,
+          "keeps the training split so any rank can read any (iteration, micro-batch) after a reroute"),
+    Patch(f"{_C}.datasets.blended_megatron_dataset_builder:BlendedMegatronDatasetBuilder.__init__",
+          hooks.build_datasets_everywhere,
+          "stock Megatron builds datasets on first/last stages only; after a failure any rank can become one"),
+)
+
+_LOCK = threading.RLock()
+_APPLIED: dict[str, tuple[Any, str, Any]] = {}  # target -> (owner, attribute, original)
+_SKIPPED: dict[str, str] = {}  # target -> why it was not applied
+
+
+def _owner(patch: Patch) -> tuple[Any, str]:
+    owner: Any = importlib.import_module(patch.module)
+    for name in patch.path[:-1]:
+        owner = getattr(owner, name)
+    return owner, patch.path[-1]
+
+
+def apply_patches() -> dict[str, str]:
+    """Apply every patch whose module imports (idempotent: a patched name is never wrapped twice)."""
+    with _LOCK:
+        for patch in PATCHES:
+            if patch.target in _APPLIED:
+                continue
+            try:
+                owner, attr = _owner(patch)
+                original = getattr(owner, attr)
+            except (ImportError, AttributeError) as exc:
+                _SKIPPED[patch.target] = f"{type(exc).__name__}: {exc}"
+                continue
+            _SKIPPED.pop(patch.target, None)
+            replacement = patch.wrap(original)
+            setattr(replacement, ORIGINAL_ATTR, original)
+            setattr(owner, attr, replacement)
+            _APPLIED[patch.target] = (owner, attr, original)
+        return patch_status()
+
+
+def remove_patches() -> None:
+    """Put every original back (idempotent)."""
+    with _LOCK:
+        for target in list(_APPLIED):
+            owner, attr, original = _APPLIED.pop(target)
+            setattr(owner, attr, original)
+        _SKIPPED.clear()
+
+
+def patch_status() -> dict[str, str]:
+    """target -> "applied" or the reason it was skipped."""
+    return {p.target: "applied" if p.target in _APPLIED else _SKIPPED.get(p.target, "not applied")
+            for p in PATCHES}
+
+
+def describe_patches() -> list[dict[str, str]]:
+    return [{"target": p.target, "why": p.why} for p in PATCHES]
+
+
+def _cpu_mode_if_no_accelerator() -> None:
+    """Real Megatron-LM training on CPU (tests, laptops): only when no CUDA/NPU device exists."""
+    import importlib.util
+
+    from .runtime.accelerator import detect_device_type
+
+    if importlib.util.find_spec("megatron.training") is not None and detect_device_type() == "cpu":
+        try:
+            from .runtime.megatron_lm_cpu import enable_megatron_lm_cpu_mode
+        except ImportError:
+            return
+        enable_megatron_lm_cpu_mode()
+
+
+apply_patches()
+_cpu_mode_if_no_accelerator()

@@ -1,0 +1,163 @@
+"""What the Megatron adaptor's patches call: the replacement functions and the little state they share.
+
+Kept apart from :mod:`megatron_odyssey.megatron_adaptor` (which only says *where* each replacement
+goes and why) so the behaviour is testable with the megatron-core wheel alone. Everything here is
+inert until a rank's Odyssey runtime activates it: with no runtime, every replacement defers to the
+Megatron original it wraps, so importing the adaptor never changes a job that did not ask for
+``--odyssey``.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..planning.plan import ExecutionPlan
+
+
+@dataclass
+class Captured:
+    """What Megatron's own set-up calls revealed, needed to rebuild a stage after a failure."""
+
+    model_provider: Callable[..., Any] | None = None
+    model_type: Any = None
+    optimizer_call: tuple[tuple, dict] | None = None  # get_megatron_optimizer's arguments after model_chunks
+    train_ds: Any = None
+
+
+@dataclass
+class OdysseyState:
+    """Per-process switchboard between Megatron's code and this rank's Odyssey runtime."""
+
+    runtime: Any = None  # megatron_rank.MegatronRankRuntime once train() starts
+    plan: ExecutionPlan | None = None  # the plan the dispatcher schedules for
+    stage_range: tuple[int, int] | None = None  # layers [start, end) while a stage model is being built
+    grad_norm: float | None = None  # this step's plan-wide norm, agreed before the commit
+    captured: Captured = field(default_factory=Captured)
+
+
+STATE = OdysseyState()
+
+
+def reset_state() -> None:
+    """Forget everything (tests; a process that runs several jobs)."""
+    global STATE
+    STATE.__init__()  # type: ignore[misc]
+
+
+# -- stage layer ranges (non-uniform plans) -------------------------------------------------------------
+
+def num_layers_to_build(original: Callable[..., int]) -> Callable[..., int]:
+    """megatron's ``get_num_layers_to_build``, but the stage's own layer count while one is being built."""
+
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> int:
+        if STATE.stage_range is not None:
+            start, end = STATE.stage_range
+            return end - start
+        return original(*args, **kwargs)
+
+    wrapper.__odyssey_original__ = original  # type: ignore[attr-defined]
+    return wrapper
+
+
+def layer_offset(original: Callable[..., int]) -> Callable[..., int]:
+    """megatron's ``get_transformer_layer_offset``, but the stage's first layer while one is built or
+    while its model runs (layer numbers then stay global, whatever pipeline rank megatron sees)."""
+
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> int:
+        if STATE.stage_range is not None:
+            return STATE.stage_range[0]
+        return original(*args, **kwargs)
+
+    wrapper.__odyssey_original__ = original  # type: ignore[attr-defined]
+    return wrapper
+
+
+# -- gradient norm over a plan --------------------------------------------------------------------------
+
+def grad_norm_fp32(original: Callable[..., Any]) -> Callable[..., Any]:
+    """megatron's ``get_grad_norm_fp32`` as the optimizer calls it: the plan-wide norm Odyssey computed
+    before the step's commit, so the optimizer runs no collective after it."""
+
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if STATE.grad_norm is not None:
+            return STATE.grad_norm
+        return original(*args, **kwargs)
+
+    wrapper.__odyssey_original__ = original  # type: ignore[attr-defined]
+    return wrapper
+
+
+# -- capturing Megatron's set-up ------------------------------------------------------------------------
+
+def capture_get_model(original: Callable[..., Any]) -> Callable[..., Any]:
+    """megatron's ``get_model``: unchanged, but remembers the model provider and type for rebuilds."""
+
+    @functools.wraps(original)
+    def wrapper(model_provider_func: Callable[..., Any], model_type: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if STATE.captured.model_provider is None:
+            STATE.captured.model_provider, STATE.captured.model_type = model_provider_func, model_type
+        if model_type is None:
+            return original(model_provider_func, *args, **kwargs)
+        return original(model_provider_func, model_type, *args, **kwargs)
+
+    wrapper.__odyssey_original__ = original  # type: ignore[attr-defined]
+    return wrapper
+
+
+def capture_get_optimizer(original: Callable[..., Any]) -> Callable[..., Any]:
+    """megatron's ``get_megatron_optimizer``: unchanged, but remembers its arguments (they differ
+    between megatron-core 0.12 and 0.16) so a rebuilt stage gets an identical optimizer."""
+
+    @functools.wraps(original)
+    def wrapper(config: Any, model_chunks: Any, *args: Any, **kwargs: Any) -> Any:
+        STATE.captured.optimizer_call = ((config, *args), dict(kwargs))
+        return original(config, model_chunks, *args, **kwargs)
+
+    wrapper.__odyssey_original__ = original  # type: ignore[attr-defined]
+    return wrapper
+
+
+def build_datasets_everywhere(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``BlendedMegatronDatasetBuilder.__init__``: with Odyssey on, every rank builds the datasets
+    (stock Megatron builds them on first/last pipeline stages only), because a failure can turn any
+    rank into a first or last stage; also keeps the training split for (step, micro-batch) access."""
+
+    @functools.wraps(original)
+    def wrapper(self: Any, cls: Any, sizes: Any, is_built_on_rank: Callable[[], bool], config: Any, *a: Any, **k: Any) -> None:
+        if odyssey_enabled():
+            is_built_on_rank = _always
+        original(self, cls, sizes, is_built_on_rank, config, *a, **k)
+
+    wrapper.__odyssey_original__ = original  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _always() -> bool:
+    return True
+
+
+def capture_datasets(original: Callable[..., Any]) -> Callable[..., Any]:
+    """megatron's ``build_train_valid_test_datasets``: unchanged, but keeps the training dataset."""
+
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
+        STATE.captured.train_ds = out[0]
+        return out
+
+    wrapper.__odyssey_original__ = original  # type: ignore[attr-defined]
+    return wrapper
+
+
+def odyssey_enabled() -> bool:
+    """True when Megatron's parsed arguments ask for Odyssey (False before parsing or without Megatron-LM)."""
+    try:
+        from megatron.training.global_vars import get_args
+
+        return bool(getattr(get_args(), "odyssey", False))
+    except Exception:  # no Megatron-LM on the path, or arguments not parsed yet
+        return False

@@ -1,0 +1,213 @@
+"""The Megatron-LM adaptor with the megatron-core wheel only: patch registry, flags, dispatcher, stage
+ranges and the plan-wide gradient norm. (The run through Megatron-LM's own pretrain_gpt.py is in
+test_megatron_lm.py and needs a checkout.)"""
+from __future__ import annotations
+
+import argparse
+import importlib
+
+import pytest
+import torch
+
+from megatron_odyssey import megatron_adaptor as adaptor
+from megatron_odyssey.arguments import OdysseyArgumentError, add_odyssey_args, validate_odyssey_args
+from megatron_odyssey.planning.plan import symmetric_plan
+from megatron_odyssey.planning.planner import reroute_plan
+from megatron_odyssey.planning.schedule import node_operations
+from megatron_odyssey.runtime.megatron_hooks import STATE, reset_state
+
+
+def _resolve(target: str):
+    module, path = target.split(":")
+    owner = importlib.import_module(module)
+    for name in path.split(".")[:-1]:
+        owner = getattr(owner, name)
+    return owner, path.split(".")[-1]
+
+
+@pytest.fixture(autouse=True)
+def _clean_state():
+    reset_state()
+    yield
+    reset_state()
+    adaptor.apply_patches()  # leave the process as the import left it
+
+
+# -- registry ---------------------------------------------------------------------------------------------
+
+def test_every_patch_names_megatron_target_and_reason() -> None:
+    targets = [p.target for p in adaptor.PATCHES]
+    assert len(targets) == len(set(targets))
+    for p in adaptor.PATCHES:
+        assert p.target.startswith("megatron.") and ":" in p.target
+        assert len(p.why) > 20
+
+
+def test_apply_and_remove_are_idempotent_and_restore_originals() -> None:
+    adaptor.remove_patches()
+    applicable = [p for p in adaptor.PATCHES if importlib.util.find_spec(p.module.split(".")[0]) is not None]
+    originals = {}
+    for p in applicable:
+        try:
+            owner, attr = _resolve(p.target)
+        except ModuleNotFoundError:
+            continue
+        originals[p.target] = getattr(owner, attr)
+    assert originals, "the wheel must offer some targets (megatron.core)"
+    status = adaptor.apply_patches()
+    again = adaptor.apply_patches()
+    assert status == again
+    for target, original in originals.items():
+        assert status[target] == "applied"
+        owner, attr = _resolve(target)
+        patched = getattr(owner, attr)
+        assert patched is not original
+        assert getattr(patched, adaptor.ORIGINAL_ATTR) is original  # wrapped once, never twice
+    for p in adaptor.PATCHES:
+        if p.target not in originals:
+            assert "megatron.training" in status[p.target] or "No module" in status[p.target]
+    adaptor.remove_patches()
+    adaptor.remove_patches()
+    for target, original in originals.items():
+        owner, attr = _resolve(target)
+        assert getattr(owner, attr) is original
+    assert set(adaptor.patch_status().values()) == {"not applied"}
+
+
+# -- flags ------------------------------------------------------------------------------------------------
+
+def _megatron_like_args(argv: list[str], **megatron: object) -> argparse.Namespace:
+    parser = add_odyssey_args(argparse.ArgumentParser())
+    add_odyssey_args(parser)  # a second call adds nothing
+    ns = parser.parse_args(argv)
+    defaults = dict(world_size=8, data_parallel_size=2, train_iters=10, use_distributed_optimizer=False,
+                    overlap_grad_reduce=False, overlap_param_gather=False, fp16=False, bf16=False,
+                    virtual_pipeline_model_parallel_size=None, context_parallel_size=1,
+                    expert_model_parallel_size=1, num_experts=None, barrier_with_L1_time=True)
+    defaults.update(megatron)
+    for k, v in defaults.items():
+        setattr(ns, k, v)
+    return ns
+
+
+def test_flags_parse() -> None:
+    ns = _megatron_like_args(["--odyssey", "--odyssey-policy", "reroute", "--odyssey-max-cached-failures", "2",
+                              "--odyssey-mtbf-hours", "1000", "--odyssey-heartbeat-timeout", "10",
+                              "--odyssey-profile-iters", "3", "--odyssey-report", "r.json",
+                              "--odyssey-inject-fault", "step=3,rank=5,phase=backward,kind=kill",
+                              "--odyssey-inject-fault", "step=6,rank=1"])
+    validate_odyssey_args(ns)
+    assert (ns.odyssey, ns.odyssey_policy, ns.odyssey_max_cached_failures) == (True, "reroute", 2)
+    assert ns.odyssey_mtbf_hours == 1000 and ns.odyssey_heartbeat_timeout == 10 and ns.odyssey_profile_iters == 3
+    assert ns.odyssey_inject_fault == ["step=3,rank=5,phase=backward,kind=kill", "step=6,rank=1"]
+    assert ns.barrier_with_L1_time is False  # world barriers in timers would hang after a failure
+
+
+def test_bad_policy_is_rejected_by_argparse(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        _megatron_like_args(["--odyssey", "--odyssey-policy", "sometimes"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, megatron, message", [
+    (["--odyssey"], {"use_distributed_optimizer": True}, "--use-distributed-optimizer"),
+    (["--odyssey"], {"overlap_grad_reduce": True}, "--overlap-grad-reduce"),
+    (["--odyssey"], {"fp16": True}, "--fp16"),
+    (["--odyssey"], {"virtual_pipeline_model_parallel_size": 2}, "interleaved"),
+    (["--odyssey"], {"context_parallel_size": 2}, "--context-parallel-size"),
+    (["--odyssey"], {"num_experts": 8}, "MoE"),
+    (["--odyssey-policy", "reroute"], {}, "without --odyssey"),
+    (["--odyssey", "--odyssey-heartbeat-timeout", "0"], {}, "heartbeat"),
+    (["--odyssey", "--odyssey-max-cached-failures", "-1"], {}, "max-cached"),
+    (["--odyssey", "--odyssey-inject-fault", "step=3"], {}, "missing rank"),
+    (["--odyssey", "--odyssey-inject-fault", "step=3,rank=8"], {}, "does not exist"),
+    (["--odyssey", "--odyssey-inject-fault", "step=10,rank=1"], {}, "--train-iters"),
+    (["--odyssey", "--odyssey-inject-fault", "step=1,rank=1,phase=lunch"], {}, "phase must be"),
+    (["--odyssey", "--odyssey-policy", "reroute"], {"data_parallel_size": 1}, "data-parallel size is 1"),
+])
+def test_invalid_combinations_fail_clearly(argv: list[str], megatron: dict, message: str) -> None:
+    ns = _megatron_like_args(argv, **megatron)
+    with pytest.raises(OdysseyArgumentError, match=message.replace("-", r"\-")):
+        validate_odyssey_args(ns)
+
+
+def test_without_odyssey_nothing_changes() -> None:
+    ns = _megatron_like_args([], use_distributed_optimizer=True, overlap_grad_reduce=True)
+    validate_odyssey_args(ns)
+    assert ns.barrier_with_L1_time is True
+
+
+# -- dispatcher -------------------------------------------------------------------------------------------
+
+class _Runtime:
+    """The part of a rank's runtime the dispatcher talks to (node id and run_schedule)."""
+
+    def __init__(self, node: int):
+        self.node, self.calls = node, []
+
+    def run_schedule(self, forward_step_func, step):
+        self.calls.append((forward_step_func, step))
+        return [{"lm loss": torch.tensor([0.0, 1.0])}]
+
+
+def test_dispatcher_switches_to_plan_schedule_after_plan_change(gloo_world: None) -> None:
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+
+    from megatron_odyssey.runtime.megatron_schedule import ForwardBackwardDispatcher, PlanSchedule
+
+    dispatcher = get_forward_backward_func()  # what train() captures once, before its loop
+    assert isinstance(dispatcher, ForwardBackwardDispatcher)
+    assert dispatcher.select() is forward_backward_no_pipelining  # no runtime: Megatron's own schedule
+
+    plan = symmetric_plan(pp=2, dp=3, num_layers=4, num_micro_batches=6)  # nodes: stage s, replica d -> s*3+d
+    runtime = _Runtime(node=1)  # stage 0 of replica 1
+    STATE.runtime, STATE.plan = runtime, plan
+    first = dispatcher.select()
+    assert isinstance(first, PlanSchedule) and first.operations == node_operations(plan)[1]
+
+    rerouted = reroute_plan(plan, frozenset({0}))  # stage 0 of replica 0 dies: a twin adopts its micro-batches
+    STATE.plan = rerouted
+    after = dispatcher.select()
+    assert isinstance(after, PlanSchedule) and after.plan is rerouted
+    adopted = {op.micro_batch for op in after.operations if op.pipeline == 0}
+    mine = {op.micro_batch for op in after.operations if op.pipeline == 1}
+    assert mine == {0, 1}
+    adopters = {r.peer for r in rerouted.reroutes}
+    assert (1 in adopters) == bool(adopted)
+    assert sum(len({op.micro_batch for op in node_operations(rerouted)[n] if op.pipeline == 0})
+               for n in (1, 2)) == 2  # the dead node's two micro-batches, each adopted exactly once
+    dispatcher(forward_step_func="fwd", data_iterator=None, model=[], num_microbatches=2, seq_length=8,
+               micro_batch_size=1, forward_only=False, odyssey_step=7)
+    assert runtime.calls == [("fwd", 7)]
+
+
+# -- stage layer ranges and the gradient norm ---------------------------------------------------------
+
+def test_stage_range_builds_global_layer_numbers(gloo_world: None) -> None:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_odyssey.runtime.model import ModelConfig, make_transformer_config
+
+    cfg = ModelConfig(num_layers=5, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=8,
+                      vocab_size=64)
+    tc = make_transformer_config(cfg, 5)
+    STATE.stage_range = (2, 4)
+    model = GPTModel(tc, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=8,
+                     pre_process=False, post_process=False)
+    assert [layer.layer_number for layer in model.decoder.layers] == [3, 4]
+    STATE.stage_range = None
+    whole = GPTModel(tc, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=8)
+    assert [layer.layer_number for layer in whole.decoder.layers] == [1, 2, 3, 4, 5]
+
+
+def test_optimizer_uses_the_agreed_norm(gloo_world: None) -> None:
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as mopt
+
+    grads = [torch.full((4,), 3.0)]
+    # the optimizer's alias wraps megatron's own norm (which needs CUDA, so it is not called here) ...
+    assert mopt.get_grad_norm_fp32.__odyssey_original__ is clip_grads.get_grad_norm_fp32
+    STATE.grad_norm = 2.5  # ... and returns the norm agreed before the commit, with no collective
+    assert mopt.get_grad_norm_fp32(grads) == 2.5
