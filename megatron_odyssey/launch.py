@@ -44,8 +44,13 @@ class LocalRank:
         return self.popen.poll()
 
     def kill(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGKILL)
+        """SIGKILL the rank's whole process group: its data-loader workers inherit its sockets, and
+        while one lives the peers see no connection reset (they would wait ~5 s for the workers to
+        notice their parent's death)."""
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def join(self, timeout: float | None = None) -> None:
         try:
@@ -113,7 +118,8 @@ def start_ranks(args: argparse.Namespace) -> dict[int, LocalRank]:
         cmd = ([args.script] if args.no_python else [sys.executable, "-u", args.script]) + args.script_args
         log = open(args.workdir / f"rank{rank}.log", "w")
         echo = rank == world - 1  # Megatron logs training progress on the last rank
-        procs[rank] = LocalRank(subprocess.Popen(cmd, env=env, stdout=None if echo else log, stderr=log))
+        procs[rank] = LocalRank(subprocess.Popen(cmd, env=env, stdout=None if echo else log, stderr=log,
+                                                 start_new_session=True))  # own process group (see kill)
     return procs
 
 
@@ -129,7 +135,10 @@ def coordinate(args: argparse.Namespace, local: dict[int, LocalRank]) -> int:
     world = args.nnodes * args.nproc_per_node
     procs: dict[int, Any] = {i: local.get(i) or RemoteRank(store, i) for i in range(world)}
     while not store.check(["odyssey/config"]):  # rank 0 publishes it when Megatron's train() starts
-        dead = {i: p.exitcode for i, p in procs.items() if p.exitcode is not None}
+        codes = {i: p.exitcode for i, p in procs.items()}
+        if all(c == 0 for c in codes.values()):
+            return 0  # a job without --odyssey: odyssey-launch was just its launcher
+        dead = {i: c for i, c in codes.items() if c not in (None, 0)}
         if dead:
             for p in procs.values():
                 p.kill()

@@ -196,6 +196,7 @@ class Agent:
                 continue
             code = self.procs[ident].exitcode
             if code is not None and code != 0:
+                self.procs[ident].kill()  # leftovers (a launched rank's data-loader workers hold its sockets)
                 out.add(ident)
             elif code is None and self._stale(ident, now):
                 self.log(f"rank {ident} missed heartbeats for {self.cfg.heartbeat_timeout_s:.1f} s: fencing it (SIGKILL)")

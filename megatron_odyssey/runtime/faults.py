@@ -68,6 +68,8 @@ class Injector:
             if self.store is not None:
                 self.store.set(f"odyssey/injected/{self.ident}", repr(time.time()))
             if spec.kind == "kill":
+                if os.getpgid(0) == os.getpid():  # a launched rank leads its group: take its workers too
+                    os.killpg(os.getpid(), signal.SIGKILL)
                 os.kill(os.getpid(), signal.SIGKILL)
             elif spec.kind == "hang":
                 os.kill(os.getpid(), signal.SIGSTOP)

@@ -280,7 +280,7 @@ class MegatronRankRuntime(RankRuntime):
                 abort_all_groups()
                 failed = True
                 print(f"[odyssey rank {self.ident}] iteration {step}: {type(exc).__name__}: {str(exc)[:120]}; "
-                      f"recovering", file=sys.stderr, flush=True)
+                      f"recovering at {time.time():.3f}", file=sys.stderr, flush=True)
             if failed:
                 resume = self.recover(step)
                 if resume != step:

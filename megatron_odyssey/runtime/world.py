@@ -143,6 +143,23 @@ def install_parallel_state(groups: PlanGroups) -> None:
         "_EMBEDDING_GLOBAL_RANKS": me,
         "_POSITION_EMBEDDING_GROUP": groups.self_group,
         "_POSITION_EMBEDDING_GLOBAL_RANKS": me,
+        "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP": groups.self_group,
+        "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO": groups.self_group,
+        "_INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP": groups.self_group,
+        # dense models: experts are absent, but Megatron's DDP and optimizer set-up look the groups up
+        "_EXPERT_MODEL_PARALLEL_GROUP": groups.self_group,
+        "_EXPERT_MODEL_PARALLEL_RANKS": me,
+        "_MPU_EXPERT_MODEL_PARALLEL_WORLD_SIZE": 1,
+        "_MPU_EXPERT_MODEL_PARALLEL_RANK": 0,
+        "_EXPERT_TENSOR_PARALLEL_GROUP": groups.tp_group,
+        "_MPU_EXPERT_TENSOR_PARALLEL_WORLD_SIZE": len(tp_ranks),
+        "_MPU_EXPERT_TENSOR_PARALLEL_RANK": groups.tp_rank,
+        "_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP": groups.tp_group,
+        "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP": groups.tp_group,
+        "_EXPERT_DATA_PARALLEL_GROUP": groups.self_group,
+        "_EXPERT_DATA_PARALLEL_GROUP_GLOO": groups.self_group,
+        "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP": groups.self_group,
+        "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO": groups.self_group,
     }
     for name, value in values.items():
         if hasattr(ps, name):

@@ -1,0 +1,398 @@
+"""Run Megatron-LM's own training scripts (``pretrain_gpt.py`` & co.) on CPU, over gloo.
+
+Megatron-LM's training side (``megatron.training``, which lives in the Megatron-LM source tree,
+not in the megatron-core wheel) hard-codes CUDA: ``initialize_megatron`` asserts a GPU,
+``_compile_dependencies`` builds CUDA fused kernels, the training loop allocates its bookkeeping
+tensors with ``device="cuda"`` and moves batches and models with ``.cuda()``. This module makes
+the *unmodified* training loop run on the host CPU, so real Megatron-LM training (every rank a
+process, gloo as the backend, TP/PP/DP as on GPUs) can be used in tests, CI and demos on
+machines without accelerators. It is the CPU counterpart of what
+``torch_npu.contrib.transfer_to_npu`` does for Ascend NPUs.
+
+Usage: add, before anything else in the training script::
+
+    from megatron_odyssey.runtime.megatron_lm_cpu import enable_megatron_lm_cpu_mode
+    enable_megatron_lm_cpu_mode()
+
+and launch with ``--distributed-backend gloo`` plus flags that keep off CUDA-only kernels
+(``--transformer-impl local --use-cpu-initialization --no-gradient-accumulation-fusion
+--no-masked-softmax-fusion --no-bias-*-fusion --no-rope-fusion --no-persist-layer-norm``).
+With tensor or context parallelism, set ``CUDA_DEVICE_MAX_CONNECTIONS=1`` as on pre-Blackwell
+GPUs (``validate_args`` checks it; it has no effect on CPU).
+
+:func:`enable_megatron_lm_cpu_mode` first turns on megatron-core's CPU mode
+(:func:`~megatron_odyssey.runtime.accelerator.enable_cpu_mode`), then applies
+:data:`MEGATRON_LM_CPU_PATCHES`: module globals inside ``megatron.training`` (a view of
+``torch`` whose ``torch.cuda`` is the CPU, or a CPU replacement of one function), the few
+megatron-core modules only the training loop reaches (DDP buffers, optimizer, rerun state
+machine), and one process-wide patch, ``torch.Tensor.cuda``. It is idempotent;
+:func:`disable_megatron_lm_cpu_mode` restores every original (and turns megatron-core's CPU
+mode off again if it was this module that turned it on).
+
+``megatron.training`` is imported only when the mode is enabled, so this module imports fine
+with just the megatron-core wheel installed.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import threading
+import types
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch
+
+from megatron_odyssey.runtime.accelerator import (
+    CpuCudaView,
+    CpuTorchView,
+    Patch,
+    _resolve,
+    cpu_mode_enabled,
+    disable_cpu_mode,
+    enable_cpu_mode,
+)
+
+__all__ = [
+    "MEGATRON_LM_CPU_PATCHES",
+    "TrainingCpuCudaView",
+    "TrainingCpuTorchView",
+    "describe_megatron_lm_cpu_patches",
+    "disable_megatron_lm_cpu_mode",
+    "enable_megatron_lm_cpu_mode",
+    "load_dataset_helpers",
+    "megatron_lm_cpu_mode_enabled",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Views of torch for megatron.training modules
+# --------------------------------------------------------------------------------------------
+
+
+class TrainingCpuCudaView(CpuCudaView):
+    """``torch.cuda`` as Megatron-LM's training modules see it in CPU mode.
+
+    On top of :class:`CpuCudaView` (current device = CPU, no-op synchronize, CPU generator):
+    the CPU counts as this rank's one device (``_initialize_distributed`` builds the
+    model-parallel groups, and ``_set_random_seed`` seeds the model-parallel RNG tracker, only
+    when ``device_count() > 0``), ``set_device`` is a no-op, and streams are torch's no-op CPU
+    streams (``get_model`` wraps DDP construction in a side stream).
+    """
+
+    @staticmethod
+    def device_count() -> int:
+        return 1
+
+    @staticmethod
+    def set_device(device: Any) -> None:
+        return None
+
+    Stream = torch.cpu.Stream
+
+    @staticmethod
+    def current_stream(device: Any = None) -> Any:
+        return torch.cpu.current_stream()
+
+    @staticmethod
+    def stream(stream: Any) -> Any:
+        return torch.cpu.stream(stream)
+
+
+class TrainingCpuTorchView(CpuTorchView):
+    """:class:`CpuTorchView` (``device="cuda"`` factories allocate on the CPU) whose ``cuda``
+    is a :class:`TrainingCpuCudaView`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cuda = TrainingCpuCudaView()
+
+
+_TRAINING_TORCH_VIEW = TrainingCpuTorchView()
+#: For megatron-core modules: the accelerator's plain view (device_count stays truthful).
+_CORE_TORCH_VIEW = CpuTorchView()
+
+
+# --------------------------------------------------------------------------------------------
+# Replacements
+# --------------------------------------------------------------------------------------------
+
+
+def _tensor_cuda(
+    self: torch.Tensor,
+    device: Any = None,
+    non_blocking: bool = False,
+    memory_format: torch.memory_format = torch.preserve_format,
+) -> torch.Tensor:
+    """CPU-mode ``Tensor.cuda``: the tensor stays on the CPU (``nn.Module.cuda`` goes through
+    this too). Without a CUDA device the original can only raise."""
+    if memory_format is not torch.preserve_format:
+        return self.contiguous(memory_format=memory_format)
+    return self
+
+
+class _WrapOriginal:
+    """Replacement built at apply time from the original (which needs megatron.training)."""
+
+    def __init__(self, build: Callable[[Any], Any]) -> None:
+        self.build = build
+
+    def __repr__(self) -> str:
+        return f"_WrapOriginal({self.build.__name__})"
+
+
+def _allow_no_cuda(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``initialize_megatron`` so it is always called with ``allow_no_cuda=True``."""
+
+    @functools.wraps(original)
+    def initialize_megatron(*args: Any, **kwargs: Any) -> Any:
+        kwargs["allow_no_cuda"] = True
+        return original(*args, **kwargs)
+
+    initialize_megatron.__wrapped_for_cpu__ = True  # type: ignore[attr-defined]
+    return initialize_megatron
+
+
+def _skip_warmup_jit_function() -> None:
+    """CPU-mode ``_warmup_jit_function``: nothing to warm up (see the patch table)."""
+    return None
+
+
+def _cpu_device_arch_version() -> int:
+    """CPU-mode ``get_device_arch_version``: no CUDA architecture, i.e. 0 ("pre-Blackwell")."""
+    return 0
+
+
+def _cpu_clip_grad_by_total_norm_fp32(
+    parameters: Any, max_norm: float, total_norm: float, use_decoupled_grad: bool = False
+) -> None:
+    """CPU-mode ``clip_grad_by_total_norm_fp32``: megatron-core's function minus its assertion
+    that every gradient is a ``torch.cuda.FloatTensor`` (here they are fp32 CPU tensors)."""
+    from megatron.core.optimizer import clip_grads as cg
+
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    grads = []
+    for param in parameters:
+        if use_decoupled_grad:
+            grad = getattr(param, "decoupled_grad", None)
+            allowed: Tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
+        else:
+            grad, allowed = param.grad, (torch.float32,)
+        if grad is not None:
+            assert grad.dtype in allowed, f"gradient dtype {grad.dtype}, expected {allowed}"
+            grads.append(cg.to_local_if_dtensor(grad).detach())
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        overflow = torch.zeros(1, dtype=torch.int)
+        cg.multi_tensor_applier(cg.multi_tensor_scale_impl, overflow, [grads, grads], clip_coeff)
+
+
+# --- dataset C++ helpers ---------------------------------------------------------------------
+
+_HELPERS = "megatron.core.datasets.helpers_cpp"
+
+
+def _find_shipped_helpers() -> Optional[str]:
+    """Path of a ``megatron/core/datasets/helpers_cpp`` extension built for this interpreter
+    on ``sys.path`` (the megatron-core wheel ships one), or None."""
+    for entry in sys.path:
+        folder = os.path.join(entry or os.getcwd(), "megatron", "core", "datasets")
+        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+            candidate = os.path.join(folder, "helpers_cpp" + suffix)
+            if os.path.isfile(candidate):
+                return candidate
+    return None
+
+
+def load_dataset_helpers() -> types.ModuleType:
+    """Import ``megatron.core.datasets.helpers_cpp`` (the dataset index builders).
+
+    When the imported megatron-core has no compiled copy (a Megatron-LM source checkout first
+    on ``sys.path`` shadows the wheel's ``megatron.core``), load the one the megatron-core
+    wheel ships under the same module name, instead of compiling it. Raises ImportError when
+    neither exists.
+    """
+    try:
+        return importlib.import_module(_HELPERS)
+    except ImportError:
+        path = _find_shipped_helpers()
+        if path is None:
+            raise
+    spec = importlib.util.spec_from_file_location(_HELPERS, path)
+    if spec is None or spec.loader is None:  # pragma: no cover - defensive
+        raise ImportError(f"cannot load {_HELPERS} from {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[_HELPERS] = module
+    return module
+
+
+def _cpu_compile_dependencies() -> None:
+    """CPU-mode ``_compile_dependencies``: dataset helpers only, never the CUDA fused kernels.
+
+    Uses compiled helpers when any can be imported (see :func:`load_dataset_helpers`); else
+    falls back to megatron's own ``compile_helpers()`` on rank 0, as the original does.
+    """
+    try:
+        load_dataset_helpers()
+        return
+    except ImportError:
+        pass
+    if torch.distributed.get_rank() == 0:
+        from megatron.core.datasets.utils import compile_helpers
+
+        compile_helpers()
+    torch.distributed.barrier()
+    load_dataset_helpers()
+
+
+# --------------------------------------------------------------------------------------------
+# The patch table
+# --------------------------------------------------------------------------------------------
+
+_MT = "megatron.training"
+_MC = "megatron.core"
+
+#: Every Megatron-LM CPU-mode patch, applied after megatron-core's ``CPU_MODE_PATCHES``.
+#: Each entry was checked by removing it and rerunning ``pretrain_gpt.py`` (TP=2 x PP=2 on 4
+#: gloo ranks): all but ``_warmup_jit_function`` then fail; that one only saves 7-17 s of
+#: torch.compile C++ builds at start-up. ``torch.Tensor.cuda`` is the only process-wide entry:
+#: ``get_model`` (``model.cuda()``) and ``get_batch_on_this_tp_rank`` (``batch[k].cuda()``)
+#: call it as a tensor method, which no module-level view can intercept.
+MEGATRON_LM_CPU_PATCHES: Tuple[Patch, ...] = (
+    # --- megatron.training ---
+    Patch(f"{_MT}.training.initialize_megatron", _WrapOriginal(_allow_no_cuda),
+          "pretrain() calls initialize_megatron() without allow_no_cuda=True, which asserts CUDA"),
+    Patch(f"{_MT}.arguments.get_device_arch_version", _cpu_device_arch_version,
+          "validate_args() asks torch.cuda.get_device_properties() for the arch when TP/CP > 1"),
+    Patch(f"{_MT}.initialize._compile_dependencies", _cpu_compile_dependencies,
+          "initialize_megatron() builds CUDA fused kernels (nvcc) and compiles helpers with make"),
+    Patch(f"{_MT}.initialize._warmup_jit_function", _skip_warmup_jit_function,
+          "set_jit_fusion_options() torch.compiles unused CUDA fusions on device='cuda': 7-17 s"),
+    Patch(f"{_MT}.initialize.torch", _TRAINING_TORCH_VIEW,
+          "_initialize_distributed()/_set_random_seed() skip mpu groups and RNG seeds at 0 devices"),
+    Patch(f"{_MT}.training.torch", _TRAINING_TORCH_VIEW,
+          "get_model()/train() use current_device(), cuda streams and device='cuda' flag tensors"),
+    Patch(f"{_MT}.utils.torch", _TRAINING_TORCH_VIEW,
+          "get_batch_on_this_tp_rank() broadcasts batches into torch.cuda.current_device() buffers"),
+    # --- megatron-core modules only the training loop reaches ---
+    Patch(f"{_MC}.distributed.param_and_grad_buffer.torch", _CORE_TORCH_VIEW,
+          "_ParamAndGradBuffer() allocates the DDP param/grad buffers on current_device()"),
+    Patch(f"{_MC}.optimizer.optimizer.torch", _CORE_TORCH_VIEW,
+          "FP32Optimizer/MixedPrecisionOptimizer create _scale/found_inf with device='cuda'"),
+    Patch(f"{_MC}.optimizer.optimizer.clip_grad_by_total_norm_fp32",
+          _cpu_clip_grad_by_total_norm_fp32,
+          "optimizer.step()'s clip_grad_by_total_norm_fp32 asserts grads are torch.cuda.FloatTensor"),
+    Patch(f"{_MC}.optimizer.clip_grads.torch", _CORE_TORCH_VIEW,
+          "get_grad_norm_fp32()/count_zeros_fp32() accumulate into device='cuda' tensors"),
+    Patch(f"{_MC}.rerun_state_machine.torch", _CORE_TORCH_VIEW,
+          "RerunStateMachine._save_state() reads torch.cuda.get_rng_state(); reductions on cuda"),
+    # --- process-wide (see above) ---
+    Patch("torch.Tensor.cuda", _tensor_cuda,
+          "get_model() model.cuda() / get_batch_on_this_tp_rank() .cuda(): keep tensors on CPU"),
+)
+
+
+# --------------------------------------------------------------------------------------------
+# enable / disable
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Applied:
+    owner: Any
+    attr: str
+    original: Any
+    had_attr: bool
+
+
+_LOCK = threading.RLock()
+_APPLIED: List[_Applied] = []
+_OWNS_CORE_MODE = False
+
+
+def _owner_and_attr(target: str) -> Tuple[Any, str]:
+    """Like accelerator's ``_resolve`` but lets a real import error of the target's module
+    (a missing dependency of megatron.training, say) through instead of masking it."""
+    modname, attr = target.rsplit(".", 1)
+    try:
+        return importlib.import_module(modname), attr
+    except ModuleNotFoundError as exc:
+        if not (exc.name and modname.startswith(exc.name)):
+            raise  # the module exists but one of its own imports is missing
+        if target.startswith(_MT + "."):
+            raise ImportError(
+                f"{target}: megatron.training is not importable; it ships with a Megatron-LM "
+                "source checkout (not the megatron-core wheel): put one on sys.path"
+            ) from exc
+    return _resolve(target)  # e.g. a class attribute such as torch.Tensor.cuda
+
+
+def megatron_lm_cpu_mode_enabled() -> bool:
+    """True while the Megatron-LM CPU-mode patches are applied."""
+    return bool(_APPLIED)
+
+
+def enable_megatron_lm_cpu_mode() -> None:
+    """Turn on megatron-core's CPU mode, then apply :data:`MEGATRON_LM_CPU_PATCHES`.
+
+    Idempotent. Imports ``megatron.training`` (raises ImportError, with nothing left patched,
+    when no Megatron-LM checkout is importable).
+    """
+    global _OWNS_CORE_MODE
+    with _LOCK:
+        if _APPLIED:
+            return
+        _OWNS_CORE_MODE = not cpu_mode_enabled()
+        enable_cpu_mode()
+        try:
+            for patch in MEGATRON_LM_CPU_PATCHES:
+                owner, attr = _owner_and_attr(patch.target)
+                if isinstance(owner, (type, types.ModuleType)):
+                    had = attr in vars(owner)
+                else:
+                    had = hasattr(owner, attr)
+                original = getattr(owner, attr, None)
+                value = patch.replacement
+                if isinstance(value, _WrapOriginal):
+                    value = value.build(original)
+                setattr(owner, attr, value)
+                _APPLIED.append(_Applied(owner, attr, original, had))
+        except BaseException:
+            _restore_all()
+            raise
+
+
+def _restore_all() -> None:
+    global _OWNS_CORE_MODE
+    while _APPLIED:
+        rec = _APPLIED.pop()
+        if rec.had_attr:
+            setattr(rec.owner, rec.attr, rec.original)
+        else:  # e.g. Tensor.cuda is inherited from TensorBase: drop the override
+            try:
+                delattr(rec.owner, rec.attr)
+            except AttributeError:
+                pass
+    if _OWNS_CORE_MODE:
+        disable_cpu_mode()
+        _OWNS_CORE_MODE = False
+
+
+def disable_megatron_lm_cpu_mode() -> None:
+    """Restore every original patched by :func:`enable_megatron_lm_cpu_mode`, and turn
+    megatron-core's CPU mode off if that call turned it on. No-op when not enabled."""
+    with _LOCK:
+        if _APPLIED:
+            _restore_all()
+
+
+def describe_megatron_lm_cpu_patches() -> List[dict]:
+    """The patch table as plain dicts (for logs and docs)."""
+    return [{"target": p.target, "why": p.why} for p in MEGATRON_LM_CPU_PATCHES]
