@@ -24,6 +24,7 @@ import json
 import multiprocessing as mp
 import os
 import signal
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from typing import Any
 
 from ..planning.errors import PlanningError
 from ..planning.plan import ExecutionPlan
+from ..planning.cache import PlanCache
 from ..planning.planner import Decision, Planner, PlannerOptions
 from .config import TrainConfig
 
@@ -92,6 +94,7 @@ class FailureRecord:
     step: int = -1
     reason: str = ""
     candidates: list[dict[str, Any]] = field(default_factory=list)
+    cached: bool = False  # the decision came from the precomputed plan cache
     rebuild: dict[str, float] = field(default_factory=dict)  # slowest rank's world/groups/model time
     phases: dict[str, float] = field(default_factory=dict)  # since the failure: sealed, published, first step
     started: float = 0.0  # injection (or detection) time, for recovery_s
@@ -124,8 +127,13 @@ class Agent:
         self.phases = {(s.rank, s.step): s.phase for s in cfg.fail_specs()}
         from .cpu_profile import estimated_profile
 
-        options = PlannerOptions(tp=cfg.tp, **({"mtbf_hours": cfg.mtbf_hours} if cfg.mtbf_hours else {}))
-        self.planner = Planner(estimated_profile(cfg), cfg.global_batch, cfg.micro_batch, options)
+        self.options = PlannerOptions(tp=cfg.tp, **({"mtbf_hours": cfg.mtbf_hours} if cfg.mtbf_hours else {}))
+        self.profile = estimated_profile(cfg)
+        self.planner = Planner(self.profile, cfg.global_batch, cfg.micro_batch, self.options)
+        self.cache: PlanCache | None = None  # decisions for the current layout, filled in the background
+        self.cache_depth = int(cfg.extra.get("max_cached_failures", 1))
+        self.profile_iters = int(cfg.extra.get("profile_iters", 0))  # > 0: plan from measured times
+        self.measured = False
 
     # -- bookkeeping ----------------------------------------------------------------------------------
     def members(self) -> list[int]:
@@ -170,6 +178,7 @@ class Agent:
 
     def supervise(self) -> int:
         """Detect, commit, recover until every rank has exited; returns the job's exit code."""
+        self._refresh_cache()
         while True:
             failed = self.detect()
             if failed:
@@ -229,7 +238,11 @@ class Agent:
         loss = sum(float(self.store.get(k)) for k in ready)
         self.store.set(f"{self.key('commit')}/{t}", repr(loss))  # ranks report the committed loss
         now = time.time()
-        self.state_plan = self.plan  # survivors now hold their state in this generation's layout
+        if self.state_plan is not self.plan:
+            self.state_plan = self.plan  # survivors now hold their state in this generation's layout
+            self._refresh_cache()
+        if self.profile_iters and not self.measured:
+            self._adopt_measured_profile()
         redone = t in self.steps  # trained before, lost to a restart from an older checkpoint
         self.steps[t] = {"step": t, "loss": loss, "time_s": now - self.step_started, "plan_id": self.plan.plan_id,
                          "alive": len(self.members()), "policy": self.plan.policy, "generation": self.gen,
@@ -296,8 +309,12 @@ class Agent:
                             detection_s=max(0.0, detected - started), step=last + 1, started=started,
                             sealed_at=sealed_at)
         t0 = time.perf_counter()
+        cache = self.cache
         try:
-            decision = self.planner.decide(base, dead_nodes)
+            decision = cache.lookup(dead_nodes) if cache is not None and cache.current is base else None
+            rec.cached = decision is not None
+            if decision is None:
+                decision = self.planner.decide(base, dead_nodes)
         except PlanningError as exc:
             self.log(f"cannot continue: {exc}")
             rec.reason = str(exc)
@@ -337,6 +354,47 @@ class Agent:
         rec.published_at = time.time()
         return True
 
+    # -- planning inputs ------------------------------------------------------------------------------
+    def _refresh_cache(self) -> None:
+        """Precompute decisions for every failure of up to ``cache_depth`` nodes of the current layout
+        (Odyssey revision IV-A) in a background thread, with its own planner (no shared memo state);
+        until it is filled, a failure is planned on demand."""
+        self.cache = None
+        if self.cache_depth == 0:
+            return
+        import threading
+
+        base = self.state_plan
+        planner = Planner(self.profile, self.cfg.global_batch, self.cfg.micro_batch, self.options)
+        cache = PlanCache(planner, base, self.cache_depth)
+
+        def fill() -> None:
+            try:
+                cache.precompute()
+            except PlanningError:
+                return
+            if self.state_plan is base:
+                self.cache = cache
+
+        threading.Thread(target=fill, name="odyssey-plan-cache", daemon=True).start()
+
+    def _adopt_measured_profile(self) -> None:
+        """Once every rank has published its timed stage (``--odyssey-profile-iters``), plan from the
+        measured per-layer costs instead of the estimate."""
+        from .profiler import StageProfile, merge_profiles
+
+        keys = [f"odyssey/profile/{i}" for i in self.members()]
+        if not self.store.check(keys):
+            return
+        parts = [StageProfile.from_dict(json.loads(self.store.get(k))) for k in keys]
+        self.profile = merge_profiles(parts, p2p_s=self.profile.p2p_s, base=self.profile, name="measured")
+        self.planner = Planner(self.profile, self.cfg.global_batch, self.cfg.micro_batch, self.options)
+        self.measured = True
+        layers = [u.forward_s + u.backward_s for u in self.profile.layers]
+        self.log(f"planning from the measured profile ({len(parts)} stages; a layer takes "
+                 f"{1e3 * statistics.median(layers):.3g} ms forward+backward per micro-batch)")
+        self._refresh_cache()
+
     def _apply_policy(self, decision: Decision):
         """The planner's choice, or the forced policy when it is feasible (else say why not)."""
         if self.cfg.policy == "auto":
@@ -370,6 +428,7 @@ class Agent:
         hidden = ("started", "generation", "sealed_at", "published_at")
         failures = [{k: v for k, v in vars(f).items() if k not in hidden} for f in self.failures]
         report = {"ok": ok, "steps": [self.steps[s] for s in sorted(self.steps)], "failures": failures,
+                  "profile": self.profile.name,
                   "final_plan": self.plan.to_dict(), "config": {k: v for k, v in vars(self.cfg).items()}}
         Path(self.cfg.report).write_text(json.dumps(report, indent=1))
 

@@ -13,7 +13,8 @@ gradient, however the micro-batches are spread over pipelines.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Protocol
+import contextlib
+from typing import Any, Callable, ContextManager, Mapping, Protocol
 
 import torch
 import torch.distributed as dist
@@ -55,6 +56,8 @@ class PipelineExecutor:
     # micro-batches); True: every token of the global batch weighs the same (--calculate-per-token-loss)
     per_token_loss: bool = True
     device: torch.device | str = "cpu"  # where activations arrive (the stage model's device)
+    # kind ("forward"/"backward") -> context manager timing one op's compute, without its waits
+    compute_timer: Callable[[str], ContextManager[Any]] | None = None
     _ops: list[Op] = field(init=False)
     _executor: dict[tuple[int, int, int], int] = field(init=False)
 
@@ -72,6 +75,9 @@ class PipelineExecutor:
 
     def _tag(self, kind: str, pipeline: int, stage: int, micro_batch: int) -> int:
         return ((pipeline * self._max_stages + stage) * self._max_mbs + micro_batch) * 2 + (kind == FORWARD)
+
+    def _timed(self, kind: str) -> ContextManager[Any]:
+        return self.compute_timer(kind) if self.compute_timer is not None else contextlib.nullcontext()
 
     # -- one step ---------------------------------------------------------------------------------
     def run_step(self, step: int, token_count: Callable[[], float],
@@ -100,7 +106,8 @@ class PipelineExecutor:
                               tag=self._tag(FORWARD, op.pipeline, op.stage - 1, op.micro_batch))
                     inp.requires_grad_()
                 batch = self.micro_batch(step, self._offsets[op.pipeline] + op.micro_batch)
-                out = self.runner.forward(batch, inp)
+                with self._timed("forward"):
+                    out = self.runner.forward(batch, inp)
                 if last_stage:
                     mask = batch["loss_mask"].to(out.dtype)
                     if not self.per_token_loss:
@@ -118,12 +125,12 @@ class PipelineExecutor:
                 result.forward_s += time.perf_counter() - t0
             else:
                 inp, out = saved.pop(key)
-                if last_stage:
-                    torch.autograd.backward(out)
-                else:
+                grad = None
+                if not last_stage:
                     grad = torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
                     dist.recv(grad, src=self._rank_of(op.pipeline, op.stage + 1, op.micro_batch),
                               tag=self._tag("B", op.pipeline, op.stage + 1, op.micro_batch))
+                with self._timed("backward"):
                     torch.autograd.backward(out, grad)
                 if inp is not None:
                     send = inp.grad.contiguous()

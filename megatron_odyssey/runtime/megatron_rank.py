@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import inspect
 import json
+from contextlib import contextmanager
 import os
 import sys
 import time
 from datetime import timedelta
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -154,6 +155,12 @@ class MegatronRankRuntime(RankRuntime):
         self.committed, self.pending, self.saved, self.profiler = int(args.iteration) - 1, None, None, None
         self.pending_norm = 0.0
         self.data = self  # RankRuntime.enter builds its executor from self.data.micro_batch
+        # --odyssey-profile-iters: time iterations [first, end) with Megatron's timers (the first one
+        # after start-up is a warm-up), then publish this stage's per-layer costs to the agent
+        first = int(args.iteration) + 1
+        self.profile_window = range(first, first + int(args.odyssey_profile_iters))
+        self.timing = False
+        self.timed_ops = {"forward": 0, "backward": 0}
         self.last_result: Any = None
         self.device = next(model[0].parameters()).device
         self.arity = 8 if "log_max_attention_logit" in inspect.getsource(_original_train_step()) else 7
@@ -197,7 +204,7 @@ class MegatronRankRuntime(RankRuntime):
                                          (self.cfg.seq, self.cfg.micro_batch, self.cfg.hidden),
                                          dtype=_activation_dtype(self.args),
                                          per_token_loss=bool(getattr(self.args, "calculate_per_token_loss", False)),
-                                         device=self.device)
+                                         device=self.device, compute_timer=self._compute_timer)
         self.sync = GradientSync(self.plan, self.groups, params_by_unit(self.named, self.cfg.layers), attr="main_grad")
         STATE.plan = self.plan
 
@@ -294,6 +301,7 @@ class MegatronRankRuntime(RankRuntime):
             chunk.zero_grad_buffer()
         self.megatron_optimizer.zero_grad()
         self.pending = step
+        self.timing = self.gen == 0 and step in self.profile_window
         timers("forward-backward", log_level=1).start(barrier=False)
         forward_backward_func(forward_step_func=forward_step_func, data_iterator=None, model=self.megatron_model,
                               num_microbatches=self.cfg.num_micro_batches, seq_length=self.cfg.seq,
@@ -311,7 +319,51 @@ class MegatronRankRuntime(RankRuntime):
         timers("optimizer", log_level=1).start(barrier=False)
         ok, norm = self._apply(step)
         timers("optimizer").stop()
+        if self.timing and step == self.profile_window[-1]:
+            self._publish_profile()
         return self._megatron_result(loss, ok, norm)
+
+    # -- profiling with Megatron's timers ----------------------------------------------------------
+    @contextmanager
+    def _compute_timer(self, kind: str) -> Iterator[None]:
+        """One op's compute on Megatron's timer ``odyssey-{kind}-compute`` (level 0: never a dummy,
+        never printed by the training log, no barrier), while the profiling window is open."""
+        if not self.timing:
+            yield
+            return
+        from megatron.training.global_vars import get_timers
+
+        timer = get_timers()(f"odyssey-{kind}-compute", log_level=0)
+        timer.start(barrier=False)
+        try:
+            yield
+        finally:
+            timer.stop(barrier=False)
+            self.timed_ops[kind] += 1
+
+    def _publish_profile(self) -> None:
+        """This stage's measured per-micro-batch cost, split over its units in proportion to the
+        analytical estimate (timers see the stage, not each layer), as a StageProfile for the agent."""
+        from dataclasses import replace as dc_replace
+
+        from megatron.training.global_vars import get_timers
+
+        from .cpu_profile import estimated_profile
+        from .profiler import StageProfile
+
+        timers = get_timers()
+        measured = {kind: timers(f"odyssey-{kind}-compute", log_level=0).elapsed(reset=True, barrier=False)
+                    / max(1, n) for kind, n in self.timed_ops.items()}
+        k, i = self.plan.position_of()[self.node]
+        units = sorted(self.plan.stage_units(k, i))
+        base = estimated_profile(self.cfg).units()
+        fwd_total = sum(base[u].forward_s for u in units) or 1.0
+        bwd_total = sum(base[u].backward_s for u in units) or 1.0
+        costs = {u: dc_replace(base[u], forward_s=measured["forward"] * base[u].forward_s / fwd_total,
+                               backward_s=measured["backward"] * base[u].backward_s / bwd_total) for u in units}
+        stage = StageProfile(num_layers=self.cfg.layers, units=costs, samples=self.timed_ops["forward"],
+                             micro_batch=self.cfg.micro_batch, seq_length=self.cfg.seq, tp=self.cfg.tp)
+        self.store.set(f"odyssey/profile/{self.ident}", json.dumps(stage.to_dict()))
 
     def _sync_sequence_parallel_grads(self) -> None:
         """Megatron's ``_allreduce_non_tensor_model_parallel_grads``: with sequence parallelism, norm
