@@ -128,7 +128,7 @@ class Agent:
         from .cpu_profile import estimated_profile
 
         self.options = PlannerOptions(tp=cfg.tp, **({"mtbf_hours": cfg.mtbf_hours} if cfg.mtbf_hours else {}))
-        self.profile = estimated_profile(cfg)
+        self.profile = estimated_profile(cfg, **cfg.extra.get("profile_overrides", {}))
         self.planner = Planner(self.profile, cfg.global_batch, cfg.micro_batch, self.options)
         self.cache: PlanCache | None = None  # decisions for the current layout, filled in the background
         self.cache_depth = int(cfg.extra.get("max_cached_failures", 1))
@@ -198,8 +198,11 @@ class Agent:
         return 1 if bad else 0
 
     def detect(self) -> set[int]:
-        """Members that died or hung since the last look (hung ones are fenced here)."""
+        """Members that died or hung since the last look (hung ones are fenced here). Once every step
+        is committed nothing is left to recover: exits are only reported at the end."""
         now, out = time.time(), set()
+        if self.next_step >= self.cfg.steps:
+            return out
         for ident in self.members():
             if ident in self.dead:
                 continue

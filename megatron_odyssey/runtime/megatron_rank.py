@@ -18,6 +18,7 @@ import json
 from contextlib import contextmanager
 import os
 import sys
+import threading
 import time
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Mapping
@@ -39,6 +40,43 @@ WORKDIR_ENV = "ODYSSEY_WORKDIR"
 
 class OdysseyRestart(SystemExit):
     """The planner found no in-process continuation: Megatron must be relaunched from its checkpoint."""
+
+
+class AbortWatcher(threading.Thread):
+    """Aborts this rank's groups as soon as the agent aborts the generation. A rank blocked inside a
+    collective never polls the store, and NCCL/HCCL do not see a dead peer's closed connection the way
+    gloo does (they would wait for the watchdog timeout); aborting from here unblocks the op at once."""
+
+    def __init__(self, runtime: "MegatronRankRuntime", host: str, port: int, interval_s: float = 0.05):
+        super().__init__(daemon=True, name="odyssey-abort-watcher")
+        self.runtime, self.interval_s = runtime, interval_s
+        self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
+        self.stopped = threading.Event()
+        import atexit
+
+        atexit.register(self.stop)  # a thread still inside the store client at exit aborts the process
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.join(5)
+
+    def run(self) -> None:
+        handled = -1
+        while not self.stopped.is_set():
+            gen = self.runtime.gen
+            try:
+                aborted = gen != handled and self.store.check([f"odyssey/gen{gen}/abort"])
+            except Exception:  # the agent is gone: the job is over
+                return
+            if aborted:
+                with self.runtime.gen_lock:
+                    if self.runtime.gen == gen:
+                        try:
+                            abort_all_groups()
+                        except Exception:  # the main thread is tearing the same groups down
+                            pass
+                handled = gen
+            self.stopped.wait(self.interval_s)
 
 
 # -- Megatron objects seen through Odyssey's interfaces ------------------------------------------------
@@ -144,6 +182,10 @@ class MegatronRankRuntime(RankRuntime):
     def __init__(self, args: Any, model: list, optimizer: Any, scheduler: Any):
         from .faults import Injector
 
+        import faulthandler
+        import signal
+
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` dumps a stuck rank's stacks
         host, port = os.environ[STORE_ENV].rsplit(":", 1)
         cfg = config_from_megatron_args(args)
         store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=cfg.timeout_s))
@@ -151,7 +193,11 @@ class MegatronRankRuntime(RankRuntime):
         self.args, self.megatron_model, self.megatron_optimizer, self.scheduler = args, model, optimizer, scheduler
         self.node, self.tp_rank = divmod(self.ident, cfg.tp)
         self.injector = Injector(cfg.fail_specs(), self.ident, store)
-        self.sleep_mode, self.backend = False, args.distributed_backend
+        self.device = next(model[0].parameters()).device
+        from .accelerator import dist_backend
+
+        # the backend of the device the model lives on (Megatron's flag says "nccl" on Ascend too)
+        self.sleep_mode, self.backend = False, dist_backend(self.device.type)
         self.committed, self.pending, self.saved, self.profiler = int(args.iteration) - 1, None, None, None
         self.pending_norm = 0.0
         self.data = self  # RankRuntime.enter builds its executor from self.data.micro_batch
@@ -162,13 +208,17 @@ class MegatronRankRuntime(RankRuntime):
         self.timing = False
         self.timed_ops = {"forward": 0, "backward": 0}
         self.last_result: Any = None
-        self.device = next(model[0].parameters()).device
         self.arity = 8 if "log_max_attention_logit" in inspect.getsource(_original_train_step()) else 7
+        if self.device.type != "cpu":  # the planner's memory check needs the real device size
+            props = getattr(torch, self.device.type).get_device_properties(self.device)
+            cfg.extra["profile_overrides"] = {"device_memory_bytes": int(props.total_memory)}
         if self.ident == 0:
             store.set("odyssey/config", json.dumps(cfg.__dict__))
+        self.gen_lock = threading.RLock()  # held while this thread aborts, tears down or builds groups
         plan = symmetric_plan(cfg.pp, cfg.dp, cfg.layers, cfg.num_micro_batches)
         self._adopt_generation0(plan)
         Heartbeat(host, int(port), self.ident, cfg.heartbeat_interval_s).start()
+        AbortWatcher(self, host, int(port)).start()
 
     # -- data ------------------------------------------------------------------------------------------
     def micro_batch(self, step: int, j: int) -> dict[str, torch.Tensor]:
@@ -252,6 +302,12 @@ class MegatronRankRuntime(RankRuntime):
             self.megatron_optimizer._copy_main_params_to_model_params()  # bf16: restored main -> model
         self.scheduler.step(increment=0)  # the fresh optimizer's groups take the schedule's current lr
 
+    def recover(self, step: int) -> int:
+        """RankRuntime.recover with the watcher kept out: no two threads may abort, destroy or create the
+        same process groups at once (that ends the process in std::terminate)."""
+        with self.gen_lock:
+            return super().recover(step)
+
     def teardown(self) -> None:
         from .state import capture
 
@@ -284,7 +340,8 @@ class MegatronRankRuntime(RankRuntime):
             try:
                 return self._step(forward_step_func, step, forward_backward_func)
             except (RuntimeError, Abort) as exc:  # torch.distributed errors are RuntimeErrors
-                abort_all_groups()
+                with self.gen_lock:
+                    abort_all_groups()
                 failed = True
                 print(f"[odyssey rank {self.ident}] iteration {step}: {type(exc).__name__}: {str(exc)[:120]}; "
                       f"recovering at {time.time():.3f}", file=sys.stderr, flush=True)
