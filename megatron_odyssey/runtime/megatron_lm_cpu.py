@@ -396,3 +396,23 @@ def disable_megatron_lm_cpu_mode() -> None:
 def describe_megatron_lm_cpu_patches() -> List[dict]:
     """The patch table as plain dicts (for logs and docs)."""
     return [{"target": p.target, "why": p.why} for p in MEGATRON_LM_CPU_PATCHES]
+
+
+def tiny_gpt_flags(train_iters: int, pipeline_parallel: int = 2) -> List[str]:
+    """Megatron-LM flags for a tiny Llama-style GPT on mock data that runs on CPU (gloo): the kernels
+    this mode cannot run are switched off. Shared by the Megatron-LM tests and benchmarks."""
+    return [
+        "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "176",
+        "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
+        "--global-batch-size", "8", "--train-iters", str(train_iters), "--lr", "1e-3", "--min-lr", "1e-4",
+        "--lr-decay-style", "cosine", "--clip-grad", "1.0", "--weight-decay", "0.01", "--seed", "1234",
+        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+        "--distributed-backend", "gloo", "--transformer-impl", "local", "--use-cpu-initialization",
+        "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
+        "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-persist-layer-norm",
+        "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+        "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+        "--attention-dropout", "0", "--hidden-dropout", "0",
+        "--pipeline-model-parallel-size", str(pipeline_parallel), "--log-interval", "1",
+        "--eval-iters", "0", "--eval-interval", "1000",
+    ]
