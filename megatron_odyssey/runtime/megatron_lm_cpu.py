@@ -43,7 +43,6 @@ import os
 import sys
 import threading
 import types
-from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
@@ -52,6 +51,7 @@ from megatron_odyssey.runtime.accelerator import (
     CpuCudaView,
     CpuTorchView,
     Patch,
+    _Applied,
     _resolve,
     cpu_mode_enabled,
     disable_cpu_mode,
@@ -302,14 +302,6 @@ MEGATRON_LM_CPU_PATCHES: Tuple[Patch, ...] = (
 # --------------------------------------------------------------------------------------------
 # enable / disable
 # --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Applied:
-    owner: Any
-    attr: str
-    original: Any
-    had_attr: bool
 
 
 _LOCK = threading.RLock()

@@ -277,9 +277,9 @@ class MegatronRankRuntime(RankRuntime):
             return captured.model_provider(**kw)
 
         STATE.stage_range = (start, end)
-        try:
+        if "pg_collection" in inspect.signature(mt.get_model).parameters:
             chunks = mt.get_model(provider, captured.model_type, pg_collection=plan_process_groups(self.groups))
-        except TypeError:  # megatron-core <= 0.13: get_model takes no process groups
+        else:  # Megatron-LM <= 0.15: get_model reads the groups from parallel_state (installed above)
             chunks = mt.get_model(provider, captured.model_type)
         (config, *rest), kwargs = captured.optimizer_call
         fresh = mt.get_megatron_optimizer(config, chunks, *rest, **kwargs)
