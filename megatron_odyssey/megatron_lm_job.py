@@ -35,6 +35,28 @@ class JobResult:
         return {int(m.group(1)): float(m.group(3)) for m in _LOG.finditer(self.logs)}
 
 
+def _printed_ulp(text: str) -> float:
+    """One unit in the last printed digit of ``5.228603E+00`` or ``1.256``."""
+    mantissa, _, exponent = text.upper().partition("E")
+    decimals = len(mantissa.split(".")[1]) if "." in mantissa else 0
+    return 10.0 ** (int(exponent or 0) - decimals)
+
+
+def same_training(a: dict[int, tuple[str, ...]], b: dict[int, tuple[str, ...]]) -> bool:
+    """Two runs logged the same iterations: equal consumed samples and learning rates, and losses and
+    grad norms equal to within one printed digit (a different summation order may move the last one)."""
+    if sorted(a) != sorted(b):
+        return False
+    for it in a:
+        (sa, lra, la, ga), (sb, lrb, lb, gb) = a[it], b[it]
+        if sa != sb or lra != lrb:
+            return False
+        for x, y in ((la, lb), (ga, gb)):
+            if abs(float(x) - float(y)) > 1.01 * max(_printed_ulp(x), _printed_ulp(y)):
+                return False
+    return True
+
+
 def patched_script(megatron_lm: str | Path, work: Path) -> Path:
     """``pretrain_gpt.py`` from a checkout with ``patches/pretrain_gpt.py.patch`` applied, in ``work``."""
     work.mkdir(parents=True, exist_ok=True)

@@ -76,3 +76,18 @@ def test_remote_rank_reads_exits_and_requests_fencing_through_the_store() -> Non
     remote.join(5)  # a store set is not acknowledged: the coordinator polls, as it does in supervise()
     assert remote.exitcode == -9
     del server
+
+
+def test_logged_training_compares_to_the_last_printed_digit() -> None:
+    from megatron_odyssey.megatron_lm_job import JobResult, same_training
+
+    line = (" [2026-11-21 22:38:56.004435] iteration        3/       5 | consumed samples:           24 | "
+            "elapsed time per iteration (ms): 5070.7 | learning rate: 4.109424E-04 | global batch size:     8 | "
+            "lm loss: {loss} | loss scale: 1.0 | grad norm: {norm} |")
+    ref = JobResult(0, 1.0, line.format(loss="5.228603E+00", norm="1.256")).iterations()
+    assert ref == {3: ("24", "4.109424E-04", "5.228603E+00", "1.256")}
+    assert JobResult(0, 1.0, line.format(loss="5.228603E+00", norm="1.256")).iteration_ms() == {3: 5070.7}
+    assert same_training(ref, JobResult(0, 1.0, line.format(loss="5.228604E+00", norm="1.257")).iterations())
+    assert not same_training(ref, JobResult(0, 1.0, line.format(loss="5.228606E+00", norm="1.256")).iterations())
+    assert not same_training(ref, JobResult(0, 1.0, line.format(loss="5.228603E+00", norm="1.259")).iterations())
+    assert not same_training(ref, {})

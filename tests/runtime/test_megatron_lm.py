@@ -6,7 +6,7 @@ train a tiny Llama-style GPT on mock data (PP=2 x DP=2). The reference is stock 
 torchrun without ``--odyssey``; under ``odyssey-launch`` one rank is SIGKILLed mid-iteration, the
 survivors recover in-process (rerouted or re-arranged pipelines) and finish, and every line
 Megatron logs for an iteration (loss, grad norm, learning rate, consumed samples) equals the
-reference's.
+reference's (loss and grad norm to the last printed digit).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_odyssey.megatron_lm_job import run_odyssey, run_stock
+from megatron_odyssey.megatron_lm_job import run_odyssey, run_stock, same_training
 from megatron_odyssey.runtime.megatron_lm_cpu import tiny_gpt_flags
 
 MLM = os.environ.get("MEGATRON_LM_PATH")
@@ -52,7 +52,7 @@ def test_pretrain_gpt_survives_a_killed_rank(stock: dict, tmp_path: Path, policy
     (failure,) = report["failures"]
     assert failure["ranks"] == [1] and failure["policy"] == policy
     assert report["steps"][-1]["alive"] == 3
-    assert job.iterations() == stock  # loss, grad norm, lr, consumed samples: as if nothing failed
+    assert same_training(job.iterations(), stock)  # loss, grad norm, lr, consumed samples: as if nothing failed
 
 
 def test_two_machines_rank_on_the_second_dies(stock: dict, tmp_path: Path) -> None:
@@ -64,4 +64,4 @@ def test_two_machines_rank_on_the_second_dies(stock: dict, tmp_path: Path) -> No
     (failure,) = report["failures"]
     assert failure["ranks"] == [3]
     assert [s["step"] for s in report["steps"]] == list(range(ITERS))
-    assert job.iterations() == stock
+    assert same_training(job.iterations(), stock)
