@@ -93,7 +93,8 @@ def render(rows: list[dict], command: str) -> str:
               f"in every run, to the last printed digit: **{'yes' if all(r['exact'] for r in rows) else 'NO'}**. Relaunch excludes loading a "
               "checkpoint and redoing the iterations since it, which only widens the gap. At this model size an "
               "iteration is mostly fixed overhead (Python, gloo on loopback), so the per-iteration ratios say little "
-              "about large models.", END]
+              "about large models; part of stock's extra time is `--barrier-with-L1-time` (world barriers in its "
+              "timers, on by default), which Odyssey turns off because such barriers hang after a failure.", END]
     return "\n".join(lines)
 
 
