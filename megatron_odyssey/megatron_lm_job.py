@@ -13,7 +13,17 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-PATCH = ROOT / "patches" / "pretrain_gpt.py.patch"
+PATCHES = ROOT / "patches"
+
+
+def patch_for(megatron_lm: str | Path) -> Path:
+    """``patches/pretrain_gpt.core_r0.MINOR.0.patch`` for the checkout's megatron-core version."""
+    info = (Path(megatron_lm) / "megatron" / "core" / "package_info.py").read_text()
+    minor = re.search(r"^MINOR\s*=\s*(\d+)", info, re.M).group(1)
+    path = PATCHES / f"pretrain_gpt.core_r0.{minor}.0.patch"
+    if not path.exists():
+        raise FileNotFoundError(f"no patch for megatron-core 0.{minor} in {PATCHES} (0.12-0.16 are provided)")
+    return path
 
 # one line of Megatron's training_log, minus timing
 _LOG = re.compile(r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) .*?elapsed time per iteration \(ms\): "
@@ -61,7 +71,7 @@ def patched_script(megatron_lm: str | Path, work: Path) -> Path:
     """``pretrain_gpt.py`` from a checkout with ``patches/pretrain_gpt.py.patch`` applied, in ``work``."""
     work.mkdir(parents=True, exist_ok=True)
     (work / "pretrain_gpt.py").write_text((Path(megatron_lm) / "pretrain_gpt.py").read_text())
-    subprocess.run(["patch", "-p1", "-i", str(PATCH)], cwd=work, check=True, capture_output=True)
+    subprocess.run(["patch", "-p1", "-i", str(patch_for(megatron_lm))], cwd=work, check=True, capture_output=True)
     return work / "pretrain_gpt.py"
 
 

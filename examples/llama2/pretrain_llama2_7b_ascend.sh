@@ -2,7 +2,7 @@
 # Llama-2-7B pre-training with Odyssey on Ascend 910B NPUs (HCCL) through MindSpeed.
 #
 # Prerequisites: CANN + torch_npu installed; MindSpeed (core) installed next to Megatron-LM
-# core_r0.16.0 as MindSpeed's README describes; patches/pretrain_gpt.py.patch applied (it imports
+# core_r0.16.0 as MindSpeed's README describes; patches/pretrain_gpt.core_r0.16.0.patch applied (it imports
 # mindspeed.megatron_adaptor first, then megatron_odyssey.megatron_adaptor).
 #
 #   MEGATRON_LM=/path/to/Megatron-LM DATA_PREFIX=/data/llama2/redpajama_text_document \
@@ -14,7 +14,7 @@
 # which MindSpeed maps to HCCL.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
-: "${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM checkout with patches/pretrain_gpt.py.patch applied}"
+: "${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM checkout with patches/pretrain_gpt.core_r0.16.0.patch applied}"
 : "${DATA_PREFIX:?set DATA_PREFIX to the indexed dataset prefix (see examples/llama2/README.md)}"
 : "${TOKENIZER_MODEL:?set TOKENIZER_MODEL to Llama-2 tokenizer.model}"
 if [[ -f /usr/local/Ascend/ascend-toolkit/set_env.sh ]]; then

@@ -13,7 +13,7 @@
 # memory, 0.84 B parameters per GPU here.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
-: "${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM checkout with patches/pretrain_gpt.py.patch applied}"
+: "${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM checkout with patches/pretrain_gpt.core_r0.16.0.patch applied}"
 : "${DATA_PREFIX:?set DATA_PREFIX to the indexed dataset prefix (see examples/llama2/README.md)}"
 : "${TOKENIZER_MODEL:?set TOKENIZER_MODEL to Llama-2 tokenizer.model}"
 TP=${TP:-2}
