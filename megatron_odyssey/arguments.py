@@ -98,6 +98,18 @@ def validate_odyssey_args(args: Any) -> None:
         if getattr(args, attr, 1) not in (None, 1):
             raise OdysseyArgumentError(f"--odyssey supports tensor, pipeline and data parallelism; {flag} "
                                        f"{getattr(args, attr)} is not supported (set it to 1)")
+    if not getattr(args, "untie_embeddings_and_output_weights", True):
+        raise OdysseyArgumentError("--odyssey needs --untie-embeddings-and-output-weights (as Llama-2 uses): tied "
+                                   "weights live on the first and the last stage and are kept equal over Megatron's "
+                                   "embedding group, which a re-arranged plan does not have")
+    if getattr(args, "log_num_zeros_in_grad", False):
+        raise OdysseyArgumentError("--odyssey cannot be combined with --log-num-zeros-in-grad: the count is a "
+                                   "collective over the uniform model-parallel group after the step's commit")
+    eval_interval, train_iters_ = getattr(args, "eval_interval", None), getattr(args, "train_iters", None)
+    if getattr(args, "eval_iters", 0) and eval_interval and (train_iters_ is None or eval_interval <= train_iters_):
+        raise OdysseyArgumentError(f"--odyssey runs no evaluation during training yet, but --eval-iters "
+                                   f"{args.eval_iters} would evaluate every {eval_interval} iterations; set "
+                                   f"--eval-iters 0 and evaluate saved checkpoints separately")
     if getattr(args, "num_experts", None):
         raise OdysseyArgumentError("--odyssey plans dense models; --num-experts (MoE) is not supported")
     from .runtime.faults import FailSpec
