@@ -102,6 +102,9 @@ def validate_odyssey_args(args: Any) -> None:
         raise OdysseyArgumentError("--odyssey needs --untie-embeddings-and-output-weights (as Llama-2 uses): tied "
                                    "weights live on the first and the last stage and are kept equal over Megatron's "
                                    "embedding group, which a re-arranged plan does not have")
+    if getattr(args, "rampup_batch_size", None):
+        raise OdysseyArgumentError("--odyssey keeps the global batch fixed through failures (every plan splits the "
+                                   "same micro-batches); --rampup-batch-size is not supported")
     if getattr(args, "log_num_zeros_in_grad", False):
         raise OdysseyArgumentError("--odyssey cannot be combined with --log-num-zeros-in-grad: the count is a "
                                    "collective over the uniform model-parallel group after the step's commit")

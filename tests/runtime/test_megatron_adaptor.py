@@ -118,6 +118,7 @@ def test_bad_policy_is_rejected_by_argparse(capsys: pytest.CaptureFixture) -> No
     (["--odyssey"], {"num_experts": 8}, "MoE"),
     (["--odyssey"], {"untie_embeddings_and_output_weights": False}, "--untie-embeddings-and-output-weights"),
     (["--odyssey"], {"log_num_zeros_in_grad": True}, "--log-num-zeros-in-grad"),
+    (["--odyssey"], {"rampup_batch_size": ["16", "8", "1000"]}, "--rampup-batch-size"),
     (["--odyssey"], {"eval_iters": 100, "eval_interval": 5}, "--eval-iters 0"),
     (["--odyssey-policy", "reroute"], {}, "without --odyssey"),
     (["--odyssey", "--odyssey-heartbeat-timeout", "0"], {}, "heartbeat"),
