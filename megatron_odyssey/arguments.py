@@ -61,10 +61,9 @@ def add_odyssey_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 
 def odyssey_flags_given(args: Any) -> list[str]:
     """The ``--odyssey-*`` options set away from their defaults (to reject them without ``--odyssey``)."""
-    defaults = {"odyssey_policy": "auto", "odyssey_max_cached_failures": 1, "odyssey_mtbf_hours": None,
-                "odyssey_heartbeat_timeout": 30.0, "odyssey_profile_iters": 0, "odyssey_report": None,
-                "odyssey_inject_fault": []}
-    return ["--" + k.replace("_", "-") for k, v in defaults.items() if getattr(args, k, v) != v]
+    defaults = vars(add_odyssey_args(argparse.ArgumentParser()).parse_args([]))
+    return ["--" + k.replace("_", "-") for k, v in defaults.items()
+            if k != "odyssey" and getattr(args, k, v) != v]
 
 
 def validate_odyssey_args(args: Any) -> None:

@@ -20,8 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .runtime import megatron_hooks as hooks
-
-ORIGINAL_ATTR = "__odyssey_original__"
+from .runtime.megatron_hooks import ORIGINAL_ATTR
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,18 @@ def params_by_unit(named_params: Iterable[tuple[str, torch.nn.Parameter]], num_l
     return dict(out)
 
 
+def all_reduce_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+    """SUM-all-reduce ``tensors`` as one flat buffer (one collective, not one per tensor); returns views
+    of the reduced buffer shaped like each input."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    out, offset = [], 0
+    for t in tensors:
+        out.append(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+    return out
+
+
 class GradientSync:
     def __init__(self, plan: ExecutionPlan, groups: PlanGroups, params: dict[int, list[torch.nn.Parameter]],
                  attr: str = "grad"):
@@ -59,16 +71,12 @@ class GradientSync:
                 group, _ = entry
                 params = self.params[unit]
                 grads = [getattr(p, self.attr, None) for p in params]
-                flat = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(grads, params)])
-                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-                offset = 0
-                for p, g in zip(params, grads):
-                    n = p.numel()
-                    part = flat[offset:offset + n].view_as(p)
+                reduced = all_reduce_flat([g if g is not None else torch.zeros_like(p) for g, p in zip(grads, params)],
+                                          group)
+                for p, g, part in zip(params, grads, reduced):
                     if self.attr == "grad" or g is None:
                         setattr(p, self.attr, part.clone())
                     else:
                         g.copy_(part)
-                    offset += n
                 joined += 1
         return joined

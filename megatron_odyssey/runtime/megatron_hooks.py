@@ -14,6 +14,9 @@ from typing import Any, Callable
 
 from ..planning.plan import ExecutionPlan
 
+#: set by the adaptor's registry on every replacement: the Megatron original it wraps
+ORIGINAL_ATTR = "__odyssey_original__"
+
 
 @dataclass
 class Captured:
@@ -57,7 +60,6 @@ def num_layers_to_build(original: Callable[..., int]) -> Callable[..., int]:
             return end - start
         return original(*args, **kwargs)
 
-    wrapper.__odyssey_original__ = original  # type: ignore[attr-defined]
     return wrapper
 
 
@@ -71,7 +73,6 @@ def layer_offset(original: Callable[..., int]) -> Callable[..., int]:
             return STATE.stage_range[0]
         return original(*args, **kwargs)
 
-    wrapper.__odyssey_original__ = original  # type: ignore[attr-defined]
     return wrapper
 
 
@@ -87,7 +88,6 @@ def grad_norm_fp32(original: Callable[..., Any]) -> Callable[..., Any]:
             return STATE.grad_norm
         return original(*args, **kwargs)
 
-    wrapper.__odyssey_original__ = original  # type: ignore[attr-defined]
     return wrapper
 
 
@@ -104,7 +104,6 @@ def capture_get_model(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(model_provider_func, *args, **kwargs)
         return original(model_provider_func, model_type, *args, **kwargs)
 
-    wrapper.__odyssey_original__ = original  # type: ignore[attr-defined]
     return wrapper
 
 
@@ -117,7 +116,6 @@ def capture_get_optimizer(original: Callable[..., Any]) -> Callable[..., Any]:
         STATE.captured.optimizer_call = ((config, *args), dict(kwargs))
         return original(config, model_chunks, *args, **kwargs)
 
-    wrapper.__odyssey_original__ = original  # type: ignore[attr-defined]
     return wrapper
 
 
@@ -132,7 +130,6 @@ def build_datasets_everywhere(original: Callable[..., Any]) -> Callable[..., Any
             is_built_on_rank = _always
         original(self, cls, sizes, is_built_on_rank, config, *a, **k)
 
-    wrapper.__odyssey_original__ = original  # type: ignore[attr-defined]
     return wrapper
 
 
@@ -149,7 +146,6 @@ def capture_datasets(original: Callable[..., Any]) -> Callable[..., Any]:
         STATE.captured.train_ds = out[0]
         return out
 
-    wrapper.__odyssey_original__ = original  # type: ignore[attr-defined]
     return wrapper
 
 

@@ -29,8 +29,8 @@ import torch.distributed as dist
 from ..planning.plan import ExecutionPlan, symmetric_plan
 from .config import TrainConfig
 from .executor import PipelineExecutor
-from .grad_sync import GradientSync, params_by_unit, unit_of
-from .megatron_hooks import STATE
+from .grad_sync import GradientSync, all_reduce_flat, params_by_unit, unit_of
+from .megatron_hooks import ORIGINAL_ATTR, STATE
 from .trainer import Abort, Heartbeat, RankRuntime, keys
 from .world import RankMap, abort_all_groups, build_plan_groups, clear_parallel_state, plan_process_groups
 
@@ -137,14 +137,18 @@ def megatron_global_names(chunk: Any, layer_start: int) -> list[tuple[str, torch
     return [(to_global_name(name, layer_start), p) for name, p in chunk.named_parameters()]
 
 
-def plan_grad_norm(named: list[tuple[str, torch.nn.Parameter]], plan: ExecutionPlan, node: int, tp_rank: int,
+def unit_owners(plan: ExecutionPlan) -> dict[int, int]:
+    """unit -> the node that counts it in the gradient norm (the lowest live node holding it)."""
+    return {unit: min(nodes) for unit, nodes in plan.holders().items()}
+
+
+def plan_grad_norm(named: list[tuple[str, torch.nn.Parameter]], owner: dict[int, int], node: int, tp_rank: int,
                    num_layers: int, device: Any) -> float:
     """L2 norm of the whole model's gradient for any plan: every unit is counted once, by the lowest
     live node holding it (and tensor-parallel duplicates once, by TP rank 0); one SUM all-reduce over
     the world. Replaces Megatron's norm over the uniform model-parallel group."""
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
-    owner = {unit: min(nodes) for unit, nodes in plan.holders().items()}
     total = torch.zeros(1, dtype=torch.float64, device=device)
     for name, p in named:
         g = getattr(p, "main_grad", None)
@@ -230,9 +234,6 @@ class MegatronRankRuntime(RankRuntime):
         first = step * gbs + j * mbs
         return default_collate([STATE.captured.train_ds[first + i] for i in range(mbs)])
 
-    def token_count(self, step: int) -> float:
-        return float(sum(self.micro_batch(step, j)["loss_mask"].sum() for j in range(self.cfg.num_micro_batches)))
-
     # -- generations -----------------------------------------------------------------------------------
     def _adopt_generation0(self, plan: ExecutionPlan) -> None:
         """Generation 0 is Megatron's own world, grid and model: only our per-unit groups are added."""
@@ -256,6 +257,7 @@ class MegatronRankRuntime(RankRuntime):
                                          per_token_loss=bool(getattr(self.args, "calculate_per_token_loss", False)),
                                          device=self.device, compute_timer=self._compute_timer)
         self.sync = GradientSync(self.plan, self.groups, params_by_unit(self.named, self.cfg.layers), attr="main_grad")
+        self.owners = unit_owners(self.plan)
         STATE.plan = self.plan
 
     def _stage_layers(self) -> tuple[int, int]:
@@ -368,7 +370,7 @@ class MegatronRankRuntime(RankRuntime):
         self.injector(step, "grad-sync")
         self.sync()
         self._sync_sequence_parallel_grads()
-        self.pending_norm = plan_grad_norm(self.named, self.plan, self.node, self.tp_rank, self.cfg.layers, self.device)
+        self.pending_norm = plan_grad_norm(self.named, self.owners, self.node, self.tp_rank, self.cfg.layers, self.device)
         self.store.set(f"{self.k['ready']}/{step}/{self.ident}", repr(result.loss_sum if self.tp_rank == 0 else 0.0))
         self._wait_commit(step)
         loss = float(self.store.get(f"{self.k['commit']}/{step}"))
@@ -429,12 +431,8 @@ class MegatronRankRuntime(RankRuntime):
             return
         grads = [p.main_grad for _, p in self.named if getattr(p, "sequence_parallel", False)]
         if grads:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=self.groups.tp_group)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+            for g, reduced in zip(grads, all_reduce_flat(grads, self.groups.tp_group)):
+                g.copy_(reduced)
 
     def _apply(self, step: int) -> tuple[bool, float]:  # type: ignore[override]
         """The committed step, locally: no collective may run after the commit."""
@@ -470,7 +468,7 @@ def _original_train_step() -> Callable[..., Any]:
     from megatron.training import training as mt
 
     fn = mt.train_step
-    return getattr(fn, "__odyssey_original__", fn)
+    return getattr(fn, ORIGINAL_ATTR, fn)
 
 
 def train_step(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -496,5 +494,4 @@ def train_step(original: Callable[..., Any]) -> Callable[..., Any]:
             STATE.runtime = MegatronRankRuntime(margs, model, optimizer, opt_param_scheduler)
         return STATE.runtime.megatron_train_step(forward_step_func, int(margs.curr_iteration), fbf)
 
-    wrapper.__odyssey_original__ = original  # type: ignore[attr-defined]
     return wrapper

@@ -73,7 +73,6 @@ def get_forward_backward_func(original: Callable[..., Callable[..., Any]]) -> Ca
     def wrapper(*args: Any, **kwargs: Any) -> ForwardBackwardDispatcher:
         return ForwardBackwardDispatcher(functools.partial(original, *args, **kwargs))
 
-    wrapper.__odyssey_original__ = original  # type: ignore[attr-defined]
     return wrapper
 
 
