@@ -56,12 +56,14 @@ def test_pretrain_gpt_survives_a_killed_rank(stock: dict, tmp_path: Path, policy
 
 
 def test_two_machines_rank_on_the_second_dies(stock: dict, tmp_path: Path) -> None:
-    """Two odyssey-launch processes stand for two machines (coordinator + node agent)."""
-    job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--odyssey-inject-fault", "step=3,rank=3,phase=forward,kind=kill"],
-                      _port(30), nodes=2)
+    """Two odyssey-launch processes stand for two machines (coordinator + node agent); the planner
+    switches to the stage costs Megatron's timers measured in iteration 1."""
+    job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--odyssey-inject-fault", "step=3,rank=3,phase=forward,kind=kill",
+                                      "--odyssey-profile-iters", "1"], _port(30), nodes=2)
     assert job.returncode == 0, job.logs[-4000:]
     report = job.report
     (failure,) = report["failures"]
     assert failure["ranks"] == [3]
     assert [s["step"] for s in report["steps"]] == list(range(ITERS))
+    assert report["profile"] == "measured"  # planned from Megatron's timers after iteration 1
     assert same_training(job.iterations(), stock)
