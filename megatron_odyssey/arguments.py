@@ -7,6 +7,7 @@ stops the job before any process group or model exists, with a message naming th
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
 POLICIES = ("auto", "reroute", "reconfigure")
@@ -51,6 +52,13 @@ def add_odyssey_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--odyssey-profile-iters", type=int, default=0, metavar="N",
                    help="time the first N iterations with Megatron's timers and plan from the measured "
                         "per-layer costs instead of the analytical estimate (default 0: estimate)")
+    for link, what in (("p2p", "activations between pipeline stages"),
+                       ("allreduce", "a stage's data-parallel gradient all-reduce (bus bandwidth)"),
+                       ("transfer", "weights and optimizer state moved during a reconfiguration")):
+        g.add_argument(f"--odyssey-{link}-bandwidth", type=float, default=None, metavar="GB/s",
+                       help=f"per-device bandwidth (GB/s, 1e9 bytes) of {what}, for the planner; default by "
+                            f"device kind: inside one server NVLink 150 (CUDA) / HCCS 56 (Ascend), between "
+                            f"servers 25 (one 200 Gb/s NIC per device); see README")
     g.add_argument("--odyssey-report", default=None, metavar="FILE",
                    help="write per-iteration and per-failure records (JSON) here")
     g.add_argument("--odyssey-inject-fault", action="append", default=[], metavar="SPEC",
@@ -84,6 +92,10 @@ def validate_odyssey_args(args: Any) -> None:
         raise OdysseyArgumentError(f"--odyssey-heartbeat-timeout must be > 0 seconds, got {args.odyssey_heartbeat_timeout}")
     if args.odyssey_profile_iters < 0:
         raise OdysseyArgumentError(f"--odyssey-profile-iters must be >= 0, got {args.odyssey_profile_iters}")
+    for link in ("p2p", "allreduce", "transfer"):
+        value = getattr(args, f"odyssey_{link}_bandwidth", None)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise OdysseyArgumentError(f"--odyssey-{link}-bandwidth must be a positive number of GB/s, got {value}")
     for attr, flag, why in _INCOMPATIBLE:
         if getattr(args, attr, False):
             raise OdysseyArgumentError(f"--odyssey cannot be combined with {flag}: {why}. Remove {flag}.")

@@ -170,14 +170,14 @@ class DeviceSpec:
 
 
 BUILTIN_ASSUMPTIONS = """\
-Built-in profiles are derived from FLOPs, not measured:
-- forward FLOPs per layer = 2*b*s*(h*(h + 2*h_kv) + h*h) + 4*b*s^2*h (attention) + 6*b*s*h*f (SwiGLU MLP);
-  backward = 2 x forward; output layer = 2*b*s*h*V forward; the embedding is a lookup (memory-bound).
-- time = FLOPs / (peak * MFU * TP * tp_efficiency) with peak 313 TFLOP/s BF16 (910B-class), MFU 0.45.
+Built-in profiles are derived from FLOPs, not measured (planning.analytic.ANALYTIC_ASSUMPTIONS has the
+formulas shared with every estimated profile):
+- Llama-2 shapes (SwiGLU, RMSNorm, no biases, GQA for 70B), BF16 mixed precision, flash attention,
+  sequence parallelism when TP > 1.
+- time = FLOPs / (peak * MFU * TP * tp_efficiency) with peak 313 TFLOP/s BF16 (910B-class), MFU 0.45,
+  tp_efficiency 0.9 when TP > 1.
 - memory per parameter: 2 B BF16 weight, 4 B FP32 main gradient, 12 B FP32 master weight + Adam m, v
-  (Megatron mixed precision, non-distributed optimizer); divided by TP.
-- activations per layer and micro-batch = 34*s*b*h bytes / TP (Korthikanti et al., flash attention,
-  sequence parallel, no recomputation); stage-boundary activation = 2*s*b*h bytes.
+  (Megatron mixed precision, non-distributed optimizer); split over TP (norms replicated).
 - links: 25 GB/s per device (200 Gb/s RoCE), 20 us per hop; optimizer step = 30 B touched per
   parameter at 1.6 TB/s HBM; device memory 64 GiB.
 - overheads: reroute 1 s (new groups only), in-process rebuild 10 s (Odyssey reports 8.2-11.2 s total
@@ -189,46 +189,23 @@ def builtin_profile(model: str = "llama2-7b", num_layers: int | None = None, tp:
                     micro_batch: int = 1, seq_length: int = 4096,
                     device: DeviceSpec = DeviceSpec()) -> ModelProfile:
     """A Llama-2 profile on a 910B-class device (64 GB HBM), derived from FLOPs (see BUILTIN_ASSUMPTIONS)."""
+    from .analytic import BF16, DeviceParams, ModelShape, analytic_profile
+
     if model not in SHAPES:
         raise PlanningError(f"unknown built-in profile {model!r}; choose one of {sorted(SHAPES)} or pass a JSON file")
     shape = SHAPES[model]
-    L = num_layers if num_layers is not None else shape.num_layers
-    h, f, b, s = shape.hidden, shape.ffn_hidden, micro_batch, seq_length
-    h_kv = h * shape.kv_heads // shape.heads
-    flops_rate = device.peak_flops * device.mfu * tp * (device.tp_efficiency if tp > 1 else 1.0)
-
-    layer_params = h * (h + 2 * h_kv) + h * h + 3 * h * f + 2 * h
-    layer_fwd = 2 * b * s * (h * (h + 2 * h_kv) + h * h) + 4 * b * s * s * h + 6 * b * s * h * f
-    bytes_per_param = {"param": 2, "grad": 4, "optimizer": 12}
-
-    def unit(name: str, params: int, fwd_flops: float, act_bytes: float, fwd_floor_s: float = 0.0) -> LayerCost:
-        fwd = max(fwd_flops / flops_rate, fwd_floor_s)
-        return LayerCost(
-            name=name, forward_s=fwd, backward_s=2 * fwd,
-            param_bytes=int(params * bytes_per_param["param"] / tp),
-            grad_bytes=int(params * bytes_per_param["grad"] / tp),
-            optimizer_bytes=int(params * bytes_per_param["optimizer"] / tp),
-            activation_bytes=int(act_bytes / tp),
-            optimizer_s=30 * params / tp / device.hbm_bandwidth_Bps,
-        )
-
-    boundary_bytes = 2 * s * b * h
-    embedding = unit("embedding", shape.vocab * h, 0.0, boundary_bytes,
-                     fwd_floor_s=2 * boundary_bytes / device.hbm_bandwidth_Bps)
-    layer = unit("layer", layer_params, layer_fwd, 34 * s * b * h)
-    output = unit("output", shape.vocab * h + h, 2 * b * s * h * shape.vocab, 4 * s * b * shape.vocab)
-    return ModelProfile(
-        name=f"{model}-{device.name}-tp{tp}-mb{micro_batch}-seq{seq_length}",
-        embedding=embedding,
-        layers=tuple(replace(layer, name=f"layer{i}") for i in range(L)),
-        output=output,
-        p2p_s=boundary_bytes / device.link_bandwidth_Bps + device.link_latency_s,
-        allreduce_bandwidth_Bps=device.link_bandwidth_Bps,
-        allreduce_latency_s=device.link_latency_s,
-        transfer_bandwidth_Bps=device.link_bandwidth_Bps,
-        device_memory_bytes=device.hbm_bytes,
-        tp=tp, micro_batch=micro_batch, seq_length=seq_length,
-    )
+    model_shape = ModelShape(
+        num_layers=num_layers if num_layers is not None else shape.num_layers, hidden=shape.hidden,
+        ffn_hidden=shape.ffn_hidden, heads=shape.heads, query_groups=shape.kv_heads, vocab=shape.vocab,
+        seq_length=seq_length, micro_batch=micro_batch, swiglu=True, tp=tp, sequence_parallel=tp > 1)
+    params = DeviceParams(
+        name=device.name, flops=device.peak_flops, layer_efficiency=device.mfu, tp_efficiency=device.tp_efficiency,
+        memory_bytes=device.hbm_bytes, memory_bandwidth_Bps=device.hbm_bandwidth_Bps,
+        p2p_bandwidth_Bps=device.link_bandwidth_Bps, p2p_latency_s=device.link_latency_s,
+        allreduce_bandwidth_Bps=device.link_bandwidth_Bps, allreduce_latency_s=device.link_latency_s,
+        transfer_bandwidth_Bps=device.link_bandwidth_Bps)
+    return analytic_profile(model_shape, BF16, params,
+                            name=f"{model}-{device.name}-tp{tp}-mb{micro_batch}-seq{seq_length}")
 
 
 def uniform_profile(num_layers: int, forward_s: float = 1.0, backward_s: float = 2.0,

@@ -125,10 +125,11 @@ class Agent:
         self.step_started = time.time()
         self.checkpoints: dict[int, set[int]] = {}  # step -> idents expected to write it
         self.phases = {(s.rank, s.step): s.phase for s in cfg.fail_specs()}
-        from .cpu_profile import estimated_profile
+        from .device_profile import job_profile
 
         self.options = PlannerOptions(tp=cfg.tp, **({"mtbf_hours": cfg.mtbf_hours} if cfg.mtbf_hours else {}))
-        self.profile = estimated_profile(cfg, **cfg.extra.get("profile_overrides", {}))
+        # analytic, on the device rank 0 measured (CPU constants on CPU): see runtime/device_profile.py
+        self.profile = job_profile(cfg, **cfg.extra.get("profile_overrides", {}))
         self.planner = Planner(self.profile, cfg.global_batch, cfg.micro_batch, self.options)
         self.cache: PlanCache | None = None  # decisions for the current layout, filled in the background
         self.cache_depth = int(cfg.extra.get("max_cached_failures", 1))
@@ -382,20 +383,24 @@ class Agent:
         threading.Thread(target=fill, name="odyssey-plan-cache", daemon=True).start()
 
     def _adopt_measured_profile(self) -> None:
-        """Once every rank has published its timed stage (``--odyssey-profile-iters``), plan from the
-        measured per-layer costs instead of the estimate."""
-        from .profiler import StageProfile, merge_profiles
+        """Once every rank has published Megatron's measured forward-backward (``--odyssey-profile-iters``),
+        plan from the analytic profile rescaled so the generation-0 plan's estimated step matches it. The
+        slowest rank's time is the step's (the first stage finishes last in 1F1B)."""
+        from .device_profile import calibrated_profile
 
         keys = [f"odyssey/profile/{i}" for i in self.members()]
         if not self.store.check(keys):
             return
-        parts = [StageProfile.from_dict(json.loads(self.store.get(k))) for k in keys]
-        self.profile = merge_profiles(parts, p2p_s=self.profile.p2p_s, base=self.profile, name="measured")
+        measured = [json.loads(self.store.get(k)) for k in keys]
+        step_s = max(m["forward_backward_s"] for m in measured)
+        cal = calibrated_profile(self.cfg, step_s, base=self.profile)
+        self.profile = cal.profile
         self.planner = Planner(self.profile, self.cfg.global_batch, self.cfg.micro_batch, self.options)
         self.measured = True
         layers = [u.forward_s + u.backward_s for u in self.profile.layers]
-        self.log(f"planning from the measured profile ({len(parts)} stages; a layer takes "
-                 f"{1e3 * statistics.median(layers):.3g} ms forward+backward per micro-batch)")
+        self.log(f"planning from the measured profile (forward-backward {step_s:.4g} s over "
+                 f"{min(m['iterations'] for m in measured)} iterations, analytic compute x{cal.factor:.3g}; "
+                 f"a layer takes {1e3 * statistics.median(layers):.3g} ms forward+backward per micro-batch)")
         self._refresh_cache()
 
     def _apply_policy(self, decision: Decision):

@@ -1,43 +1,29 @@
-"""A planner profile for the small models ``odyssey train`` runs, before the profiler has measured one.
+"""A planner profile for the small models ``odyssey train`` runs on CPU, before the profiler has measured one.
 
-Bytes are exact (parameter counts of the Llama-2 stage model, fp32 weights, fp32 gradients, Adam's
-two fp32 moments); times come from FLOPs at a nominal CPU rate. The planner only needs relative
-costs to choose; the overheads are what this machine shows (group rebuild ~0.2 s, state moves over
-loopback at ~1 GB/s, a relaunch re-imports megatron-core: ~10 s).
+Kept as the CPU entry point; the formulas are ``planning.analytic``'s (shared with GPU jobs), the CPU
+constants ``planning.devices.DEVICE_KINDS["cpu"]``: FLOPs at a nominal 5 GFLOP/s per process, fp32
+bytes (weights, gradients, Adam's two moments), state moves over loopback at ~1 GB/s, group rebuild
+~0.5 s, a relaunch re-imports megatron-core (~10 s). The planner only needs relative costs to choose.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from typing import Any
 
-from ..planning.profile import LayerCost, ModelProfile
+from ..planning.analytic import layer_params as _layer_params
+from ..planning.devices import DEVICE_KINDS
+from ..planning.profile import ModelProfile
 from .config import TrainConfig
+from .device_profile import job_profile, model_shape
 
-CPU_FLOPS = 5e9  # per process, one thread, fp32
+CPU_FLOPS = DEVICE_KINDS["cpu"].flops  # per process, one thread, fp32
 
 
 def layer_params(cfg: TrainConfig) -> int:
-    h, f = cfg.hidden, cfg.ffn
-    return 4 * h * h + 3 * h * f + 2 * h  # q, k, v, o; gate, up, down; two RMSNorms
+    """Parameters of one (unsplit) layer of ``cfg``'s model."""
+    split, replicated = _layer_params(model_shape(cfg))
+    return split + replicated
 
 
-def estimated_profile(cfg: TrainConfig, **overrides: float) -> ModelProfile:
-    b, s, h, v = cfg.micro_batch, cfg.seq, cfg.hidden, cfg.vocab
-    tp = cfg.tp
-
-    def unit(name: str, params: int, fwd_flops: float, act_bytes: int) -> LayerCost:
-        fwd = fwd_flops / (CPU_FLOPS * tp)
-        return LayerCost(name, fwd, 2 * fwd, 4 * params // tp, 4 * params // tp, 8 * params // tp, act_bytes // tp,
-                         optimizer_s=16 * params / tp / 5e9)
-
-    layer_flops = 2 * b * s * layer_params(cfg) + 4 * b * s * s * h
-    layer = unit("layer", layer_params(cfg), layer_flops, 4 * 16 * b * s * h)
-    profile = ModelProfile(
-        name=f"cpu-llama-L{cfg.layers}-h{h}",
-        embedding=unit("embedding", v * h, b * s * h, 4 * b * s * h),
-        layers=tuple(replace(layer, name=f"layer{i}") for i in range(cfg.layers)),
-        output=unit("output", v * h + h, 2 * b * s * h * v, 4 * b * s * v),
-        p2p_s=2e-4, allreduce_bandwidth_Bps=1e9, allreduce_latency_s=1e-4, transfer_bandwidth_Bps=1e9,
-        device_memory_bytes=8 * 2**30, reroute_overhead_s=0.2, rebuild_overhead_s=0.5, restart_overhead_s=10.0,
-        checkpoint_interval_s=60.0, tp=tp, micro_batch=b, seq_length=s,
-    )
-    return replace(profile, **overrides) if overrides else profile
+def estimated_profile(cfg: TrainConfig, **overrides: Any) -> ModelProfile:
+    """``cfg``'s analytic profile on its device (CPU unless the job config names another)."""
+    return job_profile(cfg, **overrides)

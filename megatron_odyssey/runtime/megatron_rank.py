@@ -163,6 +163,8 @@ def plan_grad_norm(named: list[tuple[str, torch.nn.Parameter]], owner: dict[int,
 
 def config_from_megatron_args(args: Any) -> TrainConfig:
     """The planner's view of a Megatron job (what the agent needs to plan and to report)."""
+    from .device_profile import megatron_job_fields
+
     return TrainConfig(
         nproc=args.world_size, tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
         layers=args.num_layers, hidden=args.hidden_size, heads=args.num_attention_heads, seq=args.seq_length,
@@ -175,7 +177,7 @@ def config_from_megatron_args(args: Any) -> TrainConfig:
         workdir=os.environ.get(WORKDIR_ENV), mtbf_hours=args.odyssey_mtbf_hours,
         extra={"megatron": True, "start_step": int(args.iteration),
                "max_cached_failures": args.odyssey_max_cached_failures,
-               "profile_iters": args.odyssey_profile_iters})
+               "profile_iters": args.odyssey_profile_iters, **megatron_job_fields(args)})
 
 
 # -- the rank --------------------------------------------------------------------------------------------
@@ -213,9 +215,10 @@ class MegatronRankRuntime(RankRuntime):
         self.timed_ops = {"forward": 0, "backward": 0}
         self.last_result: Any = None
         self.arity = 8 if "log_max_attention_logit" in inspect.getsource(_original_train_step()) else 7
-        if self.device.type != "cpu":  # the planner's memory check needs the real device size
-            props = getattr(torch, self.device.type).get_device_properties(self.device)
-            cfg.extra["profile_overrides"] = {"device_memory_bytes": int(props.total_memory)}
+        if self.ident == 0:  # the planner's device: its memory and matmul rate in the job's dtype (published below)
+            from .device_profile import measure_device
+
+            cfg.extra["device"] = measure_device(self.device, _activation_dtype(args))
         if self.ident == 0:
             store.set("odyssey/config", json.dumps(cfg.__dict__))
         self.gen_lock = threading.RLock()  # held while this thread aborts, tears down or builds groups
@@ -401,28 +404,17 @@ class MegatronRankRuntime(RankRuntime):
             self.timed_ops[kind] += 1
 
     def _publish_profile(self) -> None:
-        """This stage's measured per-micro-batch cost, split over its units in proportion to the
-        analytical estimate (timers see the stage, not each layer), as a StageProfile for the agent."""
-        from dataclasses import replace as dc_replace
-
+        """Megatron's own forward-backward time per iteration over the profiling window (the timer
+        ``odyssey-forward-backward`` around the stock schedule in generation 0, warm-up excluded, over
+        ``self.timed_iterations`` iterations), for the agent to rescale the analytic profile to
+        (``device_profile.calibrated_profile``). Timers see the whole schedule, not each layer."""
         from megatron.training.global_vars import get_timers
 
-        from .cpu_profile import estimated_profile
-        from .profiler import StageProfile
-
-        timers = get_timers()
-        measured = {kind: timers(f"odyssey-{kind}-compute", log_level=0).elapsed(reset=True, barrier=False)
-                    / max(1, n) for kind, n in self.timed_ops.items()}
-        k, i = self.plan.position_of()[self.node]
-        units = sorted(self.plan.stage_units(k, i))
-        base = estimated_profile(self.cfg).units()
-        fwd_total = sum(base[u].forward_s for u in units) or 1.0
-        bwd_total = sum(base[u].backward_s for u in units) or 1.0
-        costs = {u: dc_replace(base[u], forward_s=measured["forward"] * base[u].forward_s / fwd_total,
-                               backward_s=measured["backward"] * base[u].backward_s / bwd_total) for u in units}
-        stage = StageProfile(num_layers=self.cfg.layers, units=costs, samples=self.timed_ops["forward"],
-                             micro_batch=self.cfg.micro_batch, seq_length=self.cfg.seq, tp=self.cfg.tp)
-        self.store.set(f"odyssey/profile/{self.ident}", json.dumps(stage.to_dict()))
+        n = int(getattr(self, "timed_iterations", 0))  # set by _step's profiling window
+        if n < 1:
+            return
+        total = get_timers()("odyssey-forward-backward", log_level=0).elapsed(reset=True, barrier=False)
+        self.store.set(f"odyssey/profile/{self.ident}", json.dumps({"forward_backward_s": total / n, "iterations": n}))
 
     def _sync_sequence_parallel_grads(self) -> None:
         """Megatron's ``_allreduce_non_tensor_model_parallel_grads``: with sequence parallelism, norm
