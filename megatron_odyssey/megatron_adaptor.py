@@ -76,6 +76,8 @@ def _finalize_model_grads(original: Callable[..., Any]) -> Callable[..., Any]:
     def finalize_model_grads(model: Any, *args: Any, **kwargs: Any) -> Any:
         runtime = hooks.STATE.runtime
         if runtime is None or runtime.sync is None:
+            if runtime is not None:  # generation 0: Megatron's own DDP reduction, after the fault point
+                runtime.injector(runtime.current_step, "grad-sync")
             return original(model, *args, **kwargs)
         runtime.sync()  # per layer, over exactly the ranks holding it
         return None
@@ -114,11 +116,13 @@ PATCHES: tuple[Patch, ...] = (
           "train() captures the schedule once before its loop: the captured object must switch after a failure"),
     # the step: commit and redo, gradients, norm
     Patch(f"{_T}.training:train_step", _train_step,
-          "one iteration becomes executor -> per-layer grad sync -> plan-wide norm -> commit -> optimizer, "
+          "generation 0 runs Megatron's own step with a commit guard before the optimizer; after a failure "
+          "an iteration is executor -> per-layer grad sync -> plan-wide norm -> commit -> optimizer, "
           "redone on the next generation when a rank fails before the commit"),
     Patch(f"{_T}.training:finalize_model_grads", _finalize_model_grads,
-          "DDP all-reduces whole buckets over one data-parallel group; layers of non-uniform plans are "
-          "held by different rank sets and are all-reduced per layer"),
+          "DDP all-reduces whole buckets over one data-parallel group; after a failure, layers of "
+          "non-uniform plans are held by different rank sets and are all-reduced per layer (generation 0 "
+          "keeps Megatron's own reduction)"),
     Patch(f"{_C}.optimizer.optimizer:get_grad_norm_fp32", hooks.grad_norm_fp32,
           "the stock norm all-reduces over the uniform model-parallel group, after the commit; Odyssey "
           "computes it over the plan before the commit and the optimizer reuses it"),

@@ -70,28 +70,54 @@ def same_training(a: dict[int, tuple[str, ...]], b: dict[int, tuple[str, ...]]) 
 def patched_script(megatron_lm: str | Path, work: Path) -> Path:
     """``pretrain_gpt.py`` from a checkout with ``patches/pretrain_gpt.py.patch`` applied, in ``work``."""
     work.mkdir(parents=True, exist_ok=True)
-    (work / "pretrain_gpt.py").write_text((Path(megatron_lm) / "pretrain_gpt.py").read_text())
-    subprocess.run(["patch", "-p1", "-i", str(patch_for(megatron_lm))], cwd=work, check=True, capture_output=True)
+    source = (Path(megatron_lm) / "pretrain_gpt.py").read_text()
+    (work / "pretrain_gpt.py").write_text(source)
+    if "megatron_odyssey.megatron_adaptor" not in source:  # a checkout the user already patched is taken as is
+        subprocess.run(["patch", "-p1", "-i", str(patch_for(megatron_lm))], cwd=work, check=True, capture_output=True)
     return work / "pretrain_gpt.py"
 
 
-def job_env(megatron_lm: str | Path) -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(megatron_lm), str(ROOT), os.environ.get("PYTHONPATH", "")]),
-                OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", CUDA_DEVICE_MAX_CONNECTIONS="1")
+def job_env(megatron_lm: str | Path, gpu: bool = False) -> dict[str, str]:
+    """The jobs' environment: the checkout and this project importable; the CPU unless ``gpu``."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(megatron_lm), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1")
+    if not gpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
 
 
-def run_stock(megatron_lm: str | Path, work: Path, flags: list[str], port: int, nproc: int = 4) -> JobResult:
+def gpu_gpt_flags(train_iters: int, layers: int = 8, hidden: int = 2048, heads: int = 16, seq: int = 2048,
+                  micro_batch: int = 2, global_batch: int = 16, pipeline_parallel: int = 1) -> list[str]:
+    """A Llama-style GPT in bf16 on GPUs with NCCL, with the fused kernels that need Apex or Transformer
+    Engine (absent on our GPU machine) switched off; mock data."""
+    return [
+        "--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", str(heads),
+        "--seq-length", str(seq), "--max-position-embeddings", str(seq), "--micro-batch-size", str(micro_batch),
+        "--global-batch-size", str(global_batch), "--train-iters", str(train_iters), "--lr", "1e-4",
+        "--min-lr", "1e-5", "--lr-decay-style", "cosine", "--clip-grad", "1.0", "--weight-decay", "0.01",
+        "--seed", "1234", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "32000",
+        "--bf16", "--transformer-impl", "local", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+        "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-persist-layer-norm",
+        "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+        "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--attention-dropout", "0",
+        "--hidden-dropout", "0", "--pipeline-model-parallel-size", str(pipeline_parallel), "--log-interval", "1",
+        "--eval-iters", "0", "--eval-interval", "100000",
+    ]
+
+
+def run_stock(megatron_lm: str | Path, work: Path, flags: list[str], port: int, nproc: int = 4,
+              gpu: bool = False) -> JobResult:
     """Stock Megatron-LM under torchrun, no ``--odyssey``."""
     script = patched_script(megatron_lm, work)
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                            "--master-port", str(port), str(script), *flags],
-                          env=job_env(megatron_lm), capture_output=True, text=True, timeout=900)
+                          env=job_env(megatron_lm, gpu), capture_output=True, text=True, timeout=900)
     return JobResult(proc.returncode, time.perf_counter() - t0, proc.stdout + proc.stderr)
 
 
 def run_odyssey(megatron_lm: str | Path, work: Path, flags: list[str], port: int, nproc: int = 4,
-                nodes: int = 1) -> JobResult:
+                nodes: int = 1, gpu: bool = False) -> JobResult:
     """``odyssey-launch`` on ``nodes`` launchers (each standing for a machine) with ``--odyssey``."""
     script = patched_script(megatron_lm, work)
     report = work / "report.json"
@@ -100,7 +126,8 @@ def run_odyssey(megatron_lm: str | Path, work: Path, flags: list[str], port: int
     args = [str(script), *flags, "--odyssey", "--odyssey-report", str(report)]
     t0 = time.perf_counter()
     procs = [subprocess.Popen(launch + ["--node-rank", str(n), "--workdir", str(work / f"logs{n}")] + args,
-                              env=job_env(megatron_lm), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              env=job_env(megatron_lm, gpu), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
              for n in range(nodes)]
     outs = [p.communicate(timeout=900)[0] for p in procs]
     wall = time.perf_counter() - t0

@@ -41,6 +41,9 @@ def add_train_arguments(p: argparse.ArgumentParser, defaults: TrainConfig) -> No
     p.add_argument("--heartbeat-timeout", type=float, default=d.heartbeat_timeout_s)
     p.add_argument("--mtbf-hours", type=float, default=d.mtbf_hours, help="per-device MTBF for the policy choice")
     p.add_argument("--workdir", default=None, help="logs and checkpoints (default: a temporary folder)")
+    p.add_argument("--shared-device", action="store_true", default=d.shared_device,
+                   help="let every rank use the same GPU/NPU (for testing failures on a one-device machine): "
+                        "ranks then communicate over gloo, staging point-to-point messages through host memory")
     p.add_argument("--profile-out", default=None,
                    help="measure every layer's forward/backward time and bytes; write a planner profile JSON")
 
@@ -52,7 +55,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                        steps=args.steps, seed=args.seed, fail=list(args.fail), policy=args.policy,
                        save_params=args.save_params, report=args.report, plan=plan, data_path=args.data_path,
                        checkpoint_interval=args.checkpoint_interval, heartbeat_timeout_s=args.heartbeat_timeout,
-                       mtbf_hours=args.mtbf_hours, workdir=args.workdir, profile_out=args.profile_out)
+                       mtbf_hours=args.mtbf_hours, workdir=args.workdir, profile_out=args.profile_out,
+                       shared_device=args.shared_device)
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -88,3 +88,38 @@ def dependency(op: Op, num_stages: int) -> Op | None:
     if op.stage < num_stages - 1:
         return Op(BACKWARD, op.pipeline, op.stage + 1, op.micro_batch)
     return Op(FORWARD, op.pipeline, op.stage, op.micro_batch)
+
+
+# -- point-to-point messages ----------------------------------------------------------------------
+
+Message = tuple[str, int, int, int]  # (kind, pipeline, sending stage, micro-batch)
+
+
+def pair_messages(plan: ExecutionPlan) -> dict[tuple[int, int], list[Message]]:
+    """(src node, dst node) -> the messages src sends dst in one step, in src's execution order.
+
+    NCCL and HCCL ignore tags: between two ranks, the n-th receive gets the n-th send. A node that
+    serves two pipelines (rerouting) can order two pipelines' messages to the same peer differently
+    from that peer (ties at equal fault-free slots are broken by ownership, which differs), so the
+    receiver must take a sender's messages in the *sender's* order; this table is that order.
+    """
+    table = plan.executor()
+
+    def node_of(k: int, i: int, j: int) -> int:
+        return table.get((k, i, j), plan.pipelines[k].stages[i].node)
+
+    out: dict[tuple[int, int], list[Message]] = {}
+    for node, ops in node_operations(plan).items():
+        for op in ops:
+            k, i, j = op.pipeline, op.stage, op.micro_batch
+            last = plan.pipelines[k].length - 1
+            if op.kind == FORWARD and i < last:
+                out.setdefault((node, node_of(k, i + 1, j)), []).append((FORWARD, k, i, j))
+            elif op.kind == BACKWARD and i > 0:
+                out.setdefault((node, node_of(k, i - 1, j)), []).append((BACKWARD, k, i, j))
+    return out
+
+
+def receive_orders(plan: ExecutionPlan, node: int) -> dict[int, list[Message]]:
+    """src node -> what ``node`` receives from it, in the order src sends it."""
+    return {src: msgs for (src, dst), msgs in pair_messages(plan).items() if dst == node}

@@ -183,6 +183,32 @@ def reset_accelerator() -> None:
     _ACCELERATOR = None
 
 
+def bind_rank_device(local_rank: int, shared: bool = False) -> torch.device:
+    """Bind this process to its device and return it: ``local_rank``'s device, or device 0 for every
+    rank when ``shared`` (several ranks on one GPU/NPU, for tests: NCCL/HCCL refuse two ranks on one
+    device, so such jobs communicate over gloo, see :mod:`.transport`)."""
+    acc = get_accelerator()
+    if acc.is_cpu:
+        return acc.device()
+    count = acc.device_count()
+    if shared:
+        index = 0
+    elif local_rank < count:
+        index = local_rank
+    else:
+        raise RuntimeError(
+            f"local rank {local_rank} has no {acc.device_type} device of its own ({count} visible); "
+            f"run at most {count} ranks per machine, or pass --shared-device to let ranks share one "
+            f"device (testing: communication then goes over gloo)")
+    acc.set_device(index)
+    return acc.device(index)
+
+
+def rank_backend(shared: bool = False) -> str:
+    """The process-group backend of a rank: the device's (nccl/hccl/gloo), gloo when ranks share a device."""
+    return "gloo" if shared else dist_backend()
+
+
 def dist_backend(device_type: Optional[str] = None) -> str:
     """The ``torch.distributed`` backend for ``device_type`` (default: the current accelerator)."""
     if device_type is None:

@@ -1,9 +1,11 @@
 """The agent: hosts the control store, starts the local ranks, detects failures and coordinates
 recovery. It never trains, so no rank's death can take the store or the coordination with it.
 
-It runs in a fresh process (``python -m megatron_odyssey.runtime.agent``), imports torch and
-megatron-core once and forks the ranks while still single-threaded (they inherit the imports;
-the store's server starts only afterwards). Then it loops:
+It runs in a fresh process (``python -m megatron_odyssey.runtime.agent``). On the CPU it imports
+torch and megatron-core once and forks the ranks while still single-threaded (they inherit the
+imports; the store's server starts only afterwards). On a GPU or NPU it spawns them instead: a CUDA
+(or NPU) runtime cannot be used in a child forked after the parent touched it, and even asking
+``torch.cuda.is_available()`` does. Then it loops:
 
 - **detection**: a rank's process exited, or its heartbeat went stale (a hung rank), which the agent
   fences with SIGKILL so it cannot come back half-alive;
@@ -39,8 +41,18 @@ from ..planning.planner import Decision, Planner, PlannerOptions
 from .config import TrainConfig
 
 
+def rank_start_method(cfg: TrainConfig) -> str:
+    """``fork`` on the CPU (ranks inherit the imports: seconds saved per rank), ``spawn`` on an
+    accelerator (no fork after the device runtime is initialised)."""
+    if cfg.sleep_forward_s is not None:
+        return "fork"
+    from .accelerator import detect_device_type
+
+    return "fork" if detect_device_type() == "cpu" else "spawn"
+
+
 def preload(sleep_mode: bool) -> None:
-    """Import what every rank needs before forking (the point of the agent)."""
+    """Import what every forked rank needs before forking (the point of forking)."""
     import torch  # noqa: F401
     import torch.distributed  # noqa: F401
 
@@ -159,15 +171,17 @@ class Agent:
     def _fork_ranks(self) -> None:
         import torch.distributed as dist
 
-        # Fork while this process has a single thread: a child of a multi-threaded parent can
-        # inherit a lock some other thread held (malloc, the store's server loop) and hang.
-        preload(self.cfg.sleep_forward_s is not None)
-        if native_threads() != 1:
-            self.log(f"warning: forking ranks with {native_threads()} threads alive")
+        method = rank_start_method(self.cfg)
+        if method == "fork":
+            # Fork while this process has a single thread: a child of a multi-threaded parent can
+            # inherit a lock some other thread held (malloc, the store's server loop) and hang.
+            preload(self.cfg.sleep_forward_s is not None)
+            if native_threads() != 1:
+                self.log(f"warning: forking ranks with {native_threads()} threads alive")
         port = free_port()
         # a gloo error otherwise symbolises a C++ backtrace (seconds on a loaded machine) on every rank
         os.environ.setdefault("TORCH_SHOW_CPP_STACKTRACES", "0")
-        ctx = mp.get_context("fork")
+        ctx = mp.get_context(method)
         for ident in self.members():
             p = ctx.Process(target=_rank_main, name=f"rank{ident}",
                             args=(str(self.cfg_path), ident, port, str(self.workdir / f"rank{ident}.log"),
@@ -435,8 +449,10 @@ class Agent:
             return
         hidden = ("started", "generation", "sealed_at", "published_at")
         failures = [{k: v for k, v in vars(f).items() if k not in hidden} for f in self.failures]
+        devices = {i: self.store.get(f"odyssey/device/{i}").decode() for i in sorted(self.procs)
+                   if self.store is not None and self.store.check([f"odyssey/device/{i}"])}
         report = {"ok": ok, "steps": [self.steps[s] for s in sorted(self.steps)], "failures": failures,
-                  "profile": self.profile.name,
+                  "profile": self.profile.name, "devices": devices,
                   "final_plan": self.plan.to_dict(), "config": {k: v for k, v in vars(self.cfg).items()}}
         Path(self.cfg.report).write_text(json.dumps(report, indent=1))
 

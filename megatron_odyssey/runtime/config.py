@@ -34,6 +34,8 @@ class TrainConfig:
     sleep_forward_s: float | None = None
     sleep_backward_s: float | None = None
     backend: str | None = None  # default from the accelerator (gloo on CPU)
+    # several ranks on one GPU/NPU (tests): every rank binds device 0 and talks over gloo
+    shared_device: bool = False
     timeout_s: float = 120.0
     # fault tolerance
     fail: list[str] = field(default_factory=list)  # --fail specs (runtime.faults.FailSpec text)

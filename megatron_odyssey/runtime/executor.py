@@ -1,10 +1,12 @@
 """Pipeline executor: runs this rank's operations of a plan (symmetric, rerouted or asymmetric).
 
 The operation order comes from ``planning.schedule.node_operations``, the same order the estimator
-plays. Receives block; sends are non-blocking and completed at the end of the step, and every
-message carries a tag naming (kind, pipeline, stage, micro-batch), so a node that serves two
-pipelines (rerouting) never confuses their tensors. Because every node's order is a sub-sequence
-of one dependency-respecting global order, the step cannot deadlock.
+plays. Receives block; sends are non-blocking and completed at the end of the step. Messages carry
+no tags (NCCL and HCCL ignore them): a node takes each peer's messages in the order that peer sends
+them (:class:`~.transport.Mailbox`), holding any that arrive before they are needed, so a node that
+serves two pipelines (rerouting) never confuses their tensors whatever the backend. The step cannot
+deadlock: a receive waits at most for a message its sender produces at an earlier fault-free slot
+than the receiving operation's.
 
 The loss of each micro-batch is its token-loss sum divided by the number of loss tokens in the
 whole global batch: the gradients of all micro-batches then simply add up to the global-batch
@@ -14,13 +16,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 import contextlib
+import functools
 from typing import Any, Callable, ContextManager, Mapping, Protocol
 
 import torch
-import torch.distributed as dist
 
 from ..planning.plan import ExecutionPlan
-from ..planning.schedule import FORWARD, Op, node_operations
+from ..planning.schedule import BACKWARD, FORWARD, Op, node_operations, receive_orders
+from .transport import Mailbox, P2P
 from .world import PlanGroups
 
 
@@ -55,7 +58,8 @@ class PipelineExecutor:
     # False: Megatron's default loss, each micro-batch's token mean weighted equally (1 / all
     # micro-batches); True: every token of the global batch weighs the same (--calculate-per-token-loss)
     per_token_loss: bool = True
-    device: torch.device | str = "cpu"  # where activations arrive (the stage model's device)
+    device: torch.device | str = "cpu"  # where activations arrive and batches go (the stage model's device)
+    p2p: P2P = field(default_factory=P2P)
     # kind ("forward"/"backward") -> context manager timing one op's compute, without its waits
     compute_timer: Callable[[str], ContextManager[Any]] | None = None
     _ops: list[Op] = field(init=False)
@@ -65,16 +69,22 @@ class PipelineExecutor:
         self._ops = node_operations(self.plan)[self.groups.node]
         self._executor = self.plan.executor()
         self._offsets = self.plan.micro_batch_offsets()
-        self._max_stages = max(p.length for p in self.plan.pipelines)
-        self._max_mbs = max(p.micro_batches for p in self.plan.pipelines)
+        # no closure over self: a reference cycle would keep this executor, and with it the
+        # generation's process groups and their sockets, alive after teardown (peers then wait)
+        self._inbox = Mailbox(self.p2p, receive_orders(self.plan, self.groups.node),
+                              functools.partial(_rank_of_node, self.groups.rank_map, self.groups.tp_rank),
+                              functools.partial(_empty, self.activation_shape, self.dtype, torch.device(self.device)))
 
     # -- addressing -------------------------------------------------------------------------------
     def _rank_of(self, pipeline: int, stage: int, micro_batch: int) -> int:
-        node = self._executor.get((pipeline, stage, micro_batch), self.plan.pipelines[pipeline].stages[stage].node)
-        return self.groups.rank_map.rank(node, self.groups.tp_rank)
+        return self.groups.rank_map.rank(self._node_of(pipeline, stage, micro_batch), self.groups.tp_rank)
 
-    def _tag(self, kind: str, pipeline: int, stage: int, micro_batch: int) -> int:
-        return ((pipeline * self._max_stages + stage) * self._max_mbs + micro_batch) * 2 + (kind == FORWARD)
+    def _node_of(self, pipeline: int, stage: int, micro_batch: int) -> int:
+        return self._executor.get((pipeline, stage, micro_batch), self.plan.pipelines[pipeline].stages[stage].node)
+
+    def _batch(self, step: int, pipeline: int, micro_batch: int) -> dict[str, torch.Tensor]:
+        batch = self.micro_batch(step, self._offsets[pipeline] + micro_batch)
+        return {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
     def _timed(self, kind: str) -> ContextManager[Any]:
         return self.compute_timer(kind) if self.compute_timer is not None else contextlib.nullcontext()
@@ -91,7 +101,9 @@ class PipelineExecutor:
         result = StepResult()
         tokens: float | None = None
         saved: dict[tuple[int, int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
-        pending: list[tuple[dist.Work, torch.Tensor]] = []
+        pending: list = []
+        loss_sum: torch.Tensor | None = None  # on the device: one host sync per step, not per micro-batch
+        self._inbox.reset()
         for op in self._ops:
             key = (op.pipeline, op.stage, op.micro_batch)
             last_stage = op.stage == self.plan.pipelines[op.pipeline].length - 1
@@ -101,11 +113,10 @@ class PipelineExecutor:
             if op.kind == FORWARD:
                 inp = None
                 if op.stage > 0:
-                    inp = torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
-                    dist.recv(inp, src=self._rank_of(op.pipeline, op.stage - 1, op.micro_batch),
-                              tag=self._tag(FORWARD, op.pipeline, op.stage - 1, op.micro_batch))
+                    inp = self._inbox.receive(self._node_of(op.pipeline, op.stage - 1, op.micro_batch),
+                                              (FORWARD, op.pipeline, op.stage - 1, op.micro_batch))
                     inp.requires_grad_()
-                batch = self.micro_batch(step, self._offsets[op.pipeline] + op.micro_batch)
+                batch = self._batch(step, op.pipeline, op.micro_batch)
                 with self._timed("forward"):
                     out = self.runner.forward(batch, inp)
                 if last_stage:
@@ -116,28 +127,32 @@ class PipelineExecutor:
                         if tokens is None:
                             tokens = token_count()
                         out = (out.float() * mask).sum() / tokens
-                    result.loss_sum += float(out.detach())
+                    loss_sum = out.detach() if loss_sum is None else loss_sum + out.detach()
                 else:
-                    send = out.detach().contiguous()
-                    pending.append((dist.isend(send, dst=self._rank_of(op.pipeline, op.stage + 1, op.micro_batch),
-                                               tag=self._tag(FORWARD, *key)), send))
+                    pending.append(self.p2p.isend(out, self._rank_of(op.pipeline, op.stage + 1, op.micro_batch)))
                 saved[key] = (inp, out)
                 result.forward_s += time.perf_counter() - t0
             else:
                 inp, out = saved.pop(key)
                 grad = None
                 if not last_stage:
-                    grad = torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
-                    dist.recv(grad, src=self._rank_of(op.pipeline, op.stage + 1, op.micro_batch),
-                              tag=self._tag("B", op.pipeline, op.stage + 1, op.micro_batch))
+                    grad = self._inbox.receive(self._node_of(op.pipeline, op.stage + 1, op.micro_batch),
+                                               (BACKWARD, op.pipeline, op.stage + 1, op.micro_batch))
                 with self._timed("backward"):
                     torch.autograd.backward(out, grad)
                 if inp is not None:
-                    send = inp.grad.contiguous()
-                    pending.append((dist.isend(send, dst=self._rank_of(op.pipeline, op.stage - 1, op.micro_batch),
-                                               tag=self._tag("B", *key)), send))
+                    pending.append(self.p2p.isend(inp.grad, self._rank_of(op.pipeline, op.stage - 1, op.micro_batch)))
                 result.backward_s += time.perf_counter() - t0
             result.ops += 1
-        for work, _ in pending:
+        for work in pending:
             work.wait()
+        result.loss_sum = float(loss_sum) if loss_sum is not None else 0.0
         return result
+
+
+def _rank_of_node(rank_map: Any, tp_rank: int, node: int) -> int:
+    return rank_map.rank(node, tp_rank)
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, _key: Any) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=device)

@@ -36,6 +36,7 @@ class OdysseyState:
     plan: ExecutionPlan | None = None  # the plan the dispatcher schedules for
     stage_range: tuple[int, int] | None = None  # layers [start, end) while a stage model is being built
     grad_norm: float | None = None  # this step's plan-wide norm, agreed before the commit
+    last_losses: Any = None  # what Megatron's own schedule returned last (generation 0)
     captured: Captured = field(default_factory=Captured)
 
 

@@ -3,7 +3,11 @@ scheduler, dataset and forward step, driven through generations by the same prot
 :mod:`.trainer` (executor -> per-layer gradient sync -> plan-wide gradient norm -> *ready* ->
 *commit* -> optimizer).
 
-Generation 0 runs on the world and uniform grid Megatron built itself. After a failure the rank
+Generation 0 is Megatron's own job, untouched: its world and uniform grid, its schedule and its DDP
+gradient reduction run as they would without Odyssey (stock speed), and only ``optimizer.step`` is
+guarded: the plan-wide gradient norm is computed and the agent's *commit* awaited before Megatron's
+step runs, so no rank applies an update the others may not. After the first failure the hand-off is
+one-way: Odyssey's executor and per-layer gradient sync run every later generation. After a failure the rank
 joins the next generation's world through the agent's store, points ``parallel_state`` at the new
 plan's groups, rebuilds its stage with Megatron's ``get_model`` (the captured model provider, with
 the stage's layer range) and ``get_megatron_optimizer`` (the captured arguments), moves state in by
@@ -13,15 +17,16 @@ scheduler carry on unaware.
 """
 from __future__ import annotations
 
+import functools
+import gc
 import inspect
 import json
-from contextlib import contextmanager
 import os
 import sys
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -32,7 +37,9 @@ from .executor import PipelineExecutor
 from .grad_sync import GradientSync, all_reduce_flat, params_by_unit, unit_of
 from .megatron_hooks import ORIGINAL_ATTR, STATE
 from .trainer import Abort, Heartbeat, RankRuntime, keys
-from .world import RankMap, abort_all_groups, build_plan_groups, clear_parallel_state, plan_process_groups
+from .transport import P2P
+from .world import (RankMap, abort_all_groups, build_plan_groups, clear_parallel_state, plan_process_groups,
+                    shut_connections)
 
 STORE_ENV = "ODYSSEY_STORE"  # HOST:PORT of the agent's store, set by the launcher
 WORKDIR_ENV = "ODYSSEY_WORKDIR"
@@ -204,6 +211,10 @@ class MegatronRankRuntime(RankRuntime):
 
         # the backend of the device the model lives on (Megatron's flag says "nccl" on Ascend too)
         self.sleep_mode, self.backend = False, dist_backend(self.device.type)
+        self.p2p = P2P.for_backend(self.backend, self.device)
+        self.stock = True  # generation 0: Megatron's own schedule and DDP (see module docstring)
+        self.current_step = int(args.iteration)
+        self.timed_iterations = 0  # iterations timed on odyssey-forward-backward (profile window)
         self.committed, self.pending, self.saved, self.profiler = int(args.iteration) - 1, None, None, None
         self.pending_norm = 0.0
         self.data = self  # RankRuntime.enter builds its executor from self.data.micro_batch
@@ -212,13 +223,13 @@ class MegatronRankRuntime(RankRuntime):
         first = int(args.iteration) + 1
         self.profile_window = range(first, first + int(args.odyssey_profile_iters))
         self.timing = False
-        self.timed_ops = {"forward": 0, "backward": 0}
         self.last_result: Any = None
         self.arity = 8 if "log_max_attention_logit" in inspect.getsource(_original_train_step()) else 7
         if self.ident == 0:  # the planner's device: its memory and matmul rate in the job's dtype (published below)
             from .device_profile import measure_device
 
             cfg.extra["device"] = measure_device(self.device, _activation_dtype(args))
+        store.set(f"odyssey/device/{self.ident}", f"{self.device} ({self.backend})")  # for the report
         if self.ident == 0:
             store.set("odyssey/config", json.dumps(cfg.__dict__))
         self.gen_lock = threading.RLock()  # held while this thread aborts, tears down or builds groups
@@ -239,13 +250,23 @@ class MegatronRankRuntime(RankRuntime):
 
     # -- generations -----------------------------------------------------------------------------------
     def _adopt_generation0(self, plan: ExecutionPlan) -> None:
-        """Generation 0 is Megatron's own world, grid and model: only our per-unit groups are added."""
+        """Generation 0 is Megatron's own world, grid, model, schedule and DDP: nothing of ours runs
+        in it but the commit guard (no groups, executor or gradient sync of ours are built)."""
         self.gen, self.plan, self.k = 0, plan, keys(0)
         self.rank_map = RankMap.for_plan(plan, self.cfg.tp)
         if self.rank_map.rank(self.node, self.tp_rank) != dist.get_rank():
             raise RuntimeError("Megatron's rank order is not tensor-, then data-, then pipeline-parallel")
-        self.groups = build_plan_groups(plan, self.rank_map, dist.get_rank())
-        self._attach(self.megatron_model[0])
+        start, _ = self._stage_layers()
+        self.model, self.groups, self.executor, self.sync, self.runner = self.megatron_model[0], None, None, None, None
+        self.named = megatron_global_names(self.model, start)
+        self.optimizer = OptimizerStateView(self.megatron_optimizer)
+        self.owners = unit_owners(self.plan)
+        STATE.plan = None  # the dispatcher runs Megatron's own schedule
+        # the process groups train() keeps for its whole run (a local of Megatron's train(), passed to
+        # training_log): emptied at teardown and refilled with each new generation's, see teardown
+        from megatron.core.utils import get_attr_wrapped_model
+
+        self.train_pgs = get_attr_wrapped_model(self.model, "pg_collection", allow_none=True)
 
     def _attach(self, chunk: Any) -> None:
         start, end = self._stage_layers()
@@ -258,7 +279,7 @@ class MegatronRankRuntime(RankRuntime):
                                          (self.cfg.seq, self.cfg.micro_batch, self.cfg.hidden),
                                          dtype=_activation_dtype(self.args),
                                          per_token_loss=bool(getattr(self.args, "calculate_per_token_loss", False)),
-                                         device=self.device, compute_timer=self._compute_timer)
+                                         device=self.device, p2p=self.p2p)
         self.sync = GradientSync(self.plan, self.groups, params_by_unit(self.named, self.cfg.layers), attr="main_grad")
         self.owners = unit_owners(self.plan)
         STATE.plan = self.plan
@@ -271,6 +292,7 @@ class MegatronRankRuntime(RankRuntime):
     def _build_model(self, start: int, end: int) -> None:
         """This generation's stage, built by Megatron's own ``get_model``/``get_megatron_optimizer`` and
         swapped into ``train()``'s objects; its state is restored by :meth:`enter` afterwards."""
+        from megatron.core.utils import get_attr_wrapped_model
         from megatron.training import training as mt
 
         captured = STATE.captured
@@ -289,6 +311,9 @@ class MegatronRankRuntime(RankRuntime):
         (config, *rest), kwargs = captured.optimizer_call
         fresh = mt.get_megatron_optimizer(config, chunks, *rest, **kwargs)
         self.megatron_model[:] = chunks
+        fresh_pgs = get_attr_wrapped_model(chunks[0], "pg_collection", allow_none=True)
+        if self.train_pgs is not None and fresh_pgs is not None:
+            self.train_pgs.__dict__.update(fresh_pgs.__dict__)
         self.megatron_optimizer.__dict__.clear()
         self.megatron_optimizer.__dict__.update(fresh.__dict__)
         self._attach(chunks[0])
@@ -301,6 +326,7 @@ class MegatronRankRuntime(RankRuntime):
             raise OdysseyRestart(
                 f"[odyssey] rank {self.ident}: no in-process continuation after the failure (the planner chose a "
                 f"restart); relaunch the job with --load pointing at the latest Megatron checkpoint")
+        self.stock = False  # one-way hand-off: Odyssey's executor from now on
         super().enter(gen, plan, policy, transfers, checkpoint_step)
         self._attach(self.megatron_model[0])  # executor and gradient sync over Megatron's buffers
         if hasattr(self.megatron_optimizer, "_copy_main_params_to_model_params"):
@@ -321,12 +347,37 @@ class MegatronRankRuntime(RankRuntime):
             view = self.optimizer
             self.saved = capture([(n, view.main_param(p)) for n, p in self.named], view)
         self.model = self.runner = self.executor = self.sync = self.groups = None
+        self._release_megatron_objects()
+        if self.backend == "gloo":  # after the capture: the state is safe
+            shut_connections({self.store_addr[1]})
         STATE.plan = None
         clear_parallel_state()
         try:
             dist.destroy_process_group()
         except Exception:  # already torn down by a previous failure
             pass
+        gc.collect()  # a group still referenced from a cycle keeps its sockets open: peers would wait
+
+    def _release_megatron_objects(self) -> None:
+        """Drop every reference this process holds to the broken generation's model and optimizer (the
+        state is captured): Megatron's DDP, its parameters' gradient hooks and its optimizer hold the
+        generation's process groups, and a gloo group closes its connections only when it is freed
+        (``abort()`` does not), so a peer blocked in, say, a DDP all-reduce with this rank would wait
+        out its timeout. ``train()`` keeps the same list and optimizer objects; :meth:`_build_model`
+        refills them."""
+        from megatron.core.utils import get_model_config
+
+        for chunk in self.megatron_model:
+            config = get_model_config(chunk)
+            for name in ("no_sync_func", "grad_sync_func", "param_sync_func"):
+                if hasattr(config, name):
+                    setattr(config, name, None)  # bound methods of the old DDP chunks
+        self.megatron_model[:] = []
+        self.megatron_optimizer.__dict__.clear()
+        if self.train_pgs is not None:
+            self.train_pgs.__dict__.clear()
+        self.named, self.optimizer = [], None
+        STATE.last_losses = None  # the failed step's losses hold its autograd graph
 
     # -- steps -----------------------------------------------------------------------------------------
     def run_schedule(self, forward_step_func: Callable[..., Any], step: int) -> list[dict[str, torch.Tensor]]:
@@ -337,12 +388,19 @@ class MegatronRankRuntime(RankRuntime):
                                                   on_op=lambda kind: self.injector(step, phase[kind]))
         return [{"lm loss": torch.tensor([self.last_result.loss_sum, 1.0], device=self.device)}]
 
-    def megatron_train_step(self, forward_step_func: Callable[..., Any], step: int,
+    def megatron_train_step(self, stock_step: Callable[[Callable[..., Any]], tuple], forward_step_func: Callable[..., Any], step: int,
                             forward_backward_func: Callable[..., Any]) -> tuple:
-        """One of Megatron's iterations, redone on the next generation until some generation commits it."""
+        """One of Megatron's iterations, redone on the next generation until some generation commits it.
+
+        ``stock_step(forward_step_func)`` is Megatron's own ``train_step`` with the call's other
+        arguments: generation 0
+        runs it (guarded, see :meth:`_stock_step`); later generations run :meth:`_step`."""
+        self.current_step = step
         while True:
             failed = False
             try:
+                if self.stock:
+                    return self._stock_step(stock_step, forward_step_func, step)
                 return self._step(forward_step_func, step, forward_backward_func)
             except (RuntimeError, Abort) as exc:  # torch.distributed errors are RuntimeErrors
                 with self.gen_lock:
@@ -352,8 +410,95 @@ class MegatronRankRuntime(RankRuntime):
                       f"recovering at {time.time():.3f}", file=sys.stderr, flush=True)
             if failed:
                 resume = self.recover(step)
+                if self.committed == step and resume == step + 1:
+                    # the step was committed and applied before the failure reached this rank (in one of
+                    # Megatron's collectives after its optimizer step): report it, do not redo it
+                    loss = float(self.store.get(f"{keys(self.gen - 1)['commit']}/{step}"))
+                    return self._megatron_result(loss, True, self.pending_norm)
                 if resume != step:
                     raise OdysseyRestart(f"[odyssey] the agent resumes at iteration {resume}, not {step}")
+
+    # -- generation 0: Megatron's own step, guarded --------------------------------------------------
+    def _stock_step(self, stock_step: Callable[[Callable[..., Any]], tuple], forward_step_func: Callable[..., Any], step: int) -> tuple:
+        """Megatron's ``train_step`` as it is, with its ``optimizer.step`` replaced for this call by
+        :meth:`_guarded_optimizer_step`; faults are injected through the forward step function."""
+        opt = self.megatron_optimizer
+        self.timing = step in self.profile_window
+        if self.timing:
+            self._fb_timer().start(barrier=False)
+        self.pending = step
+        opt.step = functools.partial(self._guarded_optimizer_step, type(opt).step.__get__(opt), step)
+        try:
+            result = stock_step(self._injecting(forward_step_func, step))
+        finally:
+            opt.__dict__.pop("step", None)
+        if self.timing and step == self.profile_window[-1]:
+            self._publish_profile()
+        return result
+
+    def _guarded_optimizer_step(self, megatron_step: Callable[[], tuple], step: int) -> tuple:
+        """The commit guard: plan-wide norm, *ready*, wait for *commit*, then Megatron's step (local:
+        the norm it would all-reduce is the one agreed before the commit)."""
+        if self.timing:
+            self._fb_timer().stop(barrier=False)
+            self.timed_iterations += 1
+        self.pending_norm = self._megatron_grad_norm()
+        self.store.set(f"{self.k['ready']}/{step}/{self.ident}", repr(self._stock_loss_share()))
+        self._wait_commit(step)
+        self.injector(step, "optimizer")
+        STATE.grad_norm = self.pending_norm
+        try:
+            out = megatron_step()
+        finally:
+            STATE.grad_norm = None
+        self.committed, self.pending, self.saved = step, None, None
+        return out
+
+    def _megatron_grad_norm(self) -> float:
+        """Megatron's own gradient norm (its groups, its fp32 arithmetic: the stock clipping, bit for
+        bit), computed before the commit; ``prepare_grads`` only points the main grads at the reduced
+        buffers, so the step's own call repeats it harmlessly and then reuses this norm."""
+        opt = self.megatron_optimizer
+        if hasattr(opt, "prepare_grads") and hasattr(opt, "get_grad_norm"):
+            opt.prepare_grads()
+            return float(opt.get_grad_norm())
+        return plan_grad_norm(self.named, self.owners, self.node, self.tp_rank, self.cfg.layers, self.device)
+
+    def _stock_loss_share(self) -> float:
+        """This rank's share of the step's loss for the agent's report: the mean over the global batch of
+        each micro-batch's mean token loss (Megatron logs its own figure)."""
+        losses = STATE.last_losses or []
+        if self.tp_rank != 0 or not losses:
+            return 0.0
+        total = 0.0
+        for entry in losses:
+            value = entry.get("lm loss") if isinstance(entry, dict) else None
+            if value is None:
+                continue
+            flat = value.detach().float().view(-1)
+            total += float(flat[0] / flat[1]) if flat.numel() == 2 else float(flat[0])
+        return total / self.cfg.num_micro_batches
+
+    def _injecting(self, forward_step_func: Callable[..., Any], step: int) -> Callable[..., Any]:
+        """Megatron's forward step with ``--odyssey-inject-fault`` points: before each micro-batch's
+        forward, and when its backward reaches the stage output."""
+        injector = self.injector
+
+        @functools.wraps(forward_step_func)
+        def forward_step(*args: Any, **kwargs: Any) -> Any:
+            injector(step, "forward")
+            out = forward_step_func(*args, **kwargs)
+            tensor = out[0] if isinstance(out, tuple) else None
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                tensor.register_hook(lambda grad: injector(step, "backward"))
+            return out
+
+        return forward_step
+
+    def _fb_timer(self) -> Any:
+        from megatron.training.global_vars import get_timers
+
+        return get_timers()("odyssey-forward-backward", log_level=0)
 
     def _step(self, forward_step_func: Callable[..., Any], step: int, forward_backward_func: Callable[..., Any]) -> tuple:
         from megatron.training.global_vars import get_timers
@@ -363,7 +508,6 @@ class MegatronRankRuntime(RankRuntime):
             chunk.zero_grad_buffer()
         self.megatron_optimizer.zero_grad()
         self.pending = step
-        self.timing = self.gen == 0 and step in self.profile_window
         timers("forward-backward", log_level=1).start(barrier=False)
         forward_backward_func(forward_step_func=forward_step_func, data_iterator=None, model=self.megatron_model,
                               num_microbatches=self.cfg.num_micro_batches, seq_length=self.cfg.seq,
@@ -381,28 +525,9 @@ class MegatronRankRuntime(RankRuntime):
         timers("optimizer", log_level=1).start(barrier=False)
         ok, norm = self._apply(step)
         timers("optimizer").stop()
-        if self.timing and step == self.profile_window[-1]:
-            self._publish_profile()
         return self._megatron_result(loss, ok, norm)
 
     # -- profiling with Megatron's timers ----------------------------------------------------------
-    @contextmanager
-    def _compute_timer(self, kind: str) -> Iterator[None]:
-        """One op's compute on Megatron's timer ``odyssey-{kind}-compute`` (level 0: never a dummy,
-        never printed by the training log, no barrier), while the profiling window is open."""
-        if not self.timing:
-            yield
-            return
-        from megatron.training.global_vars import get_timers
-
-        timer = get_timers()(f"odyssey-{kind}-compute", log_level=0)
-        timer.start(barrier=False)
-        try:
-            yield
-        finally:
-            timer.stop(barrier=False)
-            self.timed_ops[kind] += 1
-
     def _publish_profile(self) -> None:
         """Megatron's own forward-backward time per iteration over the profiling window (the timer
         ``odyssey-forward-backward`` around the stock schedule in generation 0, warm-up excluded, over
@@ -410,7 +535,7 @@ class MegatronRankRuntime(RankRuntime):
         (``device_profile.calibrated_profile``). Timers see the whole schedule, not each layer."""
         from megatron.training.global_vars import get_timers
 
-        n = int(getattr(self, "timed_iterations", 0))  # set by _step's profiling window
+        n = self.timed_iterations  # counted by _guarded_optimizer_step in the profiling window
         if n < 1:
             return
         total = get_timers()("odyssey-forward-backward", log_level=0).elapsed(reset=True, barrier=False)
@@ -465,8 +590,6 @@ def _original_train_step() -> Callable[..., Any]:
 
 def train_step(original: Callable[..., Any]) -> Callable[..., Any]:
     """megatron's ``train_step``, replaced under ``--odyssey`` by the commit-and-redo step above."""
-    import functools
-
     from .megatron_hooks import odyssey_enabled
 
     @functools.wraps(original)
@@ -484,6 +607,12 @@ def train_step(original: Callable[..., Any]) -> Callable[..., Any]:
             fbf = mt.get_forward_backward_func()
         if STATE.runtime is None:
             STATE.runtime = MegatronRankRuntime(margs, model, optimizer, opt_param_scheduler)
-        return STATE.runtime.megatron_train_step(forward_step_func, int(margs.curr_iteration), fbf)
+
+        def stock_step(injected_forward_step: Callable[..., Any]) -> tuple:
+            return original(injected_forward_step, data_iterator, model, optimizer, opt_param_scheduler,
+                            *args, **kwargs)
+
+        return STATE.runtime.megatron_train_step(stock_step, forward_step_func, int(margs.curr_iteration), fbf)
 
     return wrapper
+

@@ -19,16 +19,18 @@ from .config import TrainConfig
 def run_reference(cfg: TrainConfig) -> dict:
     from megatron.core import parallel_state
 
-    from .accelerator import enable_cpu_mode, seed_all
+    from .accelerator import bind_rank_device, enable_cpu_mode, get_accelerator, seed_all
     from .data import MicroBatchData
     from .model import build_stage_model, stage_forward
 
+    device = bind_rank_device(0)  # the device a one-rank `odyssey train` would use
     store = tempfile.mktemp(prefix="odyssey-ref-")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
-    enable_cpu_mode()
+    if get_accelerator().is_cpu:
+        enable_cpu_mode()
     seed_all(cfg.seed, tp_rank=0)
-    model = build_stage_model(cfg.model_config(), 0, cfg.layers)
+    model = build_stage_model(cfg.model_config(), 0, cfg.layers).to(device)
     data = MicroBatchData(cfg.data_config())
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     losses = []
@@ -38,13 +40,15 @@ def run_reference(cfg: TrainConfig) -> dict:
         tokens = float(sum(b["loss_mask"].sum() for b in batches))
         total = 0.0
         for batch in batches:
+            batch = {k: v.to(device) for k, v in batch.items()}
             per_token = stage_forward(model, batch)
             loss = (per_token.float() * batch["loss_mask"].float()).sum() / tokens
             loss.backward()
             total += float(loss.detach())
         optimizer.step()
         losses.append(total)
-    out = {"losses": losses, "params": model.global_state_dict(gather=False)}
+    out = {"losses": losses, "params": {k: v.cpu() for k, v in model.global_state_dict(gather=False).items()},
+           "device": str(device)}
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     return out

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
-import torch.distributed as dist
 
 from .grad_sync import unit_of
+from .transport import P2P
 
 ParamState = dict[str, torch.Tensor | float]
 State = dict[str, ParamState]  # global name -> state of this rank's shard
@@ -44,39 +44,39 @@ def restore(named_params: Iterable[tuple[str, torch.nn.Parameter]], optimizer: t
             continue
         p.copy_(st["param"])
         if st["step"] > 0:
-            optimizer.state[p] = {"step": torch.tensor(float(st["step"])), "exp_avg": st["exp_avg"].clone(),
-                                  "exp_avg_sq": st["exp_avg_sq"].clone()}
+            # torch's Adam keeps ``step`` on the host (unless capturable/fused) and the moments beside p
+            optimizer.state[p] = {"step": torch.tensor(float(st["step"])),
+                                  "exp_avg": st["exp_avg"].to(p.device, copy=True),
+                                  "exp_avg_sq": st["exp_avg_sq"].to(p.device, copy=True)}
     if strict and missing:
         raise KeyError(f"no state for {missing}")
     return missing
 
 
 def transfer(transfers: list[tuple[int, int, int]], my_node: int, tp_rank: int, rank_of, num_layers: int,
-             old: State, wanted: dict[str, torch.Size]) -> State:
+             old: State, wanted: dict[str, torch.Size], device: torch.device | str = "cpu",
+             p2p: P2P | None = None) -> State:
     """Move unit states along the schedule ``[(unit, src node, dst node), ...]`` (same order on every
     rank). Each TP rank moves its own shards. All sends are posted before any receive, so no order
-    of roles can deadlock. ``wanted`` gives the shapes of this rank's new parameters."""
+    of roles can deadlock. Messages carry no tags (NCCL ignores them): between two nodes, units go in
+    schedule order and a unit's tensors in sorted-name order, the same on both sides. ``wanted``
+    gives the shapes of this rank's new parameters; received state lands on ``device``."""
+    p2p = p2p or P2P()
     sends, received = [], {}
     plan = list(transfers)
-    for index, (unit, src, dst) in enumerate(plan):
+    for unit, src, dst in plan:
         if src != my_node:
             continue
         names = sorted(n for n in old if unit_of(n, num_layers) == unit)
-        for j, t in enumerate(_flatten(old, names)):
-            sends.append(dist.isend(t, dst=rank_of(dst, tp_rank), tag=index * 4096 + j))
-    for index, (unit, src, dst) in enumerate(plan):
+        for t in _flatten(old, names):
+            sends.append(p2p.isend(t, rank_of(dst, tp_rank)))
+    for unit, src, dst in plan:
         if dst != my_node:
             continue
         names = sorted(n for n in wanted if unit_of(n, num_layers) == unit)
-        bufs = []
         for name in names:
-            for _ in ("param", "exp_avg", "exp_avg_sq"):
-                bufs.append(torch.empty(wanted[name]))
-            bufs.append(torch.empty(1))
-        for j, buf in enumerate(bufs):
-            dist.recv(buf, src=rank_of(src, tp_rank), tag=index * 4096 + j)
-        for k, name in enumerate(names):
-            p, m, v, step = bufs[4 * k: 4 * k + 4]
+            p, m, v = (p2p.recv(torch.empty(wanted[name], device=device), rank_of(src, tp_rank)) for _ in range(3))
+            step = p2p.recv(torch.empty(1, dtype=torch.float64, device=device), rank_of(src, tp_rank))
             received[name] = {"param": p, "exp_avg": m, "exp_avg_sq": v, "step": float(step.item())}
     for work in sends:
         work.wait()
@@ -87,8 +87,9 @@ def _flatten(state: State, names: list[str]) -> list[torch.Tensor]:
     out = []
     for name in names:
         st = state[name]
-        out += [st["param"].contiguous(), st["exp_avg"].contiguous(), st["exp_avg_sq"].contiguous(),
-                torch.tensor([float(st["step"])])]
+        param = st["param"]
+        out += [param.contiguous(), st["exp_avg"].contiguous(), st["exp_avg_sq"].contiguous(),
+                torch.tensor([float(st["step"])], dtype=torch.float64, device=param.device)]
     return out
 
 
@@ -108,12 +109,13 @@ def save_checkpoint(root: str | Path, step: int, node: int, tp_rank: int, state:
     return path
 
 
-def load_checkpoint(root: str | Path, step: int, tp_rank: int, names: Iterable[str]) -> State:
+def load_checkpoint(root: str | Path, step: int, tp_rank: int, names: Iterable[str],
+                    device: torch.device | str = "cpu") -> State:
     """Gather the named shards of ``tp_rank`` from every node's file of checkpoint ``step``."""
     wanted = set(names)
     out: State = {}
     for path in sorted((Path(root) / f"step{step:06d}").glob(f"node*_tp{tp_rank}.pt")):
-        part = torch.load(path, weights_only=False)
+        part = torch.load(path, weights_only=False, map_location=device)
         for name in wanted & set(part) - set(out):
             out[name] = part[name]
     missing = wanted - set(out)

@@ -12,6 +12,7 @@ Run as ``python -m megatron_odyssey.runtime.trainer --config CFG --rank R --stor
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -28,8 +29,9 @@ from ..planning.plan import ExecutionPlan
 from .config import TrainConfig
 from .executor import PipelineExecutor
 from .grad_sync import GradientSync, params_by_unit
-from .world import (RankMap, abort_all_groups, build_plan_groups, clear_parallel_state, init_world,
-                    install_parallel_state, plan_process_groups)
+from .transport import P2P
+from .world import (RankMap, abort_all_groups, build_plan_groups, clear_parallel_state, connect_peers, init_world,
+                    install_parallel_state, peer_pairs, plan_process_groups, shut_connections)
 
 
 @dataclass
@@ -137,7 +139,10 @@ class RankRuntime:
         self.injector = Injector(cfg.fail_specs(), ident, store)
         self.store_addr = store_addr
         self.sleep_mode = cfg.sleep_forward_s is not None
-        self.backend = cfg.backend or ("gloo" if self.sleep_mode else _default_backend())
+        self.device = torch.device("cpu") if self.sleep_mode else _bind_device(cfg, ident)
+        self.backend = cfg.backend or ("gloo" if self.sleep_mode else _default_backend(cfg.shared_device))
+        self.p2p = P2P.for_backend(self.backend, self.device)
+        store.set(f"odyssey/device/{ident}", f"{self.device} ({self.backend})")  # for the report
         self.gen = 0
         self.model: Any = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -165,6 +170,8 @@ class RankRuntime:
         init_world(self.store, gen, rank, self.rank_map.world_size, self.backend, cfg.timeout_s)
         marks.append(time.perf_counter())
         self.groups = build_plan_groups(plan, self.rank_map, rank)
+        if self.backend != "gloo":  # NCCL/HCCL open pair communicators lazily: open them in one global order
+            connect_peers(peer_pairs(plan, self.rank_map, transfers), rank, self.p2p, self.device)
         if not self.sleep_mode:
             install_parallel_state(self.groups)
         marks.append(time.perf_counter())
@@ -175,16 +182,16 @@ class RankRuntime:
         if policy == "restart":
             if checkpoint_step is not None and checkpoint_step >= 0:
                 st.restore(self.named, self.optimizer, st.load_checkpoint(self._ckpt_root(), checkpoint_step,
-                                                                          self.tp_rank, dict(self.named)))
+                                                                          self.tp_rank, dict(self.named), self.device))
         elif old is not None:
             received = st.transfer(transfers, self.node, self.tp_rank, self.rank_map.rank, cfg.layers, old,
-                                   {n: p.shape for n, p in self.named})
+                                   {n: p.shape for n, p in self.named}, self.device, self.p2p)
             st.restore(self.named, self.optimizer, {**old, **received})
         self.store.set(f"{self.k['transfer']}/{self.ident}", repr(time.perf_counter() - t0))
         self.store.set(f"odyssey/gen{gen}/rebuild/{self.ident}", json.dumps(
             {"world_s": marks[1] - marks[0], "groups_s": marks[2] - marks[1], "model_s": marks[3] - marks[2]}))
         self.executor = PipelineExecutor(plan, self.groups, self.runner, self.data.micro_batch,
-                                         (cfg.seq, cfg.micro_batch, cfg.hidden))
+                                         (cfg.seq, cfg.micro_batch, cfg.hidden), device=self.device, p2p=self.p2p)
         self.sync = GradientSync(plan, self.groups, params_by_unit(self.named, cfg.layers))
 
     def _join(self, gen: int) -> None:
@@ -212,7 +219,9 @@ class RankRuntime:
             from .model import build_stage_model
 
             seed_all(cfg.seed, tp_rank=self.tp_rank)
-            self.model = build_stage_model(cfg.model_config(), start, end, pg_collection=plan_process_groups(self.groups))
+            # built (and initialised, plan-independently) on the host, then moved to this rank's device
+            self.model = build_stage_model(cfg.model_config(), start, end,
+                                           pg_collection=plan_process_groups(self.groups)).to(self.device)
             self.runner = MegatronStage(self.model)
             self.named = list(self.model.named_global_parameters())
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=cfg.lr)
@@ -299,6 +308,8 @@ class RankRuntime:
         from .state import capture
 
         abort_all_groups()
+        if self.backend == "gloo":  # peers blocked on us fail now (see shut_connections)
+            shut_connections({self.store_addr[1]})
         if self.saved is None and self.model is not None:
             self.saved = capture(self.named, self.optimizer)
         if getattr(self, "profiler", None) is not None:
@@ -311,6 +322,7 @@ class RankRuntime:
             dist.destroy_process_group()
         except Exception:  # already torn down by a previous failure
             pass
+        gc.collect()  # a group still referenced from a cycle keeps its sockets open: peers would wait
 
     def main(self) -> None:
         plan = self.cfg.validate()
@@ -360,7 +372,7 @@ class RankRuntime:
             local = {n: p.detach().clone() for n, p in self.model.named_global_parameters()}
         else:
             local = self.model.global_state_dict(gather=True)
-        mine = local if self.tp_rank == 0 else {}
+        mine = {n: t.cpu() for n, t in local.items()} if self.tp_rank == 0 else {}
         gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(mine, gathered, dst=0)
         out: dict[str, torch.Tensor] = {}
@@ -370,12 +382,20 @@ class RankRuntime:
         return out
 
 
-def _default_backend() -> str:
-    from .accelerator import dist_backend, enable_cpu_mode, get_accelerator
+def _bind_device(cfg: TrainConfig, ident: int) -> torch.device:
+    """This rank's device: its local rank's (``$LOCAL_RANK`` under torchrun, else its rank: the agent
+    starts every rank of ``odyssey train`` on one machine), or device 0 with ``--shared-device``."""
+    from .accelerator import bind_rank_device
+
+    return bind_rank_device(int(os.environ.get("LOCAL_RANK", ident)), shared=cfg.shared_device)
+
+
+def _default_backend(shared_device: bool = False) -> str:
+    from .accelerator import enable_cpu_mode, get_accelerator, rank_backend
 
     if get_accelerator().is_cpu:
         enable_cpu_mode()
-    return dist_backend()
+    return rank_backend(shared_device)
 
 
 def run(cfg: TrainConfig, rank: int, store: dist.Store, store_addr: tuple[str, int]) -> None:

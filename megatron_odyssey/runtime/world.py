@@ -10,6 +10,7 @@ express uniform grids).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -168,6 +169,38 @@ def install_parallel_state(groups: PlanGroups) -> None:
         ps._set_global_memory_buffer()
 
 
+def peer_pairs(plan: ExecutionPlan, rank_map: RankMap, transfers: list[tuple[int, int, int]] = ()) -> list[tuple[int, int]]:
+    """Every pair of world ranks that exchange point-to-point messages in ``plan`` (pipeline neighbours,
+    rerouted work, state transfers), as sorted (low, high) rank pairs in one global order."""
+    from ..planning.schedule import pair_messages
+
+    nodes = set(pair_messages(plan)) | {(src, dst) for _, src, dst in transfers}
+    pairs = set()
+    for a, b in nodes:
+        for t in range(rank_map.tp):
+            ra, rb = rank_map.rank(a, t), rank_map.rank(b, t)
+            pairs.add((min(ra, rb), max(ra, rb)))
+    return sorted(pairs)
+
+
+def connect_peers(pairs: list[tuple[int, int]], my_rank: int, p2p, device) -> None:
+    """Open every point-to-point connection of this rank before the first real message, in the same
+    global order on every rank. NCCL/HCCL create a pair's communicator on its first send/recv and both
+    sides block until the other joins; created lazily in each rank's own order, two ranks can each wait
+    for a third in a cycle. In one global order the first unfinished pair always has both ranks at it,
+    so every pair completes."""
+    import torch
+
+    token = torch.zeros(1, device=device)
+    for low, high in pairs:
+        if my_rank == low:
+            p2p.isend(token, high).wait()
+            p2p.recv(token, high)
+        elif my_rank == high:
+            p2p.recv(token, low)
+            p2p.isend(token, low).wait()
+
+
 def abort_all_groups() -> None:
     """Abort every process group of this rank (closes its connections at once; the cascade that lets
     every survivor notice a failure in milliseconds instead of waiting out a timeout)."""
@@ -178,6 +211,32 @@ def abort_all_groups() -> None:
             pg.abort()
         except Exception:  # already aborted, or a backend without abort
             pass
+
+
+def shut_connections(keep_peer_ports: set[int]) -> int:
+    """Shut down every TCP connection of this process except those to ``keep_peer_ports`` (the control
+    store); returns how many. For gloo, the only way to make a peer blocked on this rank fail at once:
+    ``abort()`` and ``shutdown()`` of a gloo group close nothing, and freeing the group does not either
+    when a child forked after the world was built (Megatron's data-loader workers) holds copies of its
+    sockets. ``shutdown(2)`` acts on the connection itself, whoever holds a descriptor of it."""
+    import socket
+
+    closed = 0
+    for name in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else []:
+        try:
+            sock = socket.socket(fileno=int(name))
+        except (OSError, ValueError):  # not a socket
+            continue
+        try:
+            if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
+                if sock.getpeername()[1] not in keep_peer_ports:
+                    sock.shutdown(socket.SHUT_RDWR)
+                    closed += 1
+        except OSError:  # listening or already closed
+            pass
+        finally:
+            sock.detach()  # the descriptor stays open; its owner closes it
+    return closed
 
 
 def clear_parallel_state() -> None:

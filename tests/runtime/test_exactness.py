@@ -73,6 +73,22 @@ def test_rerouted_plan_one_of_six_nodes_dead(reference, tmp_path):
     _assert_matches(reference(cfg), params, report)
 
 
+def test_two_pipelines_share_one_link_in_different_orders(reference, tmp_path):
+    """Stage 0 of replica 0 and stage 1 of replica 1 are dead: node 1 runs both pipelines' stage 0 and
+    node 2 both pipelines' stage 1, so link 1 -> 2 carries both pipelines' activations, and node 2 runs
+    them in a different order than node 1 sends them (equal fault-free slots, ownership breaks the tie).
+    Messages carry no tags (as under NCCL): the receiver must take them in the sender's order."""
+    from megatron_odyssey.planning.schedule import node_operations, pair_messages
+
+    plan = reroute_plan(symmetric_plan(2, 2, 6, 8), frozenset({0, 3}))
+    sent = pair_messages(plan)[(1, 2)]
+    wanted = [("F", op.pipeline, op.stage - 1, op.micro_batch) for op in node_operations(plan)[2] if op.kind == "F"]
+    assert sorted(sent) == sorted(wanted) and sent != wanted  # the case needs in-sender-order receipt
+    cfg = TrainConfig(nproc=4, tp=1, pp=2, plan=plan.to_dict(), **{**BASE, "global_batch": 8})
+    params, report = _train(cfg, tmp_path)
+    _assert_matches(reference(cfg), params, report)
+
+
 def test_asymmetric_pipelines_2_2_3_with_uneven_splits(reference, tmp_path):
     plan = layout([((2, 4), 4), ((4, 2), 3), ((1, 3, 2), 5)])  # 7 nodes, uneven layers and micro-batches
     cfg = TrainConfig(nproc=7, tp=1, pp=2, plan=plan.to_dict(), **BASE)

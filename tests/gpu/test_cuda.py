@@ -1,0 +1,93 @@
+"""Both entry points on a real GPU: ``odyssey train`` (one rank; four ranks sharing the device through
+a kill and a reconfiguration) and Megatron-LM's ``pretrain_gpt.py --odyssey`` against stock Megatron-LM.
+
+Exactness is against fault-free runs on the same device (fp32 for ``odyssey train``: <= 1e-5), never
+against the CPU, whose kernels sum differently.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_odyssey.runtime.config import TrainConfig
+from megatron_odyssey.runtime.launcher import launch
+
+pytestmark = pytest.mark.gpu
+
+TOL = 1e-5
+MODEL = dict(layers=4, hidden=64, heads=4, seq=32, global_batch=8, micro_batch=1, steps=4, seed=7)
+
+
+def reference(tmp_path: Path) -> dict:
+    """The fault-free one-process run on the GPU."""
+    cfg = TrainConfig(nproc=1, tp=1, pp=1, **MODEL)
+    cfg.save(tmp_path / "ref.json")
+    subprocess.run([sys.executable, "-m", "megatron_odyssey.runtime.reference", "--config", str(tmp_path / "ref.json"),
+                    "--out", str(tmp_path / "ref.pt")], check=True)
+    ref = torch.load(tmp_path / "ref.pt")
+    assert ref["device"].startswith("cuda")
+    return ref
+
+
+def train(tmp_path: Path, **kw) -> tuple[dict, dict]:
+    cfg = TrainConfig(save_params=str(tmp_path / "p.pt"), report=str(tmp_path / "report.json"), **{**MODEL, **kw})
+    launch(cfg, tmp_path / "run")
+    return torch.load(tmp_path / "p.pt"), json.loads((tmp_path / "report.json").read_text())
+
+
+def worst(params: dict, ref: dict) -> float:
+    assert set(params) == set(ref["params"])
+    return max((params[k] - ref["params"][k]).abs().max().item() for k in params)
+
+
+def test_odyssey_train_one_rank_on_the_gpu(tmp_path: Path) -> None:
+    ref = reference(tmp_path)
+    params, report = train(tmp_path, nproc=1, pp=1)
+    assert report["ok"] and report["devices"]["0"].startswith("cuda") and "nccl" in report["devices"]["0"]
+    assert worst(params, ref) <= TOL
+    assert [s["loss"] for s in report["steps"]] == pytest.approx(ref["losses"], abs=TOL)
+
+
+def test_four_ranks_share_the_gpu_through_a_kill_and_a_reconfiguration(tmp_path: Path) -> None:
+    ref = reference(tmp_path)
+    params, report = train(tmp_path, nproc=4, pp=2, shared_device=True, policy="reconfigure",
+                           fail=["step=1,rank=3,phase=backward,kind=kill"])
+    assert all(d.startswith("cuda") and "gloo" in d for d in report["devices"].values()), report["devices"]
+    (failure,) = report["failures"]
+    assert failure["ranks"] == [3] and failure["policy"] == "reconfigure"
+    assert report["steps"][-1]["alive"] == 3
+    assert worst(params, ref) <= TOL
+    assert [s["loss"] for s in report["steps"]] == pytest.approx(ref["losses"], abs=TOL)
+
+
+def test_four_ranks_share_the_gpu_through_a_reroute(tmp_path: Path) -> None:
+    ref = reference(tmp_path)
+    params, report = train(tmp_path, nproc=4, pp=2, shared_device=True, policy="reroute",
+                           fail=["step=2,rank=1,phase=forward,kind=kill"])
+    (failure,) = report["failures"]
+    assert failure["policy"] == "reroute"
+    assert worst(params, ref) <= TOL
+
+
+MLM = os.environ.get("MEGATRON_LM_PATH")
+
+
+@pytest.mark.skipif(not MLM or not (Path(MLM) / "pretrain_gpt.py").exists(),
+                    reason="set MEGATRON_LM_PATH to a Megatron-LM checkout")
+def test_pretrain_gpt_odyssey_on_one_gpu_logs_what_stock_logs(tmp_path: Path) -> None:
+    from megatron_odyssey.megatron_lm_job import gpu_gpt_flags, run_odyssey, run_stock, same_training
+
+    flags = gpu_gpt_flags(8, layers=4, hidden=256, heads=8, seq=256, micro_batch=2, global_batch=8)
+    stock = run_stock(MLM, tmp_path / "stock", flags, 29610, nproc=1, gpu=True)
+    assert stock.returncode == 0, stock.logs[-4000:]
+    job = run_odyssey(MLM, tmp_path / "odyssey", flags, 29620, nproc=1, gpu=True)
+    assert job.returncode == 0, job.logs[-4000:]
+    assert sorted(job.iterations()) == list(range(1, 9))
+    assert job.report["devices"]["0"].startswith("cuda") and "nccl" in job.report["devices"]["0"]
+    assert same_training(job.iterations(), stock.iterations())
