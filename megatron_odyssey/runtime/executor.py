@@ -15,9 +15,8 @@ gradient, however the micro-batches are spread over pipelines.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-import contextlib
 import functools
-from typing import Any, Callable, ContextManager, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
 
@@ -60,8 +59,6 @@ class PipelineExecutor:
     per_token_loss: bool = True
     device: torch.device | str = "cpu"  # where activations arrive and batches go (the stage model's device)
     p2p: P2P = field(default_factory=P2P)
-    # kind ("forward"/"backward") -> context manager timing one op's compute, without its waits
-    compute_timer: Callable[[str], ContextManager[Any]] | None = None
     _ops: list[Op] = field(init=False)
     _executor: dict[tuple[int, int, int], int] = field(init=False)
 
@@ -85,9 +82,6 @@ class PipelineExecutor:
     def _batch(self, step: int, pipeline: int, micro_batch: int) -> dict[str, torch.Tensor]:
         batch = self.micro_batch(step, self._offsets[pipeline] + micro_batch)
         return {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-
-    def _timed(self, kind: str) -> ContextManager[Any]:
-        return self.compute_timer(kind) if self.compute_timer is not None else contextlib.nullcontext()
 
     # -- one step ---------------------------------------------------------------------------------
     def run_step(self, step: int, token_count: Callable[[], float],
@@ -117,8 +111,7 @@ class PipelineExecutor:
                                               (FORWARD, op.pipeline, op.stage - 1, op.micro_batch))
                     inp.requires_grad_()
                 batch = self._batch(step, op.pipeline, op.micro_batch)
-                with self._timed("forward"):
-                    out = self.runner.forward(batch, inp)
+                out = self.runner.forward(batch, inp)
                 if last_stage:
                     mask = batch["loss_mask"].to(out.dtype)
                     if not self.per_token_loss:
@@ -138,8 +131,7 @@ class PipelineExecutor:
                 if not last_stage:
                     grad = self._inbox.receive(self._node_of(op.pipeline, op.stage + 1, op.micro_batch),
                                                (BACKWARD, op.pipeline, op.stage + 1, op.micro_batch))
-                with self._timed("backward"):
-                    torch.autograd.backward(out, grad)
+                torch.autograd.backward(out, grad)
                 if inp is not None:
                     pending.append(self.p2p.isend(inp.grad, self._rank_of(op.pipeline, op.stage - 1, op.micro_batch)))
                 result.backward_s += time.perf_counter() - t0
