@@ -51,6 +51,9 @@ def rank_start_method(cfg: TrainConfig) -> str:
     return "fork" if detect_device_type() == "cpu" else "spawn"
 
 
+DEVICE_KEY = "odyssey/device_info"  # rank 0's measured device (odyssey train), JSON
+
+
 def preload(sleep_mode: bool) -> None:
     """Import what every forked rank needs before forking (the point of forking)."""
     import torch  # noqa: F401
@@ -261,6 +264,8 @@ class Agent:
             self._refresh_cache()
         if self.profile_iters and not self.measured:
             self._adopt_measured_profile()
+        if "device" not in self.cfg.extra and self.store.check([DEVICE_KEY]):
+            self._adopt_device(json.loads(self.store.get(DEVICE_KEY)))
         redone = t in self.steps  # trained before, lost to a restart from an older checkpoint
         self.steps[t] = {"step": t, "loss": loss, "time_s": now - self.step_started, "plan_id": self.plan.plan_id,
                          "alive": len(self.members()), "policy": self.plan.policy, "generation": self.gen,
@@ -395,6 +400,24 @@ class Agent:
                 self.cache = cache
 
         threading.Thread(target=fill, name="odyssey-plan-cache", daemon=True).start()
+
+    def _adopt_device(self, device: dict[str, Any]) -> None:
+        """``odyssey train``: plan from the device rank 0 measured (this process never touches it: the
+        ranks are spawned, and a device context here would only cost memory)."""
+        from .device_profile import job_profile
+
+        if device.get("kind", "cpu") == "cpu":
+            self.cfg.extra["device"] = device
+            return
+        if self.cfg.shared_device:  # the ranks take turns on one device: each gets a share of it
+            device = {**device, "flops": device["flops"] / self.cfg.nproc,
+                      "memory_bytes": device["memory_bytes"] // self.cfg.nproc}
+        self.cfg.extra["device"] = device
+        self.profile = job_profile(self.cfg, **self.cfg.extra.get("profile_overrides", {}))
+        self.planner = Planner(self.profile, self.cfg.global_batch, self.cfg.micro_batch, self.options)
+        self.log(f"planning from the device: {device.get('name')}, {device.get('flops', 0) / 1e12:.1f} TFLOP/s "
+                 f"measured, {device.get('memory_bytes', 0) / 2**30:.0f} GiB")
+        self._refresh_cache()
 
     def _adopt_measured_profile(self) -> None:
         """Once every rank has published Megatron's measured forward-backward (``--odyssey-profile-iters``),

@@ -143,6 +143,11 @@ class RankRuntime:
         self.backend = cfg.backend or ("gloo" if self.sleep_mode else _default_backend(cfg.shared_device))
         self.p2p = P2P.for_backend(self.backend, self.device)
         store.set(f"odyssey/device/{ident}", f"{self.device} ({self.backend})")  # for the report
+        if ident == 0 and not self.sleep_mode:  # the planner's device (the agent plans from it, see agent)
+            from .agent import DEVICE_KEY
+            from .device_profile import measure_device
+
+            store.set(DEVICE_KEY, json.dumps(measure_device(self.device, torch.float32)))
         self.gen = 0
         self.model: Any = None
         self.optimizer: torch.optim.Optimizer | None = None
