@@ -1,7 +1,7 @@
 """On one GPU, side by side in one run: Megatron-LM ``pretrain_gpt.py`` with ``--odyssey`` vs stock, and
 ``odyssey train``'s executor after a reroute vs the planner's estimate.
 
-    MEGATRON_LM_PATH=/path/to/Megatron-LM python benchmarks/bench_gpu.py [--rounds 2] [--out FILE.md]
+    MEGATRON_LM_PATH=/path/to/Megatron-LM python benchmarks/bench_gpu.py [--rounds 2] [--write docs/benchmarks.md]
 
 1. Hand-off overhead (issue 10, part 4): stock Megatron-LM (torchrun) and the same job under
    ``odyssey-launch --odyssey`` alternate, ``--rounds`` times each: 1 GPU, NCCL, bf16, 8 layers x hidden
@@ -24,7 +24,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from docs_section import write_section
 from megatron_odyssey.megatron_lm_job import gpu_gpt_flags, run_odyssey, run_stock, same_training
+
+START, END = "<!-- gpu:start -->", "<!-- gpu:end -->"
 
 ITERS = 30
 FLAGS = gpu_gpt_flags(ITERS, layers=8, hidden=2048, heads=16, seq=2048, micro_batch=2, global_batch=16)
@@ -69,7 +72,7 @@ def executor_vs_estimate(work: Path) -> dict:
 def render(h: dict, e: dict, command: str, device: str) -> str:
     s, o = statistics.median(h["stock_ms"]), statistics.median(h["odyssey_ms"])
     return "\n".join([
-        "## On one GPU: hand-off overhead and executor vs estimate (issue 10)", "",
+        START, "## On one GPU: hand-off overhead and executor vs estimate (issue 10)", "",
         f"Command: `{command}`  ", f"Machine: {device}, Python {platform.python_version()}, Megatron-LM core_r0.16.0.", "",
         "| Megatron-LM, 1 GPU, bf16, 8 layers x 2048, seq 2048, mbs 2, gbs 16 | per-iteration ms (median of runs) | runs |",
         "|---|---|---|",
@@ -85,15 +88,16 @@ def render(h: dict, e: dict, command: str, device: str) -> str:
         f"| after the reroute, planner's estimate (profile `{e['profile']}`) | {e['estimate_s']:.3f} |",
         f"| measured / estimate | {e['measured_s'] / e['estimate_s']:.2f} |", "",
         "The estimator models one device per rank; here the ranks take turns on one GPU and exchange "
-        "activations through host memory over gloo, so the measured step is expected to be slower than the "
-        "estimate by up to the number of ranks; a faithful executor-vs-estimate figure needs one GPU per rank.",
+        "activations through host memory over gloo, so the measured step can differ from the "
+        "estimate; the planner models each rank as owning 1/N of the device under `--shared-device`. "
+        "A faithful executor-vs-estimate figure needs one GPU per rank.", END,
     ])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=None, help="write the markdown section here")
+    parser.add_argument("--write", type=Path, default=None, help="update this markdown file's GPU section")
     args = parser.parse_args()
     mlm = os.environ.get("MEGATRON_LM_PATH")
     if not mlm or not (Path(mlm) / "pretrain_gpt.py").exists():
@@ -108,8 +112,8 @@ def main() -> None:
         e = executor_vs_estimate(Path(d))
     text = render(h, e, "MEGATRON_LM_PATH=... python " + " ".join(sys.argv), device)
     print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    if args.write:
+        write_section(args.write, text, START, END)
 
 
 if __name__ == "__main__":
