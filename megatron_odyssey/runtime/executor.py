@@ -122,7 +122,11 @@ class PipelineExecutor:
                         out = (out.float() * mask).sum() / tokens
                     loss_sum = out.detach() if loss_sum is None else loss_sum + out.detach()
                 else:
-                    pending.append(self.p2p.isend(out, self._rank_of(op.pipeline, op.stage + 1, op.micro_batch)))
+                    # the wire carries self.dtype: under bf16, Megatron's Float16Module hands every stage's
+                    # output back in fp32 (each rank is "the last pipeline stage" of its own parallel_state);
+                    # the values are bf16's, so the cast is exact
+                    pending.append(self.p2p.isend(out.detach().to(self.dtype),
+                                                  self._rank_of(op.pipeline, op.stage + 1, op.micro_batch)))
                 saved[key] = (inp, out)
                 result.forward_s += time.perf_counter() - t0
             else:
@@ -131,9 +135,10 @@ class PipelineExecutor:
                 if not last_stage:
                     grad = self._inbox.receive(self._node_of(op.pipeline, op.stage + 1, op.micro_batch),
                                                (BACKWARD, op.pipeline, op.stage + 1, op.micro_batch))
-                torch.autograd.backward(out, grad)
+                torch.autograd.backward(out, grad if grad is None else grad.to(out.dtype))
                 if inp is not None:
-                    pending.append(self.p2p.isend(inp.grad, self._rank_of(op.pipeline, op.stage - 1, op.micro_batch)))
+                    pending.append(self.p2p.isend(inp.grad.to(self.dtype),
+                                                  self._rank_of(op.pipeline, op.stage - 1, op.micro_batch)))
                 result.backward_s += time.perf_counter() - t0
             result.ops += 1
         for work in pending:

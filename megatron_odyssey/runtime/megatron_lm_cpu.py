@@ -146,6 +146,29 @@ class _WrapOriginal:
         return f"_WrapOriginal({self.build.__name__})"
 
 
+def _cuda_type_names(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``Float16OptimizerWithFloat16Params.__init__``: it sorts parameters by ``param.type()``
+    and accepts only ``torch.cuda.*`` names; while it runs, a CPU tensor's ``type()`` answers with
+    the CUDA name of its dtype (what ``torch_npu``'s transfer_to_npu does for NPU tensors)."""
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        real = torch.Tensor.type
+
+        def type_(tensor: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kw: Any) -> Any:
+            if dtype is None and not kw and tensor.device.type == "cpu":
+                return real(tensor).replace("torch.", "torch.cuda.", 1)
+            return real(tensor, dtype, non_blocking, **kw)
+
+        torch.Tensor.type = type_  # type: ignore[method-assign]
+        try:
+            original(self, *args, **kwargs)
+        finally:
+            torch.Tensor.type = real  # type: ignore[method-assign]
+
+    return __init__
+
+
 def _allow_no_cuda(original: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap ``initialize_megatron`` so it is always called with ``allow_no_cuda=True``."""
 
@@ -289,6 +312,8 @@ MEGATRON_LM_CPU_PATCHES: Tuple[Patch, ...] = (
     Patch(f"{_MC}.optimizer.optimizer.clip_grad_by_total_norm_fp32",
           _cpu_clip_grad_by_total_norm_fp32,
           "optimizer.step()'s clip_grad_by_total_norm_fp32 asserts grads are torch.cuda.FloatTensor"),
+    Patch(f"{_MC}.optimizer.optimizer.Float16OptimizerWithFloat16Params.__init__", _WrapOriginal(_cuda_type_names),
+          "--bf16: the mixed-precision optimizer accepts only torch.cuda.* parameter type names"),
     Patch(f"{_MC}.optimizer.clip_grads.torch", _CORE_TORCH_VIEW,
           "get_grad_norm_fp32()/count_zeros_fp32() accumulate into device='cuda' tensors"),
     Patch(f"{_MC}.rerun_state_machine.torch", _CORE_TORCH_VIEW,

@@ -329,8 +329,11 @@ class MegatronRankRuntime(RankRuntime):
         self.stock = False  # one-way hand-off: Odyssey's executor from now on
         super().enter(gen, plan, policy, transfers, checkpoint_step)
         self._attach(self.megatron_model[0])  # executor and gradient sync over Megatron's buffers
-        if hasattr(self.megatron_optimizer, "_copy_main_params_to_model_params"):
-            self.megatron_optimizer._copy_main_params_to_model_params()  # bf16: restored main -> model
+        # bf16: the restored fp32 main copies -> the bf16 model weights (Megatron >= 0.15 wraps even a single
+        # optimizer in a ChainedOptimizer, which does not have this method itself)
+        for opt in getattr(self.megatron_optimizer, "chained_optimizers", [self.megatron_optimizer]):
+            if hasattr(opt, "_copy_main_params_to_model_params"):
+                opt._copy_main_params_to_model_params()
         self.scheduler.step(increment=0)  # the fresh optimizer's groups take the schedule's current lr
 
     def recover(self, step: int) -> int:

@@ -67,3 +67,20 @@ def test_two_machines_rank_on_the_second_dies(stock: dict, tmp_path: Path) -> No
     assert [s["step"] for s in report["steps"]] == list(range(ITERS))
     assert report["profile"] == "measured"  # planned from Megatron's timers after iteration 1
     assert same_training(job.iterations(), stock)
+
+
+def test_bf16_state_moves_through_main_params(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    """--bf16: the optimizer steps fp32 main copies of bf16 parameters. A reconfiguration must move the
+    main copies and their Adam state (not the bf16 model weights) and then refresh the model weights from
+    them; every logged iteration then equals stock bf16 Megatron-LM's."""
+    flags = [*TINY_GPT, "--bf16"]
+    stock = run_stock(MLM, tmp_path_factory.mktemp("stock_bf16"), flags, _port(40))
+    assert stock.returncode == 0, stock.logs[-4000:]
+    job = run_odyssey(MLM, tmp_path, [*flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-policy", "reconfigure",
+                                      "--odyssey-inject-fault", "step=2,rank=1,phase=backward,kind=kill"], _port(50))
+    assert job.returncode == 0, job.logs[-4000:]
+    (failure,) = job.report["failures"]
+    assert failure["policy"] == "reconfigure"
+    ranges = {tuple(st["layers"]) for pipe in job.report["final_plan"]["pipelines"] for st in pipe["stages"]}
+    assert ranges - {(0, 2), (2, 4)}  # some survivor took layers it did not hold: their state moved
+    assert same_training(job.iterations(), stock.iterations())
