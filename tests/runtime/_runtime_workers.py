@@ -156,3 +156,33 @@ def tp_and_data_worker(rank: int, world_size: int, init_file: str, out_path: str
         torch.save(results, out_path)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def build_cached_dataset_worker(prefix: str, cache: str, num_samples: int, barrier, out) -> None:
+    """Build the training dataset of ``prefix`` with its index cache in ``cache`` once every worker
+    reached the barrier; put ``(ok, (built it?, some samples' tokens) or the error)`` on ``out``."""
+    import logging
+    import traceback
+
+    from megatron_odyssey.runtime.data import DataConfig, MicroBatchData
+
+    class Said(logging.Handler):  # megatron logs whether it built the index or loaded the cache
+        lines: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append(record.getMessage())
+
+    log = logging.getLogger("megatron.core.datasets.gpt_dataset")
+    log.setLevel(logging.INFO)
+    log.addHandler(Said())
+    cfg = DataConfig(seq_length=16, micro_batch_size=1, global_batch_size=num_samples, train_steps=1,
+                     data_path=prefix, path_to_cache=cache)
+    barrier.wait()
+    try:
+        data = MicroBatchData(cfg)
+        n = len(data.dataset)
+        tokens = torch.stack([data.dataset[i]["tokens"] for i in range(0, n, max(1, n // 64))])
+        built = any(line.startswith("Build and save") for line in Said.lines)
+        out.put((True, (built, tokens.tolist())))  # plain data: a tensor would travel as shared memory
+    except BaseException:  # the test shows what went wrong in the worker
+        out.put((False, traceback.format_exc()))
