@@ -186,3 +186,40 @@ def build_cached_dataset_worker(prefix: str, cache: str, num_samples: int, barri
         out.put((True, (built, tokens.tolist())))  # plain data: a tensor would travel as shared memory
     except BaseException:  # the test shows what went wrong in the worker
         out.put((False, traceback.format_exc()))
+
+
+def classify_gloo_errors_worker(rank: int, port: int, out) -> None:
+    """Two gloo ranks: rank 1 SIGKILLs itself, rank 0 classifies what the broken recv raises, a local
+    bug, and a store timeout; results go to ``out`` as (case, exception type, is_peer_failure)."""
+    import os
+    import signal
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from megatron_odyssey.runtime.errors import is_peer_failure
+
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    if rank == 1:
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    results = []
+    try:
+        dist.recv(t, src=1)
+    except Exception as exc:
+        results.append(("peer killed", type(exc).__name__, is_peer_failure(exc, store, 0)))
+    try:
+        torch.ones(2, 3) @ torch.ones(4, 5)  # a shape bug of our own
+    except Exception as exc:
+        results.append(("shape bug", type(exc).__name__, is_peer_failure(exc, store, 0)))
+        store.set("odyssey/gen0/abort", "ranks [1] failed")  # the agent aborted the generation meanwhile
+        results.append(("shape bug in an aborted generation", type(exc).__name__, is_peer_failure(exc, store, 0)))
+    try:
+        store.wait(["never-set"], timedelta(milliseconds=200))
+    except Exception as exc:
+        results.append(("store timeout", type(exc).__name__, is_peer_failure(exc)))
+    out.put(results)
