@@ -257,9 +257,11 @@ def cache_dir(cfg: DataConfig) -> Optional[str]:
 def cache_lock(cfg: DataConfig) -> Iterator[None]:
     """Hold an exclusive ``flock`` on the cache directory while building: one process per machine
     builds the cache, the others wait and then find it complete (a cache hit). The lock goes with the
-    process, so a builder that dies releases it."""
+    process, so a builder that dies releases it. Not taken when ``torch.distributed`` is initialised:
+    megatron's builder then orders the ranks itself (rank 0 builds, the others wait at a world
+    barrier *inside* the build), and a lock held across that barrier would deadlock."""
     folder = cache_dir(cfg)
-    if folder is None:
+    if folder is None or torch.distributed.is_initialized():
         yield
         return
     os.makedirs(folder, exist_ok=True)
