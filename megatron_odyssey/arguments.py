@@ -63,7 +63,8 @@ def add_odyssey_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="write per-iteration and per-failure records (JSON) here")
     g.add_argument("--odyssey-inject-fault", action="append", default=[], metavar="SPEC",
                    help="testing: step=I,rank=R,phase=forward|backward|grad-sync|optimizer|recovery,"
-                        "kind=kill|hang|slow (repeatable; rank is the launch-time global rank)")
+                        "kind=kill|hang|slow|error (repeatable; rank is the launch-time global rank; error: "
+                        "the rank raises, as a local bug would)")
     return parser
 
 

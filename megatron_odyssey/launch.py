@@ -25,8 +25,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from .runtime.errors import STOPPED_EXIT, last_traceback  # (no torch import: the launcher starts fast)
+
 EXIT_KEY = "odyssey/exit/{}"  # node agents report a rank's exit code here
 FENCE_KEY = "odyssey/fence/{}"  # the coordinator asks a rank's node agent to SIGKILL it
+STARTUP_GRACE_S = 3.0  # after a rank fails at start-up, how long the others get to fail too (and say why)
 
 
 class LocalRank:
@@ -140,10 +143,15 @@ def coordinate(args: argparse.Namespace, local: dict[int, LocalRank]) -> int:
             return 0  # a job without --odyssey: odyssey-launch was just its launcher
         dead = {i: c for i, c in codes.items() if c not in (None, 0)}
         if dead:
+            grace = time.monotonic() + STARTUP_GRACE_S  # ranks failing with it show their errors too
+            while time.monotonic() < grace and any(p.exitcode is None for p in procs.values()):
+                time.sleep(0.05)
+            dead = {i: c for i, p in procs.items() if (c := p.exitcode) not in (None, 0)}
             for p in procs.values():
                 p.kill()
             print(f"[odyssey launch] rank(s) {sorted(dead)} exited {sorted(set(dead.values()))} before training "
-                  f"started; see {args.workdir}/rank*.log", file=sys.stderr)
+                  f"started:\n{startup_errors(args.workdir, sorted(dead))}\n[odyssey launch] logs: "
+                  f"{args.workdir.resolve()}/rank*.log", file=sys.stderr)
             return 1
         time.sleep(0.05)
     cfg = TrainConfig(**json.loads(store.get("odyssey/config")))
@@ -151,6 +159,17 @@ def coordinate(args: argparse.Namespace, local: dict[int, LocalRank]) -> int:
     code = agent.supervise()
     store.set("odyssey/finished", str(code))
     return code
+
+
+def startup_errors(workdir: Path, ranks: list[int]) -> str:
+    """The last traceback in each failed rank's log, each distinct one once (with the ranks it hit)."""
+    seen: dict[str, list[int]] = {}
+    for rank in ranks:
+        path = workdir / f"rank{rank}.log"
+        text = last_traceback(path.read_text(errors="replace")) if path.exists() else \
+            f"(no log here: see rank {rank}'s log on its machine)"
+        seen.setdefault(text, []).append(rank)
+    return "\n".join(f"--- rank(s) {who}:\n{text}" for text, who in seen.items())
 
 
 def serve_node(args: argparse.Namespace, local: dict[int, LocalRank]) -> int:
@@ -166,6 +185,9 @@ def serve_node(args: argparse.Namespace, local: dict[int, LocalRank]) -> int:
             if ident not in reported and p.exitcode is not None:
                 store.set(EXIT_KEY.format(ident), str(p.exitcode))
                 reported.add(ident)
+                if p.exitcode > 0 and p.exitcode != STOPPED_EXIT:  # an error (not a kill): say it here too
+                    print(f"[odyssey launch node {args.node_rank}] rank {ident} exited {p.exitcode}:\n"
+                          f"{startup_errors(args.workdir, [ident])}", file=sys.stderr, flush=True)
         time.sleep(0.01)
     return max((p.exitcode or 0 for p in local.values()), default=0)
 

@@ -31,7 +31,7 @@ def add_train_arguments(p: argparse.ArgumentParser, defaults: TrainConfig) -> No
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--fail", action="append", default=list(d.fail), metavar="SPEC",
                    help="inject a fault: step=5,rank=3,phase=forward|backward|grad-sync|optimizer|recovery,"
-                        "kind=kill|hang|slow (repeatable)")
+                        "kind=kill|hang|slow|error (repeatable; error: the rank raises, as a local bug would)")
     p.add_argument("--policy", choices=("auto", "reroute", "reconfigure"), default=d.policy)
     p.add_argument("--save-params", default=d.save_params, help="write the gathered fp32 state dict here")
     p.add_argument("--report", default=d.report, help="write the JSON report here")

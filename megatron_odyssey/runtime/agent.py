@@ -18,6 +18,11 @@ imports; the store's server starts only afterwards). On a GPU or NPU it spawns t
   the agent publishes the next generation's plan, transfer schedule and resume step;
 - **report**: per-step loss and time, and per failure its detection, decision, transfer and
   recovery times.
+
+A rank that exits after a *local* error (:mod:`.errors`) left a record: the agent prints it with
+its traceback and recovers without the rank, but stops the job when the same error (type and
+place) recurs on another rank, or when a rank fails before finishing start-up. Whenever it gives
+up it publishes ``odyssey/giveup`` (every rank's waiting loop exits on it at once) and stops the ranks.
 """
 from __future__ import annotations
 
@@ -39,6 +44,7 @@ from ..planning.plan import ExecutionPlan
 from ..planning.cache import PlanCache
 from ..planning.planner import Decision, Planner, PlannerOptions
 from .config import TrainConfig
+from .errors import GIVEUP_KEY, STARTED_KEY, ErrorRecord, last_traceback, read_error
 
 
 def rank_start_method(cfg: TrainConfig) -> str:
@@ -112,6 +118,7 @@ class FailureRecord:
     cached: bool = False  # the decision came from the precomputed plan cache
     rebuild: dict[str, float] = field(default_factory=dict)  # slowest rank's world/groups/model time
     phases: dict[str, float] = field(default_factory=dict)  # since the failure: sealed, published, first step
+    error: dict[str, Any] | None = None  # a failed rank's own error (type, place, message, traceback)
     started: float = 0.0  # injection (or detection) time, for recovery_s
     sealed_at: float = 0.0
     published_at: float = 0.0
@@ -150,6 +157,8 @@ class Agent:
         self.cache_depth = int(cfg.extra.get("max_cached_failures", 1))
         self.profile_iters = int(cfg.extra.get("profile_iters", 0))  # > 0: plan from measured times
         self.measured = False
+        self.errors: dict[int, ErrorRecord] = {}  # rank -> the local error it left the job with
+        self.stop_reason = ""  # why recover() could not go on
 
     # -- bookkeeping ----------------------------------------------------------------------------------
     def members(self) -> list[int]:
@@ -163,6 +172,10 @@ class Agent:
 
     def log(self, msg: str) -> None:
         print(f"[odyssey agent] {msg}", flush=True)
+
+    def log_error(self, msg: str) -> None:
+        """Errors go to stderr: the launcher shows it on the terminal (and in its failure message)."""
+        print(f"[odyssey agent] {msg}", file=sys.stderr, flush=True)
 
     # -- main loop ------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -200,18 +213,24 @@ class Agent:
         while True:
             failed = self.detect()
             if failed:
-                if not self.recover(failed):
-                    self.stop_all()
-                    self.write_report(ok=False)
-                    return 1
-                continue
+                reason = self.judge(failed)
+                if reason is None and self.recover(failed):
+                    continue
+                if reason is not None:
+                    self.failures.append(FailureRecord(ranks=sorted(failed), step=self.next_step, reason=reason,
+                                                       phase=self._phase_of(failed, self.next_step),
+                                                       error=self._error_of(failed)))
+                self.give_up(reason or self.stop_reason or "recovery failed")
+                self.write_report(ok=False)
+                return 1
             self.advance()
             if all(self.procs[i].exitcode is not None for i in self.members()):
                 break
             time.sleep(0.005)
         bad = [i for i in self.members() if self.procs[i].exitcode != 0]
         for ident in bad:
-            self.log(f"rank {ident} exited {self.procs[ident].exitcode}:\n" + self._tail(ident))
+            if ident not in self.errors:  # (a local error was printed when it happened)
+                self.log_error(f"rank {ident} exited {self.procs[ident].exitcode}:\n" + self._tail(ident))
         self.write_report(ok=not bad)
         return 1 if bad else 0
 
@@ -235,6 +254,52 @@ class Agent:
                 self.fenced.add(ident)
                 out.add(ident)
         return out
+
+    def judge(self, failed: set[int]) -> str | None:
+        """Print the local errors the failed ranks left; returns why the job must stop instead of
+        recovering (a rank failed during start-up, or an error recurred on another rank), else None."""
+        stop = None
+        for ident in sorted(failed):
+            record = read_error(self.store, ident)
+            started = self._started(ident)
+            if record is not None:
+                self.errors[ident] = record
+                self.log_error(f"rank {ident} failed with its own error ({record.where}): {record.headline()}\n"
+                               + _indent(record.traceback))
+                first = next((r for i, r in self.errors.items() if i != ident and r.signature == record.signature), None)
+                if first is not None and stop is None:
+                    stop = (f"the same error ({record.type} at {record.place}) recurred on rank {ident} after rank "
+                            f"{first.rank}: it looks deterministic, not a hardware failure")
+                elif started:
+                    self.log_error(f"recovering without rank {ident} (an error on one rank is treated as that "
+                                   f"rank's failure; the job stops if it recurs on another)")
+            if not started and stop is None:
+                what = record.headline() if record else f"exit code {self.procs[ident].exitcode}"
+                stop = f"rank {ident} failed during start-up ({what})"
+                if record is None:
+                    self.log_error(f"rank {ident} exited {self.procs[ident].exitcode} during start-up; its last "
+                                   f"error:\n" + _indent(self._last_traceback(ident)))
+        return stop
+
+    def _started(self, ident: int) -> bool:
+        """A rank reached its first training step (a failure before that ends the job)."""
+        return self.gen > 0 or self.store.check([STARTED_KEY.format(ident)])
+
+    def _error_of(self, ranks: set[int]) -> dict[str, Any] | None:
+        record = next((self.errors[i] for i in sorted(ranks) if i in self.errors), None)
+        return vars(record).copy() if record else None
+
+    def give_up(self, reason: str) -> None:
+        """Stop the job: every rank learns it from the store at once (its waiting loops exit on the
+        give-up key, or on the generation's abort), and the ranks are stopped."""
+        self.log_error(f"stopping the job: {reason}")
+        try:
+            self.store.set(GIVEUP_KEY, reason)
+            if not self.store.check([self.key("abort")]):
+                self.store.set(self.key("abort"), f"the job stopped: {reason}")
+        except Exception:  # a store we host does not fail; a remote one may be gone already
+            pass
+        self.stop_all()
 
     def _stale(self, ident: int, now: float) -> bool:
         key = f"odyssey/hb/{ident}"
@@ -313,6 +378,12 @@ class Agent:
                 self.dead |= more
                 gen_failed |= more
                 self.log(f"rank(s) {sorted(more)} failed during recovery")
+                stop = self.judge(more)
+                if stop is not None:
+                    self.stop_reason = stop
+                    self.failures.append(FailureRecord(ranks=sorted(gen_failed), step=self.next_step, reason=stop,
+                                                       error=self._error_of(more)))
+                    return False
             waiting = [i for i in self.members() if i not in self.dead
                        and not self.store.check([f"{self.key('recover')}/{i}"])]
             if not waiting:
@@ -330,7 +401,7 @@ class Agent:
         dead_nodes = {i // self.cfg.tp for i in self.dead} & set(base.live_nodes())
         rec = FailureRecord(ranks=sorted(gen_failed), phase=self._phase_of(gen_failed, last + 1),
                             detection_s=max(0.0, detected - started), step=last + 1, started=started,
-                            sealed_at=sealed_at)
+                            sealed_at=sealed_at, error=self._error_of(gen_failed))
         t0 = time.perf_counter()
         cache = self.cache
         try:
@@ -339,7 +410,7 @@ class Agent:
             if decision is None:
                 decision = self.planner.decide(base, dead_nodes)
         except PlanningError as exc:
-            self.log(f"cannot continue: {exc}")
+            self.stop_reason = f"cannot continue: {exc}"
             rec.reason = str(exc)
             self.failures.append(rec)
             return False
@@ -354,8 +425,8 @@ class Agent:
             where = f"checkpoint of step {ckpt}" if ckpt is not None else "the initial weights (no checkpoint yet)"
             self.log(f"restart: {chosen.reason}; restoring {where}, resuming at step {resume}")
         if chosen.policy == "restart" and self.external:
-            self.log(f"cannot continue in-process: {chosen.reason}; stopping the job - relaunch it with --load "
-                     f"from the latest Megatron checkpoint")
+            self.stop_reason = (f"cannot continue in-process: {chosen.reason}; relaunch the job with --load "
+                                f"from the latest Megatron checkpoint")
             rec.policy, rec.reason = "restart", chosen.reason
             self.failures.append(rec)
             return False
@@ -463,6 +534,12 @@ class Agent:
             if p.exitcode is None:
                 p.kill()
 
+    def _last_traceback(self, ident: int) -> str:
+        path = self.workdir / f"rank{ident}.log"
+        if not path.exists():
+            return f"(no log here: see rank {ident}'s log on its machine)"
+        return last_traceback(path.read_text(errors="replace")) + f"\n(log: {path})"
+
     def _tail(self, ident: int) -> str:
         path = self.workdir / f"rank{ident}.log"
         return "  " + "\n  ".join(path.read_text().strip().splitlines()[-12:]) if path.exists() else ""
@@ -478,6 +555,10 @@ class Agent:
                   "profile": self.profile.name, "devices": devices,
                   "final_plan": self.plan.to_dict(), "config": {k: v for k, v in vars(self.cfg).items()}}
         Path(self.cfg.report).write_text(json.dumps(report, indent=1))
+
+
+def _indent(text: str) -> str:
+    return "  " + "\n  ".join(text.rstrip().splitlines())
 
 
 def run_agent(cfg_path: Path, workdir: Path, echo_rank0: bool = True) -> int:

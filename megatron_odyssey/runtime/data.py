@@ -21,12 +21,15 @@ manylinux wheel, so no ``make`` step is needed after ``pip install``.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import logging
+import os
 import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, Iterator, List, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -226,17 +229,48 @@ def build_train_dataset(cfg: DataConfig, tokenizer: Optional[MegatronTokenizerBa
 
     When ``torch.distributed`` is initialised megatron's builder builds on rank 0 first and puts
     barriers on the *world* group, so every rank must call this together, at start-up (before
-    any failure). Without a cache directory each rank then builds identical indices in memory.
+    any failure). Our ranks call it before joining any group, so megatron would let every one of
+    them write the same index cache at once (one then reads another's half-written ``.npy``:
+    ``EOFError: No data left in file``); :func:`cache_lock` makes the first process on the machine
+    build it while the others wait, then load the finished files.
     """
     tokenizer = tokenizer or ByteTokenizer()
     cls = GPTDataset if cfg.data_path is not None else MockGPTDataset
     # Mock mode forces megatron's split "1,1,1"; ask the other two splits for one sample only.
     sizes = [cfg.num_samples, None, None] if cfg.data_path is not None else [cfg.num_samples, 1, 1]
-    train, _, _ = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, gpt_dataset_config(cfg, tokenizer)).build()
+    with cache_lock(cfg):
+        train, _, _ = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, gpt_dataset_config(cfg, tokenizer)).build()
     if train is None or len(train) == 0:
         raise RuntimeError("megatron built an empty training dataset")
     disable_mask_cache(train)
     return train
+
+
+def cache_dir(cfg: DataConfig) -> Optional[str]:
+    """Where megatron's ``GPTDataset`` keeps its index cache (None: mock data, nothing cached)."""
+    if cfg.path_to_cache is not None:
+        return cfg.path_to_cache
+    return os.path.join(cfg.data_path, "cache") if cfg.data_path is not None else None
+
+
+@contextlib.contextmanager
+def cache_lock(cfg: DataConfig) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on the cache directory while building: one process per machine
+    builds the cache, the others wait and then find it complete (a cache hit). The lock goes with the
+    process, so a builder that dies releases it. Not taken when ``torch.distributed`` is initialised:
+    megatron's builder then orders the ranks itself (rank 0 builds, the others wait at a world
+    barrier *inside* the build), and a lock held across that barrier would deadlock."""
+    folder = cache_dir(cfg)
+    if folder is None or torch.distributed.is_initialized():
+        yield
+        return
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, ".odyssey-build.lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def disable_mask_cache(dataset: object) -> None:

@@ -1,7 +1,10 @@
 """Fault injection for tests and demos: ``--fail step=5,rank=3,phase=backward,kind=kill``.
 
 ``kill`` sends SIGKILL to the rank's own (real) process, ``hang`` SIGSTOP (the agent's heartbeat
-check must catch and fence it), ``slow`` sleeps (a straggler that must *not* be declared dead).
+check must catch and fence it), ``slow`` sleeps (a straggler that must *not* be declared dead),
+``error`` raises :class:`InjectedError` from the injection point: a local bug of the rank (as an
+out-of-memory or a shape error would be), which it must report and leave the job for, not take
+for a peer's failure.
 The rank records when it fired in the store, so the agent can report detection latency.
 """
 from __future__ import annotations
@@ -14,8 +17,12 @@ from dataclasses import dataclass
 from ..planning.errors import PlanningError
 
 PHASES = ("forward", "backward", "grad-sync", "optimizer", "recovery")
-KINDS = ("kill", "hang", "slow")
+KINDS = ("kill", "hang", "slow", "error")
 SLOW_S = 2.0
+
+
+class InjectedError(RuntimeError):
+    """``kind=error``: a plain exception, as a real bug in the rank's own code would raise."""
 
 
 @dataclass(frozen=True)
@@ -73,5 +80,7 @@ class Injector:
                 os.kill(os.getpid(), signal.SIGKILL)
             elif spec.kind == "hang":
                 os.kill(os.getpid(), signal.SIGSTOP)
+            elif spec.kind == "error":
+                raise InjectedError(f"injected error (--fail step={step},rank={self.ident},phase={phase},kind=error)")
             else:
                 time.sleep(SLOW_S)

@@ -18,11 +18,17 @@ from .config import TrainConfig
 
 
 class TrainingFailed(RuntimeError):
-    pass
+    """The job failed; ``stderr`` holds what the agent printed there (the ranks' errors)."""
+
+    def __init__(self, message: str, stderr: str = ""):
+        super().__init__(message)
+        self.stderr = stderr
 
 
-def launch(cfg: TrainConfig, workdir: str | Path | None = None, quiet: bool = False) -> None:
-    """Run the job to completion on this machine; raises TrainingFailed with the failing ranks' logs."""
+def launch(cfg: TrainConfig, workdir: str | Path | None = None, quiet: bool = False) -> str:
+    """Run the job to completion on this machine; raises TrainingFailed with the failing ranks' errors.
+    The agent's stderr (errors, with tracebacks) is shown on the terminal as it comes unless ``quiet``,
+    and returned."""
     cfg.validate()  # reject bad plans and flags before any process starts
     workdir = Path(workdir or tempfile.mkdtemp(prefix="odyssey-train-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -34,9 +40,20 @@ def launch(cfg: TrainConfig, workdir: str | Path | None = None, quiet: bool = Fa
     if quiet:
         cmd.append("--quiet")
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, env=env, stdout=None if not quiet else subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    if proc.returncode:
-        raise TrainingFailed(f"training failed (agent exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    proc = subprocess.Popen(cmd, env=env, stdout=None if not quiet else subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, errors="replace")
+    err = []
+    for line in proc.stderr:  # live: a rank's error reaches the terminal when it happens, not at the end
+        err.append(line)
+        if not quiet:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+    code = proc.wait()
+    text = "".join(err)
+    if code:
+        detail = f"; the error is above (logs in {workdir})" if not quiet else f":\n{text[-12000:]}"
+        raise TrainingFailed(f"training failed (agent exit {code}){detail}", text)
+    return text
 
 
 def is_torchrun_worker() -> bool:

@@ -36,6 +36,7 @@ from .config import TrainConfig
 from .executor import PipelineExecutor
 from .grad_sync import GradientSync, all_reduce_flat, params_by_unit, unit_of
 from .megatron_hooks import ORIGINAL_ATTR, STATE
+from .errors import GIVEUP_KEY, STARTED_KEY, fail_locally, giveup_reason, is_peer_failure, stop_now
 from .trainer import Abort, Heartbeat, RankRuntime, keys
 from .transport import P2P
 from .world import (RankMap, abort_all_groups, build_plan_groups, clear_parallel_state, plan_process_groups,
@@ -52,7 +53,8 @@ class OdysseyRestart(SystemExit):
 class AbortWatcher(threading.Thread):
     """Aborts this rank's groups as soon as the agent aborts the generation. A rank blocked inside a
     collective never polls the store, and NCCL/HCCL do not see a dead peer's closed connection the way
-    gloo does (they would wait for the watchdog timeout); aborting from here unblocks the op at once."""
+    gloo does (they would wait for the watchdog timeout); aborting from here unblocks the op at once.
+    When the agent gives up on the job (or is gone), it ends the process at once: nothing will come."""
 
     def __init__(self, runtime: "MegatronRankRuntime", host: str, port: int, interval_s: float = 0.05):
         super().__init__(daemon=True, name="odyssey-abort-watcher")
@@ -73,8 +75,13 @@ class AbortWatcher(threading.Thread):
             gen = self.runtime.gen
             try:
                 aborted = gen != handled and self.store.check([f"odyssey/gen{gen}/abort"])
-            except Exception:  # the agent is gone: the job is over
+                stopped = self.store.check([GIVEUP_KEY])
+            except Exception as exc:  # the agent is gone: the job is over
+                if not self.stopped.is_set():
+                    stop_now(self.runtime.ident, f"the agent is gone ({type(exc).__name__})")
                 return
+            if stopped:
+                stop_now(self.runtime.ident, f"the agent stopped the job: {giveup_reason(self.store) or 'no reason given'}")
             if aborted:
                 with self.runtime.gen_lock:
                     if self.runtime.gen == gen:
@@ -191,6 +198,8 @@ def config_from_megatron_args(args: Any) -> TrainConfig:
 
 class MegatronRankRuntime(RankRuntime):
     """RankRuntime over the objects Megatron's ``train()`` holds (see module docstring)."""
+
+    started = False  # set once the first iteration begins (start-up failures end the job instead)
 
     def __init__(self, args: Any, model: list, optimizer: Any, scheduler: Any):
         from .faults import Injector
@@ -336,6 +345,10 @@ class MegatronRankRuntime(RankRuntime):
                 opt._copy_main_params_to_model_params()
         self.scheduler.step(increment=0)  # the fresh optimizer's groups take the schedule's current lr
 
+    def _abort_locked(self) -> None:
+        with self.gen_lock:
+            abort_all_groups()
+
     def recover(self, step: int) -> int:
         """RankRuntime.recover with the watcher kept out: no two threads may abort, destroy or create the
         same process groups at once (that ends the process in std::terminate)."""
@@ -396,18 +409,23 @@ class MegatronRankRuntime(RankRuntime):
         """One of Megatron's iterations, redone on the next generation until some generation commits it.
 
         ``stock_step(forward_step_func)`` is Megatron's own ``train_step`` with the call's other
-        arguments: generation 0
-        runs it (guarded, see :meth:`_stock_step`); later generations run :meth:`_step`."""
+        arguments: generation 0 runs it (guarded, see :meth:`_stock_step`); later generations run
+        :meth:`_step`."""
         self.current_step = step
+        if not self.started:  # start-up is over: from now on a failure is recovered from
+            self.store.set(STARTED_KEY.format(self.ident), "1")
+            self.store.check([STARTED_KEY.format(self.ident)])  # a round trip: in the store before any fault fires
+            self.started = True
         while True:
             failed = False
             try:
                 if self.stock:
                     return self._stock_step(stock_step, forward_step_func, step)
                 return self._step(forward_step_func, step, forward_backward_func)
-            except (RuntimeError, Abort) as exc:  # torch.distributed errors are RuntimeErrors
-                with self.gen_lock:
-                    abort_all_groups()
+            except Exception as exc:
+                if not is_peer_failure(exc, self.store, self.gen):  # ours (a device bug, OOM): report and leave
+                    fail_locally(self.store, self.ident, exc, f"iteration {step}", abort=self._abort_locked)
+                self._abort_locked()
                 failed = True
                 print(f"[odyssey rank {self.ident}] iteration {step}: {type(exc).__name__}: {str(exc)[:120]}; "
                       f"recovering at {time.time():.3f}", file=sys.stderr, flush=True)
@@ -580,6 +598,15 @@ class MegatronRankRuntime(RankRuntime):
         return base + (0,) if self.arity == 8 else base
 
 
+def _store_or_none() -> Any:
+    """A client of the agent's store, for reporting a start-up error (None if it cannot be reached)."""
+    try:
+        host, port = os.environ[STORE_ENV].rsplit(":", 1)
+        return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
+    except Exception:
+        return None
+
+
 def _activation_dtype(args: Any) -> torch.dtype:
     return torch.bfloat16 if getattr(args, "bf16", False) else (torch.float16 if getattr(args, "fp16", False) else torch.float32)
 
@@ -609,7 +636,10 @@ def train_step(original: Callable[..., Any]) -> Callable[..., Any]:
 
             fbf = mt.get_forward_backward_func()
         if STATE.runtime is None:
-            STATE.runtime = MegatronRankRuntime(margs, model, optimizer, opt_param_scheduler)
+            try:
+                STATE.runtime = MegatronRankRuntime(margs, model, optimizer, opt_param_scheduler)
+            except Exception as exc:  # start-up: the agent (or launcher) ends the job with this error
+                fail_locally(_store_or_none(), int(os.environ.get("RANK", "-1")), exc, "start-up")
 
         def stock_step(injected_forward_step: Callable[..., Any]) -> tuple:
             return original(injected_forward_step, data_iterator, model, optimizer, opt_param_scheduler,

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from ..planning.plan import ExecutionPlan
 from .config import TrainConfig
+from .errors import STARTED_KEY, exit_if_stopped, fail_locally, is_peer_failure, stop_now
 from .executor import PipelineExecutor
 from .grad_sync import GradientSync, params_by_unit
 from .transport import P2P
@@ -207,6 +208,7 @@ class RankRuntime:
         deadline = time.monotonic() + self.cfg.timeout_s
         while not self.store.check([go]):
             if self.store.check([abort]):
+                exit_if_stopped(self.store, self.ident)
                 raise Abort(self.store.get(abort).decode())
             if time.monotonic() > deadline:
                 raise TimeoutError(f"generation {gen} never started")
@@ -278,6 +280,7 @@ class RankRuntime:
             if self.store.check([commit]):
                 return
             if self.store.check([abort]):
+                exit_if_stopped(self.store, self.ident)  # the agent gave up: no plan will follow
                 raise Abort(self.store.get(abort).decode())
             time.sleep(0.001)
 
@@ -291,20 +294,28 @@ class RankRuntime:
             # register first: the agent seals membership while we clean up
             self.store.set(f"{self.k['recover']}/{self.ident}", str(self.committed))
             self.teardown()
-            self.injector(step, "recovery")
-            nxt = keys(self.gen + 1)["plan"]
-            deadline = time.monotonic() + self.cfg.timeout_s
-            while not self.store.check([nxt]):  # polled: a failure must never leave us waiting on a lost wake-up
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"no plan for generation {self.gen + 1} after {self.cfg.timeout_s} s")
-                time.sleep(0.005)
-            msg = json.loads(self.store.get(nxt))
             try:
+                self.injector(step, "recovery")
+                msg = self._wait_plan(self.gen + 1)
                 self.enter(self.gen + 1, ExecutionPlan.from_dict(msg["plan"]), msg["policy"],
                            [tuple(t) for t in msg["transfers"]], msg.get("checkpoint_step"))
                 return int(msg["resume_step"])
-            except (RuntimeError, Abort):  # another failure while setting up: recover again
+            except Exception as exc:  # another failure while setting up: recover again, unless it is ours
+                if not is_peer_failure(exc, self.store, self.gen):
+                    fail_locally(self.store, self.ident, exc, f"recovery into generation {self.gen + 1}")
                 abort_all_groups()
+
+    def _wait_plan(self, gen: int) -> dict:
+        """The agent's plan for generation ``gen``; exits at once if the agent gives up instead."""
+        nxt = keys(gen)["plan"]
+        deadline = time.monotonic() + self.cfg.timeout_s
+        while True:  # polled: a failure must never leave us waiting on a lost wake-up
+            exit_if_stopped(self.store, self.ident)
+            if self.store.check([nxt]):
+                return json.loads(self.store.get(nxt))
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no plan for generation {gen} after {self.cfg.timeout_s} s")
+            time.sleep(0.005)
 
     def teardown(self) -> None:
         """Close this generation's connections now, so peers blocked on us fail at once instead of
@@ -331,17 +342,26 @@ class RankRuntime:
 
     def main(self) -> None:
         plan = self.cfg.validate()
-        self.enter(0, plan, "initial", [], None)
+        try:
+            self.enter(0, plan, "initial", [], None)
+        except Exception as exc:  # start-up: the agent ends the job with the first real error
+            if is_peer_failure(exc):
+                stop_now(self.ident, f"start-up failed with a peer ({type(exc).__name__}: {str(exc)[:200]})", 1)
+            fail_locally(self.store, self.ident, exc, "start-up")
         # Heartbeats start once set-up (dataset building holds the GIL for seconds) is done; until
         # then the agent judges the rank by its process alone.
         Heartbeat(*self.store_addr, self.ident, self.cfg.heartbeat_interval_s).start()
+        self.store.set(STARTED_KEY.format(self.ident), "1")  # from now on a failure is recovered from
+        self.store.check([STARTED_KEY.format(self.ident)])  # a round trip: in the store before any fault fires
         step = 0
         while step < self.cfg.steps:
             failed = False
             try:
                 self.train_step(step)
                 step += 1
-            except (RuntimeError, Abort) as exc:  # torch.distributed errors are RuntimeErrors
+            except Exception as exc:
+                if not is_peer_failure(exc, self.store, self.gen):
+                    fail_locally(self.store, self.ident, exc, f"step {step}")  # ours: report it and leave
                 abort_all_groups()  # at once: peers blocked on us fail now, not after our clean-up
                 failed = True
                 print(f"[rank {self.ident}] step {step}: {type(exc).__name__} at {time.time():.3f}; recovering",
@@ -404,7 +424,11 @@ def _default_backend(shared_device: bool = False) -> str:
 
 
 def run(cfg: TrainConfig, rank: int, store: dist.Store, store_addr: tuple[str, int]) -> None:
-    RankRuntime(cfg, rank, store, store_addr).main()
+    try:
+        runtime = RankRuntime(cfg, rank, store, store_addr)  # builds the dataset
+    except Exception as exc:
+        fail_locally(store, rank, exc, "start-up")
+    runtime.main()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -156,3 +156,70 @@ def tp_and_data_worker(rank: int, world_size: int, init_file: str, out_path: str
         torch.save(results, out_path)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def build_cached_dataset_worker(prefix: str, cache: str, num_samples: int, barrier, out) -> None:
+    """Build the training dataset of ``prefix`` with its index cache in ``cache`` once every worker
+    reached the barrier; put ``(ok, (built it?, some samples' tokens) or the error)`` on ``out``."""
+    import logging
+    import traceback
+
+    from megatron_odyssey.runtime.data import DataConfig, MicroBatchData
+
+    class Said(logging.Handler):  # megatron logs whether it built the index or loaded the cache
+        lines: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append(record.getMessage())
+
+    log = logging.getLogger("megatron.core.datasets.gpt_dataset")
+    log.setLevel(logging.INFO)
+    log.addHandler(Said())
+    cfg = DataConfig(seq_length=16, micro_batch_size=1, global_batch_size=num_samples, train_steps=1,
+                     data_path=prefix, path_to_cache=cache)
+    barrier.wait()
+    try:
+        data = MicroBatchData(cfg)
+        n = len(data.dataset)
+        tokens = torch.stack([data.dataset[i]["tokens"] for i in range(0, n, max(1, n // 64))])
+        built = any(line.startswith("Build and save") for line in Said.lines)
+        out.put((True, (built, tokens.tolist())))  # plain data: a tensor would travel as shared memory
+    except BaseException:  # the test shows what went wrong in the worker
+        out.put((False, traceback.format_exc()))
+
+
+def classify_gloo_errors_worker(rank: int, port: int, out) -> None:
+    """Two gloo ranks: rank 1 SIGKILLs itself, rank 0 classifies what the broken recv raises, a local
+    bug, and a store timeout; results go to ``out`` as (case, exception type, is_peer_failure)."""
+    import os
+    import signal
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from megatron_odyssey.runtime.errors import is_peer_failure
+
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    if rank == 1:
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    results = []
+    try:
+        dist.recv(t, src=1)
+    except Exception as exc:
+        results.append(("peer killed", type(exc).__name__, is_peer_failure(exc, store, 0)))
+    try:
+        torch.ones(2, 3) @ torch.ones(4, 5)  # a shape bug of our own
+    except Exception as exc:
+        results.append(("shape bug", type(exc).__name__, is_peer_failure(exc, store, 0)))
+        store.set("odyssey/gen0/abort", "ranks [1] failed")  # the agent aborted the generation meanwhile
+        results.append(("shape bug in an aborted generation", type(exc).__name__, is_peer_failure(exc, store, 0)))
+    try:
+        store.wait(["never-set"], timedelta(milliseconds=200))
+    except Exception as exc:
+        results.append(("store timeout", type(exc).__name__, is_peer_failure(exc)))
+    out.put(results)

@@ -46,6 +46,31 @@ def test_a_rank_that_dies_before_training_fails_the_job_with_its_log(tmp_path: P
     assert "rank(s) [1] exited [3] before training started" in proc.stderr
 
 
+RAISE = """
+import os
+rank = int(os.environ["RANK"])
+def set_up():
+    if rank == 1:
+        raise ValueError("rank one's bad config")
+    if rank == 2:
+        raise KeyError("rank two's missing key")
+set_up()
+"""
+
+
+def test_start_up_errors_of_every_failing_rank_reach_the_terminal(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(RAISE)
+    proc = subprocess.run([sys.executable, "-m", "megatron_odyssey.launch", "--nproc-per-node", "3",
+                           "--master-port", str(33000 + os.getpid() % 1000), "--workdir", str(tmp_path / "logs"),
+                           str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "before training started" in proc.stderr
+    assert proc.stderr.count("Traceback (most recent call last)") == 2  # each rank's own error, not just the first
+    assert "ValueError: rank one's bad config" in proc.stderr and "KeyError: \"rank two's missing key\"" in proc.stderr
+    assert "in set_up" in proc.stderr and str((tmp_path / "logs").resolve()) in proc.stderr
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--nproc-per-node", "0", "x.py"], "--nproc-per-node must be >= 1"),
     (["--nnodes", "2", "--node-rank", "2", "x.py"], "outside 0..1"),

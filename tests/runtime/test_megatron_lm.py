@@ -55,6 +55,19 @@ def test_pretrain_gpt_survives_a_killed_rank(stock: dict, tmp_path: Path, policy
     assert same_training(job.iterations(), stock)  # loss, grad norm, lr, consumed samples: as if nothing failed
 
 
+def test_pretrain_gpt_rank_error_is_reported_and_recovered(stock: dict, tmp_path: Path) -> None:
+    """A rank's own error (as a device bug would be) is not taken for a peer failure: its traceback
+    reaches the launcher's terminal, the job goes on without the rank and trains as stock Megatron."""
+    job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--odyssey-inject-fault", "step=2,rank=1,phase=backward,kind=error"],
+                      _port(40))
+    assert job.returncode == 0, job.logs[-4000:]
+    (failure,) = job.report["failures"]
+    assert failure["ranks"] == [1] and failure["error"]["type"] == "InjectedError"
+    assert "rank 1 failed with its own error" in job.logs and "InjectedError: injected error" in job.logs
+    assert [s["step"] for s in job.report["steps"]] == list(range(ITERS))
+    assert same_training(job.iterations(), stock)
+
+
 def test_two_machines_rank_on_the_second_dies(stock: dict, tmp_path: Path) -> None:
     """Two odyssey-launch processes stand for two machines (coordinator + node agent); the planner
     switches to the stage costs Megatron's timers measured in iteration 1."""

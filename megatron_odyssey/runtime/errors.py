@@ -1,0 +1,198 @@
+"""A rank's own error versus a peer's failure, and what each side does about it.
+
+A *peer failure* (a dead, hung or aborted peer, or the agent aborting the generation) is recovered
+from in-process. A *local error* (out of memory, a shape or device bug, an exception in the user's
+code) is this rank's: it prints its traceback, publishes an error record for the agent, aborts its
+groups (so peers fail fast) and exits; the agent recovers without it, and stops the job when the
+same error (type and place) recurs on another rank, since that looks deterministic.
+
+What torch 2.13 (CPU wheel) raises, measured with three gloo ranks (2026-11-23):
+
+- a peer SIGKILLed, or a peer that aborts its groups (``pg.abort()``), while we are in a collective
+  or a p2p op with it: plain ``RuntimeError`` ``[.../gloo/transport/tcp/pair.cc:553] Connection
+  closed by peer [127.0.0.1]:PORT. This is typically caused by a remote worker crashing`` (~50 ms);
+  a second op on the same group raises the same again;
+- an op that waits on a peer that never comes, or an op on a group we aborted ourselves: plain
+  ``RuntimeError`` ``[.../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for
+  recv operation to complete`` (after the group's timeout);
+- the store: ``DistStoreError`` (wait/get timeout) and ``DistNetworkError`` (server gone, connect
+  timeout), both subclasses of ``torch.distributed.DistError`` (itself a ``RuntimeError``); NCCL
+  errors are ``DistBackendError``.
+
+So a type check alone misses every gloo data-plane failure: those are recognised by gloo's
+transport messages, and as a last resort by the agent's abort key for the current generation
+(once a generation is aborted, whatever breaks in it is taken for a consequence of that failure).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import sysconfig
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+GIVEUP_KEY = "odyssey/giveup"  # the agent stopped the job; the value says why
+ERROR_KEY = "odyssey/error/{}"  # a rank's local error record (JSON of ErrorRecord)
+STARTED_KEY = "odyssey/started/{}"  # a rank finished start-up (reached its first training step)
+LOCAL_ERROR_EXIT = 13  # a rank exits with this after a local error
+STOPPED_EXIT = 14  # a rank exits with this when the agent gave up on the job
+
+# gloo's transport errors (plain RuntimeError); see the module docstring
+_PEER_MESSAGES = ("gloo/transport", "Connection closed by peer", "Connection reset by peer", "Connection refused",
+                  "Broken pipe", "Timed out waiting", "pair closure")
+
+
+def is_peer_failure(exc: BaseException, store: Any = None, gen: int | None = None) -> bool:
+    """True when ``exc`` comes from communication with a failed or aborted peer (recover in-process),
+    False when it is this rank's own error (report it and leave the job)."""
+    import torch.distributed as dist
+
+    from .trainer import Abort
+
+    if isinstance(exc, (Abort, dist.DistError)):
+        return True
+    if isinstance(exc, RuntimeError) and any(m in str(exc) for m in _PEER_MESSAGES):
+        return True
+    if store is not None and gen is not None:
+        try:
+            return bool(store.check([f"odyssey/gen{gen}/abort"]))
+        except Exception:  # the agent's store is gone: the job is over either way
+            return True
+    return False
+
+
+# -- where an error happened ------------------------------------------------------------------------
+
+_STDLIB_DIRS = tuple(os.path.abspath(p) + os.sep for p in
+                     {sysconfig.get_paths().get("stdlib"), sysconfig.get_paths().get("platstdlib")} if p)
+
+
+def _is_library(filename: str) -> bool:
+    """Frames of Python itself or of torch: not where a bug of ours or the user's is."""
+    import torch
+
+    if filename.startswith("<"):
+        return True
+    path = os.path.abspath(filename)
+    if path.startswith(os.path.dirname(os.path.abspath(torch.__file__)) + os.sep):
+        return True
+    return path.startswith(_STDLIB_DIRS) and "-packages" + os.sep not in path
+
+
+def error_place(exc: BaseException) -> str:
+    """``file:line in function`` of the innermost frame of ``exc``'s traceback in our code or the
+    user's (Python's and torch's own frames are skipped); the file is shortened to its last three
+    path parts, so the same bug reads the same on machines with different checkouts."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    chosen = next((f for f in reversed(frames) if not _is_library(f.filename)), frames[-1] if frames else None)
+    if chosen is None:
+        return "unknown"
+    short = "/".join(os.path.abspath(chosen.filename).split(os.sep)[-3:])
+    return f"{short}:{chosen.lineno} in {chosen.name}"
+
+
+@dataclass
+class ErrorRecord:
+    """A rank's local error, as published to the agent."""
+
+    rank: int
+    type: str
+    place: str
+    message: str
+    traceback: str
+    where: str  # "start-up", "step 3", "recovery"
+    time: float
+
+    @property
+    def signature(self) -> tuple[str, str]:
+        """Two errors with the same signature are the same bug."""
+        return self.type, self.place
+
+    @classmethod
+    def of(cls, exc: BaseException, rank: int, where: str) -> "ErrorRecord":
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        return cls(rank, type(exc).__qualname__, error_place(exc), str(exc)[:2000], text[-20000:], where, time.time())
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "ErrorRecord":
+        return cls(**json.loads(text))
+
+    def headline(self) -> str:
+        first = self.message.strip().splitlines()[0] if self.message.strip() else ""
+        return f"{self.type}: {first} ({self.place})"
+
+
+def read_error(store: Any, rank: int) -> ErrorRecord | None:
+    key = ERROR_KEY.format(rank)
+    try:
+        return ErrorRecord.from_json(store.get(key)) if store.check([key]) else None
+    except Exception:
+        return None
+
+
+def fail_locally(store: Any, rank: int, exc: BaseException, where: str,
+                 abort: Callable[[], None] | None = None) -> None:
+    """This rank's own error: print the traceback, abort our groups (peers fail now, not after a
+    timeout), publish the record for the agent, exit. Never returns."""
+    record = ErrorRecord.of(exc, rank, where)
+    print(f"[odyssey rank {rank}] {where}: local error, leaving the job\n{record.traceback}", file=sys.stderr, flush=True)
+    try:
+        (abort or _abort_groups)()
+    except Exception:
+        pass
+    if store is not None:
+        try:
+            store.set(ERROR_KEY.format(rank), record.to_json())
+            store.check([ERROR_KEY.format(rank)])  # a round trip: the record is in before we exit
+        except Exception as e:  # the agent is gone: the traceback above is all there is
+            print(f"[odyssey rank {rank}] could not report the error to the agent: {e}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(LOCAL_ERROR_EXIT)  # no atexit/destructors: a half-torn-down group could hang them
+
+
+def _abort_groups() -> None:
+    from .world import abort_all_groups
+
+    abort_all_groups()
+
+
+def giveup_reason(store: Any) -> str | None:
+    """Why the agent stopped the job, or None while it goes on (also when its store is gone: the
+    caller's own store error says so)."""
+    try:
+        return store.get(GIVEUP_KEY).decode() if store.check([GIVEUP_KEY]) else None
+    except Exception:
+        return None
+
+
+def stop_now(rank: int, reason: str, code: int = STOPPED_EXIT) -> None:
+    """Leave at once, with one line saying why (the agent gave up, or is gone). Never returns."""
+    print(f"[odyssey rank {rank}] stopping: {reason}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(code)
+
+
+def exit_if_stopped(store: Any, rank: int) -> None:
+    """Exit at once when the agent gave up on the job or its store is gone."""
+    try:
+        stopped = store.check([GIVEUP_KEY])
+    except Exception as exc:
+        stop_now(rank, f"the agent is gone ({type(exc).__name__}: {str(exc)[:120]})")
+    if stopped:
+        stop_now(rank, f"the agent stopped the job: {giveup_reason(store) or 'no reason given'}")
+
+
+def last_traceback(text: str, max_lines: int = 80) -> str:
+    """The last Python traceback in a log (or its last lines when there is none)."""
+    lines = text.rstrip().splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last):")]
+    chunk = lines[starts[-1]:] if starts else lines[-12:]
+    if len(chunk) > max_lines:
+        chunk = chunk[:10] + ["  ..."] + chunk[-(max_lines - 11):]
+    return "\n".join(chunk)

@@ -1,0 +1,124 @@
+"""A rank's own error is not a peer failure (issue 10): real ranks raise (``--fail kind=error``), real
+gloo peers die. One error: the job recovers without the rank and ends with the fault-free
+parameters, the traceback on the terminal. The same error on a second rank, or an error during
+start-up: the job stops within seconds with the real error on the terminal."""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_odyssey.runtime.config import TrainConfig
+from megatron_odyssey.runtime.errors import ErrorRecord, error_place, is_peer_failure
+from megatron_odyssey.runtime.faults import FailSpec, InjectedError, Injector
+
+TOL = 1e-5
+MODEL = dict(layers=4, hidden=32, heads=4, seq=16, global_batch=8, micro_batch=1, steps=4, seed=11)
+JOB = ["--nproc", "4", "--pp", "2", "--layers", "4", "--hidden", "32", "--heads", "4", "--seq", "16",
+       "--global-batch", "8", "--micro-batch", "1", "--steps", "4", "--seed", "11"]
+TIMEOUT_S = 120.0  # TrainConfig.timeout_s: what a rank would have waited for a plan that never comes
+
+
+def odyssey_train(tmp_path: Path, *flags: str) -> tuple[subprocess.CompletedProcess, float]:
+    """``odyssey train`` as a user runs it; returns the process (terminal output captured) and wall time."""
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "megatron_odyssey.cli", "train", *JOB, "--workdir",
+                           str(tmp_path / "run"), "--report", str(tmp_path / "report.json"), *flags],
+                          capture_output=True, text=True, timeout=600)
+    return proc, time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ref")
+    TrainConfig(nproc=1, tp=1, pp=1, **MODEL).save(d / "cfg.json")
+    subprocess.run([sys.executable, "-m", "megatron_odyssey.runtime.reference", "--config", str(d / "cfg.json"),
+                    "--out", str(d / "ref.pt")], check=True, capture_output=True)
+    return torch.load(d / "ref.pt")
+
+
+def test_a_rank_error_is_printed_and_the_job_recovers_without_it(reference, tmp_path: Path) -> None:
+    proc, _ = odyssey_train(tmp_path, "--fail", "step=1,rank=3,phase=backward,kind=error",
+                            "--save-params", str(tmp_path / "p.pt"))
+    terminal = proc.stdout + proc.stderr
+    assert proc.returncode == 0, terminal[-4000:]
+    # the traceback reached the terminal, from the raise in the injector up to the training loop
+    assert "Traceback (most recent call last)" in terminal and "InjectedError: injected error" in terminal
+    assert "in train_step" in terminal and "runtime/faults.py" in terminal
+    report = json.loads((tmp_path / "report.json").read_text())
+    (failure,) = report["failures"]
+    assert failure["ranks"] == [3] and failure["policy"] in ("reroute", "reconfigure")
+    assert failure["error"]["type"] == "InjectedError" and failure["error"]["place"].startswith("megatron_odyssey/runtime/faults.py:")
+    assert report["steps"][-1]["alive"] == 3
+    params = torch.load(tmp_path / "p.pt")
+    worst = max((params[k] - reference["params"][k]).abs().max().item() for k in params)
+    assert set(params) == set(reference["params"]) and worst < TOL, worst
+    assert [s["loss"] for s in report["steps"]] == pytest.approx(reference["losses"], abs=TOL)
+
+
+def test_the_same_error_on_a_second_rank_stops_the_job_within_seconds(tmp_path: Path) -> None:
+    proc, wall = odyssey_train(tmp_path, "--fail", "step=1,rank=3,phase=backward,kind=error",
+                               "--fail", "step=2,rank=1,phase=forward,kind=error")
+    ended = time.time()
+    terminal = proc.stdout + proc.stderr
+    assert proc.returncode != 0, terminal[-4000:]
+    assert "recurred on rank 1 after rank 3: it looks deterministic, not a hardware failure" in terminal
+    assert terminal.count("Traceback (most recent call last)") >= 2  # both ranks' errors, on the terminal
+    assert wall < TIMEOUT_S / 2, wall  # nobody waited out a timeout (start-up included)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["ok"] is False
+    last = report["failures"][-1]
+    assert last["ranks"] == [1] and "deterministic" in last["reason"] and last["error"]["type"] == "InjectedError"
+    stop_s = ended - last["error"]["time"]  # from the second raise to the end of `odyssey train`
+    print(f"the deterministic error stopped the job {stop_s:.2f} s after it was raised (wall {wall:.1f} s)")
+    assert stop_s < 20.0, stop_s
+
+
+def test_a_start_up_failure_ends_the_job_promptly_with_the_real_error(tmp_path: Path) -> None:
+    proc, wall = odyssey_train(tmp_path, "--data-path", str(tmp_path / "no-such-corpus"))
+    terminal = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "failed during start-up" in terminal
+    assert "Traceback (most recent call last)" in terminal and "cannot be found at the path prefix" in terminal
+    assert wall < TIMEOUT_S / 2, wall  # not the 60 s "never came up" heartbeat rule, nor a timeout
+
+
+def test_gloo_peer_failures_are_told_apart_from_local_errors() -> None:
+    """Against real gloo errors (torch 2.13 raises a plain RuntimeError for a dead peer)."""
+    from _runtime_workers import classify_gloo_errors_worker
+    from megatron_odyssey.runtime.agent import free_port
+
+    ctx = mp.get_context("spawn")
+    out, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=classify_gloo_errors_worker, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = {case: (kind, peer) for case, kind, peer in out.get(timeout=300)}
+    for p in procs:
+        p.join(60)
+    assert results["peer killed"] == ("RuntimeError", True)
+    assert results["shape bug"] == ("RuntimeError", False)
+    assert results["shape bug in an aborted generation"] == ("RuntimeError", True)
+    assert results["store timeout"] == ("DistStoreError", True)
+
+
+def test_an_injected_error_is_local_and_placed_at_its_raise() -> None:
+    injector = Injector([FailSpec.parse("step=2,rank=0,phase=optimizer,kind=error")], ident=0)
+    injector(1, "optimizer")  # not its step: nothing happens
+    with pytest.raises(InjectedError) as info:
+        injector(2, "optimizer")
+    assert not is_peer_failure(info.value)
+    record = ErrorRecord.of(info.value, rank=0, where="step 2")
+    assert record.type == "InjectedError" and record.place.startswith("megatron_odyssey/runtime/faults.py:")
+    assert record.place.endswith("in __call__") and "Traceback" in record.traceback
+    assert ErrorRecord.from_json(record.to_json()) == record
+    try:
+        torch.ones(2, 3) @ torch.ones(4, 5)
+    except RuntimeError as exc:  # inside torch: the place is the caller's line, in this file
+        assert error_place(exc).startswith("tests/runtime/test_errors.py:")
