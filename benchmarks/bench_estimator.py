@@ -56,7 +56,7 @@ from megatron_odyssey.planning.plan import ExecutionPlan, layout, symmetric_plan
 from megatron_odyssey.planning.planner import reroute_plan
 from megatron_odyssey.planning.profile import uniform_profile
 from megatron_odyssey.runtime.config import TrainConfig
-from megatron_odyssey.runtime.launcher import launch
+from megatron_odyssey.standalone.launcher import launch
 
 START, END = "<!-- estimator:start -->", "<!-- estimator:end -->"
 TARGET_PCT = 3.0

@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 from docs_section import write_section
-from megatron_odyssey.megatron_lm_job import gpu_gpt_flags, run_odyssey, run_stock, same_training
+from megatron_odyssey.testing.megatron_lm_job import gpu_gpt_flags, run_odyssey, run_stock, same_training
 
 START, END = "<!-- gpu:start -->", "<!-- gpu:end -->"
 
@@ -54,7 +54,7 @@ def handoff(mlm: str, work: Path, rounds: int) -> dict:
 
 def executor_vs_estimate(work: Path) -> dict:
     from megatron_odyssey.runtime.config import TrainConfig
-    from megatron_odyssey.runtime.launcher import launch
+    from megatron_odyssey.standalone.launcher import launch
 
     cfg = TrainConfig(nproc=4, pp=2, layers=8, hidden=1024, heads=16, seq=1024, global_batch=16, micro_batch=2,
                       steps=14, shared_device=True, policy="reroute", fail=["step=2,rank=1,phase=backward,kind=kill"],

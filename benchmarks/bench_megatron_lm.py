@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 from docs_section import write_section
-from megatron_odyssey.megatron_lm_job import JobResult, run_odyssey, run_stock, same_training
-from megatron_odyssey.runtime.megatron_lm_cpu import tiny_gpt_flags
+from megatron_odyssey.testing.megatron_lm_job import JobResult, run_odyssey, run_stock, same_training
+from megatron_odyssey.megatron_lm.cpu_mode import tiny_gpt_flags
 
 START, END = "<!-- megatron-lm:start -->", "<!-- megatron-lm:end -->"
 ITERS, FAIL_AT = 20, 8

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from docs_section import write_section
 from megatron_odyssey.runtime.config import TrainConfig
-from megatron_odyssey.runtime.launcher import launch
+from megatron_odyssey.standalone.launcher import launch
 
 START, END = "<!-- recovery:start -->", "<!-- recovery:end -->"
 JOB = dict(nproc=8, tp=1, pp=2, layers=8, hidden=64, heads=4, seq=32, global_batch=16, micro_batch=1, seed=7)

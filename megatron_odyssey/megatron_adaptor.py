@@ -19,8 +19,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .runtime import megatron_hooks as hooks
-from .runtime.megatron_hooks import ORIGINAL_ATTR
+from .megatron_lm import hooks
+from .megatron_lm.hooks import ORIGINAL_ATTR
 
 
 @dataclass(frozen=True)
@@ -86,13 +86,13 @@ def _finalize_model_grads(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _train_step(original: Callable[..., Any]) -> Callable[..., Any]:
-    from .runtime.megatron_rank import train_step
+    from .megatron_lm.rank import train_step
 
     return train_step(original)
 
 
 def _dispatcher(original: Callable[..., Any]) -> Callable[..., Any]:
-    from .runtime.megatron_schedule import get_forward_backward_func
+    from .megatron_lm.schedule import get_forward_backward_func
 
     return get_forward_backward_func(original)
 
@@ -204,7 +204,7 @@ def _cpu_mode_if_no_accelerator() -> None:
 
     if importlib.util.find_spec("megatron.training") is not None and detect_device_type() == "cpu":
         try:
-            from .runtime.megatron_lm_cpu import enable_megatron_lm_cpu_mode
+            from .megatron_lm.cpu_mode import enable_megatron_lm_cpu_mode
         except ImportError:
             return
         enable_megatron_lm_cpu_mode()

@@ -60,7 +60,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from .runtime.launcher import TrainingFailed, is_torchrun_worker, launch, run_under_torchrun
+    from .standalone.launcher import TrainingFailed, is_torchrun_worker, launch, run_under_torchrun
 
     cfg = config_from_args(args)
     if is_torchrun_worker():
@@ -85,7 +85,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from .runtime.data import build_indexed_dataset
-    from .runtime.launcher import TrainingFailed, launch
+    from .standalone.launcher import TrainingFailed, launch
 
     console = Console(width=None if sys.stdout.isatty() else 160)
     out = Path(args.out)
@@ -107,7 +107,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     console.print(f"[bold]fault-free reference[/] (one process, same batches) for the loss comparison")
     ref_cfg = out / "reference_config.json"
     cfg.save(ref_cfg)
-    subprocess.run([sys.executable, "-m", "megatron_odyssey.runtime.reference", "--config", str(ref_cfg),
+    subprocess.run([sys.executable, "-m", "megatron_odyssey.testing.reference", "--config", str(ref_cfg),
                     "--out", str(out / "reference.pt")], check=True, capture_output=True)
     import torch
 

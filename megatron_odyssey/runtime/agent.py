@@ -65,7 +65,8 @@ def preload(sleep_mode: bool) -> None:
     import torch  # noqa: F401
     import torch.distributed  # noqa: F401
 
-    from . import state, trainer  # noqa: F401
+    from . import state  # noqa: F401
+    from ..standalone import trainer  # noqa: F401
 
     if not sleep_mode:
         from . import accelerator, data, model  # noqa: F401
@@ -98,7 +99,7 @@ def _rank_main(cfg_path: str, ident: int, port: int, log_path: str, echo: bool) 
     # no torch.set_num_threads here: OpenMP is not fork-safe; the agent runs with OMP_NUM_THREADS=1
     cfg = TrainConfig.load(cfg_path)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=cfg.timeout_s))
-    from .trainer import run
+    from ..standalone.trainer import run
 
     run(cfg, ident, store, ("127.0.0.1", port))
 

@@ -50,7 +50,7 @@ def is_peer_failure(exc: BaseException, store: Any = None, gen: int | None = Non
     False when it is this rank's own error (report it and leave the job)."""
     import torch.distributed as dist
 
-    from .trainer import Abort
+    from .generation import Abort
 
     if isinstance(exc, (Abort, dist.DistError)):
         return True

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megatron_odyssey.runtime.config import TrainConfig
-from megatron_odyssey.runtime.launcher import launch
+from megatron_odyssey.standalone.launcher import launch
 
 pytestmark = pytest.mark.gpu
 
@@ -28,7 +28,7 @@ def reference(tmp_path: Path) -> dict:
     """The fault-free one-process run on the GPU."""
     cfg = TrainConfig(nproc=1, tp=1, pp=1, **MODEL)
     cfg.save(tmp_path / "ref.json")
-    subprocess.run([sys.executable, "-m", "megatron_odyssey.runtime.reference", "--config", str(tmp_path / "ref.json"),
+    subprocess.run([sys.executable, "-m", "megatron_odyssey.testing.reference", "--config", str(tmp_path / "ref.json"),
                     "--out", str(tmp_path / "ref.pt")], check=True)
     ref = torch.load(tmp_path / "ref.pt")
     assert ref["device"].startswith("cuda")
@@ -54,25 +54,18 @@ def test_odyssey_train_one_rank_on_the_gpu(tmp_path: Path) -> None:
     assert [s["loss"] for s in report["steps"]] == pytest.approx(ref["losses"], abs=TOL)
 
 
-def test_four_ranks_share_the_gpu_through_a_kill_and_a_reconfiguration(tmp_path: Path) -> None:
+@pytest.mark.parametrize("policy,fail", [("reconfigure", "step=1,rank=3,phase=backward,kind=kill"),
+                                         ("reroute", "step=2,rank=1,phase=forward,kind=kill")])
+def test_four_ranks_share_the_gpu_through_a_kill(tmp_path: Path, policy: str, fail: str) -> None:
     ref = reference(tmp_path)
-    params, report = train(tmp_path, nproc=4, pp=2, shared_device=True, policy="reconfigure",
-                           fail=["step=1,rank=3,phase=backward,kind=kill"])
+    params, report = train(tmp_path, nproc=4, pp=2, shared_device=True, policy=policy, fail=[fail])
     assert all(d.startswith("cuda") and "gloo" in d for d in report["devices"].values()), report["devices"]
     (failure,) = report["failures"]
-    assert failure["ranks"] == [3] and failure["policy"] == "reconfigure"
+    assert failure["ranks"] == [int(fail.split("rank=")[1].split(",")[0])] and failure["policy"] == policy
     assert report["steps"][-1]["alive"] == 3
+    assert report["profile"].startswith("cuda")  # planned from the device rank 0 measured
     assert worst(params, ref) <= TOL
     assert [s["loss"] for s in report["steps"]] == pytest.approx(ref["losses"], abs=TOL)
-
-
-def test_four_ranks_share_the_gpu_through_a_reroute(tmp_path: Path) -> None:
-    ref = reference(tmp_path)
-    params, report = train(tmp_path, nproc=4, pp=2, shared_device=True, policy="reroute",
-                           fail=["step=2,rank=1,phase=forward,kind=kill"])
-    (failure,) = report["failures"]
-    assert failure["policy"] == "reroute"
-    assert worst(params, ref) <= TOL
 
 
 MLM = os.environ.get("MEGATRON_LM_PATH")
@@ -81,7 +74,7 @@ MLM = os.environ.get("MEGATRON_LM_PATH")
 @pytest.mark.skipif(not MLM or not (Path(MLM) / "pretrain_gpt.py").exists(),
                     reason="set MEGATRON_LM_PATH to a Megatron-LM checkout")
 def test_pretrain_gpt_odyssey_on_one_gpu_logs_what_stock_logs(tmp_path: Path) -> None:
-    from megatron_odyssey.megatron_lm_job import gpu_gpt_flags, run_odyssey, run_stock, same_training
+    from megatron_odyssey.testing.megatron_lm_job import gpu_gpt_flags, run_odyssey, run_stock, same_training
 
     flags = gpu_gpt_flags(8, layers=4, hidden=256, heads=8, seq=256, micro_batch=2, global_batch=8)
     stock = run_stock(MLM, tmp_path / "stock", flags, 29610, nproc=1, gpu=True)

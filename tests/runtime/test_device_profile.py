@@ -14,7 +14,7 @@ from megatron_odyssey.planning.devices import Layout, device_params
 from megatron_odyssey.planning.estimator import estimate_step
 from megatron_odyssey.runtime.config import TrainConfig
 from megatron_odyssey.runtime.device_profile import calibrated_profile, job_profile, measure_device, symmetric
-from megatron_odyssey.runtime.megatron_rank import config_from_megatron_args
+from megatron_odyssey.megatron_lm.rank import config_from_megatron_args
 
 GiB = 2**30
 

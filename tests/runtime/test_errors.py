@@ -38,7 +38,7 @@ def odyssey_train(tmp_path: Path, *flags: str) -> tuple[subprocess.CompletedProc
 def reference(tmp_path_factory):
     d = tmp_path_factory.mktemp("ref")
     TrainConfig(nproc=1, tp=1, pp=1, **MODEL).save(d / "cfg.json")
-    subprocess.run([sys.executable, "-m", "megatron_odyssey.runtime.reference", "--config", str(d / "cfg.json"),
+    subprocess.run([sys.executable, "-m", "megatron_odyssey.testing.reference", "--config", str(d / "cfg.json"),
                     "--out", str(d / "ref.pt")], check=True, capture_output=True)
     return torch.load(d / "ref.pt")
 

@@ -17,7 +17,7 @@ from megatron_odyssey.planning.errors import PlanningError
 from megatron_odyssey.planning.plan import layout, symmetric_plan
 from megatron_odyssey.planning.planner import reroute_plan
 from megatron_odyssey.runtime.config import TrainConfig
-from megatron_odyssey.runtime.launcher import launch
+from megatron_odyssey.standalone.launcher import launch
 
 TOL = 1e-5
 
@@ -32,7 +32,7 @@ def reference(tmp_path_factory):
         if key not in cache:
             d = tmp_path_factory.mktemp("ref")
             cfg.save(d / "cfg.json")
-            subprocess.run([sys.executable, "-m", "megatron_odyssey.runtime.reference", "--config",
+            subprocess.run([sys.executable, "-m", "megatron_odyssey.testing.reference", "--config",
                             str(d / "cfg.json"), "--out", str(d / "ref.pt")], check=True, capture_output=True)
             cache[key] = torch.load(d / "ref.pt")
         return cache[key]

@@ -104,7 +104,7 @@ def test_remote_rank_reads_exits_and_requests_fencing_through_the_store() -> Non
 
 
 def test_logged_training_compares_to_the_last_printed_digit() -> None:
-    from megatron_odyssey.megatron_lm_job import JobResult, same_training
+    from megatron_odyssey.testing.megatron_lm_job import JobResult, same_training
 
     line = (" [2026-11-21 22:38:56.004435] iteration        3/       5 | consumed samples:           24 | "
             "elapsed time per iteration (ms): 5070.7 | learning rate: 4.109424E-04 | global batch size:     8 | "

@@ -14,7 +14,7 @@ from megatron_odyssey.arguments import OdysseyArgumentError, add_odyssey_args, v
 from megatron_odyssey.planning.plan import symmetric_plan
 from megatron_odyssey.planning.planner import reroute_plan
 from megatron_odyssey.planning.schedule import node_operations
-from megatron_odyssey.runtime.megatron_hooks import STATE, reset_state
+from megatron_odyssey.megatron_lm.hooks import STATE, reset_state
 
 
 def _resolve(target: str):
@@ -158,7 +158,7 @@ def test_dispatcher_switches_to_plan_schedule_after_plan_change(gloo_world: None
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
-    from megatron_odyssey.runtime.megatron_schedule import ForwardBackwardDispatcher, PlanSchedule
+    from megatron_odyssey.megatron_lm.schedule import ForwardBackwardDispatcher, PlanSchedule
 
     dispatcher = get_forward_backward_func()  # what train() captures once, before its loop
     assert isinstance(dispatcher, ForwardBackwardDispatcher)

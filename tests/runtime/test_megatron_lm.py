@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_odyssey.megatron_lm_job import run_odyssey, run_stock, same_training
-from megatron_odyssey.runtime.megatron_lm_cpu import tiny_gpt_flags
+from megatron_odyssey.testing.megatron_lm_job import run_odyssey, run_stock, same_training
+from megatron_odyssey.megatron_lm.cpu_mode import tiny_gpt_flags
 
 MLM = os.environ.get("MEGATRON_LM_PATH")
 

@@ -1,4 +1,4 @@
-"""Megatron-LM CPU mode (megatron_lm_cpu), with the megatron-core wheel only.
+"""Megatron-LM CPU mode (megatron_lm.cpu_mode), with the megatron-core wheel only.
 
 No Megatron-LM checkout is needed: the patches whose targets live in ``megatron.training`` are
 only checked when a checkout is importable; everything else runs against real megatron-core
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megatron_odyssey.runtime import accelerator as acc
-from megatron_odyssey.runtime import megatron_lm_cpu as mlc
+from megatron_odyssey.megatron_lm import cpu_mode as mlc
 
 _TRAINING = "megatron.training."
 
@@ -42,7 +42,7 @@ def _current(target: str) -> Any:
 def test_import_needs_neither_megatron_training_nor_core() -> None:
     code = (
         "import sys\n"
-        "import megatron_odyssey.runtime.megatron_lm_cpu as m\n"
+        "import megatron_odyssey.megatron_lm.cpu_mode as m\n"
         "assert m.MEGATRON_LM_CPU_PATCHES and callable(m.enable_megatron_lm_cpu_mode)\n"
         "assert 'megatron.training' not in sys.modules, 'megatron.training imported eagerly'\n"
         "assert 'megatron.core' not in sys.modules, 'megatron.core imported eagerly'\n"

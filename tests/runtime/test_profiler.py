@@ -249,7 +249,7 @@ def test_training_writes_a_measured_profile_the_planner_reads(tmp_path):
     from megatron_odyssey.planning.planner import Planner
     from megatron_odyssey.planning.profile import ModelProfile
     from megatron_odyssey.runtime.config import TrainConfig
-    from megatron_odyssey.runtime.launcher import launch
+    from megatron_odyssey.standalone.launcher import launch
 
     out = tmp_path / "profile.json"
     cfg = TrainConfig(nproc=4, tp=1, pp=2, layers=4, hidden=32, heads=4, seq=16, global_batch=8, steps=3,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_odyssey.runtime.config import TrainConfig
-from megatron_odyssey.runtime.launcher import launch
+from megatron_odyssey.standalone.launcher import launch
 
 TOL = 1e-5
 MODEL = dict(layers=6, hidden=32, heads=4, seq=16, global_batch=12, micro_batch=1, steps=4, seed=11)
@@ -22,7 +22,7 @@ def reference(tmp_path_factory):
     d = tmp_path_factory.mktemp("ref")
     cfg = TrainConfig(nproc=1, tp=1, pp=1, **MODEL)
     cfg.save(d / "cfg.json")
-    subprocess.run([sys.executable, "-m", "megatron_odyssey.runtime.reference", "--config", str(d / "cfg.json"),
+    subprocess.run([sys.executable, "-m", "megatron_odyssey.testing.reference", "--config", str(d / "cfg.json"),
                     "--out", str(d / "ref.pt")], check=True, capture_output=True)
     return torch.load(d / "ref.pt")
 

@@ -32,7 +32,7 @@ class Captured:
 class OdysseyState:
     """Per-process switchboard between Megatron's code and this rank's Odyssey runtime."""
 
-    runtime: Any = None  # megatron_rank.MegatronRankRuntime once train() starts
+    runtime: Any = None  # rank.MegatronRank once train() starts
     plan: ExecutionPlan | None = None  # the plan the dispatcher schedules for
     stage_range: tuple[int, int] | None = None  # layers [start, end) while a stage model is being built
     grad_norm: float | None = None  # this step's plan-wide norm, agreed before the commit

@@ -2,7 +2,7 @@
 global batch in order, the same loss normalisation and optimizer. Deliberately shares nothing with
 the executor, groups or gradient sync, so exactness tests compare against an independent run.
 
-``python -m megatron_odyssey.runtime.reference --config CFG --out FILE`` writes
+``python -m megatron_odyssey.testing.reference --config CFG --out FILE`` writes
 ``{"losses": [...], "params": {global name: tensor}}``.
 """
 from __future__ import annotations
@@ -13,15 +13,15 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from .config import TrainConfig
+from ..runtime.config import TrainConfig
 
 
 def run_reference(cfg: TrainConfig) -> dict:
     from megatron.core import parallel_state
 
-    from .accelerator import bind_rank_device, enable_cpu_mode, get_accelerator, seed_all
-    from .data import MicroBatchData
-    from .model import build_stage_model, stage_forward
+    from ..runtime.accelerator import bind_rank_device, enable_cpu_mode, get_accelerator, seed_all
+    from ..runtime.data import MicroBatchData
+    from ..runtime.model import build_stage_model, stage_forward
 
     device = bind_rank_device(0)  # the device a one-rank `odyssey train` would use
     store = tempfile.mktemp(prefix="odyssey-ref-")

@@ -14,7 +14,7 @@ import tempfile
 from datetime import timedelta
 from pathlib import Path
 
-from .config import TrainConfig
+from ..runtime.config import TrainConfig
 
 
 class TrainingFailed(RuntimeError):

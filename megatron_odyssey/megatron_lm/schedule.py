@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from ..planning.plan import ExecutionPlan
 from ..planning.schedule import Op, node_operations
-from .megatron_hooks import STATE
+from .hooks import STATE
 
 
 @dataclass
@@ -26,7 +26,7 @@ class PlanSchedule:
 
     plan: ExecutionPlan
     node: int
-    runtime: Any = None  # megatron_rank.MegatronRankRuntime that owns the executor
+    runtime: Any = None  # rank.MegatronRank that owns the executor
     operations: list[Op] = field(init=False)
 
     def __post_init__(self) -> None:

@@ -11,7 +11,7 @@ machines without accelerators. It is the CPU counterpart of what
 
 Usage: add, before anything else in the training script::
 
-    from megatron_odyssey.runtime.megatron_lm_cpu import enable_megatron_lm_cpu_mode
+    from megatron_odyssey.megatron_lm.cpu_mode import enable_megatron_lm_cpu_mode
     enable_megatron_lm_cpu_mode()
 
 and launch with ``--distributed-backend gloo`` plus flags that keep off CUDA-only kernels

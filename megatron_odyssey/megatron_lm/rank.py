@@ -18,7 +18,6 @@ scheduler carry on unaware.
 from __future__ import annotations
 
 import functools
-import gc
 import inspect
 import json
 import os
@@ -32,15 +31,14 @@ import torch
 import torch.distributed as dist
 
 from ..planning.plan import ExecutionPlan, symmetric_plan
-from .config import TrainConfig
-from .executor import PipelineExecutor
-from .grad_sync import GradientSync, all_reduce_flat, params_by_unit, unit_of
-from .megatron_hooks import ORIGINAL_ATTR, STATE
-from .errors import GIVEUP_KEY, STARTED_KEY, fail_locally, giveup_reason, is_peer_failure, stop_now
-from .trainer import Abort, Heartbeat, RankRuntime, keys
-from .transport import P2P
-from .world import (RankMap, abort_all_groups, build_plan_groups, clear_parallel_state, plan_process_groups,
-                    shut_connections)
+from ..runtime.config import TrainConfig
+from ..runtime.executor import PipelineExecutor
+from ..runtime.grad_sync import GradientSync, all_reduce_flat, params_by_unit, unit_of
+from .hooks import ORIGINAL_ATTR, STATE
+from ..runtime.errors import GIVEUP_KEY, STARTED_KEY, fail_locally, giveup_reason, is_peer_failure, stop_now
+from ..runtime.generation import GenerationRank, Heartbeat, keys
+from ..runtime.transport import P2P
+from ..runtime.world import RankMap, abort_all_groups, plan_process_groups
 
 STORE_ENV = "ODYSSEY_STORE"  # HOST:PORT of the agent's store, set by the launcher
 WORKDIR_ENV = "ODYSSEY_WORKDIR"
@@ -56,7 +54,7 @@ class AbortWatcher(threading.Thread):
     gloo does (they would wait for the watchdog timeout); aborting from here unblocks the op at once.
     When the agent gives up on the job (or is gone), it ends the process at once: nothing will come."""
 
-    def __init__(self, runtime: "MegatronRankRuntime", host: str, port: int, interval_s: float = 0.05):
+    def __init__(self, runtime: "MegatronRank", host: str, port: int, interval_s: float = 0.05):
         super().__init__(daemon=True, name="odyssey-abort-watcher")
         self.runtime, self.interval_s = runtime, interval_s
         self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
@@ -146,7 +144,7 @@ class OptimizerStateView:
 
 def megatron_global_names(chunk: Any, layer_start: int) -> list[tuple[str, torch.nn.Parameter]]:
     """(plan-independent global name, parameter) for a Megatron model chunk whose first layer is ``layer_start``."""
-    from .model import to_global_name
+    from ..runtime.model import to_global_name
 
     return [(to_global_name(name, layer_start), p) for name, p in chunk.named_parameters()]
 
@@ -177,7 +175,7 @@ def plan_grad_norm(named: list[tuple[str, torch.nn.Parameter]], owner: dict[int,
 
 def config_from_megatron_args(args: Any) -> TrainConfig:
     """The planner's view of a Megatron job (what the agent needs to plan and to report)."""
-    from .device_profile import megatron_job_fields
+    from ..runtime.device_profile import megatron_job_fields
 
     return TrainConfig(
         nproc=args.world_size, tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
@@ -196,13 +194,13 @@ def config_from_megatron_args(args: Any) -> TrainConfig:
 
 # -- the rank --------------------------------------------------------------------------------------------
 
-class MegatronRankRuntime(RankRuntime):
-    """RankRuntime over the objects Megatron's ``train()`` holds (see module docstring)."""
+class MegatronRank(GenerationRank):
+    """The shared protocol over the objects Megatron's ``train()`` holds (see module docstring)."""
 
     started = False  # set once the first iteration begins (start-up failures end the job instead)
 
     def __init__(self, args: Any, model: list, optimizer: Any, scheduler: Any):
-        from .faults import Injector
+        from ..runtime.faults import Injector
 
         import faulthandler
         import signal
@@ -216,7 +214,7 @@ class MegatronRankRuntime(RankRuntime):
         self.node, self.tp_rank = divmod(self.ident, cfg.tp)
         self.injector = Injector(cfg.fail_specs(), self.ident, store)
         self.device = next(model[0].parameters()).device
-        from .accelerator import dist_backend
+        from ..runtime.accelerator import dist_backend
 
         # the backend of the device the model lives on (Megatron's flag says "nccl" on Ascend too)
         self.sleep_mode, self.backend = False, dist_backend(self.device.type)
@@ -226,7 +224,6 @@ class MegatronRankRuntime(RankRuntime):
         self.timed_iterations = 0  # iterations timed on odyssey-forward-backward (profile window)
         self.committed, self.pending, self.saved, self.profiler = int(args.iteration) - 1, None, None, None
         self.pending_norm = 0.0
-        self.data = self  # RankRuntime.enter builds its executor from self.data.micro_batch
         # --odyssey-profile-iters: time iterations [first, end) with Megatron's timers (the first one
         # after start-up is a warm-up), then publish this stage's per-layer costs to the agent
         first = int(args.iteration) + 1
@@ -235,7 +232,7 @@ class MegatronRankRuntime(RankRuntime):
         self.last_result: Any = None
         self.arity = 8 if "log_max_attention_logit" in inspect.getsource(_original_train_step()) else 7
         if self.ident == 0:  # the planner's device: its memory and matmul rate in the job's dtype (published below)
-            from .device_profile import measure_device
+            from ..runtime.device_profile import measure_device
 
             cfg.extra["device"] = measure_device(self.device, _activation_dtype(args))
         store.set(f"odyssey/device/{self.ident}", f"{self.device} ({self.backend})")  # for the report
@@ -337,7 +334,6 @@ class MegatronRankRuntime(RankRuntime):
                 f"restart); relaunch the job with --load pointing at the latest Megatron checkpoint")
         self.stock = False  # one-way hand-off: Odyssey's executor from now on
         super().enter(gen, plan, policy, transfers, checkpoint_step)
-        self._attach(self.megatron_model[0])  # executor and gradient sync over Megatron's buffers
         # bf16: the restored fp32 main copies -> the bf16 model weights (Megatron >= 0.15 wraps even a single
         # optimizer in a ChainedOptimizer, which does not have this method itself)
         for opt in getattr(self.megatron_optimizer, "chained_optimizers", [self.megatron_optimizer]):
@@ -350,29 +346,24 @@ class MegatronRankRuntime(RankRuntime):
             abort_all_groups()
 
     def recover(self, step: int) -> int:
-        """RankRuntime.recover with the watcher kept out: no two threads may abort, destroy or create the
+        """GenerationRank.recover with the watcher kept out: no two threads may abort, destroy or create the
         same process groups at once (that ends the process in std::terminate)."""
         with self.gen_lock:
             return super().recover(step)
 
-    def teardown(self) -> None:
-        from .state import capture
+    # -- the host's hooks (see GenerationRank) -----------------------------------------------------
+    def _attach_stage(self) -> None:
+        self._attach(self.megatron_model[0])  # executor and gradient sync over Megatron's buffers
 
-        abort_all_groups()
-        if self.saved is None and self.model is not None:
-            view = self.optimizer
-            self.saved = capture([(n, view.main_param(p)) for n, p in self.named], view)
-        self.model = self.runner = self.executor = self.sync = self.groups = None
+    def _capture(self) -> Any:
+        from ..runtime.state import capture
+
+        view = self.optimizer  # keyed by the fp32 parameters the optimizer steps (main copies under bf16)
+        return capture([(n, view.main_param(p)) for n, p in self.named], view)
+
+    def _release(self) -> None:
         self._release_megatron_objects()
-        if self.backend == "gloo":  # after the capture: the state is safe
-            shut_connections({self.store_addr[1]})
         STATE.plan = None
-        clear_parallel_state()
-        try:
-            dist.destroy_process_group()
-        except Exception:  # already torn down by a previous failure
-            pass
-        gc.collect()  # a group still referenced from a cycle keeps its sockets open: peers would wait
 
     def _release_megatron_objects(self) -> None:
         """Drop every reference this process holds to the broken generation's model and optimizer (the
@@ -620,7 +611,7 @@ def _original_train_step() -> Callable[..., Any]:
 
 def train_step(original: Callable[..., Any]) -> Callable[..., Any]:
     """megatron's ``train_step``, replaced under ``--odyssey`` by the commit-and-redo step above."""
-    from .megatron_hooks import odyssey_enabled
+    from .hooks import odyssey_enabled
 
     @functools.wraps(original)
     def wrapper(forward_step_func: Any, data_iterator: Any, model: list, optimizer: Any, opt_param_scheduler: Any,
@@ -637,7 +628,7 @@ def train_step(original: Callable[..., Any]) -> Callable[..., Any]:
             fbf = mt.get_forward_backward_func()
         if STATE.runtime is None:
             try:
-                STATE.runtime = MegatronRankRuntime(margs, model, optimizer, opt_param_scheduler)
+                STATE.runtime = MegatronRank(margs, model, optimizer, opt_param_scheduler)
             except Exception as exc:  # start-up: the agent (or launcher) ends the job with this error
                 fail_locally(_store_or_none(), int(os.environ.get("RANK", "-1")), exc, "start-up")
 

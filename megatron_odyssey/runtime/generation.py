@@ -1,0 +1,250 @@
+"""A rank's part in the recovery protocol, shared by both hosts that train with it.
+
+Two hosts drive the same machinery: our standalone trainer (``odyssey train``/``demo``,
+:mod:`megatron_odyssey.standalone.trainer`) and a Megatron-LM rank
+(:mod:`megatron_odyssey.megatron_lm.rank`). Both follow one protocol with the agent, through
+*generations* (the initial world, then one per recovery):
+
+- **enter**: join generation ``g``'s world (a fresh prefix of the agent's store), build the plan's
+  groups, build this node's stage (the host's hook), move state in (transfers from live replicas, or
+  a checkpoint), and attach the pipeline executor and per-layer gradient sync;
+- **step**: *ready* after gradients are synchronised, wait for the agent's *commit*, apply locally;
+- **recover**: apply a committed step, register, tear the generation down at once (so peers blocked
+  on this rank fail in milliseconds), wait for the next generation's plan, enter it.
+
+What differs between the hosts is behind the hooks below (:class:`GenerationRank`'s abstract methods):
+how a stage is built and what holds it, where micro-batches come from, how a committed step is
+applied, how state is captured, and what must be released for the old groups to close.
+"""
+from __future__ import annotations
+
+import abc
+import gc
+import json
+import os
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..planning.plan import ExecutionPlan
+from .config import TrainConfig
+from .errors import exit_if_stopped, fail_locally, is_peer_failure
+from .executor import PipelineExecutor
+from .grad_sync import GradientSync, params_by_unit
+from .transport import P2P
+from .world import (RankMap, abort_all_groups, build_plan_groups, clear_parallel_state, connect_peers, init_world,
+                    install_parallel_state, peer_pairs, shut_connections)
+
+
+class Abort(RuntimeError):
+    """The agent aborted this generation (a failure elsewhere)."""
+
+
+def keys(gen: int) -> dict[str, str]:
+    """The store keys of generation ``gen``'s protocol (shared with the agent)."""
+    g = f"odyssey/gen{gen}"
+    return {"plan": f"{g}/plan", "abort": f"{g}/abort", "ready": f"{g}/ready", "commit": f"{g}/commit",
+            "recover": f"{g}/recover", "transfer": f"{g}/transfer_s", "ckpt": f"{g}/ckpt"}
+
+
+def node_stage(plan: ExecutionPlan, node: int) -> tuple[int, int]:
+    """The layer range [start, end) ``node`` holds in ``plan``."""
+    k, i = plan.position_of()[node]
+    s = plan.pipelines[k].stages[i]
+    return s.layer_start, s.layer_end
+
+
+class Heartbeat(threading.Thread):
+    """Proves liveness to the agent; stops with the process (SIGSTOP stops it too)."""
+
+    def __init__(self, host: str, port: int, ident: int, interval_s: float):
+        super().__init__(daemon=True, name="odyssey-heartbeat")
+        self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
+        self.key, self.interval_s = f"odyssey/hb/{ident}", interval_s
+
+    def run(self) -> None:
+        while True:
+            try:
+                self.store.set(self.key, repr(time.time()))
+            except Exception:  # the agent is gone: nothing left to prove liveness to
+                return
+            time.sleep(self.interval_s)
+
+
+class GenerationRank(abc.ABC):
+    """The protocol (see module docstring). A host's ``__init__`` sets ``cfg, ident, store, store_addr,
+    node, tp_rank, injector, device, backend, p2p`` and implements the hooks."""
+
+    cfg: TrainConfig
+    ident: int
+    store: dist.Store
+    store_addr: tuple[str, int]
+    node: int
+    tp_rank: int
+    injector: Any
+    device: torch.device
+    backend: str
+    p2p: P2P
+    gen: int = 0
+    committed: int = -1
+    pending: int | None = None  # the step whose commit this rank waits for
+    saved: Any = None  # state captured at teardown, restored into the next generation's stage
+    named: Any = ()  # (global name, parameter holding fp32 values) of the live stage
+    model: Any = None
+    optimizer: Any = None
+    runner: Any = None
+    executor: PipelineExecutor | None = None
+    sync: GradientSync | None = None
+    groups: Any = None
+    uses_parallel_state = True  # point megatron-core's parallel_state at each generation's groups
+
+    # -- what a host provides ----------------------------------------------------------------------
+    @abc.abstractmethod
+    def _build_model(self, start: int, end: int) -> None:
+        """A fresh stage holding layers [start, end) on this generation's groups: sets ``model``,
+        ``runner``, ``named`` and ``optimizer`` (state is restored into ``named`` afterwards)."""
+
+    @abc.abstractmethod
+    def micro_batch(self, step: int, j: int) -> dict[str, torch.Tensor]:
+        """Global micro-batch ``j`` of ``step``: the same samples whichever node runs it."""
+
+    @abc.abstractmethod
+    def _apply(self, step: int) -> Any:
+        """Apply the committed ``step`` locally (no collective: the commit is already agreed)."""
+
+    @abc.abstractmethod
+    def _capture(self) -> Any:
+        """The live stage's state by global name (``state.capture``)."""
+
+    def _release(self) -> None:
+        """Drop the host's objects that hold the broken generation's groups (called at teardown)."""
+
+    def _attach_stage(self) -> None:
+        """Executor and gradient sync over the stage just built (hosts may add their own settings)."""
+        self.executor = PipelineExecutor(self.plan, self.groups, self.runner, self.micro_batch,
+                                         (self.cfg.seq, self.cfg.micro_batch, self.cfg.hidden),
+                                         device=self.device, p2p=self.p2p)
+        self.sync = GradientSync(self.plan, self.groups, params_by_unit(self.named, self.cfg.layers))
+
+    # -- generations -------------------------------------------------------------------------------
+    def enter(self, gen: int, plan: ExecutionPlan, policy: str, transfers: list, checkpoint_step: int | None) -> None:
+        from . import state as st
+
+        cfg = self.cfg
+        self.gen, self.plan, self.k = gen, plan, keys(gen)
+        self.rank_map = RankMap.for_plan(plan, cfg.tp)
+        if self.node not in self.rank_map.live_nodes:  # not part of this generation: nothing left to do
+            raise SystemExit(0)
+        rank = self.rank_map.rank(self.node, self.tp_rank)
+        if gen > 0:
+            self._join(gen)
+        marks = [time.perf_counter()]
+        init_world(self.store, gen, rank, self.rank_map.world_size, self.backend, cfg.timeout_s)
+        marks.append(time.perf_counter())
+        self.groups = build_plan_groups(plan, self.rank_map, rank)
+        if self.backend != "gloo":  # NCCL/HCCL open pair communicators lazily: open them in one global order
+            connect_peers(peer_pairs(plan, self.rank_map, transfers), rank, self.p2p, self.device)
+        if self.uses_parallel_state:
+            install_parallel_state(self.groups)
+        marks.append(time.perf_counter())
+        old = self.saved  # kept until this generation commits a step: a failure before that restarts from it
+        self._build_model(*node_stage(plan, self.node))
+        marks.append(time.perf_counter())
+        t0 = time.perf_counter()
+        if policy == "restart":
+            if checkpoint_step is not None and checkpoint_step >= 0:
+                st.restore(self.named, self.optimizer, st.load_checkpoint(self._ckpt_root(), checkpoint_step,
+                                                                          self.tp_rank, dict(self.named), self.device))
+        elif old is not None:
+            received = st.transfer(transfers, self.node, self.tp_rank, self.rank_map.rank, cfg.layers, old,
+                                   {n: p.shape for n, p in self.named}, self.device, self.p2p)
+            st.restore(self.named, self.optimizer, {**old, **received})
+        self.store.set(f"{self.k['transfer']}/{self.ident}", repr(time.perf_counter() - t0))
+        self.store.set(f"odyssey/gen{gen}/rebuild/{self.ident}", json.dumps(
+            {"world_s": marks[1] - marks[0], "groups_s": marks[2] - marks[1], "model_s": marks[3] - marks[2]}))
+        self._attach_stage()
+
+    def _join(self, gen: int) -> None:
+        """Wait until the agent saw every member of ``gen`` alive and joining (or aborted ``gen``), so a
+        member that dies now cannot strand the others inside the process-group rendezvous."""
+        self.store.set(f"odyssey/gen{gen}/join/{self.ident}", "1")
+        go, abort = f"odyssey/gen{gen}/go", f"odyssey/gen{gen}/abort"
+        deadline = time.monotonic() + self.cfg.timeout_s
+        while not self.store.check([go]):
+            if self.store.check([abort]):
+                exit_if_stopped(self.store, self.ident)
+                raise Abort(self.store.get(abort).decode())
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"generation {gen} never started")
+            time.sleep(0.002)
+
+    def _ckpt_root(self) -> str:
+        return os.path.join(self.cfg.workdir or ".", "checkpoints")
+
+    # -- the commit ---------------------------------------------------------------------------------
+    def _wait_commit(self, step: int) -> None:
+        commit, abort = f"{self.k['commit']}/{step}", self.k["abort"]
+        while True:
+            if self.store.check([commit]):
+                return
+            if self.store.check([abort]):
+                exit_if_stopped(self.store, self.ident)  # the agent gave up: no plan will follow
+                raise Abort(self.store.get(abort).decode())
+            time.sleep(0.001)
+
+    # -- recovery -----------------------------------------------------------------------------------
+    def recover(self, step: int) -> int:
+        """Leave the broken generation and join the next one; returns the step to resume at."""
+        if self.pending is not None and self.store.check([f"{self.k['commit']}/{self.pending}"]):
+            self._apply(self.pending)  # the agent committed it before the failure: keep it
+        self.pending = None
+        while True:
+            # register first: the agent seals membership while we clean up
+            self.store.set(f"{self.k['recover']}/{self.ident}", str(self.committed))
+            self.teardown()
+            try:
+                self.injector(step, "recovery")
+                msg = self._wait_plan(self.gen + 1)
+                self.enter(self.gen + 1, ExecutionPlan.from_dict(msg["plan"]), msg["policy"],
+                           [tuple(t) for t in msg["transfers"]], msg.get("checkpoint_step"))
+                return int(msg["resume_step"])
+            except Exception as exc:  # another failure while setting up: recover again, unless it is ours
+                if not is_peer_failure(exc, self.store, self.gen):
+                    fail_locally(self.store, self.ident, exc, f"recovery into generation {self.gen + 1}")
+                abort_all_groups()
+
+    def _wait_plan(self, gen: int) -> dict:
+        """The agent's plan for generation ``gen``; exits at once if the agent gives up instead."""
+        nxt = keys(gen)["plan"]
+        deadline = time.monotonic() + self.cfg.timeout_s
+        while True:  # polled: a failure must never leave us waiting on a lost wake-up
+            exit_if_stopped(self.store, self.ident)
+            if self.store.check([nxt]):
+                return json.loads(self.store.get(nxt))
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no plan for generation {gen} after {self.cfg.timeout_s} s")
+            time.sleep(0.005)
+
+    def teardown(self) -> None:
+        """Close this generation's connections now, so peers blocked on this rank fail at once instead
+        of waiting out a timeout: abort every group (NCCL/HCCL), shut the TCP connections (gloo, see
+        ``world.shut_connections``), capture the state, and drop every holder of a group."""
+        abort_all_groups()
+        if self.backend == "gloo":
+            shut_connections({self.store_addr[1]})
+        if self.saved is None and self.model is not None:
+            self.saved = self._capture()
+        self._release()
+        self.model = self.runner = self.executor = self.sync = self.groups = self.optimizer = None
+        self.named = []
+        if self.uses_parallel_state:
+            clear_parallel_state()
+        try:
+            dist.destroy_process_group()
+        except Exception:  # already torn down by a previous failure
+            pass
+        gc.collect()  # a group still referenced from a cycle keeps its sockets open: peers would wait
