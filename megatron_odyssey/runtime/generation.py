@@ -128,7 +128,8 @@ class GenerationRank(abc.ABC):
         self.executor = PipelineExecutor(self.plan, self.groups, self.runner, self.micro_batch,
                                          (self.cfg.seq, self.cfg.micro_batch, self.cfg.hidden),
                                          device=self.device, p2p=self.p2p)
-        self.sync = GradientSync(self.plan, self.groups, params_by_unit(self.named, self.cfg.layers))
+        self.sync = GradientSync(self.plan, self.groups, params_by_unit(self.named, self.cfg.layers),
+                                 staged=self.p2p.staged)
 
     # -- generations -------------------------------------------------------------------------------
     def enter(self, gen: int, plan: ExecutionPlan, policy: str, transfers: list, checkpoint_step: int | None) -> None:

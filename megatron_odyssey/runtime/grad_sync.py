@@ -40,11 +40,19 @@ def params_by_unit(named_params: Iterable[tuple[str, torch.nn.Parameter]], num_l
     return dict(out)
 
 
-def all_reduce_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+def all_reduce_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup | None,
+                    staged: bool = False) -> list[torch.Tensor]:
     """SUM-all-reduce ``tensors`` as one flat buffer (one collective, not one per tensor); returns views
-    of the reduced buffer shaped like each input."""
+    of the reduced buffer shaped like each input. ``staged``: reduce a host copy (device tensors over
+    gloo, ranks sharing a device: gloo's CUDA collectives end the process in std::terminate when a
+    failure tears their group down mid-operation, seen on an H100)."""
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    if staged and flat.device.type != "cpu":
+        host = flat.cpu()
+        dist.all_reduce(host, op=dist.ReduceOp.SUM, group=group)
+        flat.copy_(host)
+    else:
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
     out, offset = [], 0
     for t in tensors:
         out.append(flat[offset:offset + t.numel()].view_as(t))
@@ -54,11 +62,12 @@ def all_reduce_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup | None
 
 class GradientSync:
     def __init__(self, plan: ExecutionPlan, groups: PlanGroups, params: dict[int, list[torch.nn.Parameter]],
-                 attr: str = "grad"):
+                 attr: str = "grad", staged: bool = False):
         self.rounds, _, self.lower_bound = colour_units(plan)
         self.groups = groups
         self.params = params
         self.attr = attr  # "main_grad": Megatron DDP's fp32 gradient buffers, reduced in place
+        self.staged = staged  # through host memory (see all_reduce_flat)
 
     def __call__(self) -> int:
         """All-reduce this rank's shared units' gradients; returns the number of all-reduces joined."""
@@ -72,7 +81,7 @@ class GradientSync:
                 params = self.params[unit]
                 grads = [getattr(p, self.attr, None) for p in params]
                 reduced = all_reduce_flat([g if g is not None else torch.zeros_like(p) for g, p in zip(grads, params)],
-                                          group)
+                                          group, self.staged)
                 for p, g, part in zip(params, grads, reduced):
                     if self.attr == "grad" or g is None:
                         setattr(p, self.attr, part.clone())

@@ -9,8 +9,9 @@ through :class:`P2P`, so the rules are in one place:
 - **Device tensors, staged where the backend cannot take them.** NCCL/HCCL send device tensors;
   gloo sends host tensors only (on CUDA tensors its send/recv fail with ``writev ... Bad
   address``). When a device job runs over gloo (several ranks sharing one GPU, for tests) each
-  message is copied through host memory here; collectives are left alone (gloo all-reduces,
-  broadcasts and gathers CUDA tensors itself).
+  message is copied through host memory here, and the per-layer gradient all-reduce stages its
+  buffer the same way (``grad_sync.all_reduce_flat``): gloo can reduce CUDA tensors, but a rank
+  torn down during such a reduction (a peer fenced after a hang) ended in std::terminate on an H100.
 
 :class:`Mailbox` takes a sender's messages in the sender's order
 (:func:`~megatron_odyssey.planning.schedule.receive_orders`) and holds the ones that arrive before

@@ -68,6 +68,23 @@ def test_four_ranks_share_the_gpu_through_a_kill(tmp_path: Path, policy: str, fa
     assert [s["loss"] for s in report["steps"]] == pytest.approx(ref["losses"], abs=TOL)
 
 
+@pytest.mark.parametrize("kind", ["error", "hang"])
+def test_a_rank_error_or_hang_on_the_gpu_is_recovered_from(tmp_path: Path, kind: str) -> None:
+    """A rank's own error (raised mid-backward while it holds a CUDA context) is reported as its own and
+    recovered from; a SIGSTOPped rank is fenced by its missed heartbeats. Either way the survivors end
+    equal to the fault-free CUDA run."""
+    ref = reference(tmp_path)
+    params, report = train(tmp_path, nproc=4, pp=2, shared_device=True,
+                           fail=[f"step=1,rank=2,phase=backward,kind={kind}"])
+    (failure,) = report["failures"]
+    assert failure["ranks"] == [2]
+    if kind == "error":
+        assert failure["error"]["type"] == "InjectedError"
+    else:
+        assert failure["detection_s"] >= 4.0  # the heartbeat timeout (5 s), not an error
+    assert worst(params, ref) <= TOL
+
+
 MLM = os.environ.get("MEGATRON_LM_PATH")
 
 
