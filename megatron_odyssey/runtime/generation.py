@@ -123,6 +123,11 @@ class GenerationRank(abc.ABC):
     def _release(self) -> None:
         """Drop the host's objects that hold the broken generation's groups (called at teardown)."""
 
+    def token_count(self, step: int) -> float:
+        """Loss tokens in the whole global batch of ``step`` (any rank can compute it; the executor asks
+        only ranks with last-stage work, and only for per-token loss normalisation)."""
+        return float(sum(self.micro_batch(step, j)["loss_mask"].sum() for j in range(self.cfg.num_micro_batches)))
+
     def _attach_stage(self) -> None:
         """Executor and gradient sync over the stage just built (hosts may add their own settings)."""
         self.executor = PipelineExecutor(self.plan, self.groups, self.runner, self.micro_batch,

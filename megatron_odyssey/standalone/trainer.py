@@ -158,10 +158,6 @@ class StandaloneRank(GenerationRank):
         self.profiler = None
 
     # -- steps ----------------------------------------------------------------------------------------
-    def token_count(self, step: int) -> float:
-        """Loss tokens in the whole global batch of ``step`` (any rank can compute it)."""
-        return float(sum(self.data.micro_batch(step, j)["loss_mask"].sum() for j in range(self.cfg.num_micro_batches)))
-
     def train_step(self, step: int) -> None:
         self.pending = step
         self.optimizer.zero_grad(set_to_none=True)

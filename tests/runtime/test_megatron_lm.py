@@ -100,3 +100,18 @@ def test_bf16_state_moves_through_main_params(tmp_path_factory: pytest.TempPathF
     ranges = {tuple(st["layers"]) for pipe in job.report["final_plan"]["pipelines"] for st in pipe["stages"]}
     assert ranges - {(0, 2), (2, 4)}  # some survivor took layers it did not hold: their state moved
     assert same_training(job.iterations(), stock.iterations())
+
+
+def test_per_token_loss_after_a_reroute(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    """--calculate-per-token-loss: after the failure the executor normalises by the global batch's loss
+    tokens, which the rank counts from the dataset (GenerationRank.token_count); every logged iteration
+    equals stock Megatron-LM's."""
+    flags = [*TINY_GPT, "--calculate-per-token-loss"]
+    stock = run_stock(MLM, tmp_path_factory.mktemp("stock_per_token"), flags, _port(60))
+    assert stock.returncode == 0, stock.logs[-4000:]
+    job = run_odyssey(MLM, tmp_path, [*flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-policy", "reroute",
+                                      "--odyssey-inject-fault", "step=2,rank=1,phase=backward,kind=kill"], _port(70))
+    assert job.returncode == 0, job.logs[-4000:]
+    (failure,) = job.report["failures"]
+    assert failure["policy"] == "reroute"
+    assert same_training(job.iterations(), stock.iterations())
