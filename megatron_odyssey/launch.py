@@ -25,7 +25,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from .runtime.errors import STOPPED_EXIT, last_traceback  # (no torch import: the launcher starts fast)
+from .runtime.errors import STOPPED_EXIT, rank_log_traceback  # (no torch import: the launcher starts fast)
 
 EXIT_KEY = "odyssey/exit/{}"  # node agents report a rank's exit code here
 FENCE_KEY = "odyssey/fence/{}"  # the coordinator asks a rank's node agent to SIGKILL it
@@ -165,10 +165,7 @@ def startup_errors(workdir: Path, ranks: list[int]) -> str:
     """The last traceback in each failed rank's log, each distinct one once (with the ranks it hit)."""
     seen: dict[str, list[int]] = {}
     for rank in ranks:
-        path = workdir / f"rank{rank}.log"
-        text = last_traceback(path.read_text(errors="replace")) if path.exists() else \
-            f"(no log here: see rank {rank}'s log on its machine)"
-        seen.setdefault(text, []).append(rank)
+        seen.setdefault(rank_log_traceback(workdir, rank), []).append(rank)
     return "\n".join(f"--- rank(s) {who}:\n{text}" for text, who in seen.items())
 
 

@@ -1,13 +1,13 @@
 """One rank of a Megatron-LM ``pretrain_gpt.py`` job under Odyssey: Megatron's own model, optimizer,
-scheduler, dataset and forward step, driven through generations by the same protocol as
-:mod:`.trainer` (executor -> per-layer gradient sync -> plan-wide gradient norm -> *ready* ->
-*commit* -> optimizer).
+scheduler, dataset and forward step, driven through generations by the protocol both hosts share
+(:class:`~megatron_odyssey.runtime.generation.GenerationRank`).
 
 Generation 0 is Megatron's own job, untouched: its world and uniform grid, its schedule and its DDP
 gradient reduction run as they would without Odyssey (stock speed), and only ``optimizer.step`` is
-guarded: the plan-wide gradient norm is computed and the agent's *commit* awaited before Megatron's
+guarded: Megatron's own gradient norm is computed and the agent's *commit* awaited before Megatron's
 step runs, so no rank applies an update the others may not. After the first failure the hand-off is
-one-way: Odyssey's executor and per-layer gradient sync run every later generation. After a failure the rank
+one-way: Odyssey's executor, per-layer gradient sync and plan-wide norm run every later generation
+(executor -> per-layer gradient sync -> plan-wide norm -> *ready* -> *commit* -> optimizer). The rank
 joins the next generation's world through the agent's store, points ``parallel_state`` at the new
 plan's groups, rebuilds its stage with Megatron's ``get_model`` (the captured model provider, with
 the stage's layer range) and ``get_megatron_optimizer`` (the captured arguments), moves state in by
@@ -36,7 +36,7 @@ from ..runtime.executor import PipelineExecutor
 from ..runtime.grad_sync import GradientSync, all_reduce_flat, params_by_unit, unit_of
 from .hooks import ORIGINAL_ATTR, STATE
 from ..runtime.errors import GIVEUP_KEY, STARTED_KEY, fail_locally, giveup_reason, is_peer_failure, stop_now
-from ..runtime.generation import GenerationRank, Heartbeat, keys
+from ..runtime.generation import GenerationRank, Heartbeat, keys, node_stage
 from ..runtime.transport import P2P
 from ..runtime.world import RankMap, abort_all_groups, plan_process_groups
 
@@ -217,12 +217,12 @@ class MegatronRank(GenerationRank):
         from ..runtime.accelerator import dist_backend
 
         # the backend of the device the model lives on (Megatron's flag says "nccl" on Ascend too)
-        self.sleep_mode, self.backend = False, dist_backend(self.device.type)
+        self.backend = dist_backend(self.device.type)
         self.p2p = P2P.for_backend(self.backend, self.device)
         self.stock = True  # generation 0: Megatron's own schedule and DDP (see module docstring)
         self.current_step = int(args.iteration)
         self.timed_iterations = 0  # iterations timed on odyssey-forward-backward (profile window)
-        self.committed, self.pending, self.saved, self.profiler = int(args.iteration) - 1, None, None, None
+        self.committed, self.pending, self.saved = int(args.iteration) - 1, None, None
         self.pending_norm = 0.0
         # --odyssey-profile-iters: time iterations [first, end) with Megatron's timers (the first one
         # after start-up is a warm-up), then publish this stage's per-layer costs to the agent
@@ -262,10 +262,7 @@ class MegatronRank(GenerationRank):
         self.rank_map = RankMap.for_plan(plan, self.cfg.tp)
         if self.rank_map.rank(self.node, self.tp_rank) != dist.get_rank():
             raise RuntimeError("Megatron's rank order is not tensor-, then data-, then pipeline-parallel")
-        start, _ = self._stage_layers()
-        self.model, self.groups, self.executor, self.sync, self.runner = self.megatron_model[0], None, None, None, None
-        self.named = megatron_global_names(self.model, start)
-        self.optimizer = OptimizerStateView(self.megatron_optimizer)
+        self._adopt_chunk(self.megatron_model[0])
         self.owners = unit_owners(self.plan)
         STATE.plan = None  # the dispatcher runs Megatron's own schedule
         # the process groups train() keeps for its whole run (a local of Megatron's train(), passed to
@@ -274,26 +271,28 @@ class MegatronRank(GenerationRank):
 
         self.train_pgs = get_attr_wrapped_model(self.model, "pg_collection", allow_none=True)
 
-    def _attach(self, chunk: Any) -> None:
-        start, end = self._stage_layers()
+    def _adopt_chunk(self, chunk: Any) -> None:
+        """This node's Megatron model chunk as the stage: its runner, its parameters by global name
+        (model parameters: Megatron's DDP keeps their ``main_grad``) and the optimizer's state view."""
+        start, _ = node_stage(self.plan, self.node)
         k, i = self.plan.position_of()[self.node]
         self.model = chunk
         self.runner = MegatronStageRunner(chunk, i == 0, i == self.plan.pipelines[k].length - 1)
         self.named = megatron_global_names(chunk, start)
         self.optimizer = OptimizerStateView(self.megatron_optimizer)
+
+    def _attach_stage(self) -> None:
+        """Executor and per-layer gradient sync over Megatron's chunk and buffers (GenerationRank's hook)."""
+        self._adopt_chunk(self.megatron_model[0])  # named back to model parameters after the restore
         self.executor = PipelineExecutor(self.plan, self.groups, self.runner, self.micro_batch,
                                          (self.cfg.seq, self.cfg.micro_batch, self.cfg.hidden),
                                          dtype=_activation_dtype(self.args),
                                          per_token_loss=bool(getattr(self.args, "calculate_per_token_loss", False)),
                                          device=self.device, p2p=self.p2p)
-        self.sync = GradientSync(self.plan, self.groups, params_by_unit(self.named, self.cfg.layers), attr="main_grad")
+        self.sync = GradientSync(self.plan, self.groups, params_by_unit(self.named, self.cfg.layers), attr="main_grad",
+                                 staged=self.p2p.staged)
         self.owners = unit_owners(self.plan)
         STATE.plan = self.plan
-
-    def _stage_layers(self) -> tuple[int, int]:
-        k, i = self.plan.position_of()[self.node]
-        s = self.plan.pipelines[k].stages[i]
-        return s.layer_start, s.layer_end
 
     def _build_model(self, start: int, end: int) -> None:
         """This generation's stage, built by Megatron's own ``get_model``/``get_megatron_optimizer`` and
@@ -322,7 +321,7 @@ class MegatronRank(GenerationRank):
             self.train_pgs.__dict__.update(fresh_pgs.__dict__)
         self.megatron_optimizer.__dict__.clear()
         self.megatron_optimizer.__dict__.update(fresh.__dict__)
-        self._attach(chunks[0])
+        self._adopt_chunk(chunks[0])
         # named now refers to fp32 params the optimizer steps (restore writes values and Adam state there)
         self.named = [(n, self.optimizer.main_param(p)) for n, p in self.named]
 
@@ -352,9 +351,6 @@ class MegatronRank(GenerationRank):
             return super().recover(step)
 
     # -- the host's hooks (see GenerationRank) -----------------------------------------------------
-    def _attach_stage(self) -> None:
-        self._attach(self.megatron_model[0])  # executor and gradient sync over Megatron's buffers
-
     def _capture(self) -> Any:
         from ..runtime.state import capture
 
@@ -449,8 +445,8 @@ class MegatronRank(GenerationRank):
         return result
 
     def _guarded_optimizer_step(self, megatron_step: Callable[[], tuple], step: int) -> tuple:
-        """The commit guard: plan-wide norm, *ready*, wait for *commit*, then Megatron's step (local:
-        the norm it would all-reduce is the one agreed before the commit)."""
+        """The commit guard: Megatron's own norm, *ready*, wait for *commit*, then Megatron's step (local:
+        the norm it would all-reduce is the one computed before the commit)."""
         if self.timing:
             self._fb_timer().stop(barrier=False)
             self.timed_iterations += 1

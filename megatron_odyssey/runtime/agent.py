@@ -44,7 +44,7 @@ from ..planning.plan import ExecutionPlan
 from ..planning.cache import PlanCache
 from ..planning.planner import Decision, Planner, PlannerOptions
 from .config import TrainConfig
-from .errors import GIVEUP_KEY, STARTED_KEY, ErrorRecord, last_traceback, read_error
+from .errors import GIVEUP_KEY, STARTED_KEY, ErrorRecord, rank_log_traceback, read_error
 
 
 def rank_start_method(cfg: TrainConfig) -> str:
@@ -485,11 +485,9 @@ class Agent:
             device = {**device, "flops": device["flops"] / self.cfg.nproc,
                       "memory_bytes": device["memory_bytes"] // self.cfg.nproc}
         self.cfg.extra["device"] = device
-        self.profile = job_profile(self.cfg, **self.cfg.extra.get("profile_overrides", {}))
-        self.planner = Planner(self.profile, self.cfg.global_batch, self.cfg.micro_batch, self.options)
+        self._plan_from(job_profile(self.cfg, **self.cfg.extra.get("profile_overrides", {})))
         self.log(f"planning from the device: {device.get('name')}, {device.get('flops', 0) / 1e12:.1f} TFLOP/s "
                  f"measured, {device.get('memory_bytes', 0) / 2**30:.0f} GiB")
-        self._refresh_cache()
 
     def _adopt_measured_profile(self) -> None:
         """Once every rank has published Megatron's measured forward-backward (``--odyssey-profile-iters``),
@@ -503,13 +501,17 @@ class Agent:
         measured = [json.loads(self.store.get(k)) for k in keys]
         step_s = max(m["forward_backward_s"] for m in measured)
         cal = calibrated_profile(self.cfg, step_s, base=self.profile)
-        self.profile = cal.profile
-        self.planner = Planner(self.profile, self.cfg.global_batch, self.cfg.micro_batch, self.options)
+        self._plan_from(cal.profile)
         self.measured = True
         layers = [u.forward_s + u.backward_s for u in self.profile.layers]
         self.log(f"planning from the measured profile (forward-backward {step_s:.4g} s over "
                  f"{min(m['iterations'] for m in measured)} iterations, analytic compute x{cal.factor:.3g}; "
                  f"a layer takes {1e3 * statistics.median(layers):.3g} ms forward+backward per micro-batch)")
+
+    def _plan_from(self, profile) -> None:
+        """Plan every later failure from ``profile``: a new planner, and the plan cache refilled."""
+        self.profile = profile
+        self.planner = Planner(profile, self.cfg.global_batch, self.cfg.micro_batch, self.options)
         self._refresh_cache()
 
     def _apply_policy(self, decision: Decision):
@@ -536,10 +538,7 @@ class Agent:
                 p.kill()
 
     def _last_traceback(self, ident: int) -> str:
-        path = self.workdir / f"rank{ident}.log"
-        if not path.exists():
-            return f"(no log here: see rank {ident}'s log on its machine)"
-        return last_traceback(path.read_text(errors="replace")) + f"\n(log: {path})"
+        return rank_log_traceback(self.workdir, ident) + f"\n(log: {self.workdir / f'rank{ident}.log'})"
 
     def _tail(self, ident: int) -> str:
         path = self.workdir / f"rank{ident}.log"

@@ -188,6 +188,16 @@ def exit_if_stopped(store: Any, rank: int) -> None:
         stop_now(rank, f"the agent stopped the job: {giveup_reason(store) or 'no reason given'}")
 
 
+def rank_log_traceback(workdir: Any, rank: int) -> str:
+    """The last traceback in ``rank``'s log in ``workdir`` (the launchers name logs ``rank{N}.log``)."""
+    from pathlib import Path
+
+    path = Path(workdir) / f"rank{rank}.log"
+    if not path.exists():
+        return f"(no log here: see rank {rank}'s log on its machine)"
+    return last_traceback(path.read_text(errors="replace"))
+
+
 def last_traceback(text: str, max_lines: int = 80) -> str:
     """The last Python traceback in a log (or its last lines when there is none)."""
     lines = text.rstrip().splitlines()

@@ -26,13 +26,6 @@ import torch
 import torch.distributed as dist
 
 
-class _Done:
-    """What :meth:`P2P.isend` returns when the send already completed (staged sends)."""
-
-    def wait(self) -> bool:
-        return True
-
-
 @dataclass
 class _Pending:
     work: dist.Work
@@ -53,7 +46,7 @@ class P2P:
     def for_backend(cls, backend: str, device: torch.device | str) -> "P2P":
         return cls(staged=backend == "gloo" and torch.device(device).type != "cpu")
 
-    def isend(self, tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None) -> _Pending | _Done:
+    def isend(self, tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None) -> _Pending:
         tensor = tensor.detach().contiguous()
         if self.staged and tensor.device.type != "cpu":
             tensor = tensor.cpu()

@@ -1,5 +1,5 @@
 """``odyssey train``: validate the job, then hand it to the agent (a fresh process that hosts the
-store and forks the ranks).
+store and starts the ranks: forked on the CPU, spawned on an accelerator).
 
 Under torchrun (``RANK`` in the environment) the command instead runs as that one rank and meets
 the others at ``MASTER_ADDR:MASTER_PORT``, torchrun's agent store, so multi-node launches work

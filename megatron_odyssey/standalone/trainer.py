@@ -227,14 +227,14 @@ class StandaloneRank(GenerationRank):
 
     def _write_profile(self) -> None:
         """Merge every rank's measured units into one planner profile (collective; lowest rank writes)."""
-        from ..runtime.cpu_profile import estimated_profile
+        from ..runtime.device_profile import job_profile
         from ..runtime.profiler import gather_stage_profiles, merge_profiles, pipeline_p2p_s
 
         cfg = self.cfg
         parts = gather_stage_profiles(self.profiler.stage_profile())
         p2p = pipeline_p2p_s(self.plan, lambda n: self.rank_map.rank(n, 0), (cfg.seq, cfg.micro_batch, cfg.hidden))
         if dist.get_rank() == 0:
-            merge_profiles(parts, p2p_s=p2p, base=estimated_profile(cfg), name="measured").save(cfg.profile_out)
+            merge_profiles(parts, p2p_s=p2p, base=job_profile(cfg), name="measured").save(cfg.profile_out)
 
     def gathered_state(self) -> dict[str, torch.Tensor]:
         """The full model by global name, at the lowest surviving rank (collective over the world)."""
