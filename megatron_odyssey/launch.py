@@ -85,22 +85,28 @@ class RemoteRank:
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="odyssey-launch", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nnodes", type=int, default=1)
-    p.add_argument("--node-rank", "--node_rank", type=int, default=0)
-    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1)
-    p.add_argument("--master-addr", "--master_addr", default="127.0.0.1")
-    p.add_argument("--master-port", "--master_port", type=int, default=29500)
+    p.add_argument("--nnodes", type=int, default=1, help="machines in the job (default 1)")
+    p.add_argument("--node-rank", "--node_rank", type=int, default=0, help="this machine's index, 0..nnodes-1")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1, help="ranks on this machine")
+    p.add_argument("--master-addr", "--master_addr", default="127.0.0.1", help="machine 0's address")
+    p.add_argument("--master-port", "--master_port", type=int, default=29500, help="torch.distributed's store port")
     p.add_argument("--odyssey-port", type=int, default=None, help="the agent's control store (default master port + 1)")
-    p.add_argument("--workdir", type=Path, default=Path("odyssey-run"), help="per-rank logs")
+    p.add_argument("--workdir", type=Path, default=Path("odyssey-run"), help="per-rank logs (default odyssey-run)")
     p.add_argument("--no-python", action="store_true", help="run the script as an executable (like torchrun)")
-    p.add_argument("script")
-    p.add_argument("script_args", nargs=argparse.REMAINDER)
+    p.add_argument("script", help="the training script, e.g. Megatron-LM's pretrain_gpt.py")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments (with --odyssey to enable recovery)")
     args = p.parse_args(argv)
     for name in ("nnodes", "nproc_per_node"):
         if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 <= args.node_rank < args.nnodes:
         p.error(f"--node-rank {args.node_rank} is outside 0..{args.nnodes - 1}")
+    for name in ("master_port", "odyssey_port"):
+        port = getattr(args, name)
+        if port is not None and not 1 <= port <= 65534:
+            p.error(f"--{name.replace('_', '-')} must be a TCP port in 1..65534, got {port}")
+    if not args.no_python and not Path(args.script).is_file():
+        p.error(f"the script {args.script} does not exist")
     if args.odyssey_port is None:
         args.odyssey_port = args.master_port + 1
     return args

@@ -6,41 +6,52 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
+import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+from .planning.errors import PlanningError, read_user_file
 from .runtime.config import TrainConfig
 
 
 def add_train_arguments(p: argparse.ArgumentParser, defaults: TrainConfig) -> None:
     d = defaults
-    p.add_argument("--nproc", type=int, default=d.nproc, help="processes (devices) in the job")
-    p.add_argument("--tp", type=int, default=d.tp)
-    p.add_argument("--pp", type=int, default=d.pp)
-    p.add_argument("--layers", type=int, default=d.layers)
-    p.add_argument("--hidden", type=int, default=d.hidden)
-    p.add_argument("--heads", type=int, default=d.heads)
-    p.add_argument("--seq", type=int, default=d.seq)
-    p.add_argument("--global-batch", type=int, default=d.global_batch)
-    p.add_argument("--micro-batch", type=int, default=d.micro_batch)
-    p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--fail", action="append", default=list(d.fail), metavar="SPEC",
+
+    def number(flag: str, kind: type, value: object, what: str) -> None:
+        p.add_argument(flag, type=kind, default=value, help=f"{what} (default {value})")
+
+    number("--nproc", int, d.nproc, "processes (devices) in the job")
+    number("--tp", int, d.tp, "tensor-parallel size: ranks per node")
+    number("--pp", int, d.pp, "pipeline stages; DP = nproc / (TP x PP)")
+    number("--layers", int, d.layers, "transformer layers")
+    number("--hidden", int, d.hidden, "hidden size")
+    number("--heads", int, d.heads, "attention heads")
+    number("--seq", int, d.seq, "sequence length in tokens")
+    number("--global-batch", int, d.global_batch, "samples per step, kept the same through failures")
+    number("--micro-batch", int, d.micro_batch, "samples per micro-batch")
+    number("--steps", int, d.steps, "training steps")
+    number("--seed", int, d.seed, "initialisation and data seed")
+    p.add_argument("--fail", action="append", default=None, metavar="SPEC",
                    help="inject a fault: step=5,rank=3,phase=forward|backward|grad-sync|optimizer|recovery,"
-                        "kind=kill|hang|slow|error (repeatable; error: the rank raises, as a local bug would)")
-    p.add_argument("--policy", choices=("auto", "reroute", "reconfigure"), default=d.policy)
+                        "kind=kill|hang|slow|error (repeatable; error: the rank raises, as a local bug would)"
+                        + (f"; replaces the built-in faults ({'; '.join(d.fail)}); --fail none: no faults"
+                           if d.fail else ""))
+    p.add_argument("--policy", choices=("auto", "reroute", "reconfigure"), default=d.policy,
+                   help="auto: the planner chooses by Eq. 8; else force a policy where it is feasible")
     p.add_argument("--save-params", default=d.save_params, help="write the gathered fp32 state dict here")
     p.add_argument("--report", default=d.report, help="write the JSON report here")
-    p.add_argument("--plan", default=None, help="run this plan JSON instead of the symmetric PP x DP layout")
+    p.add_argument("--plan", default=None, help="run this plan JSON (an execution plan, or `odyssey plan --json` "
+                                                "output) instead of the symmetric PP x DP layout")
     p.add_argument("--data-path", default=d.data_path, help="Megatron indexed dataset prefix (default: mock data)")
-    p.add_argument("--checkpoint-interval", type=int, default=d.checkpoint_interval)
-    p.add_argument("--heartbeat-timeout", type=float, default=d.heartbeat_timeout_s)
-    p.add_argument("--mtbf-hours", type=float, default=d.mtbf_hours, help="per-device MTBF for the policy choice")
-    p.add_argument("--workdir", default=None, help="logs and checkpoints (default: a temporary folder)")
+    number("--checkpoint-interval", int, d.checkpoint_interval, "steps between checkpoints, 0: never")
+    number("--heartbeat-timeout", float, d.heartbeat_timeout_s, "seconds without a heartbeat before a rank is fenced")
+    p.add_argument("--mtbf-hours", type=float, default=d.mtbf_hours,
+                   help="per-device mean time between failures for the policy choice (default "
+                        + (f"{d.mtbf_hours})" if d.mtbf_hours else "the planner's 50,000)"))
+    p.add_argument("--workdir", default=None, help="logs and checkpoints (default: a temporary folder, removed "
+                                                   "after a clean finish and kept when the job fails)")
     p.add_argument("--shared-device", action="store_true", default=d.shared_device,
                    help="let every rank use the same GPU/NPU (for testing failures on a one-device machine): "
                         "ranks then communicate over gloo, staging point-to-point messages through host memory")
@@ -48,21 +59,60 @@ def add_train_arguments(p: argparse.ArgumentParser, defaults: TrainConfig) -> No
                    help="measure every layer's forward/backward time and bytes; write a planner profile JSON")
 
 
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    plan = json.loads(Path(args.plan).read_text()) if args.plan else None
+def config_from_args(args: argparse.Namespace, defaults: TrainConfig) -> TrainConfig:
+    """The job the flags describe; the flags' own errors (files that cannot be read) name the flag."""
+    fail = defaults.fail if args.fail is None else [f for f in args.fail if f.strip().lower() != "none"]
     return TrainConfig(nproc=args.nproc, tp=args.tp, pp=args.pp, layers=args.layers, hidden=args.hidden,
                        heads=args.heads, seq=args.seq, global_batch=args.global_batch, micro_batch=args.micro_batch,
-                       steps=args.steps, seed=args.seed, fail=list(args.fail), policy=args.policy,
-                       save_params=args.save_params, report=args.report, plan=plan, data_path=args.data_path,
-                       checkpoint_interval=args.checkpoint_interval, heartbeat_timeout_s=args.heartbeat_timeout,
-                       mtbf_hours=args.mtbf_hours, workdir=args.workdir, profile_out=args.profile_out,
-                       shared_device=args.shared_device)
+                       steps=args.steps, seed=args.seed, fail=list(fail), policy=args.policy,
+                       save_params=args.save_params, report=args.report, plan=read_plan(args.plan),
+                       data_path=args.data_path, checkpoint_interval=args.checkpoint_interval,
+                       heartbeat_timeout_s=args.heartbeat_timeout, mtbf_hours=args.mtbf_hours, workdir=args.workdir,
+                       profile_out=args.profile_out, shared_device=args.shared_device)
+
+
+def read_plan(path: str | None) -> dict | None:
+    """``--plan``: an execution plan's JSON, or ``odyssey plan --json``'s decision (its ``plan`` is taken)."""
+    if path is None:
+        return None
+    text = read_user_file(path, f"--plan {path}", "an execution plan's JSON")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PlanningError(f"--plan {path}: not JSON ({exc})") from None
+    if isinstance(data, dict) and "pipelines" not in data and isinstance(data.get("plan"), dict):
+        data = data["plan"]
+    if not isinstance(data, dict):
+        raise PlanningError(f"--plan {path}: expected a JSON object (an execution plan), got {type(data).__name__}")
+    return data
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Files the job writes at its end must be writable at its start, not after an hour of training."""
+    for flag in ("save_params", "report", "profile_out"):
+        path = getattr(args, flag, None)
+        if path is None:
+            continue
+        folder = Path(path).resolve().parent
+        if not folder.is_dir():
+            raise PlanningError(f"--{flag.replace('_', '-')} {path}: folder {folder} does not exist")
+        if not os.access(folder, os.W_OK):
+            raise PlanningError(f"--{flag.replace('_', '-')} {path}: folder {folder} is not writable")
+    for flag in ("workdir", "out"):
+        path = getattr(args, flag, None)
+        if path is None:
+            continue
+        try:
+            Path(path).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise PlanningError(f"--{flag} {path}: cannot create it ({exc.strerror})") from None
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from .standalone.launcher import TrainingFailed, is_torchrun_worker, launch, run_under_torchrun
 
-    cfg = config_from_args(args)
+    check_outputs(args)
+    cfg = config_from_args(args, TrainConfig())
     if is_torchrun_worker():
         run_under_torchrun(cfg)
         return 0
@@ -86,94 +136,50 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     from .runtime.data import build_indexed_dataset
     from .standalone.launcher import TrainingFailed, launch
+    from .standalone.report_view import plot_report, print_summary
 
     console = Console(width=None if sys.stdout.isatty() else 160)
+    check_outputs(args)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = config_from_args(args)
+    cfg = config_from_args(args, DEMO)
+    cfg.report = cfg.report or str(out / "report.json")
+    cfg.save_params = cfg.save_params or str(out / "params.pt")
+    cfg.validate()  # before building the dataset
     if cfg.data_path is None:
         console.print("[bold]building the demo dataset[/] (Megatron indexed .bin/.idx from the shipped corpus)")
         cfg.data_path = build_indexed_dataset(str(out / "demo_corpus"))
-    cfg.report = str(out / "report.json")
-    cfg.save_params = str(out / "params.pt")
-    console.print(f"[bold]training[/] {cfg.nproc} ranks (PP={cfg.pp} x DP={cfg.nproc // cfg.pp}), {cfg.layers}-layer "
-                  f"Llama-2-shaped model, {cfg.steps} steps; faults: {', '.join(cfg.fail)}")
+    faults = "; ".join(cfg.fail) or "none"
+    console.print(f"[bold]training[/] {cfg.nproc} ranks (PP={cfg.pp} x DP={cfg.dp}), {cfg.layers}-layer "
+                  f"Llama-2-shaped model, {cfg.steps} steps; faults: {faults}")
     t0 = time.time()
     try:
-        launch(cfg, out / "run")
+        launch(cfg, Path(args.workdir) if args.workdir else out / "run")
     except TrainingFailed as exc:
-        console.print(f"[red]{exc}")
+        console.print(f"[red]{exc}", soft_wrap=True)
         return 1
-    console.print(f"[bold]fault-free reference[/] (one process, same batches) for the loss comparison")
+    console.print("[bold]fault-free reference[/] (one process, same batches) for the loss comparison")
     ref_cfg = out / "reference_config.json"
     cfg.save(ref_cfg)
-    subprocess.run([sys.executable, "-m", "megatron_odyssey.testing.reference", "--config", str(ref_cfg),
-                    "--out", str(out / "reference.pt")], check=True, capture_output=True)
+    ref = subprocess.run([sys.executable, "-m", "megatron_odyssey.testing.reference", "--config", str(ref_cfg),
+                          "--out", str(out / "reference.pt")], capture_output=True, text=True)
+    if ref.returncode:
+        console.print(f"the fault-free reference run failed (exit {ref.returncode}):\n{ref.stderr[-4000:]}",
+                      style="red", soft_wrap=True, markup=False)
+        return 1
     import torch
 
     reference = torch.load(out / "reference.pt")
-    params = torch.load(out / "params.pt")
+    params = torch.load(cfg.save_params)
     report = json.loads(Path(cfg.report).read_text())
     worst = max((params[k] - reference["params"][k]).abs().max().item() for k in params)
     report["reference_losses"] = reference["losses"]
     report["max_param_diff_vs_fault_free"] = worst
     Path(cfg.report).write_text(json.dumps(report, indent=1))
-    print_summary(console, report, worst, time.time() - t0)
-    plot_report(report, out / "report.png", cfg.global_batch)
-    console.print(f"wrote {out / 'report.json'} and {out / 'report.png'}")
+    print_summary(console, report, cfg.global_batch, time.time() - t0)
+    picture = Path(cfg.report).with_suffix(".png")
+    plot_report(report, picture)
+    console.print(f"wrote {cfg.report} and {picture}")
     return 0
-
-
-def print_summary(console, report: dict, worst: float, wall_s: float) -> None:
-    from rich.table import Table
-
-    table = Table(title="Failures and recoveries")
-    for col in ("step", "ranks", "phase", "policy", "detection (s)", "decision (ms)", "transfer (s)", "recovery (s)",
-                "candidates (step s / transition s / score)"):
-        table.add_column(col)
-    for f in report["failures"]:
-        cands = "; ".join(f"{c['policy']}: {c['step_time_s'] or math.nan:.3g}/{c['transition_time_s'] or math.nan:.3g}/"
-                          f"{c['score']:.0f}" for c in f["candidates"])
-        table.add_row(str(f["step"]), str(f["ranks"]), f["phase"], f"[bold]{f['policy']}", f"{f['detection_s']:.3f}",
-                      f"{f['decision_s'] * 1e3:.1f}", f"{f['transfer_s']:.3f}", f"{f['recovery_s']:.2f}", cands)
-    console.print(table)
-    steps = Table(title="Steps")
-    for col in ("step", "devices", "policy", "loss", "fault-free loss", "time (s)"):
-        steps.add_column(col)
-    ref = report["reference_losses"]
-    for s in report["steps"]:
-        steps.add_row(str(s["step"]), str(s["alive"]), s["policy"], f"{s['loss']:.6f}", f"{ref[s['step']]:.6f}",
-                      f"{s['time_s']:.3f}")
-    console.print(steps)
-    console.print(f"final parameters vs fault-free training: max |diff| = {worst:.2e} "
-                  f"({'identical within 1e-5' if worst < 1e-5 else 'DIFFERENT'}); wall time {wall_s:.0f} s")
-
-
-def plot_report(report: dict, path: Path, global_batch: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = report["steps"]
-    wall = [s["wall_s"] for s in steps]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    # the rate over each wall-clock interval ending at a commit: a recovery shows as a dip
-    rates = [global_batch / max(b - a, 1e-9) for a, b in zip([steps[0]["wall_s"] - steps[0]["time_s"]] + wall, wall)]
-    axes[0].step(wall, rates, where="pre")
-    axes[0].set(xlabel="wall time (s)", ylabel="samples / s", title="Throughput (8 ranks share 2 CPU cores)")
-    axes[1].step(wall, [s["alive"] for s in steps], where="post", color="tab:red")
-    axes[1].set(xlabel="wall time (s)", ylabel="devices", title="Devices alive")
-    for f in report["failures"]:
-        for ax in axes[:2]:
-            ax.axvline(next((s["wall_s"] for s in steps if s["step"] >= f["step"]), wall[-1]), ls=":", color="grey")
-    axes[2].plot([s["step"] for s in steps], [s["loss"] for s in steps], "o-", label="with failures")
-    axes[2].plot(range(len(report["reference_losses"])), report["reference_losses"], "x--", label="fault-free")
-    axes[2].set(xlabel="step", ylabel="loss", title="Loss vs fault-free run")
-    axes[2].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -182,5 +188,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     train.set_defaults(func=cmd_train)
     demo = sub.add_parser("demo", help="the main job: train, kill a rank (reroute), kill another (reconfigure)")
     add_train_arguments(demo, DEMO)
-    demo.add_argument("--out", default="odyssey-demo", help="output folder (report.json, report.png)")
+    demo.add_argument("--out", default="odyssey-demo",
+                      help="output folder: dataset, rank logs, report.json, report.png, params.pt (default odyssey-demo)")
     demo.set_defaults(func=cmd_demo)

@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 
 from .errors import PlanningError
 
+# the ``odyssey plan`` flag that sets each field: messages name what the user typed
+FLAGS = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "num_layers": "--layers", "global_batch": "--global-batch",
+         "micro_batch": "--micro-batch"}
+
 
 @dataclass(frozen=True)
 class ClusterSpec:
@@ -23,27 +27,27 @@ class ClusterSpec:
     failed: frozenset[int] = field(default_factory=frozenset)
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "num_layers", "global_batch", "micro_batch"):
+        for name, flag in FLAGS.items():
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise PlanningError(f"{name} must be a positive integer, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise PlanningError(f"{flag} must be a positive integer, got {value!r}")
         if self.pp > self.num_layers:
-            raise PlanningError(
-                f"pipeline size {self.pp} is greater than the number of layers {self.num_layers}: "
-                "every stage needs at least one transformer layer"
-            )
+            raise PlanningError(f"--pp {self.pp} is greater than --layers {self.num_layers}: "
+                                "every pipeline stage needs at least one transformer layer")
         if self.global_batch % (self.micro_batch * self.dp) != 0:
             raise PlanningError(
-                f"global batch {self.global_batch} is not divisible by micro-batch x DP "
+                f"--global-batch {self.global_batch} is not divisible by --micro-batch x --dp "
                 f"= {self.micro_batch} x {self.dp} = {self.micro_batch * self.dp}"
             )
         object.__setattr__(self, "failed", frozenset(self.failed))
         bad = sorted(n for n in self.failed if not 0 <= n < self.num_nodes)
         if bad:
             raise PlanningError(
-                f"failed node(s) {bad} not in the cluster: node ids are 0..{self.num_nodes - 1} "
-                f"(node = stage * DP + replica, with PP={self.pp}, DP={self.dp})"
+                f"--failed names node(s) {bad} not in the cluster: node ids are 0..{self.num_nodes - 1} "
+                f"(node = stage x DP + replica, with --pp {self.pp} --dp {self.dp})"
             )
+        if len(self.failed) == self.num_nodes:
+            raise PlanningError(f"--failed names all {self.num_nodes} nodes: nothing is left to plan on")
 
     @property
     def num_nodes(self) -> int:
@@ -59,17 +63,21 @@ class ClusterSpec:
         return self.global_batch // self.micro_batch
 
 
-def parse_node_list(text: str | None) -> frozenset[int]:
-    """Parse ``"3,5"`` (the ``--failed`` flag) into node ids, with a clear error on junk."""
+def parse_node_list(text: str | None, flag: str = "--failed") -> frozenset[int]:
+    """Parse ``"3,5"`` (the ``--failed`` flag) into node ids; junk and repeated ids are errors,
+    since a typo that silently names fewer nodes would plan for the wrong failure."""
     if not text:
         return frozenset()
-    nodes = set()
+    nodes: list[int] = []
     for part in text.split(","):
         part = part.strip()
         if not part:
             continue
         try:
-            nodes.add(int(part))
+            nodes.append(int(part))
         except ValueError:
-            raise PlanningError(f"--failed expects comma-separated node ids, got {part!r}") from None
+            raise PlanningError(f"{flag} expects comma-separated node ids (e.g. 3,5), got {part!r}") from None
+    repeated = sorted({n for n in nodes if nodes.count(n) > 1})
+    if repeated:
+        raise PlanningError(f"{flag} {text}: node(s) {repeated} listed more than once")
     return frozenset(nodes)

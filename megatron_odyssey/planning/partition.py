@@ -247,13 +247,3 @@ def _front(splits: list[tuple[int, ...]], model: PipelineModel, micro_batches: i
             front.append(split)
             fastest = t
     return tuple(front)
-
-
-def split_front_exhaustive(model: PipelineModel, stages: int, micro_batches: int) -> list[tuple[int, ...]]:
-    """Every memory-feasible split that is Pareto-optimal in (pipeline time, most units on one node).
-
-    The second coordinate drives the gradient-sync rounds and the optimizer time of the whole plan,
-    so an oracle that only kept the fastest split could miss the best plan."""
-    feasible = [s for s in compositions(model.profile.num_layers, stages) if model.fits(s, micro_batches)]
-    return list(_front(feasible, model, micro_batches))
-

@@ -26,6 +26,12 @@ PLAN_SCHEMA_VERSION = 1
 POLICIES = ("initial", "reroute", "reconfigure", "restart")
 
 
+def layer_range(start: int, end: int) -> str:
+    """``[0,6)``: layer ranges are half-open everywhere, in tables, messages and JSON (``"layers": [0, 6]``
+    holds layers 0..5), so a range reads the same wherever it is printed."""
+    return f"[{start},{end})"
+
+
 @dataclass(frozen=True)
 class Stage:
     node: int
@@ -35,6 +41,10 @@ class Stage:
     @property
     def num_layers(self) -> int:
         return self.layer_end - self.layer_start
+
+    @property
+    def layers_text(self) -> str:
+        return layer_range(self.layer_start, self.layer_end)
 
 
 @dataclass(frozen=True)
@@ -150,7 +160,7 @@ class ExecutionPlan:
             for i, s in enumerate(p.stages):
                 if s.layer_start != expect or s.layer_end <= s.layer_start:
                     raise PlanningError(
-                        f"pipeline {k} stage {i} holds layers [{s.layer_start},{s.layer_end}) but must start at "
+                        f"pipeline {k} stage {i} holds layers {s.layers_text} but must start at "
                         f"layer {expect} and hold at least one: stages must cover every layer exactly once, in order")
                 expect = s.layer_end
                 if s.node in seen:
@@ -161,7 +171,8 @@ class ExecutionPlan:
                                         f"valid nodes are {sorted(valid)}")
                 seen[s.node] = (k, i)
             if expect != self.num_layers:
-                raise PlanningError(f"pipeline {k} covers layers [0,{expect}) but the model has {self.num_layers}")
+                raise PlanningError(f"pipeline {k} covers layers {layer_range(0, expect)} but the model has "
+                                    f"{self.num_layers}")
         if num_micro_batches is not None and self.num_micro_batches != num_micro_batches:
             raise PlanningError(f"plan runs {self.num_micro_batches} micro-batches per step, "
                                 f"the global batch has {num_micro_batches}")

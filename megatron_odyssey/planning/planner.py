@@ -11,13 +11,13 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field, replace
-from itertools import product
-from typing import Any, Iterator
+from typing import Any, Callable
 
 from .errors import PlanningError
 from .estimator import StepEstimate, allreduce_time, estimate_step, score
+from .exhaustive import ExhaustiveSearch, SearchStatus
 from .partition import (PipelineModel, balanced_multisets, distribute_batch, length_multisets, max_units,
-                        split_front, split_front_exhaustive, split_layers)
+                        split_front, split_layers)
 from .plan import ExecutionPlan, Reroute, layout
 from .profile import ModelProfile
 from .restorer import TransferSchedule, assign_nodes
@@ -39,12 +39,16 @@ class PlannerOptions:
     min_pipelines: int = 2  # keep a live replica of every layer when the survivors allow (see search_layouts)
     unit_balance_top: int = 2  # of those, how many also try capping units per node (fewer sync rounds)
     tp: int = 1
+    time_limit_s: float | None = None  # exhaustive search: stop here and keep the best layout found so far
+    search_budget_s: float | None = 60.0  # exhaustive search without a time limit: refuse past this estimate
 
     def __post_init__(self) -> None:
         if self.search not in SEARCH_MODES:
             raise PlanningError(f"--search must be one of {SEARCH_MODES}, got {self.search!r}")
         if not self.mtbf_hours > 0:
             raise PlanningError(f"--mtbf-hours must be positive, got {self.mtbf_hours}")
+        if self.time_limit_s is not None and not self.time_limit_s > 0:
+            raise PlanningError(f"--time-limit must be positive seconds, got {self.time_limit_s}")
 
 
 @dataclass
@@ -96,6 +100,7 @@ class Decision:
     global_batch: int
     failed: frozenset[int]
     cached: bool = False
+    search: SearchStatus | None = None  # the exhaustive search's size and whether it finished
 
     @property
     def plan(self) -> ExecutionPlan | None:
@@ -129,12 +134,21 @@ class Decision:
             "failed": sorted(self.failed),
             "reason": c.reason,
             "cached": self.cached,
+            "search": self.search_json(),
         }
+
+    def search_json(self) -> dict[str, Any]:
+        """How the layouts were searched; an exhaustive search says how big it was and whether it was
+        cut short by its time limit (then the plan is the best found so far)."""
+        if self.search is None:
+            return {"mode": "heuristic", "complete": True, "cut_short": False}
+        return {"mode": "exhaustive", **self.search.to_json()}
 
 
 class Planner:
     def __init__(self, profile: ModelProfile, global_batch: int, micro_batch: int,
-                 options: PlannerOptions = PlannerOptions()):
+                 options: PlannerOptions = PlannerOptions(),
+                 on_search_progress: Callable[[SearchStatus], None] | None = None):
         if global_batch % micro_batch:
             raise PlanningError(f"global batch {global_batch} is not divisible by micro-batch {micro_batch}")
         self.profile = profile
@@ -142,10 +156,13 @@ class Planner:
         self.num_micro_batches = global_batch // micro_batch
         self.options = options
         self.model = PipelineModel(profile)
+        self.on_search_progress = on_search_progress  # the CLI's progress bar for exhaustive searches
+        self.last_search: SearchStatus | None = None
 
     # -- entry point ------------------------------------------------------------------------------
     def decide(self, current: ExecutionPlan, new_failed: frozenset[int] | set[int]) -> Decision:
         start = time.perf_counter()
+        self.last_search = None
         named = set(current.nodes())
         unknown = sorted(set(new_failed) - named)
         if unknown:
@@ -167,7 +184,8 @@ class Planner:
             reasons = "; ".join(f"{c.policy}: {c.reason}" for c in candidates)
             raise PlanningError(f"no plan can run on the {len(survivors)} surviving nodes ({reasons})")
         chosen = max(feasible, key=lambda c: (c.score, -c.step_time_s))
-        return Decision(chosen.policy, chosen, candidates, search_s, t_next, self.global_batch, failed)
+        return Decision(chosen.policy, chosen, candidates, search_s, t_next, self.global_batch, failed,
+                        search=self.last_search)
 
     # -- reroute ----------------------------------------------------------------------------------
     def _reroute(self, current: ExecutionPlan, failed: frozenset[int]) -> Candidate:
@@ -233,6 +251,7 @@ class Planner:
         holds the only copy of every layer, so the next failure would force a checkpoint restart, a
         cost Eq. 8 does not see (Oobleck keeps f+1 pipelines for the same reason). Only when no
         layout with that many fits does the search fall back to fewer."""
+        self.last_search = None
         if num_nodes < 1:
             return []
         floor = max(1, min(self.options.min_pipelines, num_nodes, self.num_micro_batches))
@@ -244,8 +263,11 @@ class Planner:
 
     def _search_layouts(self, num_nodes: int, current_dp: int, current_pp: int, floor: int) -> list[ExecutionPlan]:
         if self.options.search == "exhaustive":
-            best = self._search_exhaustive(num_nodes, floor)
+            best = self._search_exhaustive(num_nodes, current_dp, current_pp, floor)
             return [best] if best else []
+        return self._search_heuristic(num_nodes, current_dp, current_pp, floor)
+
+    def _search_heuristic(self, num_nodes: int, current_dp: int, current_pp: int, floor: int) -> list[ExecutionPlan]:
         L, m_total = self.profile.num_layers, self.num_micro_batches
         cap = min(num_nodes, m_total)
         dps = [d for d in range(max(1, current_dp - self.options.dp_range), current_dp + self.options.dp_range + 1)
@@ -351,52 +373,22 @@ class Planner:
             splits[slow], splits[k] = slow_split, split
             times[slow], times[k] = new_slow, t
 
-    def _search_exhaustive(self, num_nodes: int, floor: int = 1) -> ExecutionPlan | None:
-        """Every pipeline count, every length multiset, every batch split, and for each pipeline every
-        layer split on the Pareto front of (pipeline time, most units per node), combined."""
-        L, m_total = self.profile.num_layers, self.num_micro_batches
-        best_plan, best_t = None, math.inf
-        fronts: dict[tuple[int, int], list[tuple[int, ...]]] = {}
-
-        def front(length: int, m: int) -> list[tuple[int, ...]]:
-            if (length, m) not in fronts:
-                fronts[(length, m)] = split_front_exhaustive(self.model, length, m)
-            return fronts[(length, m)]
-
-        for dp in range(floor, min(num_nodes, m_total) + 1):
-            for lengths in length_multisets(num_nodes, dp, 1, L):
-                for batch in _batch_splits(lengths, m_total):
-                    options = [front(n, m) for n, m in zip(lengths, batch)]
-                    if not all(options):
-                        continue
-                    fastest = max(min(self.model.time(s, m) for s in opts) for opts, m in zip(options, batch))
-                    if fastest >= best_t:  # sync and optimizer only add time
-                        continue
-                    for splits in product(*options):
-                        plan = layout(list(zip(splits, batch)), num_layers=L)
-                        t = estimate_step(plan, self.profile).step_time_s
-                        if t < best_t:
-                            best_plan, best_t = plan, t
-        return best_plan
-
-
-def _batch_splits(lengths: tuple[int, ...], total: int) -> Iterator[list[int]]:
-    """Every assignment of micro-batches (>=1 each) to pipelines, up to swapping equal-length ones."""
-    k = len(lengths)
-
-    def rec(i: int, remaining: int, prev: int | None) -> Iterator[list[int]]:
-        if i == k - 1:
-            if remaining >= 1 and (prev is None or lengths[i] != lengths[i - 1] or remaining <= prev):
-                yield [remaining]
-            return
-        cap = remaining - (k - 1 - i)
-        if prev is not None and lengths[i] == lengths[i - 1]:
-            cap = min(cap, prev)
-        for m in range(1, cap + 1):
-            for rest in rec(i + 1, remaining - m, m):
-                yield [m, *rest]
-
-    yield from rec(0, total, None)
+    def _search_exhaustive(self, num_nodes: int, current_dp: int, current_pp: int, floor: int = 1) -> ExecutionPlan | None:
+        """Every pipeline count, length multiset, batch split and Pareto-optimal layer split
+        (``exhaustive.py``), started from the heuristic's best; sized and timed up front, refused past
+        ``search_budget_s`` unless ``time_limit_s`` bounds it."""
+        seeds = self._search_heuristic(num_nodes, current_dp, current_pp, floor)
+        time_limit = self.options.time_limit_s
+        if time_limit is not None and self.last_search is not None:  # second pass (lower floor): what is left
+            time_limit = max(time_limit - self.last_search.elapsed_s, 1e-3)
+        search = ExhaustiveSearch(self.profile, self.model, num_nodes, self.num_micro_batches, floor,
+                                  seed=seeds[0] if seeds else None)
+        best = search.run(time_limit, self.options.search_budget_s, self.on_search_progress)
+        if self.last_search is not None:
+            search.status.elapsed_s += self.last_search.elapsed_s
+        search.status.time_limit_s = self.options.time_limit_s
+        self.last_search = search.status
+        return best
 
 
 def _typical_length(plan: ExecutionPlan) -> int:
@@ -430,7 +422,7 @@ def reroute_plan(current: ExecutionPlan, failed: frozenset[int]) -> ExecutionPla
         peers = twins.get(units, [])
         if not peers:
             s = current.pipelines[k].stages[i]
-            return (f"stage {i} (layers {s.layer_start}-{s.layer_end - 1}) has lost every replica: "
+            return (f"stage {i} (layers {s.layers_text}) has lost every replica: "
                     "no peer can take its micro-batches")
         for j in range(current.pipelines[k].micro_batches):
             peer = min(peers, key=lambda n: (load[n], adopted_by_pipeline[pos[n][0]], n))

@@ -13,7 +13,7 @@ from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from .errors import PlanningError
+from .errors import PlanningError, read_user_file
 
 PROFILE_SCHEMA_VERSION = 1
 
@@ -99,19 +99,52 @@ class ModelProfile:
         missing = [f.name for f in fields(cls) if f.name not in kw and f.default is MISSING]
         if missing:
             raise PlanningError(f"{source}: missing field(s) {missing}")
+        if not kw["layers"]:
+            raise PlanningError(f"{source}: field 'layers' is empty; a profile needs at least one transformer layer")
+        _check_numbers(kw, source, positive=_POSITIVE_FIELDS, non_negative=_NON_NEGATIVE_FIELDS,
+                       integers=_INTEGER_FIELDS)
         return cls(**kw)
 
     @classmethod
-    def load(cls, path: str | Path) -> "ModelProfile":
+    def load(cls, path: str | Path, source: str | None = None) -> "ModelProfile":
+        """Read a profile JSON; ``source`` (default: the path) starts every error message."""
+        source = source or str(path)
+        text = read_user_file(path, source, "a profile JSON file")
         try:
-            data = json.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise PlanningError(f"profile file {path} does not exist") from None
+            data = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise PlanningError(f"profile file {path} is not valid JSON: {exc}") from None
+            raise PlanningError(f"{source}: not valid JSON ({exc})") from None
         if not isinstance(data, dict):
-            raise PlanningError(f"profile file {path} must hold a JSON object")
-        return cls.from_dict(data, source=str(path))
+            raise PlanningError(f"{source}: must hold a JSON object (a ModelProfile), not {type(data).__name__}")
+        return cls.from_dict(data, source=source)
+
+
+_POSITIVE_FIELDS = ("allreduce_bandwidth_Bps", "transfer_bandwidth_Bps", "device_memory_bytes", "tp",
+                    "micro_batch", "seq_length")
+_NON_NEGATIVE_FIELDS = ("p2p_s", "allreduce_latency_s", "reroute_overhead_s", "rebuild_overhead_s",
+                        "restart_overhead_s", "checkpoint_interval_s")
+_INTEGER_FIELDS = ("device_memory_bytes", "tp", "micro_batch", "seq_length")
+_LAYER_NUMBERS = ("forward_s", "backward_s", "param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes",
+                  "optimizer_s")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # not NaN
+
+
+def _check_numbers(data: dict[str, Any], source: str, positive: tuple[str, ...] = (),
+                   non_negative: tuple[str, ...] = (), integers: tuple[str, ...] = ()) -> None:
+    """Reject a wrong-typed or out-of-range number here, by name, rather than as a TypeError deep in
+    the estimator."""
+    for name in positive + non_negative:
+        if name not in data:
+            continue
+        value = data[name]
+        if not _is_number(value) or value < 0 or (name in positive and value == 0):
+            want = "a positive" if name in positive else "a non-negative"
+            raise PlanningError(f"{source}: field {name!r} must be {want} number, got {value!r}")
+        if name in integers and not isinstance(value, int):
+            raise PlanningError(f"{source}: field {name!r} must be an integer, got {value!r}")
 
 
 def _check_fields(cls: type, data: dict[str, Any], source: str) -> None:
@@ -128,13 +161,8 @@ def _layer_from_dict(data: Any, source: str) -> LayerCost:
     missing = [f.name for f in fields(LayerCost) if f.name not in data and f.default is MISSING]
     if missing:
         raise PlanningError(f"{source}: missing field(s) {missing}")
-    layer = LayerCost(**data)
-    for name in ("forward_s", "backward_s", "param_bytes", "grad_bytes", "optimizer_bytes",
-                 "activation_bytes", "optimizer_s"):
-        value = getattr(layer, name)
-        if not isinstance(value, (int, float)) or value < 0:
-            raise PlanningError(f"{source}: field {name!r} must be a non-negative number, got {value!r}")
-    return layer
+    _check_numbers(data, source, non_negative=_LAYER_NUMBERS)
+    return LayerCost(**data)
 
 
 # -- built-in profiles derived from FLOPs --------------------------------------------------------
@@ -222,13 +250,3 @@ def uniform_profile(num_layers: int, forward_s: float = 1.0, backward_s: float =
         allreduce_bandwidth_Bps=allreduce_bandwidth_Bps, allreduce_latency_s=allreduce_latency_s,
         transfer_bandwidth_Bps=1e9, device_memory_bytes=device_memory_bytes, **overheads,
     )
-
-
-def resolve_profile(spec: str | None, num_layers: int, tp: int, micro_batch: int) -> ModelProfile:
-    """``--profile`` value -> profile: a built-in name, a JSON file, or the default Llama-2-7B."""
-    if spec is None or spec in SHAPES:
-        return builtin_profile(spec or "llama2-7b", num_layers=num_layers, tp=tp, micro_batch=micro_batch)
-    profile = ModelProfile.load(spec)
-    if profile.num_layers != num_layers:
-        raise PlanningError(f"profile {spec} describes {profile.num_layers} layers but --layers is {num_layers}")
-    return profile

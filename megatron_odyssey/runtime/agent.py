@@ -120,6 +120,8 @@ class FailureRecord:
     rebuild: dict[str, float] = field(default_factory=dict)  # slowest rank's world/groups/model time
     phases: dict[str, float] = field(default_factory=dict)  # since the failure: sealed, published, first step
     error: dict[str, Any] | None = None  # a failed rank's own error (type, place, message, traceback)
+    time_to_next_failure_s: float = 0.0  # what Eq. 8 assumed (per-device MTBF / live devices)
+    mtbf_hours: float = 0.0
     started: float = 0.0  # injection (or detection) time, for recovery_s
     sealed_at: float = 0.0
     published_at: float = 0.0
@@ -182,7 +184,7 @@ class Agent:
     def run(self) -> int:
         if not self.external:
             self._fork_ranks()
-        self.started = time.time()
+        self.started = self.step_started = time.time()  # the report's clock: the ranks start now
         return self.supervise()
 
     def _fork_ranks(self) -> None:
@@ -232,6 +234,8 @@ class Agent:
         for ident in bad:
             if ident not in self.errors:  # (a local error was printed when it happened)
                 self.log_error(f"rank {ident} exited {self.procs[ident].exitcode}:\n" + self._tail(ident))
+        if bad:
+            self.log_error(f"stopping the job: rank(s) {bad} failed after the last step was committed")
         self.write_report(ok=not bad)
         return 1 if bad else 0
 
@@ -416,6 +420,7 @@ class Agent:
             self.failures.append(rec)
             return False
         rec.decision_s = time.perf_counter() - t0
+        rec.time_to_next_failure_s, rec.mtbf_hours = decision.time_to_next_failure_s, self.options.mtbf_hours
         chosen = self._apply_policy(decision)
         rec.policy, rec.reason = chosen.policy, chosen.reason
         rec.candidates = [c.summary() for c in decision.candidates]
@@ -548,13 +553,23 @@ class Agent:
         if not self.cfg.report:
             return
         hidden = ("started", "generation", "sealed_at", "published_at")
-        failures = [{k: v for k, v in vars(f).items() if k not in hidden} for f in self.failures]
+        # wall_s: when the failure happened (injection, else detection), on the steps' clock
+        failures = [{**{k: v for k, v in vars(f).items() if k not in hidden},
+                     "wall_s": f.started - self.started if f.started else None} for f in self.failures]
         devices = {i: self.store.get(f"odyssey/device/{i}").decode() for i in sorted(self.procs)
                    if self.store is not None and self.store.check([f"odyssey/device/{i}"])}
         report = {"ok": ok, "steps": [self.steps[s] for s in sorted(self.steps)], "failures": failures,
-                  "profile": self.profile.name, "devices": devices,
+                  "profile": self.profile.name, "devices": devices, "host": host_summary(),
                   "final_plan": self.plan.to_dict(), "config": {k: v for k, v in vars(self.cfg).items()}}
         Path(self.cfg.report).write_text(json.dumps(report, indent=1))
+
+
+def host_summary() -> dict[str, Any]:
+    """What the ranks ran on, for reading the report's timings (several ranks may share few cores)."""
+    import platform
+
+    return {"hostname": platform.node(), "cpu_cores": len(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity") else os.cpu_count()}
 
 
 def _indent(text: str) -> str:

@@ -77,10 +77,27 @@ class TrainConfig:
             raise PlanningError(f"--heads {self.heads} and the vocabulary {self.vocab} must be divisible by --tp {self.tp}")
         if self.policy not in ("auto", "reroute", "reconfigure"):
             raise PlanningError(f"--policy must be auto, reroute or reconfigure, got {self.policy!r}")
+        if not self.heartbeat_timeout_s > self.heartbeat_interval_s:
+            raise PlanningError(f"--heartbeat-timeout must be longer than the heartbeat interval "
+                                f"{self.heartbeat_interval_s} s, got {self.heartbeat_timeout_s}")
+        if self.checkpoint_interval < 0:
+            raise PlanningError(f"--checkpoint-interval must be >= 0 (0: never), got {self.checkpoint_interval}")
+        if self.mtbf_hours is not None and not self.mtbf_hours > 0:
+            raise PlanningError(f"--mtbf-hours must be positive, got {self.mtbf_hours}")
+        if self.data_path is not None:
+            missing = [s for s in (".bin", ".idx") if not Path(self.data_path + s).is_file()]
+            if missing:
+                raise PlanningError(f"--data-path {self.data_path}: no {' or '.join(self.data_path + s for s in missing)} "
+                                    f"(give the prefix of a Megatron indexed dataset, without .bin/.idx)")
         from .faults import FailSpec
 
+        seen: dict[tuple[int, int], str] = {}
         for text in self.fail:
             spec = FailSpec.parse(text)
+            if (spec.rank, spec.step) in seen:
+                raise PlanningError(f"--fail {text!r}: rank {spec.rank} already fails in step {spec.step} "
+                                    f"({seen[spec.rank, spec.step]!r}); give one fault per rank and step")
+            seen[spec.rank, spec.step] = text
             if spec.rank >= self.nproc:
                 raise PlanningError(f"--fail {text!r}: rank {spec.rank} does not exist (ranks 0..{self.nproc - 1})")
             if spec.step >= self.steps:
@@ -88,18 +105,26 @@ class TrainConfig:
         if self.global_batch % self.micro_batch:
             raise PlanningError(f"--global-batch {self.global_batch} is not divisible by --micro-batch {self.micro_batch}")
         if self.plan is not None:
-            plan = ExecutionPlan.from_dict(self.plan)
+            try:
+                plan = ExecutionPlan.from_dict(self.plan)
+            except (AttributeError, KeyError, TypeError, ValueError) as exc:
+                why = str(exc) if isinstance(exc, PlanningError) else f"{type(exc).__name__}: {exc}"
+                raise PlanningError(f"--plan: not an execution plan ({why}); write one with "
+                                    f"ExecutionPlan.to_dict() or take `plan` from `odyssey plan --json`") from None
             if plan.num_layers != self.layers:
-                raise PlanningError(f"the plan is for {plan.num_layers} layers, --layers is {self.layers}")
-            plan.validate(num_micro_batches=self.num_micro_batches, valid_nodes=range(self.num_nodes))
+                raise PlanningError(f"--plan is for {plan.num_layers} layers, --layers is {self.layers}")
+            try:
+                plan.validate(num_micro_batches=self.num_micro_batches, valid_nodes=range(self.num_nodes))
+            except PlanningError as exc:
+                raise PlanningError(f"--plan cannot run here: {exc}") from None
             return plan
         if self.num_nodes % self.pp:
             raise PlanningError(f"{self.num_nodes} nodes (--nproc / --tp) are not a multiple of --pp {self.pp}")
         if self.pp > self.layers:
             raise PlanningError(f"--pp {self.pp} is greater than --layers {self.layers}")
         if self.num_micro_batches % self.dp:
-            raise PlanningError(f"global batch {self.global_batch} is not divisible by micro-batch x DP "
-                                f"= {self.micro_batch} x {self.dp}")
+            raise PlanningError(f"--global-batch {self.global_batch} is not divisible by --micro-batch x DP "
+                                f"= {self.micro_batch} x {self.dp} (DP = --nproc / (--tp x --pp))")
         return symmetric_plan(self.pp, self.dp, self.layers, self.num_micro_batches)
 
     def fail_specs(self):

@@ -7,6 +7,7 @@ used PP=4, TP=1) and global batch 64 (the top of its 16-64 range) with micro-bat
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,14 +21,33 @@ POLICY_NAMES = DEFAULT_POLICIES + EXTRA_POLICIES
 
 
 def parse_policies(text: str | None) -> tuple[str, ...]:
-    """``--policies odyssey,oobleck`` -> ("odyssey", "oobleck"); empty -> the defaults."""
-    if not text:
+    """``--policies odyssey,oobleck`` -> ("odyssey", "oobleck"); None -> the defaults. Unknown,
+    repeated or no names are errors that name ``--policies``."""
+    if text is None:
         return DEFAULT_POLICIES
     names = tuple(p.strip() for p in text.split(",") if p.strip())
+    if not names:
+        raise SimulationError(f"--policies names no policy; choose from {', '.join(POLICY_NAMES)}")
     unknown = [p for p in names if p not in POLICY_NAMES]
     if unknown:
-        raise SimulationError(f"unknown policies {unknown}; choose from {list(POLICY_NAMES)}")
+        raise SimulationError(f"--policies: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(POLICY_NAMES)}")
+    repeated = sorted({p for p in names if names.count(p) > 1})
+    if repeated:
+        raise SimulationError(f"--policies lists {', '.join(repeated)} more than once")
     return names
+
+
+_FLAGS = {"npus": "--npus", "tp": "--tp", "pp": "--pp", "dp": "--dp", "global_batch": "--global-batch",
+          "micro_batch": "--micro-batch", "seeds": "--seeds"}
+
+
+def _flag(name: str) -> str:
+    """The ``odyssey simulate`` flag of a field: messages name what the user typed."""
+    return _FLAGS.get(name, name)
+
+
+def _finite(x: float) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
 
 
 @dataclass(frozen=True)
@@ -72,31 +92,34 @@ class SimulationConfig:
     def __post_init__(self) -> None:
         for name in ("npus", "tp", "pp", "dp", "global_batch", "micro_batch", "seeds"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise SimulationError(f"{name} must be a positive integer, got {v!r}")
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise SimulationError(f"{_flag(name)} must be a positive integer, got {v!r}")
         if self.npus != self.tp * self.pp * self.dp:
-            raise SimulationError(f"--npus {self.npus} must equal TP x PP x DP = {self.tp} x {self.pp} x {self.dp} "
+            raise SimulationError(f"--npus {self.npus} must equal --tp x --pp x --dp = {self.tp} x {self.pp} x {self.dp} "
                                   f"= {self.tp * self.pp * self.dp}")
         if self.global_batch % (self.micro_batch * self.dp):
-            raise SimulationError(f"global batch {self.global_batch} is not divisible by micro-batch x DP = "
-                                  f"{self.micro_batch} x {self.dp}")
+            raise SimulationError(f"--global-batch {self.global_batch} is not divisible by --micro-batch x --dp = "
+                                  f"{self.micro_batch} x {self.dp} = {self.micro_batch * self.dp}")
         if self.profile is None and self.model not in MODEL_NAMES:
-            raise SimulationError(f"unknown model {self.model!r}; choose one of {list(MODEL_NAMES)}")
-        if not self.hours > 0:
-            raise SimulationError(f"--hours must be positive, got {self.hours}")
+            raise SimulationError(f"--model {self.model}: not a built-in model; choose one of {', '.join(MODEL_NAMES)}")
+        if not _finite(self.hours) or not self.hours > 0:
+            raise SimulationError(f"--hours must be a positive number of hours, got {self.hours}")
+        if not self.policies:
+            raise SimulationError(f"--policies names no policy; choose from {', '.join(POLICY_NAMES)}")
         unknown = [p for p in self.policies if p not in POLICY_NAMES]
-        if unknown or not self.policies:
-            raise SimulationError(f"unknown policies {unknown}; choose from {list(POLICY_NAMES)}")
-        if len(set(self.policies)) != len(self.policies):
-            raise SimulationError(f"policy listed twice in {list(self.policies)}")
+        if unknown:
+            raise SimulationError(f"--policies: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(POLICY_NAMES)}")
+        repeated = sorted({p for p in self.policies if list(self.policies).count(p) > 1})
+        if repeated:
+            raise SimulationError(f"--policies lists {', '.join(repeated)} more than once")
         processes = [x is not None for x in (self.failure_interval_h, self.trace)]
         if sum(processes) > 1:
-            raise SimulationError("give at most one of --failure-interval and --trace")
+            raise SimulationError("give at most one failure process: failure_interval_h or --trace")
         if self.trace is None and self.failure_interval_h is None:
-            if self.failure_rate is None or self.failure_rate < 0:
+            if self.failure_rate is None or not _finite(self.failure_rate) or self.failure_rate < 0:
                 raise SimulationError(f"--failure-rate must be >= 0 failures per device-hour, got {self.failure_rate}")
         if self.failure_interval_h is not None and not self.failure_interval_h > 0:
-            raise SimulationError(f"--failure-interval must be positive hours, got {self.failure_interval_h}")
+            raise SimulationError(f"failure_interval_h must be positive hours, got {self.failure_interval_h}")
         if self.mtbf_hours is not None and not self.mtbf_hours > 0:
             raise SimulationError(f"--mtbf-hours must be positive, got {self.mtbf_hours}")
         if self.oobleck_f < 0:

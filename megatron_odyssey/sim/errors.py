@@ -11,15 +11,16 @@ class SimulationError(ValueError):
 
 
 class TraceFormatError(SimulationError):
-    """A trace line that does not read as ``time_ms,add|remove,nodeNAME``.
+    """A trace line that does not read as ``time_ms,add|remove,nodeNAME``, or contradicts the lines
+    before it (a node removed that is not there, or added twice).
 
     Carries the file and 1-based line number so the user can fix the trace; the run stops.
     """
 
-    def __init__(self, path: str, line_no: int, line: str, why: str):
+    def __init__(self, path: str, line_no: int, line: str, why: str, show_format: bool = True):
         self.path = path
         self.line_no = line_no
         self.line = line
         self.why = why
-        super().__init__(f"{path}:{line_no}: {why} (line: {line!r}); "
-                         "expected 'time_ms,add|remove,nodeNAME'")
+        hint = "; expected 'time_ms,add|remove,nodeNAME'" if show_format else ""
+        super().__init__(f"{path}:{line_no}: {why} (line: {line!r}){hint}")

@@ -1,16 +1,22 @@
 """Everything a person looks at: the terminal table, per-policy time-series CSVs and the two plots
-of the Odyssey paper (Fig. 7: devices alive over time; Fig. 8: throughput over time).
+of the Odyssey paper (``plots.py``: Fig. 7, devices over time; Fig. 8, throughput over time).
 
-Plots use matplotlib's Agg backend (no display needed). The time series and plots show the first
-seed (all seeds use the same format; ``write_outputs(..., all_seeds=True)`` writes every seed's CSV).
+The time series and plots show the first seed (all seeds use the same format;
+``write_outputs(..., all_seeds=True)`` writes every seed's CSV). Policy names are never cut short in
+the table: the name column does not wrap, and off a terminal the table is printed wide.
 """
 from __future__ import annotations
 
 import csv
 from pathlib import Path
 
+from .plots import plot_devices, plot_throughput
 from .result import CONTRACT_RATIOS, SimulationResult
 from .timeline import PolicyRun
+
+# width of the table when stdout is not a terminal (a file, a pipe, a CI log): rich would otherwise
+# take 80 columns (or $COLUMNS) and cut policy names short
+WIDE_CONSOLE = 160
 
 CSV_COLUMNS = ("time_s", "devices_alive", "devices_used", "throughput", "state")
 
@@ -21,8 +27,10 @@ def summary_table(result: SimulationResult):
 
     n = len(result.seeds)
     table = Table(title=f"odyssey simulate: {n} seed(s), fault-free {result.fault_free_throughput:.3f} samples/s")
-    for col in ("policy", "avg samples/s", "std", "% fault-free", "samples", "downtime s", "reconfigs"):
-        table.add_column(col, justify="left" if col == "policy" else "right")
+    longest = max((len(n) for n in result.policies), default=6)
+    table.add_column("policy", justify="left", no_wrap=True, min_width=longest)
+    for col in ("avg samples/s", "std", "% fault-free", "samples", "downtime s", "reconfigs"):
+        table.add_column(col, justify="right", overflow="fold")
     for name, s in result.policies.items():
         j = s.to_json(result.fault_free_throughput)
         frac = j["fraction_of_fault_free"]
@@ -37,9 +45,14 @@ def summary_table(result: SimulationResult):
 
 
 def print_summary(result: SimulationResult, console=None) -> None:
+    """Print the table; off a terminal, wide enough that nothing is truncated."""
+    import sys
+
     from rich.console import Console
 
-    (console or Console()).print(summary_table(result))
+    if console is None:
+        console = Console() if sys.stdout.isatty() else Console(width=WIDE_CONSOLE)
+    console.print(summary_table(result))
 
 
 def timeseries_rows(run: PolicyRun) -> list[tuple[float, int, int, float, str]]:
@@ -57,59 +70,6 @@ def write_timeseries(run: PolicyRun, path: Path) -> None:
         w.writerow(CSV_COLUMNS)
         for t, alive, used, thr, state in timeseries_rows(run):
             w.writerow((f"{t:.3f}", alive, used, f"{thr:.6f}", state))
-
-
-def _steps(run: PolicyRun, attr: str) -> tuple[list[float], list[float]]:
-    xs, ys = [], []
-    for s in run.segments:
-        xs += [s.start_s / 3600, s.end_s / 3600]
-        ys += [getattr(s, attr)] * 2
-    return xs, ys
-
-
-def plot_devices(result: SimulationResult, path: Path, seed_index: int = 0) -> None:
-    """Fig. 7: devices alive in the cluster, and devices each policy keeps busy."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    runs = {n: s.runs[seed_index] for n, s in result.policies.items()}
-    first = next(iter(runs.values()))
-    ax.plot(*_steps(first, "devices_alive"), color="black", lw=2, label="devices alive")
-    for name, run in runs.items():
-        if name in ("fault-scaled", "ideal"):
-            continue
-        ax.plot(*_steps(run, "devices_used"), lw=1.2, alpha=0.8, label=f"{name} (in use)")
-    ax.set_xlabel("time (h)")
-    ax.set_ylabel("devices")
-    ax.set_title(f"Devices over time (seed {result.seeds[seed_index]})")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def plot_throughput(result: SimulationResult, path: Path, seed_index: int = 0) -> None:
-    """Fig. 8: throughput over time per policy (dotted lines: each policy's average)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for i, (name, s) in enumerate(result.policies.items()):
-        run = s.runs[seed_index]
-        line, = ax.plot(*_steps(run, "throughput"), lw=1.2, label=name)
-        ax.axhline(run.avg_throughput, color=line.get_color(), ls=":", lw=1)
-    ax.set_xlabel("time (h)")
-    ax.set_ylabel("throughput (samples/s)")
-    ax.set_title(f"Training throughput over time (seed {result.seeds[seed_index]}; dotted: average)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def write_outputs(result: SimulationResult, out_dir: str | Path, all_seeds: bool = False) -> list[Path]:

@@ -11,6 +11,7 @@ import time
 from typing import Callable
 
 from ..planning.errors import PlanningError
+from ..planning.models import resolve_profile
 from ..planning.profile import ModelProfile
 from .config import SimulationConfig
 from .errors import SimulationError
@@ -58,15 +59,20 @@ def derived_mtbf_hours(config: SimulationConfig, trace: Trace | None) -> float:
 
 
 def load_profile(config: SimulationConfig) -> ModelProfile:
-    """The job's profile: a JSON file (``profile``) or a built-in model name."""
+    """The job's profile: ``profile`` (a JSON file or a built-in name, as ``odyssey plan --profile``
+    takes) or the built-in ``model``; a stage needs at least one layer, so PP must not exceed them."""
     if config.profile is None:
-        return resolve_model(config.model, config.num_layers, config.tp, config.micro_batch, config.seq_length)
-    try:
-        profile = ModelProfile.load(config.profile)
-    except PlanningError as exc:
-        raise SimulationError(str(exc)) from None
-    if config.num_layers is not None and config.num_layers != profile.num_layers:
-        raise SimulationError(f"profile {config.profile} has {profile.num_layers} layers, not {config.num_layers}")
+        profile = resolve_model(config.model, config.num_layers, config.tp, config.micro_batch, config.seq_length)
+        source = f"--model {config.model}"
+    else:
+        try:
+            profile = resolve_profile(config.profile, config.num_layers, config.tp, config.micro_batch)
+        except PlanningError as exc:
+            raise SimulationError(str(exc)) from None
+        source = f"--profile {config.profile}"
+    if config.pp > profile.num_layers:
+        raise SimulationError(f"--pp {config.pp} is greater than the {profile.num_layers} layers of {source}: "
+                              "every pipeline stage needs at least one transformer layer")
     return profile
 
 
@@ -78,6 +84,8 @@ def run_simulation(config: SimulationConfig,
     profile = load_profile(config)
     mtbf = derived_mtbf_hours(config, trace)
     ctx = SimContext.build(config, profile, mtbf)
+    for name in config.policies:  # a policy that cannot run on this job says so before any seed runs
+        make_policy(name, ctx)
     seeds = list(range(config.first_seed, config.first_seed + config.seeds))
     runs: dict[str, list] = {name: [] for name in config.policies}
     bar = None

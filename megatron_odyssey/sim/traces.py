@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..planning.errors import read_user_file
 from .errors import SimulationError, TraceFormatError
 
 _NODE = re.compile(r"node\S+")
@@ -57,6 +58,7 @@ def parse_trace_lines(lines: list[str], path: str = "<trace>") -> Trace:
     remove of an absent one is also an error (the trace would contradict itself)."""
     events: list[TraceEvent] = []
     alive: set[str] = set()
+    last_seen: dict[str, tuple[str, int, int]] = {}  # node -> (op, line, ms) of its latest event
     last_ms = 0
     for i, raw in enumerate(lines, start=1):
         line = raw.strip()
@@ -79,23 +81,27 @@ def parse_trace_lines(lines: list[str], path: str = "<trace>") -> Trace:
         if not _NODE.fullmatch(node):
             raise TraceFormatError(path, i, line, f"node name {node!r} does not look like 'nodeNAME'")
         if op == "add" and node in alive:
-            raise TraceFormatError(path, i, line, f"{node} is added while already present")
+            _, at_line, at_ms = last_seen[node]
+            raise TraceFormatError(path, i, line, f"at {ms} ms {node} is added, but it is already in the cluster "
+                                   f"(added at {at_ms} ms, line {at_line})", show_format=False)
         if op == "remove" and node not in alive:
-            raise TraceFormatError(path, i, line, f"{node} is removed while not present")
+            if node in last_seen:
+                _, at_line, at_ms = last_seen[node]
+                why = f"at {ms} ms {node} is removed, but it already left the cluster at {at_ms} ms (line {at_line})"
+            else:
+                why = (f"at {ms} ms {node} is removed, but it was never added; the cluster is built by the "
+                       f"events at time 0 (e.g. '0,add,{node}') and grows by later 'add' lines")
+            raise TraceFormatError(path, i, line, why, show_format=False)
         (alive.add if op == "add" else alive.discard)(node)
+        last_seen[node] = (op, i, ms)
         last_ms = ms
         events.append(TraceEvent(ms / 1000.0, op, node, i))
     if not events:
-        raise SimulationError(f"trace {path} has no events")
+        raise SimulationError(f"{path}: the trace has no events (expected lines 'time_ms,add|remove,nodeNAME')")
     return Trace(path, tuple(events))
 
 
 def load_trace(path: str | Path) -> Trace:
     p = Path(path)
-    try:
-        text = p.read_text()
-    except FileNotFoundError:
-        raise SimulationError(f"trace file {p} does not exist") from None
-    except UnicodeDecodeError:
-        raise SimulationError(f"trace file {p} is not a text file") from None
+    text = read_user_file(p, str(p), "a trace file (lines 'time_ms,add|remove,nodeNAME')", SimulationError)
     return parse_trace_lines(text.splitlines(), str(p))

@@ -8,6 +8,7 @@ unchanged.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -28,8 +29,10 @@ class TrainingFailed(RuntimeError):
 def launch(cfg: TrainConfig, workdir: str | Path | None = None, quiet: bool = False) -> str:
     """Run the job to completion on this machine; raises TrainingFailed with the failing ranks' errors.
     The agent's stderr (errors, with tracebacks) is shown on the terminal as it comes unless ``quiet``,
-    and returned."""
+    and returned. Without ``workdir`` the logs and checkpoints go to a temporary folder, removed when
+    the job succeeds and kept (and named) when it fails."""
     cfg.validate()  # reject bad plans and flags before any process starts
+    temporary = workdir is None
     workdir = Path(workdir or tempfile.mkdtemp(prefix="odyssey-train-"))
     workdir.mkdir(parents=True, exist_ok=True)
     if cfg.workdir is None:
@@ -51,9 +54,24 @@ def launch(cfg: TrainConfig, workdir: str | Path | None = None, quiet: bool = Fa
     code = proc.wait()
     text = "".join(err)
     if code:
-        detail = f"; the error is above (logs in {workdir})" if not quiet else f":\n{text[-12000:]}"
-        raise TrainingFailed(f"training failed (agent exit {code}){detail}", text)
+        raise TrainingFailed(failure_message(code, text, workdir, quiet), text)
+    if temporary and cfg.workdir == str(workdir):
+        shutil.rmtree(workdir, ignore_errors=True)  # nothing in it is needed after a clean finish
     return text
+
+
+STOP_LINE = "[odyssey agent] stopping the job: "
+
+
+def failure_message(code: int, stderr: str, workdir: Path, quiet: bool) -> str:
+    """One line a user can act on: the agent's reason for stopping (the ranks' tracebacks were shown
+    above it as they happened), and where the rank logs are kept."""
+    reasons = [line[len(STOP_LINE):].strip() for line in stderr.splitlines() if line.startswith(STOP_LINE)]
+    reason = reasons[-1] if reasons else f"the agent exited {code}"
+    where = f"rank logs kept in {workdir}"
+    if quiet:
+        return f"training failed: {reason}; {where}:\n{stderr[-12000:]}"
+    return f"training failed: {reason} (the error is above; {where})"
 
 
 def is_torchrun_worker() -> bool:

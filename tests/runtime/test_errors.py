@@ -81,12 +81,23 @@ def test_the_same_error_on_a_second_rank_stops_the_job_within_seconds(tmp_path: 
 
 
 def test_a_start_up_failure_ends_the_job_promptly_with_the_real_error(tmp_path: Path) -> None:
-    proc, wall = odyssey_train(tmp_path, "--data-path", str(tmp_path / "no-such-corpus"))
+    bad = tmp_path / "corrupt"  # the files exist (a missing prefix is refused up front) but hold no index
+    bad.with_suffix(".bin").write_bytes(b"x" * 64)
+    bad.with_suffix(".idx").write_bytes(b"not an index")
+    proc, wall = odyssey_train(tmp_path, "--data-path", str(bad))
     terminal = proc.stdout + proc.stderr
-    assert proc.returncode != 0
+    assert proc.returncode == 1
     assert "failed during start-up" in terminal
-    assert "Traceback (most recent call last)" in terminal and "cannot be found at the path prefix" in terminal
+    assert "Traceback (most recent call last)" in terminal and "indexed_dataset.py" in terminal
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("training failed: rank ") and "during start-up" in last and "rank logs kept in" in last
     assert wall < TIMEOUT_S / 2, wall  # not the 60 s "never came up" heartbeat rule, nor a timeout
+
+
+def test_a_missing_dataset_is_refused_before_any_process_starts(tmp_path: Path) -> None:
+    proc, wall = odyssey_train(tmp_path, "--data-path", str(tmp_path / "no-such-corpus"))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("odyssey train: error: --data-path ")
 
 
 def test_gloo_peer_failures_are_told_apart_from_local_errors() -> None:

@@ -116,5 +116,5 @@ def test_bad_plans_are_rejected_before_any_process_starts(plan, message, tmp_pat
 
 
 def test_bad_flags_are_rejected_before_any_process_starts(tmp_path):
-    with pytest.raises(PlanningError, match="not divisible by micro-batch x DP"):
+    with pytest.raises(PlanningError, match="--global-batch 10 is not divisible by --micro-batch x DP"):
         launch(TrainConfig(nproc=6, tp=1, pp=2, **{**BASE, "global_batch": 10}), tmp_path)

@@ -116,12 +116,27 @@ def test_parse_policies():
     assert parse_policies(None) == DEFAULT_POLICIES
     with pytest.raises(SimulationError, match="bamboo"):
         parse_policies("odyssey,bamboo")
+    with pytest.raises(SimulationError, match="--policies lists odyssey more than once"):
+        parse_policies("odyssey,recycle,odyssey")
+
+
+def test_trace_that_removes_an_absent_node_says_where_and_why():
+    from megatron_odyssey.sim import TraceFormatError
+
+    with pytest.raises(TraceFormatError) as exc:
+        parse_trace_lines(["0,add,node1", "0,add,node2", "60000,remove,node3"], "spot.csv")
+    msg = str(exc.value)
+    assert msg.startswith("spot.csv:3: at 60000 ms node3 is removed, but it was never added")
+    assert "events at time 0" in msg and "expected 'time_ms" not in msg  # not a format problem
+    assert exc.value.line_no == 3
 
 
 def test_config_validation():
-    with pytest.raises(SimulationError, match="TP x PP x DP"):
+    with pytest.raises(SimulationError, match="--npus 32 must equal --tp x --pp x --dp"):
         SimulationConfig(npus=32, tp=1, pp=4, dp=4)
-    with pytest.raises(SimulationError, match="unknown policies"):
+    with pytest.raises(SimulationError, match="--policies: unknown 'bamboo'"):
         SimulationConfig(policies=("odyssey", "bamboo"))
+    with pytest.raises(SimulationError, match="--seeds must be a positive integer"):
+        SimulationConfig(seeds=0)
     with pytest.raises(SimulationError, match="at most one"):
         SimulationConfig(failure_interval_h=1.0, trace="x.csv")

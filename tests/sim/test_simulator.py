@@ -137,8 +137,8 @@ def _trace(tmp_path, lines):
     ("sixty,add,node9", "integer"),
     ("60000,join,node9", "neither"),
     ("60000,add,9", "nodeNAME"),
-    ("60000,remove,node42", "not present"),
-    ("60000,add,node1", "already present"),
+    ("60000,remove,node42", "never added"),
+    ("60000,add,node1", "already in the cluster"),
     ("-5,add,node9", "negative"),
 ])
 def test_malformed_trace_line_stops_the_run_with_its_line_number(tmp_path, bad, why):

@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ...planning.fit import Grid, explain_misfit, suggest_layout
 from ...planning.plan import ExecutionPlan
 from ...planning.planner import Planner, PlannerOptions
 from ...planning.profile import ModelProfile
@@ -74,8 +75,7 @@ class SimContext:
         cost = CostModel(profile, config.num_micro_batches, config.micro_batch)
         ctx = cls(config, profile, cost, mtbf_hours)
         if ctx.initial_plan(list(range(config.num_nodes))) is None:
-            raise SimulationError(f"the configured PP={config.pp} x DP={config.dp} layout of {config.model} does not fit "
-                                  f"in {profile.device_memory_bytes / 2**30:.0f} GiB per device")
+            raise SimulationError(misfit_message(config, profile))
         return ctx
 
     # -- shared knobs ------------------------------------------------------------------------------
@@ -122,6 +122,22 @@ class SimContext:
 
     def memo_of(self, name: str) -> dict[Any, Any]:
         return self.memo.setdefault(name, {})
+
+
+def misfit_message(config: SimulationConfig, profile: ModelProfile) -> str:
+    """The launch grid does not fit memory: say by how much and which grid would (the memory estimator
+    over TP 1-8 for a built-in model; a profile file is fixed at its own TP)."""
+    from ..profiles import resolve_model
+
+    def profile_for_tp(tp: int) -> ModelProfile | None:
+        if config.profile is not None:
+            return profile if tp == config.tp else None
+        return resolve_model(config.model, config.num_layers, tp, config.micro_batch, config.seq_length)
+
+    grid = Grid(config.tp, config.pp, config.dp)
+    suggestion = suggest_layout(profile_for_tp, config.npus, config.num_micro_batches, config.dp)
+    label = config.profile or config.model
+    return explain_misfit(profile, grid, config.num_micro_batches, suggestion, "--npus", lambda g: g.devices, label)
 
 
 class Policy(ABC):

@@ -36,11 +36,13 @@ def oobleck_config(ctx) -> ob.OobleckConfig:
         memo["templates"] = model
         n0 = model.min_nodes()
         if n0 is None:
-            raise SimulationError("no pipeline of any length holds the model: Oobleck has no template")
+            raise SimulationError("--policies oobleck: no pipeline of any length holds the model in memory, "
+                                  "so Oobleck has no pipeline template")
         n0 = min(n0, c.pp)
         if ctx.job_nodes < (c.oobleck_f + 1) * n0:
-            raise SimulationError(f"Oobleck with f={c.oobleck_f} needs (f+1)*n0 = {(c.oobleck_f + 1) * n0} nodes; "
-                                  f"the job has {ctx.job_nodes}: lower --oobleck-f")
+            raise SimulationError(f"--policies oobleck needs (f+1) x {n0} = {(c.oobleck_f + 1) * n0} nodes to keep f+1 "
+                                  f"pipelines (f={c.oobleck_f}, {n0} nodes hold one model replica); the job has "
+                                  f"{ctx.job_nodes}: raise --dp, or leave oobleck out of --policies")
         def pipeline_time(n: int, m: int) -> float:
             t = model.pipeline_time(n, m)
             return t if math.isfinite(t) else _INFEASIBLE_S
