@@ -13,12 +13,12 @@ import os
 import sys
 from typing import Callable
 
-from .cli_args import UsageError, non_negative_float, positive_float, positive_int
+from .cli_args import UsageError, ensure_folder, non_negative_float, positive_float, positive_int
 from .planning.cluster import ClusterSpec, parse_node_list
 from .planning.errors import PlanningError
 from .planning.exhaustive import SearchTooLarge, describe_count, describe_seconds
 from .planning.fit import Grid, explain_misfit, fits, suggest_layout
-from .planning.models import DEFAULT_MODEL, builtin_help, resolve_profile
+from .planning.models import BUILTIN_MODELS, DEFAULT_MODEL, builtin_help, resolve_profile
 from .planning.plan import symmetric_plan
 from .planning.planner import DEFAULT_MTBF_HOURS, SEARCH_MODES, Planner, PlannerOptions
 
@@ -101,7 +101,7 @@ def _check_plan_fits(args: argparse.Namespace, profile, num_micro_batches: int) 
     def profile_for_tp(tp: int):
         if tp == args.tp:
             return profile
-        if args.profile is not None and not _is_builtin(args.profile):
+        if args.profile is not None and args.profile not in BUILTIN_MODELS:
             return None  # a file is measured at one TP size
         return resolve_profile(args.profile, args.layers, tp, args.micro_batch)
 
@@ -109,12 +109,6 @@ def _check_plan_fits(args: argparse.Namespace, profile, num_micro_batches: int) 
     suggestion = suggest_layout(profile_for_tp, devices, num_micro_batches, args.dp)
     raise UsageError(explain_misfit(profile, Grid(args.tp, args.pp, args.dp), num_micro_batches, suggestion,
                                     "--nodes", lambda g: g.pp * g.dp, label=args.profile or DEFAULT_MODEL))
-
-
-def _is_builtin(name: str) -> bool:
-    from .planning.models import BUILTIN_MODELS
-
-    return name in BUILTIN_MODELS
 
 
 # -- simulate -------------------------------------------------------------------------------------
@@ -167,10 +161,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                              f"--profile {args.profile})")
         policies = parse_policies(args.policies)
         if args.out:
-            _prepare_out(args.out)
+            ensure_folder("--out", args.out)
+        trace = None
         if args.trace:
             try:
-                load_trace(args.trace)
+                trace = load_trace(args.trace)
             except SimulationError as exc:
                 raise UsageError(f"--trace {exc}") from None
         cfg = SimulationConfig(npus=args.npus, tp=args.tp, pp=args.pp, dp=args.dp, failure_rate=args.failure_rate,
@@ -178,7 +173,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                                model=args.model or DEFAULT_MODEL, profile=args.profile,
                                global_batch=args.global_batch, micro_batch=args.micro_batch,
                                progress=not args.json)
-        result = run_simulation(cfg)
+        result = run_simulation(cfg, trace=trace)
     except SimulationError as exc:
         raise UsageError(str(exc)) from None
     if args.out:
@@ -189,18 +184,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     else:
         print_summary(result)
     return 0
-
-
-def _prepare_out(out: str) -> None:
-    """Create ``--out`` before simulating, so a bad folder fails in a second, not after the run."""
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise UsageError(f"--out {out} is a file; give a folder (it is created if missing)")
-    try:
-        os.makedirs(out, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"--out {out}: cannot create the folder ({exc.strerror or exc})") from None
-    if not os.access(out, os.W_OK):
-        raise UsageError(f"--out {out}: the folder is not writable")
 
 
 # -- train / demo ---------------------------------------------------------------------------------

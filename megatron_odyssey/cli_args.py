@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 
 
 class UsageError(ValueError):
@@ -46,3 +47,15 @@ def non_negative_float(text: str) -> float:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
     return value
+
+
+def ensure_folder(flag: str, path: str) -> None:
+    """Create the output folder ``flag`` names now, so a bad one fails at once, not after the run."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"{flag} {path} is a file; give a folder (it is created if missing)")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: cannot create the folder ({exc.strerror or exc})") from None
+    if not os.access(path, os.W_OK):
+        raise UsageError(f"{flag} {path}: the folder is not writable")

@@ -12,7 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from .planning.errors import PlanningError, read_user_file
+from .cli_args import UsageError, ensure_folder
+from .planning.errors import read_user_file
 from .runtime.config import TrainConfig
 
 
@@ -79,11 +80,11 @@ def read_plan(path: str | None) -> dict | None:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise PlanningError(f"--plan {path}: not JSON ({exc})") from None
+        raise UsageError(f"--plan {path}: not JSON ({exc})") from None
     if isinstance(data, dict) and "pipelines" not in data and isinstance(data.get("plan"), dict):
         data = data["plan"]
     if not isinstance(data, dict):
-        raise PlanningError(f"--plan {path}: expected a JSON object (an execution plan), got {type(data).__name__}")
+        raise UsageError(f"--plan {path}: expected a JSON object (an execution plan), got {type(data).__name__}")
     return data
 
 
@@ -95,17 +96,12 @@ def check_outputs(args: argparse.Namespace) -> None:
             continue
         folder = Path(path).resolve().parent
         if not folder.is_dir():
-            raise PlanningError(f"--{flag.replace('_', '-')} {path}: folder {folder} does not exist")
+            raise UsageError(f"--{flag.replace('_', '-')} {path}: folder {folder} does not exist")
         if not os.access(folder, os.W_OK):
-            raise PlanningError(f"--{flag.replace('_', '-')} {path}: folder {folder} is not writable")
+            raise UsageError(f"--{flag.replace('_', '-')} {path}: folder {folder} is not writable")
     for flag in ("workdir", "out"):
-        path = getattr(args, flag, None)
-        if path is None:
-            continue
-        try:
-            Path(path).mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise PlanningError(f"--{flag} {path}: cannot create it ({exc.strerror})") from None
+        if getattr(args, flag, None) is not None:
+            ensure_folder(f"--{flag}", getattr(args, flag))
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -132,13 +128,12 @@ DEMO = TrainConfig(nproc=8, tp=1, pp=2, layers=8, hidden=64, heads=4, seq=32, gl
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
+    from .planning.report import terminal_console
     from .runtime.data import build_indexed_dataset
     from .standalone.launcher import TrainingFailed, launch
     from .standalone.report_view import plot_report, print_summary
 
-    console = Console(width=None if sys.stdout.isatty() else 160)
+    console = terminal_console()
     check_outputs(args)
     out = Path(args.out)
     cfg = config_from_args(args, DEMO)

@@ -56,6 +56,8 @@ from megatron_odyssey.runtime.accelerator import (
     cpu_mode_enabled,
     disable_cpu_mode,
     enable_cpu_mode,
+    install_patch,
+    undo_patches,
 )
 
 __all__ = [
@@ -370,17 +372,9 @@ def enable_megatron_lm_cpu_mode() -> None:
         enable_cpu_mode()
         try:
             for patch in MEGATRON_LM_CPU_PATCHES:
-                owner, attr = _owner_and_attr(patch.target)
-                if isinstance(owner, (type, types.ModuleType)):
-                    had = attr in vars(owner)
-                else:
-                    had = hasattr(owner, attr)
-                original = getattr(owner, attr, None)
                 value = patch.replacement
-                if isinstance(value, _WrapOriginal):
-                    value = value.build(original)
-                setattr(owner, attr, value)
-                _APPLIED.append(_Applied(owner, attr, original, had))
+                build = value.build if isinstance(value, _WrapOriginal) else (lambda _original, value=value: value)
+                install_patch(*_owner_and_attr(patch.target), build, _APPLIED)
         except BaseException:
             _restore_all()
             raise
@@ -388,15 +382,7 @@ def enable_megatron_lm_cpu_mode() -> None:
 
 def _restore_all() -> None:
     global _OWNS_CORE_MODE
-    while _APPLIED:
-        rec = _APPLIED.pop()
-        if rec.had_attr:
-            setattr(rec.owner, rec.attr, rec.original)
-        else:  # e.g. Tensor.cuda is inherited from TensorBase: drop the override
-            try:
-                delattr(rec.owner, rec.attr)
-            except AttributeError:
-                pass
+    undo_patches(_APPLIED)
     if _OWNS_CORE_MODE:
         disable_cpu_mode()
         _OWNS_CORE_MODE = False

@@ -49,10 +49,6 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
 }
 
 
-def builtin_names() -> tuple[str, ...]:
-    return tuple(BUILTIN_MODELS)
-
-
 def builtin_help() -> str:
     """``llama2-7b, llama2-70b, gpt3-medium-a100``: for help texts and error messages."""
     return ", ".join(BUILTIN_MODELS)

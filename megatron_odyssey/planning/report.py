@@ -12,14 +12,21 @@ from typing import TextIO
 from .exhaustive import SearchStatus, describe_count, describe_seconds
 from .planner import Decision
 
-WIDE_CONSOLE = 160  # off a terminal, rich would wrap at 80 columns
+WIDE_CONSOLE = 160  # off a terminal (a file, a pipe, a CI log), rich would wrap at 80 columns or $COLUMNS
+
+
+def terminal_console():
+    """The rich console every ``odyssey`` command prints its tables on: the terminal's width, or wide
+    off a terminal so that no table cuts names short."""
+    from rich.console import Console
+
+    return Console(width=None if sys.stdout.isatty() else WIDE_CONSOLE)
 
 
 def print_decision(decision: Decision, console=None) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = console or Console(width=None if sys.stdout.isatty() else WIDE_CONSOLE)
+    console = console or terminal_console()
     table = Table(title=f"Recovery candidates for failed nodes {sorted(decision.failed) or 'none'}")
     for col in ("policy", "step time (s)", "transition (s)", "score (samples/s)", "note"):
         table.add_column(col, no_wrap=col == "policy")

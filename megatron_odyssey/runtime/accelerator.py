@@ -513,6 +513,28 @@ def _resolve(target: str) -> Tuple[Any, str]:
     raise ImportError(f"cannot resolve patch target {target!r}")
 
 
+def install_patch(owner: Any, attr: str, build: Callable[[Any], Any], applied: List[_Applied]) -> None:
+    """Set ``owner.attr`` to ``build(original)`` and record how to undo it in ``applied``. Shared by
+    megatron-core's CPU mode here and Megatron-LM's (``megatron_lm.cpu_mode``)."""
+    had = attr in vars(owner) if isinstance(owner, (type, types.ModuleType)) else hasattr(owner, attr)
+    original = getattr(owner, attr, None)
+    setattr(owner, attr, build(original))
+    applied.append(_Applied(owner, attr, original, had))
+
+
+def undo_patches(applied: List[_Applied]) -> None:
+    """Restore what :func:`install_patch` replaced, newest first."""
+    while applied:
+        rec = applied.pop()
+        if rec.had_attr:
+            setattr(rec.owner, rec.attr, rec.original)
+        else:  # e.g. Tensor.cuda is inherited from TensorBase: drop the override
+            try:
+                delattr(rec.owner, rec.attr)
+            except AttributeError:
+                pass
+
+
 def cpu_mode_enabled() -> bool:
     """True while the CPU-mode patches are applied."""
     return bool(_APPLIED)
@@ -531,14 +553,8 @@ def enable_cpu_mode() -> None:
         get_accelerator("cpu")
         try:
             for patch in CPU_MODE_PATCHES:
-                owner, attr = _resolve(patch.target)
-                had = attr in vars(owner) if isinstance(owner, (type, types.ModuleType)) else hasattr(owner, attr)
-                original = getattr(owner, attr, None)
-                value = patch.replacement
-                if value is _LazyCpuRngTracker:
-                    value = cpu_rng_tracker_class()
-                setattr(owner, attr, value)
-                _APPLIED.append(_Applied(owner, attr, original, had))
+                value = cpu_rng_tracker_class() if patch.replacement is _LazyCpuRngTracker else patch.replacement
+                install_patch(*_resolve(patch.target), lambda _original, value=value: value, _APPLIED)
             from megatron.core.tensor_parallel import random as mrandom
 
             _SAVED_TRACKER = (mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED)
@@ -552,15 +568,7 @@ def enable_cpu_mode() -> None:
 
 def _restore_all() -> None:
     global _SAVED_TRACKER
-    while _APPLIED:
-        rec = _APPLIED.pop()
-        if rec.had_attr:
-            setattr(rec.owner, rec.attr, rec.original)
-        else:
-            try:
-                delattr(rec.owner, rec.attr)
-            except AttributeError:
-                pass
+    undo_patches(_APPLIED)
     if _SAVED_TRACKER is not None:
         from megatron.core.tensor_parallel import random as mrandom
 

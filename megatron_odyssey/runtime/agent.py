@@ -44,7 +44,7 @@ from ..planning.plan import ExecutionPlan
 from ..planning.cache import PlanCache
 from ..planning.planner import Decision, Planner, PlannerOptions
 from .config import TrainConfig
-from .errors import GIVEUP_KEY, STARTED_KEY, ErrorRecord, rank_log_traceback, read_error
+from .errors import GIVEUP_KEY, STARTED_KEY, STOP_LINE, ErrorRecord, rank_log_traceback, read_error
 
 
 def rank_start_method(cfg: TrainConfig) -> str:
@@ -180,6 +180,9 @@ class Agent:
         """Errors go to stderr: the launcher shows it on the terminal (and in its failure message)."""
         print(f"[odyssey agent] {msg}", file=sys.stderr, flush=True)
 
+    def stop_line(self, reason: str) -> None:
+        print(STOP_LINE + reason, file=sys.stderr, flush=True)
+
     # -- main loop ------------------------------------------------------------------------------------
     def run(self) -> int:
         if not self.external:
@@ -235,7 +238,7 @@ class Agent:
             if ident not in self.errors:  # (a local error was printed when it happened)
                 self.log_error(f"rank {ident} exited {self.procs[ident].exitcode}:\n" + self._tail(ident))
         if bad:
-            self.log_error(f"stopping the job: rank(s) {bad} failed after the last step was committed")
+            self.stop_line(f"rank(s) {bad} failed after the last step was committed")
         self.write_report(ok=not bad)
         return 1 if bad else 0
 
@@ -297,7 +300,7 @@ class Agent:
     def give_up(self, reason: str) -> None:
         """Stop the job: every rank learns it from the store at once (its waiting loops exit on the
         give-up key, or on the generation's abort), and the ranks are stopped."""
-        self.log_error(f"stopping the job: {reason}")
+        self.stop_line(reason)
         try:
             self.store.set(GIVEUP_KEY, reason)
             if not self.store.check([self.key("abort")]):

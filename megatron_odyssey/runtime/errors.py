@@ -35,6 +35,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 GIVEUP_KEY = "odyssey/giveup"  # the agent stopped the job; the value says why
+# the agent's last stderr line when it ends a job; the launcher turns it into its one-line failure
+STOP_LINE = "[odyssey agent] stopping the job: "
 ERROR_KEY = "odyssey/error/{}"  # a rank's local error record (JSON of ErrorRecord)
 STARTED_KEY = "odyssey/started/{}"  # a rank finished start-up (reached its first training step)
 LOCAL_ERROR_EXIT = 13  # a rank exits with this after a local error

@@ -10,13 +10,11 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+from ..planning.report import terminal_console
 from .plots import plot_devices, plot_throughput
 from .result import CONTRACT_RATIOS, SimulationResult
 from .timeline import PolicyRun
 
-# width of the table when stdout is not a terminal (a file, a pipe, a CI log): rich would otherwise
-# take 80 columns (or $COLUMNS) and cut policy names short
-WIDE_CONSOLE = 160
 
 CSV_COLUMNS = ("time_s", "devices_alive", "devices_used", "throughput", "state")
 
@@ -46,13 +44,7 @@ def summary_table(result: SimulationResult):
 
 def print_summary(result: SimulationResult, console=None) -> None:
     """Print the table; off a terminal, wide enough that nothing is truncated."""
-    import sys
-
-    from rich.console import Console
-
-    if console is None:
-        console = Console() if sys.stdout.isatty() else Console(width=WIDE_CONSOLE)
-    console.print(summary_table(result))
+    (console or terminal_console()).print(summary_table(result))
 
 
 def timeseries_rows(run: PolicyRun) -> list[tuple[float, int, int, float, str]]:

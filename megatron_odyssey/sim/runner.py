@@ -76,11 +76,13 @@ def load_profile(config: SimulationConfig) -> ModelProfile:
     return profile
 
 
-def run_simulation(config: SimulationConfig,
-                   on_progress: Callable[[int, int], None] | None = None) -> SimulationResult:
-    """Simulate every policy of ``config`` over ``config.seeds`` seeds."""
+def run_simulation(config: SimulationConfig, on_progress: Callable[[int, int], None] | None = None,
+                   trace: Trace | None = None) -> SimulationResult:
+    """Simulate every policy of ``config`` over ``config.seeds`` seeds; ``trace``: ``config.trace``
+    already loaded (the CLI reads it first, to name ``--trace`` in its errors)."""
     wall = time.perf_counter()
-    trace = load_trace(config.trace) if config.trace else None
+    if trace is None and config.trace:
+        trace = load_trace(config.trace)
     profile = load_profile(config)
     mtbf = derived_mtbf_hours(config, trace)
     ctx = SimContext.build(config, profile, mtbf)

@@ -16,6 +16,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from ..runtime.config import TrainConfig
+from ..runtime.errors import STOP_LINE
 
 
 class TrainingFailed(RuntimeError):
@@ -58,9 +59,6 @@ def launch(cfg: TrainConfig, workdir: str | Path | None = None, quiet: bool = Fa
     if temporary and cfg.workdir == str(workdir):
         shutil.rmtree(workdir, ignore_errors=True)  # nothing in it is needed after a clean finish
     return text
-
-
-STOP_LINE = "[odyssey agent] stopping the job: "
 
 
 def failure_message(code: int, stderr: str, workdir: Path, quiet: bool) -> str:

@@ -182,12 +182,12 @@ CASES: list[tuple[list[str], str]] = [
     (["train", "--data-path", "{tmp}/nothing"], "--data-path {tmp}/nothing: no {tmp}/nothing.bin or"),
     (["train", "--save-params", "{tmp}/no/such/p.pt"], "--save-params {tmp}/no/such/p.pt: folder"),
     (["train", "--report", "{tmp}/no/such/r.json"], "--report {tmp}/no/such/r.json: folder"),
-    (["train", "--workdir", "{tmp}/truncated.json/run"], "--workdir {tmp}/truncated.json/run: cannot create it"),
+    (["train", "--workdir", "{tmp}/truncated.json/run"], "--workdir {tmp}/truncated.json/run: cannot create the folder"),
     (["train", "--policy", "sideways"], "argument --policy: invalid choice: 'sideways'"),
     (["train", "--bogus"], "unrecognized arguments: --bogus"),
     (["demo", "--out", "{tmp}/d", "--fail", "step=20,rank=1"], "--fail 'step=20,rank=1': step 20 is past the last step"),
     (["demo", "--out", "{tmp}/d", "--nproc", "4"], "--fail 'step=3,rank=5,phase=backward,kind=kill': rank 5 does "),
-    (["demo", "--out", "{tmp}/truncated.json"], "--out {tmp}/truncated.json: cannot create it"),
+    (["demo", "--out", "{tmp}/truncated.json"], "--out {tmp}/truncated.json is a file; give a folder"),
     (["demo", "--out", "{tmp}/d", "--report", "{tmp}/no/r.json"], "--report {tmp}/no/r.json: folder"),
 ]
 
