@@ -49,6 +49,13 @@ def add_odyssey_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         "speed-up (Eq. 8; default: the planner's 50000 h)")
     g.add_argument("--odyssey-heartbeat-timeout", type=float, default=30.0, metavar="S",
                    help="seconds without a heartbeat before a rank is declared hung and fenced (default 30)")
+    g.add_argument("--odyssey-soft-timeout", type=float, default=60.0, metavar="S",
+                   help="seconds a rank may work inside an iteration without progress (stuck in a collective "
+                        "or a kernel while its heartbeat goes on) before it is named and its stacks are dumped "
+                        "to its log (default 60, as --inprocess-soft-timeout)")
+    g.add_argument("--odyssey-hard-timeout", type=float, default=90.0, metavar="S",
+                   help="seconds without progress inside an iteration before the rank is fenced (SIGKILL) and "
+                        "the job recovers without it (default 90, as --inprocess-hard-timeout)")
     g.add_argument("--odyssey-profile-iters", type=int, default=0, metavar="N",
                    help="time the first N iterations with Megatron's timers and plan from the measured "
                         "per-layer costs instead of the analytical estimate (default 0: estimate)")
@@ -89,6 +96,9 @@ def validate_odyssey_args(args: Any) -> None:
         raise OdysseyArgumentError(f"--odyssey-max-cached-failures must be >= 0, got {args.odyssey_max_cached_failures}")
     if args.odyssey_mtbf_hours is not None and not args.odyssey_mtbf_hours > 0:
         raise OdysseyArgumentError(f"--odyssey-mtbf-hours must be > 0, got {args.odyssey_mtbf_hours}")
+    if not 0 < args.odyssey_soft_timeout < args.odyssey_hard_timeout:
+        raise OdysseyArgumentError(f"--odyssey-soft-timeout must be positive and shorter than --odyssey-hard-timeout, "
+                                   f"got {args.odyssey_soft_timeout} and {args.odyssey_hard_timeout}")
     if not args.odyssey_heartbeat_timeout > 0:
         raise OdysseyArgumentError(f"--odyssey-heartbeat-timeout must be > 0 seconds, got {args.odyssey_heartbeat_timeout}")
     if args.odyssey_profile_iters < 0:
@@ -125,6 +135,15 @@ def validate_odyssey_args(args: Any) -> None:
         raise OdysseyArgumentError(f"--odyssey runs no evaluation during training yet, but --eval-iters "
                                    f"{args.eval_iters} would evaluate every {eval_interval} iterations; set "
                                    f"--eval-iters 0 and evaluate saved checkpoints separately")
+    if getattr(args, "save", None) and getattr(args, "ckpt_format", "torch_dist") != "torch_dist":
+        raise OdysseyArgumentError(f"--odyssey saves checkpoints in the torch_dist format only: --ckpt-format "
+                                   f"{args.ckpt_format} writes one file per pipeline rank, which a job re-arranged "
+                                   f"after a failure does not have (its checkpoints load at any layout from "
+                                   f"torch_dist); remove --ckpt-format or set it to torch_dist")
+    if getattr(args, "async_save", False):
+        raise OdysseyArgumentError("--odyssey cannot be combined with --async-save: a save still being written "
+                                   "by Megatron's background worker when a rank fails can be neither finished nor "
+                                   "abandoned by the survivors; remove --async-save")
     if getattr(args, "num_experts", None):
         raise OdysseyArgumentError("--odyssey plans dense models; --num-experts (MoE) is not supported")
     from .runtime.faults import FailSpec

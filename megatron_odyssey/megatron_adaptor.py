@@ -77,7 +77,7 @@ def _finalize_model_grads(original: Callable[..., Any]) -> Callable[..., Any]:
         runtime = hooks.STATE.runtime
         if runtime is None or runtime.sync is None:
             if runtime is not None:  # generation 0: Megatron's own DDP reduction, after the fault point
-                runtime.injector(runtime.current_step, "grad-sync")
+                runtime.at(runtime.current_step, "grad-sync")
             return original(model, *args, **kwargs)
         runtime.sync()  # per layer, over exactly the ranks holding it
         return None
@@ -95,6 +95,15 @@ def _dispatcher(original: Callable[..., Any]) -> Callable[..., Any]:
     from .megatron_lm.schedule import get_forward_backward_func
 
     return get_forward_backward_func(original)
+
+
+def _between_steps(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+        from .megatron_lm import between_steps
+
+        return getattr(between_steps, name)(original)
+
+    return wrap
 
 
 _T, _C = "megatron.training", "megatron.core"
@@ -133,6 +142,22 @@ PATCHES: tuple[Patch, ...] = (
           "derives a stage's first layer number from a uniform split (TransformerLayer keeps global numbers)"),
     Patch(f"{_C}.transformer.transformer_block:get_transformer_layer_offset", hooks.layer_offset,
           "TransformerBlock's imported alias (local <-> global layer names in sharded state dicts)"),
+    # failures between iterations (megatron_lm.between_steps)
+    Patch(f"{_T}.training:training_log", _between_steps("training_log"),
+          "its interval barrier and timer all-gathers run over the world outside train_step: a peer's failure "
+          "there is recovered from, and the log line abandoned"),
+    Patch(f"{_T}.training:save_checkpoint_and_time", _between_steps("save_checkpoint_and_time"),
+          "its timer barrier and the save run over the world outside train_step: a peer's failure there is "
+          "recovered from and the save redone by the survivors"),
+    Patch(f"{_T}.training:save_checkpoint", _between_steps("save_checkpoint"),
+          "the final save (pretrain) and every interval save: an interrupted save is redone, never marked latest"),
+    # checkpoints written after a recovery (megatron_lm.checkpoint)
+    Patch(f"{_T}.checkpointing:generate_state_dict", hooks.plan_replica_state_dict,
+          "replica ids come from the data-parallel rank, 0 on every rank under our parallel_state: after a "
+          "recovery one holder per layer (its owner) must be the main replica, the others replicas"),
+    Patch(f"{_T}.checkpointing:get_rng_state", hooks.original_layout_rng_state,
+          "the RNG state is sharded by pipeline rank (0 of 1 under our parallel_state): written in the "
+          "original stage x TP layout, one live rank per slot, so a stock job finds every slot"),
     # capture what a rebuild needs
     Patch(f"{_T}.training:get_model", hooks.capture_get_model,
           "remembers the model provider, to rebuild a stage after a failure with Megatron's own get_model"),

@@ -46,8 +46,17 @@ def add_train_arguments(p: argparse.ArgumentParser, defaults: TrainConfig) -> No
     p.add_argument("--plan", default=None, help="run this plan JSON (an execution plan, or `odyssey plan --json` "
                                                 "output) instead of the symmetric PP x DP layout")
     p.add_argument("--data-path", default=d.data_path, help="Megatron indexed dataset prefix (default: mock data)")
+    p.add_argument("--hidden-dropout", type=float, default=d.hidden_dropout,
+                   help="dropout after attention and MLP (default 0); masks are keyed to the step, micro-batch and "
+                        "layer, so a failure does not change them")
+    p.add_argument("--attention-dropout", type=float, default=d.attention_dropout,
+                   help="dropout of the attention probabilities (default 0); keyed like --hidden-dropout")
     number("--checkpoint-interval", int, d.checkpoint_interval, "steps between checkpoints, 0: never")
     number("--heartbeat-timeout", float, d.heartbeat_timeout_s, "seconds without a heartbeat before a rank is fenced")
+    number("--soft-timeout", float, d.soft_timeout_s, "seconds a rank may work inside a step without progress "
+                                                      "before it is named and its stacks dumped to its log")
+    number("--hard-timeout", float, d.hard_timeout_s, "seconds without progress inside a step before a rank is "
+                                                      "fenced (SIGKILL) and the job recovers without it")
     p.add_argument("--mtbf-hours", type=float, default=d.mtbf_hours,
                    help="per-device mean time between failures for the policy choice (default "
                         + (f"{d.mtbf_hours})" if d.mtbf_hours else "the planner's 50,000)"))
@@ -68,8 +77,10 @@ def config_from_args(args: argparse.Namespace, defaults: TrainConfig) -> TrainCo
                        steps=args.steps, seed=args.seed, fail=list(fail), policy=args.policy,
                        save_params=args.save_params, report=args.report, plan=read_plan(args.plan),
                        data_path=args.data_path, checkpoint_interval=args.checkpoint_interval,
-                       heartbeat_timeout_s=args.heartbeat_timeout, mtbf_hours=args.mtbf_hours, workdir=args.workdir,
-                       profile_out=args.profile_out, shared_device=args.shared_device)
+                       heartbeat_timeout_s=args.heartbeat_timeout, soft_timeout_s=args.soft_timeout,
+                       hard_timeout_s=args.hard_timeout, mtbf_hours=args.mtbf_hours, workdir=args.workdir,
+                       profile_out=args.profile_out, shared_device=args.shared_device,
+                       hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout)
 
 
 def read_plan(path: str | None) -> dict | None:
@@ -105,13 +116,12 @@ def check_outputs(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from .standalone.launcher import TrainingFailed, is_torchrun_worker, launch, run_under_torchrun
+    from .standalone.launcher import NOT_UNDER_TORCHRUN, TrainingFailed, is_torchrun_worker, launch
 
+    if is_torchrun_worker():
+        raise UsageError(NOT_UNDER_TORCHRUN)
     check_outputs(args)
     cfg = config_from_args(args, TrainConfig())
-    if is_torchrun_worker():
-        run_under_torchrun(cfg)
-        return 0
     try:
         launch(cfg, args.workdir)
     except TrainingFailed as exc:
@@ -178,7 +188,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    train = sub.add_parser("train", help="train on N local ranks (or one torchrun rank), surviving failures")
+    train = sub.add_parser("train", help="train on N local ranks, surviving failures")
     add_train_arguments(train, TrainConfig())
     train.set_defaults(func=cmd_train)
     demo = sub.add_parser("demo", help="the main job: train, kill a rank (reroute), kill another (reconfigure)")

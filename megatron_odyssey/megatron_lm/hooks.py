@@ -158,3 +158,50 @@ def odyssey_enabled() -> bool:
         return bool(getattr(get_args(), "odyssey", False))
     except Exception:  # no Megatron-LM on the path, or arguments not parsed yet
         return False
+
+
+# -- checkpoints after a recovery (see megatron_lm.checkpoint) -----------------------------------------
+
+def _recovered_runtime() -> Any:
+    """This rank's runtime once it runs an Odyssey plan (after the first failure), else None."""
+    runtime = STATE.runtime
+    return runtime if runtime is not None and not runtime.stock else None
+
+
+def plan_replica_state_dict(original: Callable[..., Any]) -> Callable[..., Any]:
+    """megatron's ``generate_state_dict``: after a recovery each model chunk's sharded state dict marks
+    replicas by the plan (one writer per unit), and the optimizer's, built from it, follows."""
+
+    @functools.wraps(original)
+    def wrapper(args: Any, model: Any, *a: Any, **k: Any) -> Any:
+        runtime = _recovered_runtime()
+        if runtime is None or getattr(args, "ckpt_format", "torch_dist") != "torch_dist":
+            return original(args, model, *a, **k)
+        from .checkpoint import with_plan_replicas
+
+        for chunk in model:
+            chunk.sharded_state_dict = with_plan_replicas(chunk, runtime)
+        try:
+            return original(args, model, *a, **k)
+        finally:
+            for chunk in model:
+                chunk.__dict__.pop("sharded_state_dict", None)
+
+    return wrapper
+
+
+def original_layout_rng_state(original: Callable[..., Any]) -> Callable[..., Any]:
+    """megatron's ``get_rng_state``: after a recovery, the RNG slots of the original (stage x TP) layout
+    this rank writes, instead of slot (0, tp) that every rank would claim under our parallel_state."""
+
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
+        runtime = _recovered_runtime()
+        if runtime is None or isinstance(out, (list, dict)):  # legacy formats keep a plain list
+            return out
+        from .checkpoint import original_layout_rng
+
+        return original_layout_rng(out, runtime)
+
+    return wrapper

@@ -36,7 +36,8 @@ from ..runtime.executor import PipelineExecutor
 from ..runtime.grad_sync import GradientSync, all_reduce_flat, params_by_unit, unit_of
 from .hooks import ORIGINAL_ATTR, STATE
 from ..runtime.errors import GIVEUP_KEY, STARTED_KEY, fail_locally, giveup_reason, is_peer_failure, stop_now
-from ..runtime.generation import GenerationRank, Heartbeat, keys, node_stage
+from ..runtime.generation import GenerationRank, keys, node_stage
+from ..runtime.liveness import IDLE, Heartbeat, Progress, track, StoreThread
 from ..runtime.transport import P2P
 from ..runtime.world import RankMap, abort_all_groups, plan_process_groups
 
@@ -48,47 +49,35 @@ class OdysseyRestart(SystemExit):
     """The planner found no in-process continuation: Megatron must be relaunched from its checkpoint."""
 
 
-class AbortWatcher(threading.Thread):
+class AbortWatcher(StoreThread):
     """Aborts this rank's groups as soon as the agent aborts the generation. A rank blocked inside a
     collective never polls the store, and NCCL/HCCL do not see a dead peer's closed connection the way
     gloo does (they would wait for the watchdog timeout); aborting from here unblocks the op at once.
-    When the agent gives up on the job (or is gone), it ends the process at once: nothing will come."""
+    When the agent gives up on the job (or stays unreachable), it ends the process at once: nothing will
+    come. A store hiccup is retried (``StoreThread``), not taken for the end of the job."""
 
-    def __init__(self, runtime: "MegatronRank", host: str, port: int, interval_s: float = 0.05):
-        super().__init__(daemon=True, name="odyssey-abort-watcher")
-        self.runtime, self.interval_s = runtime, interval_s
-        self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
-        self.stopped = threading.Event()
-        import atexit
+    what = "abort watcher"
 
-        atexit.register(self.stop)  # a thread still inside the store client at exit aborts the process
+    def __init__(self, runtime: "MegatronRank", host: str, port: int, interval_s: float = 0.05, **kw: Any):
+        super().__init__(host, port, runtime.ident, interval_s, **kw)
+        self.runtime, self.handled = runtime, -1
 
-    def stop(self) -> None:
-        self.stopped.set()
-        self.join(5)
+    def tick(self, store: Any) -> None:
+        gen = self.runtime.gen
+        aborted = gen != self.handled and store.check([f"odyssey/gen{gen}/abort"])
+        if store.check([GIVEUP_KEY]):
+            stop_now(self.runtime.ident, f"the agent stopped the job: {giveup_reason(store) or 'no reason given'}")
+        if aborted:
+            with self.runtime.gen_lock:
+                if self.runtime.gen == gen:
+                    try:
+                        abort_all_groups()
+                    except Exception:  # the main thread is tearing the same groups down
+                        pass
+            self.handled = gen
 
-    def run(self) -> None:
-        handled = -1
-        while not self.stopped.is_set():
-            gen = self.runtime.gen
-            try:
-                aborted = gen != handled and self.store.check([f"odyssey/gen{gen}/abort"])
-                stopped = self.store.check([GIVEUP_KEY])
-            except Exception as exc:  # the agent is gone: the job is over
-                if not self.stopped.is_set():
-                    stop_now(self.runtime.ident, f"the agent is gone ({type(exc).__name__})")
-                return
-            if stopped:
-                stop_now(self.runtime.ident, f"the agent stopped the job: {giveup_reason(self.store) or 'no reason given'}")
-            if aborted:
-                with self.runtime.gen_lock:
-                    if self.runtime.gen == gen:
-                        try:
-                            abort_all_groups()
-                        except Exception:  # the main thread is tearing the same groups down
-                            pass
-                handled = gen
-            self.stopped.wait(self.interval_s)
+    def lost(self, exc: BaseException) -> None:
+        stop_now(self.runtime.ident, f"the agent is gone ({type(exc).__name__}: {str(exc)[:120]})")
 
 
 # -- Megatron objects seen through Odyssey's interfaces ------------------------------------------------
@@ -183,9 +172,10 @@ def config_from_megatron_args(args: Any) -> TrainConfig:
         global_batch=args.global_batch_size, micro_batch=args.micro_batch_size, steps=args.train_iters,
         seed=args.seed, ffn_hidden=args.ffn_hidden_size, vocab=getattr(args, "padded_vocab_size", None) or 32000,
         lr=args.lr, report=args.odyssey_report, backend=args.distributed_backend,
-        timeout_s=max(120.0, 4 * args.odyssey_heartbeat_timeout), fail=list(args.odyssey_inject_fault),
+        timeout_s=max(120.0, 4 * args.odyssey_heartbeat_timeout, 2 * args.odyssey_hard_timeout), fail=list(args.odyssey_inject_fault),
         policy=args.odyssey_policy, heartbeat_interval_s=min(1.0, args.odyssey_heartbeat_timeout / 10),
         heartbeat_timeout_s=args.odyssey_heartbeat_timeout, checkpoint_interval=0,
+        soft_timeout_s=args.odyssey_soft_timeout, hard_timeout_s=args.odyssey_hard_timeout,
         workdir=os.environ.get(WORKDIR_ENV), mtbf_hours=args.odyssey_mtbf_hours,
         extra={"megatron": True, "start_step": int(args.iteration),
                "max_cached_failures": args.odyssey_max_cached_failures,
@@ -213,6 +203,8 @@ class MegatronRank(GenerationRank):
         self.args, self.megatron_model, self.megatron_optimizer, self.scheduler = args, model, optimizer, scheduler
         self.node, self.tp_rank = divmod(self.ident, cfg.tp)
         self.injector = Injector(cfg.fail_specs(), self.ident, store)
+        self.progress = Progress()
+        track(self.progress)  # marked by the executor and gradient sync around communication (liveness)
         self.device = next(model[0].parameters()).device
         from ..runtime.accelerator import dist_backend
 
@@ -240,8 +232,9 @@ class MegatronRank(GenerationRank):
             store.set("odyssey/config", json.dumps(cfg.__dict__))
         self.gen_lock = threading.RLock()  # held while this thread aborts, tears down or builds groups
         plan = symmetric_plan(cfg.pp, cfg.dp, cfg.layers, cfg.num_micro_batches)
+        self.keyed_dropout = bool(getattr(args, "hidden_dropout", 0) or getattr(args, "attention_dropout", 0))
         self._adopt_generation0(plan)
-        Heartbeat(host, int(port), self.ident, cfg.heartbeat_interval_s).start()
+        Heartbeat(host, int(port), self.ident, cfg.heartbeat_interval_s, self.progress).start()
         AbortWatcher(self, host, int(port)).start()
 
     # -- data ------------------------------------------------------------------------------------------
@@ -250,6 +243,7 @@ class MegatronRank(GenerationRank):
         global batch, whichever pipeline runs it (so a rerouted step trains on exactly the same data)."""
         from torch.utils.data import default_collate
 
+        self.at(step, "data")
         mbs, gbs = self.cfg.micro_batch, self.cfg.global_batch
         first = step * gbs + j * mbs
         return default_collate([STATE.captured.train_ds[first + i] for i in range(mbs)])
@@ -263,6 +257,7 @@ class MegatronRank(GenerationRank):
         if self.rank_map.rank(self.node, self.tp_rank) != dist.get_rank():
             raise RuntimeError("Megatron's rank order is not tensor-, then data-, then pipeline-parallel")
         self._adopt_chunk(self.megatron_model[0])
+        self._key_dropout(self.megatron_model)
         self.owners = unit_owners(self.plan)
         STATE.plan = None  # the dispatcher runs Megatron's own schedule
         # the process groups train() keeps for its whole run (a local of Megatron's train(), passed to
@@ -280,6 +275,15 @@ class MegatronRank(GenerationRank):
         self.runner = MegatronStageRunner(chunk, i == 0, i == self.plan.pipelines[k].length - 1)
         self.named = megatron_global_names(chunk, start)
         self.optimizer = OptimizerStateView(self.megatron_optimizer)
+
+    def _key_dropout(self, chunks: list) -> None:
+        """With dropout on, masks keyed to (seed, iteration, global micro-batch, layer), not to this rank
+        (runtime.dropout_rng): a rerouted or re-placed micro-batch draws the masks it would have drawn."""
+        if self.keyed_dropout:
+            from ..runtime import dropout_rng
+
+            for chunk in chunks:
+                dropout_rng.install(chunk, int(self.args.seed), self.tp_rank)
 
     def _attach_stage(self) -> None:
         """Executor and per-layer gradient sync over Megatron's chunk and buffers (GenerationRank's hook)."""
@@ -315,6 +319,7 @@ class MegatronRank(GenerationRank):
             chunks = mt.get_model(provider, captured.model_type)
         (config, *rest), kwargs = captured.optimizer_call
         fresh = mt.get_megatron_optimizer(config, chunks, *rest, **kwargs)
+        self._key_dropout(chunks)
         self.megatron_model[:] = chunks
         fresh_pgs = get_attr_wrapped_model(chunks[0], "pg_collection", allow_none=True)
         if self.train_pgs is not None and fresh_pgs is not None:
@@ -388,7 +393,7 @@ class MegatronRank(GenerationRank):
         self.runner.forward_step_func = forward_step_func
         phase = {"F": "forward", "B": "backward"}
         self.last_result = self.executor.run_step(step, lambda: self.token_count(step),
-                                                  on_op=lambda kind: self.injector(step, phase[kind]))
+                                                  on_op=lambda kind: self.at(step, phase[kind]))
         return [{"lm loss": torch.tensor([self.last_result.loss_sum, 1.0], device=self.device)}]
 
     def megatron_train_step(self, stock_step: Callable[[Callable[..., Any]], tuple], forward_step_func: Callable[..., Any], step: int,
@@ -407,12 +412,17 @@ class MegatronRank(GenerationRank):
             failed = False
             try:
                 if self.stock:
-                    return self._stock_step(stock_step, forward_step_func, step)
-                return self._step(forward_step_func, step, forward_backward_func)
+                    result = self._stock_step(stock_step, forward_step_func, step)
+                else:
+                    result = self._step(forward_step_func, step, forward_backward_func)
+                self.progress.set_state(IDLE)  # back in Megatron's loop (logging, saving): not judged by progress
+                self.injector(step, "between")
+                return result
             except Exception as exc:
                 if not is_peer_failure(exc, self.store, self.gen):  # ours (a device bug, OOM): report and leave
                     fail_locally(self.store, self.ident, exc, f"iteration {step}", abort=self._abort_locked)
                 self._abort_locked()
+                _abandon_rerun_step()
                 failed = True
                 print(f"[odyssey rank {self.ident}] iteration {step}: {type(exc).__name__}: {str(exc)[:120]}; "
                       f"recovering at {time.time():.3f}", file=sys.stderr, flush=True)
@@ -425,6 +435,24 @@ class MegatronRank(GenerationRank):
                     return self._megatron_result(loss, True, self.pending_norm)
                 if resume != step:
                     raise OdysseyRestart(f"[odyssey] the agent resumes at iteration {resume}, not {step}")
+
+    # -- between iterations (see between_steps) -------------------------------------------------------
+    def at_between_steps(self, phase: str) -> None:
+        """An injection point of Megatron's loop after iteration ``committed`` (log, save)."""
+        self.progress.set_state(IDLE)
+        self.injector(self.committed, phase)
+
+    def recover_outside_step(self, exc: BaseException, where: str) -> None:
+        """A failure in Megatron's loop between iterations (every step so far committed): recover into the
+        agent's next generation, or leave the job if the error is this rank's own."""
+        if not is_peer_failure(exc, self.store, self.gen):
+            fail_locally(self.store, self.ident, exc, where, abort=self._abort_locked)
+        self._abort_locked()
+        print(f"[odyssey rank {self.ident}] {where}: {type(exc).__name__}: {str(exc)[:120]}; recovering at "
+              f"{time.time():.3f}", file=sys.stderr, flush=True)
+        resume = self.recover(self.committed)
+        if resume != self.committed + 1:
+            raise OdysseyRestart(f"[odyssey] the agent resumes at iteration {resume}, not {self.committed + 1}")
 
     # -- generation 0: Megatron's own step, guarded --------------------------------------------------
     def _stock_step(self, stock_step: Callable[[Callable[..., Any]], tuple], forward_step_func: Callable[..., Any], step: int) -> tuple:
@@ -451,9 +479,9 @@ class MegatronRank(GenerationRank):
             self._fb_timer().stop(barrier=False)
             self.timed_iterations += 1
         self.pending_norm = self._megatron_grad_norm()
-        self.store.set(f"{self.k['ready']}/{step}/{self.ident}", repr(self._stock_loss_share()))
+        self._publish_ready(step, self._stock_loss_share())
         self._wait_commit(step)
-        self.injector(step, "optimizer")
+        self.at(step, "optimizer")
         STATE.grad_norm = self.pending_norm
         try:
             out = megatron_step()
@@ -488,17 +516,25 @@ class MegatronRank(GenerationRank):
         return total / self.cfg.num_micro_batches
 
     def _injecting(self, forward_step_func: Callable[..., Any], step: int) -> Callable[..., Any]:
-        """Megatron's forward step with ``--odyssey-inject-fault`` points: before each micro-batch's
-        forward, and when its backward reaches the stage output."""
-        injector = self.injector
+        """Megatron's forward step with ``--odyssey-inject-fault`` points: before each micro-batch is
+        fetched and run forward, and when its backward reaches the stage output."""
+        at = self.at
+        from ..runtime.dropout_rng import set_micro_batch
+
+        local = iter(range(self.cfg.num_micro_batches))
+        replica, replicas = self.node % self.cfg.dp, self.cfg.dp
 
         @functools.wraps(forward_step_func)
         def forward_step(*args: Any, **kwargs: Any) -> Any:
-            injector(step, "forward")
+            at(step, "data")  # Megatron's forward step begins by fetching its micro-batch (get_batch)
+            at(step, "forward")
+            # Megatron's sampler gives data-parallel replica d the k-th slice of each global micro-batch group:
+            # global micro-batch k * DP + d, as micro_batch() numbers them
+            set_micro_batch(step, next(local) * replicas + replica)
             out = forward_step_func(*args, **kwargs)
             tensor = out[0] if isinstance(out, tuple) else None
             if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                tensor.register_hook(lambda grad: injector(step, "backward"))
+                tensor.register_hook(lambda grad: at(step, "backward"))
             return out
 
         return forward_step
@@ -522,14 +558,13 @@ class MegatronRank(GenerationRank):
                               micro_batch_size=self.cfg.micro_batch, forward_only=False, odyssey_step=step)
         timers("forward-backward").stop()
         result = self.last_result
-        self.injector(step, "grad-sync")
+        self.at(step, "grad-sync")
         self.sync()
         self._sync_sequence_parallel_grads()
         self.pending_norm = plan_grad_norm(self.named, self.owners, self.node, self.tp_rank, self.cfg.layers, self.device)
-        self.store.set(f"{self.k['ready']}/{step}/{self.ident}", repr(result.loss_sum if self.tp_rank == 0 else 0.0))
-        self._wait_commit(step)
-        loss = float(self.store.get(f"{self.k['commit']}/{step}"))
-        self.injector(step, "optimizer")
+        self._publish_ready(step, result.loss_sum if self.tp_rank == 0 else 0.0)
+        loss = self._wait_commit(step)
+        self.at(step, "optimizer")
         timers("optimizer", log_level=1).start(barrier=False)
         ok, norm = self._apply(step)
         timers("optimizer").stop()
@@ -583,6 +618,18 @@ class MegatronRank(GenerationRank):
         loss_dict = {"lm loss": torch.tensor(loss, device=self.device)}
         base = (loss_dict, 0 if ok else 1, False, False, 0, norm, None)
         return base + (0,) if self.arity == 8 else base
+
+
+def _abandon_rerun_step() -> None:
+    """Megatron's rerun state machine back to "no step running": a failure left its ``train_step`` in the
+    middle of an iteration (state ``INITIAL_RUN``), and a machine in that state writes a per-rank shard of
+    itself into every later checkpoint, keyed by the world size of the survivors, which a job at the
+    original size then cannot load."""
+    try:
+        from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine
+    except ImportError:  # megatron-core without the rerun machine
+        return
+    get_rerun_state_machine().state = RerunState.NOT_RUNNING_YET
 
 
 def _store_or_none() -> Any:

@@ -44,7 +44,9 @@ from ..planning.plan import ExecutionPlan
 from ..planning.cache import PlanCache
 from ..planning.planner import Decision, Planner, PlannerOptions
 from .config import TrainConfig
-from .errors import GIVEUP_KEY, STARTED_KEY, STOP_LINE, ErrorRecord, rank_log_traceback, read_error
+from .liveness import COMM, IDLE, WORKING, Beat
+from .step_log import StepLog, resident_mb
+from .errors import ABORTED, GIVEUP_KEY, STARTED_KEY, STOP_LINE, ErrorRecord, rank_log_traceback, read_error
 
 
 def rank_start_method(cfg: TrainConfig) -> str:
@@ -125,6 +127,7 @@ class FailureRecord:
     started: float = 0.0  # injection (or detection) time, for recovery_s
     sealed_at: float = 0.0
     published_at: float = 0.0
+    joined_at: float = 0.0  # every survivor joined the new generation (its go)
     generation: int = 0
 
 
@@ -143,7 +146,8 @@ class Agent:
         self.procs: dict[int, Any] = dict(procs or {})
         self.dead: set[int] = set()
         self.fenced: set[int] = set()
-        self.steps: dict[int, dict[str, Any]] = {}
+        # committed steps go to disk as they commit (beside the report, else in the workdir)
+        self.steps = StepLog(Path(cfg.report).with_suffix(".steps.jsonl") if cfg.report else workdir / "steps.jsonl")
         self.failures: list[FailureRecord] = []
         self.started = time.time()
         self.next_step = int(cfg.extra.get("start_step", 0))  # a Megatron job may resume from --load
@@ -162,6 +166,12 @@ class Agent:
         self.measured = False
         self.errors: dict[int, ErrorRecord] = {}  # rank -> the local error it left the job with
         self.stop_reason = ""  # why recover() could not go on
+        self.beats: dict[int, Beat] = {}  # rank -> its last heartbeat (liveness and progress)
+        self.named_stalled: set[tuple[int, int]] = set()  # (rank, count) already reported at the soft timeout
+        self.beats_read = 0.0  # when the heartbeats were last read (at most every half interval)
+        self.judged_from = 0.0  # progress is judged from the last abort on (see _stalled)
+        self.warm = False  # a step of this generation has committed (its first step warms up: not judged)
+        self.recovering: set[int] = set()  # ranks registered for the recovery in progress (not judged)
 
     # -- bookkeeping ----------------------------------------------------------------------------------
     def members(self) -> list[int]:
@@ -243,11 +253,14 @@ class Agent:
         return 1 if bad else 0
 
     def detect(self) -> set[int]:
-        """Members that died or hung since the last look (hung ones are fenced here). Once every step
-        is committed nothing is left to recover: exits are only reported at the end."""
+        """Members that died, hung or stalled since the last look (hung and stalled ones are fenced here).
+        After the last step is committed the ranks still log and save (a Megatron job's final checkpoint):
+        a failure there is recovered from too, as long as some survivor is still running."""
         now, out = time.time(), set()
-        if self.next_step >= self.cfg.steps:
-            return out
+        done = self.next_step >= self.cfg.steps
+        if done and not any(self.procs[i].exitcode is None for i in self.members() if i not in self.dead):
+            return out  # everyone has left: exits are only reported at the end
+        self._read_beats(now)
         for ident in self.members():
             if ident in self.dead:
                 continue
@@ -256,12 +269,81 @@ class Agent:
                 self.procs[ident].kill()  # leftovers (a launched rank's data-loader workers hold its sockets)
                 out.add(ident)
             elif code is None and self._stale(ident, now):
-                self.log(f"rank {ident} missed heartbeats for {self.cfg.heartbeat_timeout_s:.1f} s: fencing it (SIGKILL)")
-                self.procs[ident].kill()
-                self.procs[ident].join(5)
-                self.fenced.add(ident)
+                self._fence(ident, f"missed heartbeats for {self.cfg.heartbeat_timeout_s:.1f} s")
                 out.add(ident)
+        stalled = None if done else self._stalled(now)
+        if stalled is not None and stalled not in out:
+            beat = self.beats[stalled]
+            self._fence(stalled, f"made no progress for {now - max(beat.since, self.judged_from):.1f} s inside "
+                                 f"step {beat.step} (last operation: {beat.phase}) while its heartbeat went on "
+                                 f"(--hard-timeout {self.cfg.hard_timeout_s:g} s)")
+            out.add(stalled)
         return out
+
+    def _fence(self, ident: int, why: str) -> None:
+        self.log(f"rank {ident} {why}: fencing it (SIGKILL)")
+        self.procs[ident].kill()
+        self.procs[ident].join(5)
+        self.fenced.add(ident)
+
+    def _read_beats(self, now: float) -> None:
+        """Every member's last heartbeat in one store round trip, at most every half heartbeat interval
+        (not per rank every loop: the agent's polling stays flat in the number of ranks)."""
+        if now - self.beats_read < self.cfg.heartbeat_interval_s / 2:
+            return
+        self.beats_read = now
+        members = [i for i in self.members() if i not in self.dead]
+        known = [i for i in members if i in self.beats or self.store.check([f"odyssey/hb/{i}"])]
+        if not known:
+            return
+        for ident, value in zip(known, self.store.multi_get([f"odyssey/hb/{i}" for i in known])):
+            self.beats[ident] = Beat.parse(value)
+
+    def _stalled(self, now: float) -> int | None:
+        """The member at fault for a stop in progress, once it has been stopped for the hard timeout.
+
+        Judged: members inside a step (not those waiting on the agent), from the first commit of a
+        generation on (its first step connects, allocates and compiles), only while no member is starting
+        up or outside a step (the others may be waiting on it), and only since the last abort (ranks blocked
+        on a fenced peer need a moment to notice). Who waits tells who is at fault (C4D): ranks blocked in
+        communication wait on a peer; a rank stopped while *working* (in its own computation, or in a
+        collective its peers never entered) is the cause. When every stopped rank is in communication (a
+        hang inside the collective itself) the first to stop is taken. The culprit is named at the soft
+        timeout, with its stacks dumped to its log (SIGUSR1, faulthandler)."""
+        live = [i for i in self.members() if i not in self.dead]
+        if not self.warm:  # a generation's first step connects, allocates and compiles: not judged
+            self.judged_from = now
+            return None
+        if any(i not in self.beats or self.beats[i].state == IDLE for i in live):
+            # a member still starting up, or outside a step (saving, logging): working ranks may be waiting
+            # on it, and nothing can be attributed; judge again from when every member is back in a step
+            self.judged_from = now
+            return None
+        idle = {i: now - max(self.beats[i].since, self.judged_from) for i in live
+                if self.beats[i].state in (WORKING, COMM) and i not in self.recovering}
+        stopped = [i for i, s in idle.items() if s >= self.cfg.soft_timeout_s]
+        culprits = [i for i in stopped if self.beats[i].state == WORKING] or stopped
+        if not culprits:
+            return None
+        first = max(culprits, key=lambda i: (idle[i], -i))
+        beat = self.beats[first]
+        if (first, beat.count) not in self.named_stalled:
+            self.named_stalled.add((first, beat.count))
+            waiting = sorted(i for i in stopped if i != first and self.beats[i].state == COMM)
+            self.log(f"rank {first} has made no progress for {idle[first]:.1f} s inside step {beat.step} (last "
+                     f"operation: {beat.phase}, {beat.state})"
+                     + (f"; ranks {waiting} wait on it in communication" if waiting else "")
+                     + f"; its stacks are dumped to its log; fenced after --hard-timeout {self.cfg.hard_timeout_s:g} s")
+            self._dump_stacks(first)
+        return first if idle[first] >= self.cfg.hard_timeout_s else None
+
+    def _dump_stacks(self, ident: int) -> None:
+        pid = getattr(self.procs[ident], "pid", None)
+        if pid:
+            try:
+                os.kill(pid, signal.SIGUSR1)  # ranks register faulthandler on SIGUSR1
+            except OSError:
+                pass
 
     def judge(self, failed: set[int]) -> str | None:
         """Print the local errors the failed ranks left; returns why the job must stop instead of
@@ -305,15 +387,25 @@ class Agent:
             self.store.set(GIVEUP_KEY, reason)
             if not self.store.check([self.key("abort")]):
                 self.store.set(self.key("abort"), f"the job stopped: {reason}")
+            self._wake_waiters(giveup=reason)
         except Exception:  # a store we host does not fail; a remote one may be gone already
             pass
         self.stop_all()
 
+    def _wake_waiters(self, giveup: str | None = None) -> None:
+        """Answer every key a rank of this generation may be blocked on (``generation.wait_key``): the
+        commit of the step in flight and the generation's start with ``ABORTED``, and, when the job stops,
+        the next generation's plan with the reason. Set only where still unset (a real answer stays)."""
+        for key in (f"{self.key('commit')}/{self.next_step}", self.key("go")):
+            self.store.compare_set(key, "", ABORTED)
+        if giveup is not None:
+            self.store.compare_set(f"odyssey/gen{self.gen + 1}/plan", "", json.dumps({"giveup": giveup}))
+
     def _stale(self, ident: int, now: float) -> bool:
-        key = f"odyssey/hb/{ident}"
-        if not self.store.check([key]):
+        beat = self.beats.get(ident)
+        if beat is None:
             return now - self.started > max(60.0, 10 * self.cfg.heartbeat_timeout_s)  # never came up
-        return now - float(self.store.get(key)) > self.cfg.heartbeat_timeout_s
+        return now - beat.t > self.cfg.heartbeat_timeout_s
 
     def advance(self) -> None:
         """Start a new generation once every member joined; commit the next step once every member has
@@ -322,6 +414,9 @@ class Agent:
             if self.store.check([f"{self.key('join')}/{i}" for i in self.members()]):
                 self.store.set(self.key("go"), "1")
                 self.started_gen = True
+                for rec in self.failures:
+                    if rec.generation == self.gen and not rec.joined_at:
+                        rec.joined_at = time.time()
             return
         t = self.next_step
         if t >= self.cfg.steps:
@@ -329,8 +424,11 @@ class Agent:
         ready = [f"{self.key('ready')}/{t}/{i}" for i in self.members()]
         if not self.store.check(ready):
             return
-        loss = sum(float(self.store.get(k)) for k in ready)
+        loss = sum(float(v) for v in self.store.multi_get(ready))
         self.store.set(f"{self.key('commit')}/{t}", repr(loss))  # ranks report the committed loss
+        # every rank has applied step t - 1 (it published ready/t): nobody waits on that commit any more;
+        # each rank deletes its own ready key once it sees the commit (GenerationRank._wait_commit)
+        self.store.delete_key(f"{self.key('commit')}/{t - 1}")
         now = time.time()
         if self.state_plan is not self.plan:
             self.state_plan = self.plan  # survivors now hold their state in this generation's layout
@@ -339,27 +437,45 @@ class Agent:
             self._adopt_measured_profile()
         if "device" not in self.cfg.extra and self.store.check([DEVICE_KEY]):
             self._adopt_device(json.loads(self.store.get(DEVICE_KEY)))
-        redone = t in self.steps  # trained before, lost to a restart from an older checkpoint
-        self.steps[t] = {"step": t, "loss": loss, "time_s": now - self.step_started, "plan_id": self.plan.plan_id,
-                         "alive": len(self.members()), "policy": self.plan.policy, "generation": self.gen,
-                         "wall_s": now - self.started, "t": now, "redone": redone}
+        if not self.warm:
+            self.warm, self.judged_from = True, now
+        redone = self.steps.was_trained(t)  # trained before, lost to a restart from an older checkpoint
+        self.steps.append({"step": t, "loss": loss, "time_s": now - self.step_started, "plan_id": self.plan.plan_id,
+                           "alive": len(self.members()), "policy": self.plan.policy, "generation": self.gen,
+                           "wall_s": now - self.started, "t": now, "redone": redone,
+                           "store_keys": self.store.num_keys(), "agent_rss_mb": resident_mb()})
         print(f"step {t:4d}  loss {loss:.6f}  time {now - self.step_started:.3f}s  devices {len(self.members())}  "
               f"plan {self.plan.plan_id} ({self.plan.policy})", flush=True)
         self.step_started = now
         self.next_step = t + 1
         if self.cfg.checkpoint_interval and (t + 1) % self.cfg.checkpoint_interval == 0:
             self.checkpoints[t] = set(self.members())
+            self._forget_old_checkpoints()
         for rec in self.failures:
             if rec.generation == self.gen and rec.recovery_s == 0.0:
                 rec.recovery_s = now - rec.started
-                rec.transfer_s = max((float(self.store.get(k)) for k in
-                                      (f"{self.key('transfer_s')}/{i}" for i in self.members()) if self.store.check([k])),
-                                     default=0.0)
-                parts = [json.loads(self.store.get(k)) for k in (f"{self.key('rebuild')}/{i}" for i in self.members())
-                         if self.store.check([k])]
+                rec.transfer_s = max((float(v) for v in self._read_all("transfer_s")), default=0.0)
+                parts = [json.loads(v) for v in self._read_all("rebuild")]
                 rec.rebuild = {name: max(p[name] for p in parts) for name in parts[0]} if parts else {}
                 rec.phases = {"sealed_s": rec.sealed_at - rec.started, "published_s": rec.published_at - rec.started,
+                              "joined_s": rec.joined_at - rec.started if rec.joined_at else None,
                               "first_step_s": rec.recovery_s}
+
+    def _read_all(self, name: str) -> list[bytes]:
+        """Every member's ``name`` key of this generation that exists: one round trip when all do."""
+        keys = [f"{self.key(name)}/{i}" for i in self.members()]
+        if self.store.check(keys):
+            return self.store.multi_get(keys)
+        return [self.store.get(k) for k in keys if self.store.check([k])]
+
+    def _forget_old_checkpoints(self) -> None:
+        """Only the newest complete checkpoint (and newer ones still being written) can be restored from:
+        drop older records and their store keys, so both stay bounded however long the job runs."""
+        newest = self.latest_checkpoint()
+        for step in [s for s in self.checkpoints if newest is not None and s < newest]:
+            for ident in self.checkpoints.pop(step):
+                for g in range(self.gen + 1):
+                    self.store.delete_key(f"odyssey/gen{g}/ckpt/{step}/{ident}")
 
     def latest_checkpoint(self) -> int | None:
         """Newest checkpoint every member of its time finished writing."""
@@ -375,11 +491,14 @@ class Agent:
         detected = time.time()
         gen_failed = set(failed)
         self.store.set(self.key("abort"), f"ranks {sorted(failed)} failed")
+        self._wake_waiters()
+        self.judged_from = time.time()
         started = min((float(self.store.get(f"odyssey/injected/{i}")) for i in failed
                        if self.store.check([f"odyssey/injected/{i}"])), default=detected)
         self.dead |= failed
         self.log(f"generation {self.gen}: rank(s) {sorted(failed)} failed at step {self.next_step}; aborting the step")
         # seal membership: every other member registers or is dead/fenced
+        scanned = 0.0
         while True:
             more = self.detect() - self.dead
             if more:
@@ -392,14 +511,21 @@ class Agent:
                     self.failures.append(FailureRecord(ranks=sorted(gen_failed), step=self.next_step, reason=stop,
                                                        error=self._error_of(more)))
                     return False
-            waiting = [i for i in self.members() if i not in self.dead
-                       and not self.store.check([f"{self.key('recover')}/{i}"])]
-            if not waiting:
+            finished = {i for i in self.members() if i not in self.dead and self.procs[i].exitcode == 0}
+            if finished:  # left the job after its last step: not a failure, but not in the next generation
+                self.dead |= finished
+                self.log(f"rank(s) {sorted(finished)} had finished the job; the survivors go on without them")
+            live = [i for i in self.members() if i not in self.dead]
+            if self.store.check([f"{self.key('recover')}/{i}" for i in live]):  # one round trip for all
                 break
+            if time.time() - scanned > 0.1:  # who is still missing (progress judging spares the others)
+                scanned = time.time()
+                self.recovering = {i for i in live if self.store.check([f"{self.key('recover')}/{i}"])}
             time.sleep(0.005)
         sealed_at = time.time()
+        self.recovering = set()
         survivors = [i for i in self.members() if i not in self.dead]
-        committed = {int(self.store.get(f"{self.key('recover')}/{i}")) for i in survivors}
+        committed = {int(v) for v in self.store.multi_get([f"{self.key('recover')}/{i}" for i in survivors])}
         if len(committed) > 1:
             self.log(f"survivors disagree on the last committed step {sorted(committed)}: taking the smallest")
         last = min(committed) if committed else self.next_step - 1
@@ -454,6 +580,7 @@ class Agent:
         self.step_started = time.time()
         self.store.set(self.key("plan"), json.dumps(msg))
         self.started_gen = False
+        self.judged_from, self.warm = time.time(), False
         rec.published_at = time.time()
         return True
 
@@ -555,13 +682,13 @@ class Agent:
     def write_report(self, ok: bool) -> None:
         if not self.cfg.report:
             return
-        hidden = ("started", "generation", "sealed_at", "published_at")
+        hidden = ("started", "generation", "sealed_at", "published_at", "joined_at")
         # wall_s: when the failure happened (injection, else detection), on the steps' clock
         failures = [{**{k: v for k, v in vars(f).items() if k not in hidden},
                      "wall_s": f.started - self.started if f.started else None} for f in self.failures]
         devices = {i: self.store.get(f"odyssey/device/{i}").decode() for i in sorted(self.procs)
                    if self.store is not None and self.store.check([f"odyssey/device/{i}"])}
-        report = {"ok": ok, "steps": [self.steps[s] for s in sorted(self.steps)], "failures": failures,
+        report = {"ok": ok, "steps": self.steps.records(), "failures": failures,
                   "profile": self.profile.name, "devices": devices, "host": host_summary(),
                   "final_plan": self.plan.to_dict(), "config": {k: v for k, v in vars(self.cfg).items()}}
         Path(self.cfg.report).write_text(json.dumps(report, indent=1))

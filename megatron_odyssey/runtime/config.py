@@ -26,6 +26,9 @@ class TrainConfig:
     ffn_hidden: int | None = None  # default: Llama-style ~8/3 x hidden, rounded to 16
     vocab: int = 320  # >= the byte tokenizer's 258, divisible by TP
     lr: float = 1e-3
+    # dropout: masks keyed to (seed, step, global micro-batch, layer), not to the rank (runtime.dropout_rng)
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
     data_path: str | None = None  # Megatron indexed dataset prefix; None = megatron's mock dataset
     plan: dict[str, Any] | None = None  # explicit plan JSON (e.g. rerouted or asymmetric); else symmetric
     save_params: str | None = None
@@ -42,11 +45,19 @@ class TrainConfig:
     policy: str = "auto"  # auto | reroute | reconfigure
     heartbeat_interval_s: float = 0.2
     heartbeat_timeout_s: float = 5.0  # 2-core CI with 8 ranks; use 30-60 s on real clusters
+    # progress (not liveness): a rank working inside a step that makes no progress for soft_timeout_s is
+    # named and its stacks dumped; for hard_timeout_s it is fenced (runtime.liveness)
+    soft_timeout_s: float = 20.0
+    hard_timeout_s: float = 40.0
     checkpoint_interval: int = 2  # steps between checkpoints (0: never)
     workdir: str | None = None  # checkpoints and logs
     mtbf_hours: float | None = None  # per device, for Eq. 8; None: planner default
     profile_out: str | None = None  # write the measured per-layer profile (planner format) here
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def dropout(self) -> bool:
+        return self.hidden_dropout > 0 or self.attention_dropout > 0
 
     @property
     def num_nodes(self) -> int:
@@ -80,6 +91,15 @@ class TrainConfig:
         if not self.heartbeat_timeout_s > self.heartbeat_interval_s:
             raise PlanningError(f"--heartbeat-timeout must be longer than the heartbeat interval "
                                 f"{self.heartbeat_interval_s} s, got {self.heartbeat_timeout_s}")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise PlanningError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
+        if not 0 < self.soft_timeout_s < self.hard_timeout_s:
+            raise PlanningError(f"--soft-timeout must be positive and shorter than --hard-timeout, got "
+                                f"{self.soft_timeout_s} and {self.hard_timeout_s}")
+        if not self.hard_timeout_s < self.timeout_s:
+            raise PlanningError(f"--hard-timeout {self.hard_timeout_s} s must be shorter than the collectives' "
+                                f"timeout {self.timeout_s} s (a stalled rank is fenced before its peers time out)")
         if self.checkpoint_interval < 0:
             raise PlanningError(f"--checkpoint-interval must be >= 0 (0: never), got {self.checkpoint_interval}")
         if self.mtbf_hours is not None and not self.mtbf_hours > 0:
@@ -102,6 +122,11 @@ class TrainConfig:
                 raise PlanningError(f"--fail {text!r}: rank {spec.rank} does not exist (ranks 0..{self.nproc - 1})")
             if spec.step >= self.steps:
                 raise PlanningError(f"--fail {text!r}: step {spec.step} is past the last step {self.steps - 1}")
+            if spec.phase == "log" and not self.extra.get("megatron"):
+                raise PlanningError(f"--fail {text!r}: phase=log is Megatron-LM's training_log; odyssey train has no "
+                                    f"log phase (use between, save or data)")
+            if spec.phase == "save" and not self.extra.get("megatron") and not self.checkpoint_interval:
+                raise PlanningError(f"--fail {text!r}: phase=save needs checkpoints (--checkpoint-interval > 0)")
         if self.global_batch % self.micro_batch:
             raise PlanningError(f"--global-batch {self.global_batch} is not divisible by --micro-batch {self.micro_batch}")
         if self.plan is not None:
@@ -143,7 +168,8 @@ class TrainConfig:
         from .model import ModelConfig
 
         return ModelConfig(num_layers=self.layers, hidden_size=self.hidden, num_attention_heads=self.heads,
-                           ffn_hidden_size=self.ffn, seq_length=self.seq, vocab_size=self.vocab, seed=self.seed)
+                           ffn_hidden_size=self.ffn, seq_length=self.seq, vocab_size=self.vocab, seed=self.seed,
+                           hidden_dropout=self.hidden_dropout, attention_dropout=self.attention_dropout)
 
     def data_config(self):
         from .data import DataConfig

@@ -34,6 +34,11 @@ import traceback
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
+#: What the agent writes into a commit or go key a rank may be waiting on when it aborts the generation
+#: (and into the next plan key, as ``{"giveup": reason}``, when it stops the job): a rank's waits are
+#: blocking, server-side waits on one key (``generation.wait_key``), so the agent wakes each waiter
+#: instead of each polling.
+ABORTED = b"aborted"
 GIVEUP_KEY = "odyssey/giveup"  # the agent stopped the job; the value says why
 # the agent's last stderr line when it ends a job; the launcher turns it into its one-line failure
 STOP_LINE = "[odyssey agent] stopping the job: "

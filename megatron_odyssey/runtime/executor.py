@@ -22,6 +22,8 @@ import torch
 
 from ..planning.plan import ExecutionPlan
 from ..planning.schedule import BACKWARD, FORWARD, Op, node_operations, receive_orders
+from .dropout_rng import set_micro_batch
+from .liveness import communicating
 from .transport import Mailbox, P2P
 from .world import PlanGroups
 
@@ -107,10 +109,12 @@ class PipelineExecutor:
             if op.kind == FORWARD:
                 inp = None
                 if op.stage > 0:
-                    inp = self._inbox.receive(self._node_of(op.pipeline, op.stage - 1, op.micro_batch),
-                                              (FORWARD, op.pipeline, op.stage - 1, op.micro_batch))
+                    with communicating():
+                        inp = self._inbox.receive(self._node_of(op.pipeline, op.stage - 1, op.micro_batch),
+                                                  (FORWARD, op.pipeline, op.stage - 1, op.micro_batch))
                     inp.requires_grad_()
                 batch = self._batch(step, op.pipeline, op.micro_batch)
+                set_micro_batch(step, self._offsets[op.pipeline] + op.micro_batch)  # keys dropout (dropout_rng)
                 out = self.runner.forward(batch, inp)
                 if last_stage:
                     mask = batch["loss_mask"].to(out.dtype)
@@ -133,16 +137,18 @@ class PipelineExecutor:
                 inp, out = saved.pop(key)
                 grad = None
                 if not last_stage:
-                    grad = self._inbox.receive(self._node_of(op.pipeline, op.stage + 1, op.micro_batch),
-                                               (BACKWARD, op.pipeline, op.stage + 1, op.micro_batch))
+                    with communicating():
+                        grad = self._inbox.receive(self._node_of(op.pipeline, op.stage + 1, op.micro_batch),
+                                                   (BACKWARD, op.pipeline, op.stage + 1, op.micro_batch))
                 torch.autograd.backward(out, grad if grad is None else grad.to(out.dtype))
                 if inp is not None:
                     pending.append(self.p2p.isend(inp.grad.to(self.dtype),
                                                   self._rank_of(op.pipeline, op.stage - 1, op.micro_batch)))
                 result.backward_s += time.perf_counter() - t0
             result.ops += 1
-        for work in pending:
-            work.wait()
+        with communicating():
+            for work in pending:
+                work.wait()
         result.loss_sum = float(loss_sum) if loss_sum is not None else 0.0
         return result
 

@@ -1,7 +1,9 @@
 """Fault injection for tests and demos: ``--fail step=5,rank=3,phase=backward,kind=kill``.
 
 ``kill`` sends SIGKILL to the rank's own (real) process, ``hang`` SIGSTOP (the agent's heartbeat
-check must catch and fence it), ``slow`` sleeps (a straggler that must *not* be declared dead),
+check must catch and fence it), ``stall`` stops the main thread inside a collective no peer joins (as a
+hung kernel or a lost message would: the process and its heartbeat thread live on, so only the agent's
+progress check can catch it), ``slow`` sleeps (a straggler that must *not* be declared dead),
 ``error`` raises :class:`InjectedError` from the injection point: a local bug of the rank (as an
 out-of-memory or a shape error would be), which it must report and leave the job for, not take
 for a peer's failure.
@@ -16,8 +18,12 @@ from dataclasses import dataclass
 
 from ..planning.errors import PlanningError
 
-PHASES = ("forward", "backward", "grad-sync", "optimizer", "recovery")
-KINDS = ("kill", "hang", "slow", "error")
+#: the moments of a step (and around it) a fault can hit: inside the step (forward, backward, grad-sync,
+#: optimizer, data: fetching a micro-batch), while recovering, and between steps (log: Megatron's
+#: training_log; save: a checkpoint save; between: just after a step, before anything else)
+PHASES = ("forward", "backward", "grad-sync", "optimizer", "data", "recovery", "log", "save", "between")
+STEP_PHASES = ("forward", "backward", "grad-sync", "optimizer", "data")
+KINDS = ("kill", "hang", "stall", "slow", "error")
 SLOW_S = 2.0
 
 
@@ -80,7 +86,22 @@ class Injector:
                 os.kill(os.getpid(), signal.SIGKILL)
             elif spec.kind == "hang":
                 os.kill(os.getpid(), signal.SIGSTOP)
+            elif spec.kind == "stall":
+                _stall_in_a_collective()
             elif spec.kind == "error":
                 raise InjectedError(f"injected error (--fail step={step},rank={self.ident},phase={phase},kind=error)")
             else:
                 time.sleep(SLOW_S)
+
+
+def _stall_in_a_collective() -> None:
+    """Enter a barrier over the world that no peer enters, and stay stopped if it ever returns."""
+    import torch.distributed as dist
+
+    try:
+        if dist.is_initialized():
+            dist.barrier()
+    except Exception:  # the world was torn down around us (peers recovered): stay stalled all the same
+        pass
+    while True:
+        time.sleep(3600)

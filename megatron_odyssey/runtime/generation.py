@@ -22,7 +22,6 @@ import abc
 import gc
 import json
 import os
-import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -32,9 +31,10 @@ import torch.distributed as dist
 
 from ..planning.plan import ExecutionPlan
 from .config import TrainConfig
-from .errors import exit_if_stopped, fail_locally, is_peer_failure
+from .errors import ABORTED, exit_if_stopped, fail_locally, is_peer_failure, stop_now
 from .executor import PipelineExecutor
 from .grad_sync import GradientSync, params_by_unit
+from .liveness import IDLE, WAITING, Progress
 from .transport import P2P
 from .world import (RankMap, abort_all_groups, build_plan_groups, clear_parallel_state, connect_peers, init_world,
                     install_parallel_state, peer_pairs, shut_connections)
@@ -44,11 +44,23 @@ class Abort(RuntimeError):
     """The agent aborted this generation (a failure elsewhere)."""
 
 
+def wait_key(store: dist.Store, key: str, what: str, timeout_s: float) -> bytes:
+    """The value of ``key`` once set: blocks in the store (no polling); the agent answers every key a rank
+    can wait on, even when it aborts, so the timeout only ends a wait whose agent is hung."""
+    try:
+        store.wait([key], timedelta(seconds=timeout_s))
+    except dist.DistStoreError as exc:
+        if "timeout" in str(exc).lower():
+            raise TimeoutError(f"{what}: no answer from the agent after {timeout_s:.0f} s") from None
+        raise
+    return store.get(key)
+
+
 def keys(gen: int) -> dict[str, str]:
     """The store keys of generation ``gen``'s protocol (shared with the agent)."""
     g = f"odyssey/gen{gen}"
     return {"plan": f"{g}/plan", "abort": f"{g}/abort", "ready": f"{g}/ready", "commit": f"{g}/commit",
-            "recover": f"{g}/recover", "transfer": f"{g}/transfer_s", "ckpt": f"{g}/ckpt"}
+            "recover": f"{g}/recover", "transfer": f"{g}/transfer_s", "ckpt": f"{g}/ckpt", "go": f"{g}/go"}
 
 
 def node_stage(plan: ExecutionPlan, node: int) -> tuple[int, int]:
@@ -58,26 +70,9 @@ def node_stage(plan: ExecutionPlan, node: int) -> tuple[int, int]:
     return s.layer_start, s.layer_end
 
 
-class Heartbeat(threading.Thread):
-    """Proves liveness to the agent; stops with the process (SIGSTOP stops it too)."""
-
-    def __init__(self, host: str, port: int, ident: int, interval_s: float):
-        super().__init__(daemon=True, name="odyssey-heartbeat")
-        self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
-        self.key, self.interval_s = f"odyssey/hb/{ident}", interval_s
-
-    def run(self) -> None:
-        while True:
-            try:
-                self.store.set(self.key, repr(time.time()))
-            except Exception:  # the agent is gone: nothing left to prove liveness to
-                return
-            time.sleep(self.interval_s)
-
-
 class GenerationRank(abc.ABC):
     """The protocol (see module docstring). A host's ``__init__`` sets ``cfg, ident, store, store_addr,
-    node, tp_rank, injector, device, backend, p2p`` and implements the hooks."""
+    node, tp_rank, injector, progress, device, backend, p2p`` and implements the hooks."""
 
     cfg: TrainConfig
     ident: int
@@ -86,6 +81,7 @@ class GenerationRank(abc.ABC):
     node: int
     tp_rank: int
     injector: Any
+    progress: Progress
     device: torch.device
     backend: str
     p2p: P2P
@@ -123,6 +119,12 @@ class GenerationRank(abc.ABC):
     def _release(self) -> None:
         """Drop the host's objects that hold the broken generation's groups (called at teardown)."""
 
+    def at(self, step: int, phase: str) -> None:
+        """An operation boundary of ``step`` (``phase`` as in ``--fail``): progress for the agent's hang
+        detection, and where injected faults fire."""
+        self.progress.mark(step, phase)
+        self.injector(step, phase)
+
     def token_count(self, step: int) -> float:
         """Loss tokens in the whole global batch of ``step`` (any rank can compute it; the executor asks
         only ranks with last-stage work, and only for per-token loss normalisation)."""
@@ -150,6 +152,7 @@ class GenerationRank(abc.ABC):
             self._join(gen)
         marks = [time.perf_counter()]
         init_world(self.store, gen, rank, self.rank_map.world_size, self.backend, cfg.timeout_s)
+        self.progress.mark(self.progress.step, "recovery")  # each part of a rebuild is progress
         marks.append(time.perf_counter())
         self.groups = build_plan_groups(plan, self.rank_map, rank)
         if self.backend != "gloo":  # NCCL/HCCL open pair communicators lazily: open them in one global order
@@ -158,7 +161,9 @@ class GenerationRank(abc.ABC):
             install_parallel_state(self.groups)
         marks.append(time.perf_counter())
         old = self.saved  # kept until this generation commits a step: a failure before that restarts from it
+        self.progress.mark(self.progress.step, "recovery")
         self._build_model(*node_stage(plan, self.node))
+        self.progress.mark(self.progress.step, "recovery")
         marks.append(time.perf_counter())
         t0 = time.perf_counter()
         if policy == "restart":
@@ -173,39 +178,49 @@ class GenerationRank(abc.ABC):
         self.store.set(f"odyssey/gen{gen}/rebuild/{self.ident}", json.dumps(
             {"world_s": marks[1] - marks[0], "groups_s": marks[2] - marks[1], "model_s": marks[3] - marks[2]}))
         self._attach_stage()
+        self.progress.set_state(IDLE)
 
     def _join(self, gen: int) -> None:
         """Wait until the agent saw every member of ``gen`` alive and joining (or aborted ``gen``), so a
         member that dies now cannot strand the others inside the process-group rendezvous."""
         self.store.set(f"odyssey/gen{gen}/join/{self.ident}", "1")
-        go, abort = f"odyssey/gen{gen}/go", f"odyssey/gen{gen}/abort"
-        deadline = time.monotonic() + self.cfg.timeout_s
-        while not self.store.check([go]):
-            if self.store.check([abort]):
-                exit_if_stopped(self.store, self.ident)
-                raise Abort(self.store.get(abort).decode())
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"generation {gen} never started")
-            time.sleep(0.002)
+        go = keys(gen)["go"]
+        self.progress.set_state(WAITING)
+        if wait_key(self.store, go, f"generation {gen} never started", self.cfg.timeout_s) == ABORTED:
+            self._aborted(gen)
+
+    def _aborted(self, gen: int) -> None:
+        exit_if_stopped(self.store, self.ident)  # the agent gave up: no plan will follow
+        abort = keys(gen)["abort"]
+        raise Abort(self.store.get(abort).decode() if self.store.check([abort]) else "aborted")
 
     def _ckpt_root(self) -> str:
         return os.path.join(self.cfg.workdir or ".", "checkpoints")
 
     # -- the commit ---------------------------------------------------------------------------------
-    def _wait_commit(self, step: int) -> None:
-        commit, abort = f"{self.k['commit']}/{step}", self.k["abort"]
-        while True:
-            if self.store.check([commit]):
-                return
-            if self.store.check([abort]):
-                exit_if_stopped(self.store, self.ident)  # the agent gave up: no plan will follow
-                raise Abort(self.store.get(abort).decode())
-            time.sleep(0.001)
+    def _publish_ready(self, step: int, loss_share: float) -> None:
+        """Gradients of ``step`` are synchronised here; ``loss_share`` is this rank's part of its loss."""
+        self.store.set(f"{self.k['ready']}/{step}/{self.ident}", repr(loss_share))
+
+    def _wait_commit(self, step: int) -> float:
+        """Block until the agent commits ``step`` (returns the step's loss) or aborts the generation."""
+        self.progress.set_state(WAITING)
+        value = wait_key(self.store, f"{self.k['commit']}/{step}", f"the commit of step {step}", self.cfg.timeout_s)
+        if value == ABORTED:
+            self._aborted(self.gen)
+        # the agent read every ready key before it committed: this rank's is deleted by its owner, so the
+        # store holds a bounded number of keys however long the job runs
+        self.store.delete_key(f"{self.k['ready']}/{step}/{self.ident}")
+        return float(value)
+
+    def _committed(self, step: int) -> bool:
+        key = f"{self.k['commit']}/{step}"
+        return self.store.check([key]) and self.store.get(key) != ABORTED
 
     # -- recovery -----------------------------------------------------------------------------------
     def recover(self, step: int) -> int:
         """Leave the broken generation and join the next one; returns the step to resume at."""
-        if self.pending is not None and self.store.check([f"{self.k['commit']}/{self.pending}"]):
+        if self.pending is not None and self._committed(self.pending):
             self._apply(self.pending)  # the agent committed it before the failure: keep it
         self.pending = None
         while True:
@@ -213,7 +228,7 @@ class GenerationRank(abc.ABC):
             self.store.set(f"{self.k['recover']}/{self.ident}", str(self.committed))
             self.teardown()
             try:
-                self.injector(step, "recovery")
+                self.at(step, "recovery")
                 msg = self._wait_plan(self.gen + 1)
                 self.enter(self.gen + 1, ExecutionPlan.from_dict(msg["plan"]), msg["policy"],
                            [tuple(t) for t in msg["transfers"]], msg.get("checkpoint_step"))
@@ -225,15 +240,11 @@ class GenerationRank(abc.ABC):
 
     def _wait_plan(self, gen: int) -> dict:
         """The agent's plan for generation ``gen``; exits at once if the agent gives up instead."""
-        nxt = keys(gen)["plan"]
-        deadline = time.monotonic() + self.cfg.timeout_s
-        while True:  # polled: a failure must never leave us waiting on a lost wake-up
-            exit_if_stopped(self.store, self.ident)
-            if self.store.check([nxt]):
-                return json.loads(self.store.get(nxt))
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no plan for generation {gen} after {self.cfg.timeout_s} s")
-            time.sleep(0.005)
+        self.progress.set_state(WAITING)
+        msg = json.loads(wait_key(self.store, keys(gen)["plan"], f"the plan for generation {gen}", self.cfg.timeout_s))
+        if "giveup" in msg:
+            stop_now(self.ident, f"the agent stopped the job: {msg['giveup']}")
+        return msg
 
     def teardown(self) -> None:
         """Close this generation's connections now, so peers blocked on this rank fail at once instead

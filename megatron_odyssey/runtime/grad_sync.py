@@ -16,6 +16,8 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from .liveness import communicating
+
 from ..planning.plan import ExecutionPlan
 from ..planning.restorer import colour_units
 from .world import PlanGroups
@@ -80,8 +82,9 @@ class GradientSync:
                 group, _ = entry
                 params = self.params[unit]
                 grads = [getattr(p, self.attr, None) for p in params]
-                reduced = all_reduce_flat([g if g is not None else torch.zeros_like(p) for g, p in zip(grads, params)],
-                                          group, self.staged)
+                with communicating():
+                    reduced = all_reduce_flat([g if g is not None else torch.zeros_like(p)
+                                               for g, p in zip(grads, params)], group, self.staged)
                 for p, g, part in zip(params, grads, reduced):
                     if self.attr == "grad" or g is None:
                         setattr(p, self.attr, part.clone())

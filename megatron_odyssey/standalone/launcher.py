@@ -1,9 +1,7 @@
 """``odyssey train``: validate the job, then hand it to the agent (a fresh process that hosts the
 store and starts the ranks: forked on the CPU, spawned on an accelerator).
 
-Under torchrun (``RANK`` in the environment) the command instead runs as that one rank and meets
-the others at ``MASTER_ADDR:MASTER_PORT``, torchrun's agent store, so multi-node launches work
-unchanged.
+It does not run under torchrun (``NOT_UNDER_TORCHRUN`` says why and what to run instead).
 """
 from __future__ import annotations
 
@@ -12,7 +10,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from datetime import timedelta
 from pathlib import Path
 
 from ..runtime.config import TrainConfig
@@ -73,16 +70,12 @@ def failure_message(code: int, stderr: str, workdir: Path, quiet: bool) -> str:
 
 
 def is_torchrun_worker() -> bool:
+    """Started by torchrun (or another launcher that sets its environment) as one of several workers."""
     return "RANK" in os.environ and "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ
 
 
-def run_under_torchrun(cfg: TrainConfig) -> None:
-    """One rank of a torchrun launch; the store is torchrun's agent store at MASTER_ADDR:MASTER_PORT."""
-    import torch.distributed as dist
-
-    from .trainer import run
-
-    cfg.validate()
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timedelta(seconds=cfg.timeout_s))
-    run(cfg, int(os.environ["RANK"]), store, (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))
+#: Why ``odyssey train`` refuses to run as a torchrun worker (it used to, and then waited for ever).
+NOT_UNDER_TORCHRUN = (
+    "odyssey train starts its own agent and ranks and cannot run as a torchrun worker (torchrun stops every "
+    "worker when one dies, and nothing would commit steps): run `odyssey train --nproc N` directly on one "
+    "machine; across machines, run Megatron-LM's pretrain_gpt.py with --odyssey under odyssey-launch")

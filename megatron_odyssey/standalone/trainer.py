@@ -5,14 +5,13 @@ own Llama-style megatron-core stage (any layer range), deterministic data and to
 step is pipeline executor -> per-layer gradient sync -> *ready* -> the agent's *commit* -> optimizer,
 with periodic checkpoints for the restart fallback.
 
-Run as ``python -m megatron_odyssey.standalone.trainer --config CFG --rank R --store HOST:PORT``
-(under torchrun: ``$RANK``, ``$MASTER_ADDR:$MASTER_PORT``); normally the agent starts the ranks.
+Run as ``python -m megatron_odyssey.standalone.trainer --config CFG --rank R --store HOST:PORT``;
+normally the agent starts the ranks.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -24,7 +23,8 @@ import torch.distributed as dist
 
 from ..runtime.config import TrainConfig
 from ..runtime.errors import STARTED_KEY, fail_locally, is_peer_failure, stop_now
-from ..runtime.generation import GenerationRank, Heartbeat
+from ..runtime.generation import GenerationRank
+from ..runtime.liveness import IDLE, Heartbeat, Progress, track
 from ..runtime.transport import P2P
 from ..runtime.world import abort_all_groups, plan_process_groups
 
@@ -101,6 +101,8 @@ class StandaloneRank(GenerationRank):
         self.cfg, self.ident, self.store = cfg, ident, store
         self.node, self.tp_rank = divmod(ident, cfg.tp)
         self.injector = Injector(cfg.fail_specs(), ident, store)
+        self.progress = Progress()
+        track(self.progress)  # marked by the executor and gradient sync around communication (liveness)
         self.store_addr = store_addr
         self.sleep_mode = cfg.sleep_forward_s is not None
         self.device = torch.device("cpu") if self.sleep_mode else _bind_device(cfg, ident)
@@ -134,6 +136,10 @@ class StandaloneRank(GenerationRank):
             # built (and initialised, plan-independently) on the host, then moved to this rank's device
             self.model = build_stage_model(cfg.model_config(), start, end,
                                            pg_collection=plan_process_groups(self.groups)).to(self.device)
+            if cfg.dropout:
+                from ..runtime import dropout_rng
+
+                dropout_rng.install(self.model, cfg.seed, self.tp_rank)
             self.runner = MegatronStage(self.model)
             self.named = list(self.model.named_global_parameters())
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=cfg.lr)
@@ -145,6 +151,7 @@ class StandaloneRank(GenerationRank):
                                           micro_batch=cfg.micro_batch).attach()
 
     def micro_batch(self, step: int, j: int) -> dict[str, torch.Tensor]:
+        self.at(step, "data")
         return self.data.micro_batch(step, j)
 
     def _capture(self) -> Any:
@@ -163,19 +170,23 @@ class StandaloneRank(GenerationRank):
         self.optimizer.zero_grad(set_to_none=True)
         phase = {"F": "forward", "B": "backward"}
         result = self.executor.run_step(step, lambda: self.token_count(step),
-                                        on_op=lambda kind: self.injector(step, phase[kind]))
-        self.injector(step, "grad-sync")
+                                        on_op=lambda kind: self.at(step, phase[kind]))
+        self.at(step, "grad-sync")
         self.sync()
-        self.store.set(f"{self.k['ready']}/{step}/{self.ident}", repr(result.loss_sum if self.tp_rank == 0 else 0.0))
+        self._publish_ready(step, result.loss_sum if self.tp_rank == 0 else 0.0)
         self._wait_commit(step)
-        self.injector(step, "optimizer")
+        self.at(step, "optimizer")
         self._apply(step)
         interval = self.cfg.checkpoint_interval
         if interval and (step + 1) % interval == 0:
             from ..runtime.state import capture, save_checkpoint
 
+            self.progress.set_state(IDLE)  # a save is not judged by progress
+            self.injector(step, "save")
             save_checkpoint(self._ckpt_root(), step, self.node, self.tp_rank, capture(self.named, self.optimizer))
             self.store.set(f"{self.k['ckpt']}/{step}/{self.ident}", "1")
+        self.progress.set_state(IDLE)
+        self.injector(step, "between")
 
     def _apply(self, step: int) -> None:
         t0 = time.perf_counter()
@@ -195,7 +206,7 @@ class StandaloneRank(GenerationRank):
             fail_locally(self.store, self.ident, exc, "start-up")
         # Heartbeats start once set-up (dataset building holds the GIL for seconds) is done; until
         # then the agent judges the rank by its process alone.
-        Heartbeat(*self.store_addr, self.ident, self.cfg.heartbeat_interval_s).start()
+        Heartbeat(*self.store_addr, self.ident, self.cfg.heartbeat_interval_s, self.progress).start()
         self.store.set(STARTED_KEY.format(self.ident), "1")  # from now on a failure is recovered from
         self.store.check([STARTED_KEY.format(self.ident)])  # a round trip: in the store before any fault fires
         step = 0
@@ -253,11 +264,11 @@ class StandaloneRank(GenerationRank):
 
 
 def _bind_device(cfg: TrainConfig, ident: int) -> torch.device:
-    """This rank's device: its local rank's (``$LOCAL_RANK`` under torchrun, else its rank: the agent
-    starts every rank of ``odyssey train`` on one machine), or device 0 with ``--shared-device``."""
+    """This rank's device: the one of its rank (the agent starts every rank of ``odyssey train`` on one
+    machine), or device 0 with ``--shared-device``."""
     from ..runtime.accelerator import bind_rank_device
 
-    return bind_rank_device(int(os.environ.get("LOCAL_RANK", ident)), shared=cfg.shared_device)
+    return bind_rank_device(ident, shared=cfg.shared_device)
 
 
 def _default_backend(shared_device: bool = False) -> str:
@@ -279,15 +290,14 @@ def run(cfg: TrainConfig, rank: int, store: dist.Store, store_addr: tuple[str, i
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="one odyssey training rank (normally forked by the agent)")
     parser.add_argument("--config", required=True)
-    parser.add_argument("--rank", type=int, default=None, help="default: $RANK (torchrun)")
-    parser.add_argument("--store", default=None, help="HOST:PORT of the agent's store (default $MASTER_ADDR:$MASTER_PORT)")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--store", required=True, help="HOST:PORT of the agent's store")
     args = parser.parse_args(argv)
     cfg = TrainConfig.load(args.config)
-    rank = args.rank if args.rank is not None else int(os.environ["RANK"])
-    host, port = (args.store or f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}").rsplit(":", 1)
+    host, port = args.store.rsplit(":", 1)
     store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=cfg.timeout_s))
-    torch.set_num_threads(1)  # a fresh process (torchrun): safe here, unlike in a forked rank
-    run(cfg, rank, store, (host, int(port)))
+    torch.set_num_threads(1)  # a fresh process: safe here, unlike in a forked rank
+    run(cfg, args.rank, store, (host, int(port)))
 
 
 if __name__ == "__main__":

@@ -134,3 +134,28 @@ def run_odyssey(megatron_lm: str | Path, work: Path, flags: list[str], port: int
     logs = "".join(outs) + "".join(p.read_text() for p in sorted(work.glob("logs*/rank*.log")))
     return JobResult(max(p.returncode for p in procs), wall, logs,
                      json.loads(report.read_text()) if report.exists() else {})
+
+
+def read_torch_dist(checkpoint: str | Path) -> dict[str, Any]:
+    """A torch_dist checkpoint directory (``iter_0000006``) as one flat dict, read without a process
+    group: every tensor at its global shape (layers stacked), whichever ranks wrote it."""
+    import tempfile
+
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "flat.pt"
+        dcp_to_torch_save(str(checkpoint), str(out))
+        return torch.load(out, weights_only=False)
+
+
+def max_tensor_difference(a: dict[str, Any], b: dict[str, Any]) -> float:
+    """Largest absolute difference between the tensors of two checkpoints (inf when their keys differ)."""
+    import torch
+
+    if set(a) != set(b):
+        return float("inf")
+    diffs = [(a[k].float() - b[k].float()).abs().max().item() for k in a
+             if isinstance(a[k], torch.Tensor) and a[k].numel()]
+    return max(diffs, default=0.0)

@@ -21,6 +21,7 @@ def run_reference(cfg: TrainConfig) -> dict:
 
     from ..runtime.accelerator import bind_rank_device, enable_cpu_mode, get_accelerator, seed_all
     from ..runtime.data import MicroBatchData
+    from ..runtime.dropout_rng import set_micro_batch
     from ..runtime.model import build_stage_model, stage_forward
 
     device = bind_rank_device(0)  # the device a one-rank `odyssey train` would use
@@ -31,6 +32,10 @@ def run_reference(cfg: TrainConfig) -> dict:
         enable_cpu_mode()
     seed_all(cfg.seed, tp_rank=0)
     model = build_stage_model(cfg.model_config(), 0, cfg.layers).to(device)
+    if cfg.dropout:
+        from ..runtime import dropout_rng
+
+        dropout_rng.install(model, cfg.seed, tp_rank=0)
     data = MicroBatchData(cfg.data_config())
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     losses = []
@@ -39,8 +44,9 @@ def run_reference(cfg: TrainConfig) -> dict:
         batches = data.global_batch(step)
         tokens = float(sum(b["loss_mask"].sum() for b in batches))
         total = 0.0
-        for batch in batches:
+        for j, batch in enumerate(batches):
             batch = {k: v.to(device) for k, v in batch.items()}
+            set_micro_batch(step, j)
             per_token = stage_forward(model, batch)
             loss = (per_token.float() * batch["loss_mask"].float()).sum() / tokens
             loss.backward()

@@ -4,6 +4,7 @@ explains itself. Real processes; tiny jobs."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -97,3 +98,13 @@ def test_the_plot_puts_each_failure_where_it_happened(tmp_path: Path) -> None:
     # throughput starts at step 0's commit: step 0 includes start-up
     assert min(throughput.get_lines()[0].get_xdata()) == steps[0]["wall_s"]
     assert (tmp_path / "r.png").stat().st_size > 10_000
+
+
+def test_train_refuses_to_run_as_a_torchrun_worker(tmp_path: Path) -> None:
+    """It used to run as one rank with no agent, and wait for ever for a commit."""
+    env = dict(os.environ, RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", WORLD_SIZE="2")
+    out = subprocess.run([sys.executable, "-m", "megatron_odyssey.cli", "train", "--steps", "1"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 2, out.stderr
+    assert "cannot run as a torchrun worker" in out.stderr and "odyssey-launch" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -116,6 +116,8 @@ def test_bad_policy_is_rejected_by_argparse(capsys: pytest.CaptureFixture) -> No
     (["--odyssey"], {"virtual_pipeline_model_parallel_size": 2}, "interleaved"),
     (["--odyssey"], {"context_parallel_size": 2}, "--context-parallel-size"),
     (["--odyssey"], {"num_experts": 8}, "MoE"),
+    (["--odyssey"], {"save": "/ckpt", "ckpt_format": "torch"}, "--ckpt-format torch writes one file per pipeline rank"),
+    (["--odyssey"], {"async_save": True}, "--async-save"),
     (["--odyssey"], {"untie_embeddings_and_output_weights": False}, "--untie-embeddings-and-output-weights"),
     (["--odyssey"], {"log_num_zeros_in_grad": True}, "--log-num-zeros-in-grad"),
     (["--odyssey"], {"rampup_batch_size": ["16", "8", "1000"]}, "--rampup-batch-size"),

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_odyssey.testing.megatron_lm_job import run_odyssey, run_stock, same_training
+from megatron_odyssey.testing.megatron_lm_job import (max_tensor_difference, read_torch_dist, run_odyssey, run_stock,
+                                                      same_training)
 from megatron_odyssey.megatron_lm.cpu_mode import tiny_gpt_flags
 
 MLM = os.environ.get("MEGATRON_LM_PATH")
@@ -56,6 +57,33 @@ def test_pretrain_gpt_survives_a_killed_rank(stock: dict, tmp_path: Path, policy
     assert failure["recovery_s"] < 30, failure
     assert report["steps"][-1]["alive"] == 3
     assert same_training(job.iterations(), stock)  # loss, grad norm, lr, consumed samples: as if nothing failed
+
+
+MOMENTS = ["data", "forward", "backward", "grad-sync", "optimizer", "recovery", "log", "save", "between"]
+
+
+@pytest.mark.parametrize("rank", [1, 3], ids=["stage0", "stage1"])
+@pytest.mark.parametrize("phase", MOMENTS)
+def test_a_failure_at_any_moment(stock: dict, tmp_path: Path, phase: str, rank: int) -> None:
+    """A rank of either stage killed at every moment of an iteration and around it: inside the step,
+    while the survivors recover from an earlier failure, in Megatron's training_log (its barrier), during
+    a checkpoint save (--save every 2 iterations: the interrupted save is written again), or just after
+    the step. The job finishes and every logged iteration equals stock Megatron-LM's."""
+    faults = [f"step=1,rank={rank},phase={phase},kind=kill"]
+    if phase == "recovery":  # a first failure (of the other stage) to recover from
+        faults.insert(0, f"step=1,rank={3 - rank if rank == 1 else 0},phase=backward,kind=kill")
+    flags = [*ODYSSEY, "--save", str(tmp_path / "ckpt"), "--save-interval", "2"] if phase == "save" else ODYSSEY
+    job = run_odyssey(MLM, tmp_path, [*flags, *(x for f in faults for x in ("--odyssey-inject-fault", f))],
+                      _port(200 + 10 * MOMENTS.index(phase) + rank))
+    assert job.returncode == 0, job.logs[-4000:]
+    assert sorted(r for f in job.report["failures"] for r in f["ranks"]) == sorted(
+        {int(f.split("rank=")[1].split(",")[0]) for f in faults})
+    assert [s["step"] for s in job.report["steps"]] == list(range(ITERS))
+    assert same_training(job.iterations(), stock)
+    if phase == "save":  # the final save (iteration 5) finished and is the latest
+        assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
+    if phase in ("log", "save", "between"):
+        assert "the survivors run it again in the new layout" in job.logs or phase == "between"
 
 
 def test_pretrain_gpt_rank_error_is_reported_and_recovered(stock: dict, tmp_path: Path) -> None:
@@ -115,3 +143,83 @@ def test_per_token_loss_after_a_reroute(tmp_path_factory: pytest.TempPathFactory
     (failure,) = job.report["failures"]
     assert failure["policy"] == "reroute"
     assert same_training(job.iterations(), stock.iterations())
+
+
+# -- checkpoints written after a recovery ----------------------------------------------------------------
+
+SAVED_ITERS, SAVE_AT = 6, 3
+
+
+def _saving(work: Path) -> list[str]:
+    return [*tiny_gpt_flags(SAVED_ITERS), "--save", str(work / "ckpt"), "--save-interval", str(SAVE_AT)]
+
+
+def _resume(work: Path, checkpoint: Path, port: int):
+    """Stock Megatron-LM (torchrun, original PP=2 x DP=2) resuming from ``checkpoint``'s iteration SAVE_AT."""
+    job = run_stock(MLM, work, [*tiny_gpt_flags(SAVED_ITERS), "--load", str(checkpoint), "--ckpt-step", str(SAVE_AT),
+                                "--save", str(work / "ckpt"), "--save-interval", str(SAVED_ITERS)], port)
+    assert job.returncode == 0, job.logs[-4000:]
+    assert sorted(job.iterations()) == list(range(SAVE_AT + 1, SAVED_ITERS + 1))
+    return job
+
+
+@pytest.fixture(scope="module")
+def stock_saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, dict]:
+    """A fault-free stock run saving at iteration 3, and a stock job resumed from that checkpoint: (its
+    checkpoint, the resumed job's logged iterations, its final checkpoint)."""
+    work = tmp_path_factory.mktemp("stock_saved")
+    job = run_stock(MLM, work, _saving(work), _port(80))
+    assert job.returncode == 0, job.logs[-4000:]
+    resumed = _resume(work / "resume", work / "ckpt", _port(90))
+    return work / "ckpt", resumed.iterations(), read_torch_dist(work / "resume" / "ckpt" / f"iter_{SAVED_ITERS:07d}")
+
+
+@pytest.mark.parametrize("policy, rank", [("reroute", 1), ("reconfigure", 3)])
+def test_checkpoint_saved_after_a_recovery_resumes_like_stock(stock_saved: tuple, tmp_path: Path, policy: str,
+                                                              rank: int) -> None:
+    """The default torch_dist format, saved by the survivors after a failure (every survivor believes it is
+    pipeline rank 0 of 1 and data-parallel rank 0 of 1): the checkpoint holds the same tensors as the
+    fault-free run's, and a stock job at the original layout resumes from it exactly as from that one."""
+    stock_ckpt, stock_resumed, stock_final = stock_saved
+    job = run_odyssey(MLM, tmp_path, [*_saving(tmp_path), "--odyssey-heartbeat-timeout", "10", "--odyssey-policy",
+                                      policy, "--odyssey-inject-fault", f"step=1,rank={rank},phase=backward,kind=kill"],
+                      _port(100 + 10 * rank))
+    assert job.returncode == 0, job.logs[-4000:]
+    assert [f["policy"] for f in job.report["failures"]] == [policy]
+    saved = f"iter_{SAVE_AT:07d}"
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == str(SAVED_ITERS)
+    # parameters, Adam moments, RNG and scheduler state: those of the fault-free run
+    assert max_tensor_difference(read_torch_dist(tmp_path / "ckpt" / saved), read_torch_dist(stock_ckpt / saved)) < 1e-6
+    resumed = _resume(tmp_path / "resume", tmp_path / "ckpt", _port(150 + 10 * rank))
+    assert same_training(resumed.iterations(), stock_resumed)
+    final = read_torch_dist(tmp_path / "resume" / "ckpt" / f"iter_{SAVED_ITERS:07d}")
+    assert max_tensor_difference(final, stock_final) < 1e-6
+
+
+# -- randomness is state too ---------------------------------------------------------------------------
+
+DROPOUT = [*TINY_GPT, "--odyssey-heartbeat-timeout", "10"]
+DROPOUT[DROPOUT.index("--attention-dropout") + 1] = "0.1"
+DROPOUT[DROPOUT.index("--hidden-dropout") + 1] = "0.1"
+
+
+@pytest.fixture(scope="module")
+def fault_free_dropout(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """--odyssey without a failure, dropout 0.1: masks keyed to (seed, iteration, micro-batch, layer)."""
+    job = run_odyssey(MLM, tmp_path_factory.mktemp("dropout_ref"), DROPOUT, _port(400))
+    assert job.returncode == 0, job.logs[-4000:]
+    return job.iterations()
+
+
+@pytest.mark.parametrize("policy, rank", [("reroute", 1), ("reconfigure", 3)])
+def test_dropout_through_a_failure_equals_fault_free(fault_free_dropout: dict, stock: dict, tmp_path: Path,
+                                                    policy: str, rank: int) -> None:
+    """With --hidden-dropout 0.1 --attention-dropout 0.1 a rerouted or re-placed micro-batch draws the masks
+    it would have drawn on its own rank: every logged iteration equals the fault-free --odyssey run's (and
+    dropout is really on: they differ from the dropout-free stock run's)."""
+    job = run_odyssey(MLM, tmp_path, [*DROPOUT, "--odyssey-policy", policy, "--odyssey-inject-fault",
+                                      f"step=2,rank={rank},phase=backward,kind=kill"], _port(410 + rank))
+    assert job.returncode == 0, job.logs[-4000:]
+    assert [f["policy"] for f in job.report["failures"]] == [policy]
+    assert same_training(job.iterations(), fault_free_dropout)
+    assert not same_training(job.iterations(), stock)

@@ -53,6 +53,19 @@ def test_kill_in_every_phase(reference, tmp_path, phase):
     assert report["steps"][1]["policy"] == ("initial" if phase == "optimizer" else failure["policy"])
 
 
+@pytest.mark.parametrize("phase, rank", [("forward", 1), ("grad-sync", 4)])
+def test_stall_inside_a_collective_is_fenced_by_progress(reference, tmp_path, phase, rank):
+    """The rank's main thread stops inside a barrier no peer joins while its process and heartbeat live on:
+    only its lack of progress gives it away. It is the first to stop (its pipeline peers then wait on it), so
+    it alone is fenced at the hard timeout, and training goes on exactly."""
+    params, report = run(tmp_path, [f"step=1,rank={rank},phase={phase},kind=stall"], soft_timeout_s=3.0,
+                         hard_timeout_s=8.0)
+    assert_exact(reference, params, report)
+    (failure,) = report["failures"]
+    assert failure["ranks"] == [rank]
+    assert 8.0 <= failure["detection_s"] < 25, failure
+
+
 def test_hang_is_fenced_and_training_goes_on(reference, tmp_path):
     params, report = run(tmp_path, ["step=1,rank=2,phase=backward,kind=hang"])
     assert_exact(reference, params, report)

@@ -1,0 +1,100 @@
+"""A failure between two of Megatron's iterations: in ``training_log`` (its interval barrier, the timers'
+all-gathers), in a checkpoint save, or anywhere after ``train_step`` returned.
+
+Inside ``train_step`` a peer's failure is caught by the step itself (``MegatronRank.megatron_train_step``)
+and the step is redone. Outside it, Megatron's own loop runs collectives over the world, and a dead peer
+makes them raise in code that is not ours: each guarded function below turns that into the same recovery
+(register, tear down, enter the agent's next generation) and then runs the call again, in the new layout,
+from the state it began in, and says so on stderr:
+
+- ``training_log``: its loss totals are put back, so the iteration is logged once, as stock Megatron would;
+- a save (``save_checkpoint_and_time`` and ``save_checkpoint``, also the final one): Megatron marks a
+  checkpoint as the latest only after every rank finished writing it (rank 0, after the save's closing
+  collective), so an interrupted save is never marked; the survivors write it again.
+
+Megatron's timers are put back as they were when the guarded call began (a timer a failure left started
+or stopped would assert at its next use).
+"""
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any, Callable
+
+from .hooks import STATE
+
+
+def _timer_states() -> dict[str, tuple[bool, float]]:
+    try:
+        from megatron.training.global_vars import get_timers
+
+        timers = getattr(get_timers(), "_timers", {})
+    except Exception:  # timers not set up (tests of the guard alone)
+        return {}
+    return {name: (t._started, t._start_time) for name, t in timers.items() if hasattr(t, "_started")}
+
+
+def _restore_timers(states: dict[str, tuple[bool, float]]) -> None:
+    from megatron.training.global_vars import get_timers
+
+    timers = getattr(get_timers(), "_timers", {})
+    for name, timer in timers.items():
+        if hasattr(timer, "_started"):
+            timer._started, timer._start_time = states.get(name, (False, timer._start_time))
+
+
+def _say(runtime: Any, text: str) -> None:
+    print(f"[odyssey rank {runtime.ident}] {text}", file=sys.stderr, flush=True)
+
+
+def guarded(phase: str, what: str, keep: Callable[..., Callable[[], None]] | None = None
+            ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Wrap a Megatron function that runs between iterations: fault injection point ``phase``; a peer's
+    failure inside it is recovered from, then the call is redone from the state it began in (Megatron's
+    timers, and what ``keep(*args, **kwargs)`` saves and its returned callable puts back)."""
+
+    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            runtime = STATE.runtime
+            if runtime is None:
+                return original(*args, **kwargs)
+            while True:
+                timers = _timer_states()
+                restore = keep(*args, **kwargs) if keep is not None else None
+                try:
+                    runtime.at_between_steps(phase)
+                    return original(*args, **kwargs)
+                except Exception as exc:
+                    runtime.recover_outside_step(exc, f"{what} after iteration {runtime.committed + 1}")
+                    _restore_timers(timers)
+                    if restore is not None:
+                        restore()
+                    _say(runtime, f"{what} of iteration {runtime.committed + 1} was interrupted by a failure; the "
+                                  f"survivors run it again in the new layout")
+
+        return wrapper
+
+    return wrap
+
+
+def _keep_loss_totals(*args: Any, **kwargs: Any) -> Callable[[], None]:
+    """``training_log`` adds the iteration's losses into ``total_loss_dict`` (its 2nd argument) before its
+    barrier: put the totals back so the redone call counts the iteration once."""
+    totals = kwargs.get("total_loss_dict", args[1] if len(args) > 1 else None)
+    if not isinstance(totals, dict):
+        return lambda: None
+    saved = {k: (v.clone() if hasattr(v, "clone") else v) for k, v in totals.items()}
+
+    def restore() -> None:
+        totals.clear()
+        totals.update(saved)
+
+    return restore
+
+
+training_log = guarded("log", "training_log", keep=_keep_loss_totals)
+# save: Megatron marks a checkpoint as the latest only after every rank finished writing it, so an
+# interrupted save is never marked; the survivors write it again
+save_checkpoint_and_time = guarded("save", "the checkpoint save")
+save_checkpoint = guarded("save", "the checkpoint save")

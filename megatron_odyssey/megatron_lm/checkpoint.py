@@ -1,0 +1,134 @@
+"""Megatron checkpoints written after a recovery, in the job's original layout.
+
+After the first failure ``parallel_state`` says every rank is pipeline rank 0 of 1 and data-parallel
+rank 0 of 1 (pipelines and replicas are Odyssey's, see ``runtime.world``), and Megatron derives what a
+rank writes from exactly those numbers: every holder of a layer would claim to be its main replica, and
+every rank would write the RNG state of pipeline slot 0. In the ``torch_dist`` format a checkpoint is
+layout-free (layers are stacked on a global axis), so it is enough to say who writes what:
+
+- each unit (embedding, layer, output) is written by one holder, the lowest live node holding it (the
+  unit's *owner*, the same one that counts it in the gradient norm); the other holders mark their
+  copies as replicas (``replica_id`` != 0) so the writer's validation sees each element once;
+- the RNG state keeps Megatron's global shape (original pipeline stages x TP): each slot is written by
+  one live rank, the first surviving node of that original stage, or the owner of the stage's first
+  layer when the whole stage is gone.
+
+The legacy ``torch`` format names one file per pipeline rank and holds the whole stage's state in it; a
+re-arranged job has no such files to write, so it is refused with ``--odyssey`` (see ``arguments``).
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Iterable
+
+from ..planning.plan import ExecutionPlan, symmetric_plan
+
+_LAYER_KEY = re.compile(r"(?:^|\.)decoder\.layers\.(\d+)\.")
+
+
+def sharded_unit(key: str, global_offset: tuple[int, ...], num_layers: int) -> int:
+    """Unit of a sharded tensor or object of a GPT model by its checkpoint key: 0 embedding, 1..L
+    layers, L+1 final norm and output (as ``runtime.grad_sync.unit_of``). Homogeneous layers are
+    stacked (key ``decoder.layers.<name>``, the global layer on axis 0); others carry the layer in the key."""
+    body = key.split("/", 1)[0]
+    if body.startswith("embedding.") or ".embedding." in body:
+        return 0
+    m = _LAYER_KEY.search(body)
+    if m:
+        return int(m.group(1)) + 1
+    if body.startswith("decoder.layers.") or ".decoder.layers." in body:
+        return int(global_offset[0]) + 1
+    return num_layers + 1
+
+
+def _with_replica(replica_id: Any, index: int) -> Any:
+    """``replica_id`` with its data-parallel component (the last; Megatron's layout) set to ``index``."""
+    if isinstance(replica_id, tuple):
+        return (*replica_id[:-1], index) if replica_id else (index,)
+    return index
+
+
+def mark_replicas(sharded: Iterable[Any], holders: dict[int, list[int]], node: int, num_layers: int,
+                  unit_by_storage: dict[int, int] | None = None) -> int:
+    """Set each sharded item's replica index to this node's position among the unit's holders (the
+    owner, first, writes it); returns how many items this node now writes as main replica.
+    ``unit_by_storage`` (parameter data pointer -> unit) places items whose key alone does not say
+    their layer (a ShardedTensorFactory, such as SwiGLU's split ``linear_fc1``, has no offsets yet)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+    mains = 0
+    for item in sharded:
+        if not isinstance(item, ShardedBase):
+            continue
+        data = getattr(item, "data", None)
+        ptr = data.data_ptr() if hasattr(data, "data_ptr") else None
+        if unit_by_storage and ptr in unit_by_storage:
+            unit = unit_by_storage[ptr]
+        else:
+            unit = sharded_unit(item.key, tuple(getattr(item, "global_offset", ()) or (0,)), num_layers)
+        nodes = sorted(holders.get(unit, [node]))
+        index = nodes.index(node) if node in nodes else len(nodes)
+        item.replica_id = _with_replica(item.replica_id, index)
+        mains += index == 0
+    return mains
+
+
+def rng_writers(plan: ExecutionPlan, pp: int, dp: int, num_layers: int) -> dict[int, int]:
+    """Original pipeline stage -> the live node that writes its RNG slot (node ids: stage s of replica
+    d is node s * dp + d, Megatron's rank order)."""
+    live = set(plan.live_nodes())
+    owners = {unit: min(nodes) for unit, nodes in plan.holders().items()}
+    original = symmetric_plan(pp, dp, num_layers, dp).pipelines[0]  # generation 0's split of the layers
+    writers = {}
+    for stage in range(pp):
+        alive = [stage * dp + d for d in range(dp) if stage * dp + d in live]
+        writers[stage] = alive[0] if alive else owners[original.stages[stage].layer_start + 1]
+    return writers
+
+
+def rng_state_objects(rng_state_list: Any, writers: dict[int, int], node: int, tp_rank: int, tp: int) -> list[Any]:
+    """The ``rng_state`` entries this rank writes: one ShardedObject per original stage it writes, in
+    Megatron's (stage, TP rank) layout, so a stock job at the original layout finds every slot."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    pp = len(writers)
+    return [ShardedObject("rng_state", rng_state_list, (pp, tp), (stage, tp_rank), replica_id=0)
+            for stage, writer in sorted(writers.items()) if writer == node]
+
+
+def rewrite_sharded_state_dict(state_dict: dict, chunk: Any, runtime: Any) -> dict:
+    """A model chunk's sharded state dict with replica ids for the runtime's plan (in place)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    from ..runtime.generation import node_stage
+    from ..runtime.grad_sync import unit_of
+    from ..runtime.model import to_global_name
+
+    start, _ = node_stage(runtime.plan, runtime.node)
+    layers = runtime.cfg.layers
+    units = {p.data_ptr(): unit_of(to_global_name(name, start), layers) for name, p in chunk.named_parameters()}
+    mark_replicas(nested_values(state_dict), runtime.plan.holders(), runtime.node, layers, units)
+    return state_dict
+
+
+def with_plan_replicas(chunk: Any, runtime: Any) -> Any:
+    """``chunk.sharded_state_dict`` that marks replicas by the plan (installed on the instance for one save)."""
+    original = type(chunk).sharded_state_dict.__get__(chunk)
+
+    def sharded_state_dict(*args: Any, **kwargs: Any) -> dict:
+        return rewrite_sharded_state_dict(original(*args, **kwargs), chunk, runtime)
+
+    return sharded_state_dict
+
+
+def original_layout_rng(sharded: Any, runtime: Any) -> list[Any]:
+    """Megatron's ``rng_state`` ShardedObject (built from our one-rank parallel_state) -> the entries this
+    rank writes in the original (stage x TP) layout."""
+    data = getattr(sharded, "data", sharded)
+    writers = rng_writers(runtime.plan, runtime.cfg.pp, runtime.cfg.dp, runtime.cfg.layers)
+    return rng_state_objects(data, writers, runtime.node, runtime.tp_rank, runtime.cfg.tp)
+
+
+__all__ = ["mark_replicas", "original_layout_rng", "rng_state_objects", "rng_writers",
+           "rewrite_sharded_state_dict", "sharded_unit", "with_plan_replicas"]
+

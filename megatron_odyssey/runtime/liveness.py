@@ -1,0 +1,174 @@
+"""What a rank tells the agent besides its protocol messages: that it lives and that it progresses.
+
+A heartbeat alone proves only that the process runs: a rank stuck inside a collective or a kernel keeps
+beating from its daemon thread. So each beat also carries the rank's :class:`Progress`: a counter the
+main thread bumps at every operation boundary (a forward or backward op, gradient sync, the optimizer)
+and what it is doing: ``working`` inside a step (computing), ``comm`` blocked in one of our
+communication calls (a receive, a gradient all-reduce: waiting on peers), ``waiting`` on the agent
+(commit, plan, start of a generation), ``idle`` outside a step (the host's own loop: Megatron's logging
+and checkpoint saves). The agent judges ranks inside a step by progress (``agent.Agent._stalled``), with
+a soft timeout (name the rank, dump its stacks) and a hard one (fence it and recover), as Megatron's
+in-process restart does with ``--inprocess-soft-timeout``/``--inprocess-hard-timeout``. As in C4D, who
+waits tells who is at fault: ranks blocked in communication wait on a peer; a rank stopped while
+*working* (in its own computation, or in a collective its peers never entered) is the cause.
+
+Threads that talk to the store (:class:`StoreThread`) survive a store hiccup: an error is said on
+stderr and retried with a fresh client; only a store that stays unreachable for ``grace_s`` ends them.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable, Iterator
+
+WORKING, COMM, WAITING, IDLE = "working", "comm", "waiting", "idle"
+
+
+@dataclass
+class Progress:
+    """Written by the rank's main thread (plain attribute stores: no lock on the hot path), read by its
+    heartbeat thread. ``since`` is the wall-clock time of the last change, so the agent can tell which of
+    several stalled ranks stopped first (the others were waiting on it)."""
+
+    count: int = 0
+    state: str = IDLE
+    step: int = -1
+    phase: str = ""
+    since: float = field(default_factory=time.time)
+
+    def mark(self, step: int, phase: str) -> None:
+        self.step, self.phase, self.state = step, phase, WORKING
+        self.count += 1
+        self.since = time.time()
+
+    def set_state(self, state: str) -> None:
+        self.state = state
+        self.count += 1
+        self.since = time.time()
+
+    def beat(self) -> str:
+        """The heartbeat value: ``time count state step phase since``."""
+        return f"{time.time()!r} {self.count} {self.state} {self.step} {self.phase or '-'} {self.since!r}"
+
+
+@dataclass(frozen=True)
+class Beat:
+    t: float
+    count: int = 0
+    state: str = IDLE
+    step: int = -1
+    phase: str = ""
+    since: float = 0.0
+
+    @classmethod
+    def parse(cls, value: bytes | str) -> "Beat":
+        parts = (value.decode() if isinstance(value, bytes) else value).split()
+        if len(parts) < 6:  # a bare time (a rank that reports no progress)
+            return cls(float(parts[0]), since=float(parts[0]))
+        return cls(float(parts[0]), int(parts[1]), parts[2], int(parts[3]), "" if parts[4] == "-" else parts[4],
+                   float(parts[5]))
+
+
+_PROCESS: list[Progress | None] = [None]  # this process's rank (one rank per process)
+
+
+def track(progress: Progress) -> None:
+    """Make ``progress`` the one :func:`communicating` marks (the rank's own, set by its host)."""
+    _PROCESS[0] = progress
+
+
+@contextmanager
+def communicating() -> Iterator[None]:
+    """Around a blocking communication call: the rank is waiting on peers, not stuck itself."""
+    progress = _PROCESS[0]
+    if progress is None or progress.state != WORKING:
+        yield
+        return
+    progress.set_state(COMM)
+    try:
+        yield
+    finally:
+        progress.set_state(WORKING)
+
+
+class StoreThread(threading.Thread):
+    """A daemon thread doing one small store operation every ``interval_s`` (:meth:`tick`) over its own
+    client. A store error is retried with a fresh client and said once on stderr (and when the store
+    answers again); a store unreachable for ``grace_s`` calls :meth:`lost` and ends the thread."""
+
+    what = "store thread"
+
+    def __init__(self, host: str, port: int, ident: int, interval_s: float, grace_s: float = 10.0,
+                 connect: Callable[[], Any] | None = None):
+        super().__init__(daemon=True, name=f"odyssey-{self.what.replace(' ', '-')}")
+        self.rank, self.interval_s, self.grace_s = ident, interval_s, grace_s
+        self._connect = connect or (lambda: _client(host, port, grace_s))
+        self.store: Any = None
+        self.stopped = threading.Event()
+        self.retries = 0
+        import atexit
+
+        atexit.register(self.stop)  # a thread still inside the store client at interpreter exit aborts it
+
+    def tick(self, store: Any) -> None:
+        raise NotImplementedError
+
+    def lost(self, exc: BaseException) -> None:
+        """The store stayed unreachable for ``grace_s``."""
+
+    def say(self, text: str) -> None:
+        print(f"[odyssey rank {self.rank}] {self.what}: {text}", file=sys.stderr, flush=True)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(5)
+
+    def run(self) -> None:
+        failing_since: float | None = None
+        while not self.stopped.is_set():
+            try:
+                if self.store is None:
+                    self.store = self._connect()
+                self.tick(self.store)
+                if failing_since is not None:
+                    self.say(f"the store answers again after {time.monotonic() - failing_since:.1f} s")
+                    failing_since = None
+            except Exception as exc:  # noqa: BLE001 - any store error is retried, then reported
+                if self.stopped.is_set():
+                    return
+                self.store, self.retries = None, self.retries + 1
+                now = time.monotonic()
+                if failing_since is None:
+                    failing_since = now
+                    self.say(f"store error ({type(exc).__name__}: {str(exc)[:160]}); retrying for up to "
+                             f"{self.grace_s:.0f} s")
+                elif now - failing_since > self.grace_s:
+                    self.say(f"the store has been unreachable for {now - failing_since:.1f} s: giving up")
+                    self.lost(exc)
+                    return
+            self.stopped.wait(self.interval_s)
+
+
+def _client(host: str, port: int, timeout_s: float) -> Any:
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=max(1.0, timeout_s)))
+
+
+class Heartbeat(StoreThread):
+    """Proves liveness and reports progress to the agent; stops with the process (SIGSTOP stops it too)."""
+
+    what = "heartbeat"
+
+    def __init__(self, host: str, port: int, ident: int, interval_s: float, progress: Progress | None = None,
+                 **kw: Any):
+        super().__init__(host, port, ident, interval_s, **kw)
+        self.key, self.progress = f"odyssey/hb/{ident}", progress or Progress()
+
+    def tick(self, store: Any) -> None:
+        store.set(self.key, self.progress.beat())

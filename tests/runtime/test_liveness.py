@@ -1,0 +1,88 @@
+"""Heartbeats with progress, and store threads that survive a store hiccup (runtime.liveness), over a
+real TCPStore; the hiccup is a store client that fails its next calls, as one whose connection dropped."""
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from megatron_odyssey.runtime.liveness import IDLE, WAITING, WORKING, Beat, Heartbeat, Progress
+
+
+@pytest.fixture
+def server():
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    yield store
+
+
+def _client(server) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=5))
+
+
+class Hiccup:
+    """Makes the next ``failures`` store clients' first call fail (a dropped connection), then connects."""
+
+    def __init__(self, server, failures: int):
+        self.server, self.failures, self.connects = server, failures, 0
+
+    def __call__(self):
+        self.connects += 1
+        if self.failures > 0:
+            self.failures -= 1
+            raise ConnectionResetError("connection reset by peer")
+        return _client(self.server)
+
+
+def _wait_for(predicate, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_beat_carries_progress() -> None:
+    progress = Progress()
+    assert Beat.parse(progress.beat()).state == IDLE
+    progress.mark(7, "grad-sync")
+    beat = Beat.parse(progress.beat())
+    assert (beat.count, beat.state, beat.step, beat.phase) == (1, WORKING, 7, "grad-sync")
+    assert beat.since == progress.since <= beat.t
+    progress.set_state(WAITING)
+    assert Beat.parse(progress.beat()).state == WAITING
+    assert Beat.parse(repr(123.5)).since == 123.5  # a bare time still parses
+
+
+def test_heartbeat_retries_a_store_hiccup_and_says_so(server, capfd) -> None:
+    hiccup = Hiccup(server, failures=3)
+    beat = Heartbeat("127.0.0.1", server.port, 3, 0.02, grace_s=5.0, connect=hiccup)
+    beat.start()
+    try:
+        assert _wait_for(lambda: server.check(["odyssey/hb/3"]))  # beating after the hiccup
+        assert beat.is_alive() and beat.retries == 3
+        first = Beat.parse(server.get("odyssey/hb/3")).t
+        assert _wait_for(lambda: Beat.parse(server.get("odyssey/hb/3")).t > first)  # and still beating
+    finally:
+        beat.stop()
+    err = capfd.readouterr().err
+    assert "[odyssey rank 3] heartbeat: store error (ConnectionResetError: connection reset by peer); retrying" in err
+    assert "heartbeat: the store answers again after" in err
+
+
+def test_store_thread_gives_up_only_after_the_grace_period(server, capfd) -> None:
+    lost = []
+
+    class Watcher(Heartbeat):
+        def lost(self, exc: BaseException) -> None:
+            lost.append((time.monotonic(), exc))
+
+    started = time.monotonic()
+    watcher = Watcher("127.0.0.1", server.port, 5, 0.02, grace_s=0.5, connect=Hiccup(server, failures=10 ** 6))
+    watcher.start()
+    watcher.join(5)
+    assert not watcher.is_alive() and len(lost) == 1
+    assert lost[0][0] - started >= 0.5  # not at the first error
+    assert "the store has been unreachable for" in capfd.readouterr().err

@@ -1,0 +1,74 @@
+"""Who writes what in a torch_dist checkpoint after a recovery (megatron_lm.checkpoint), with
+megatron-core's own sharded objects and its own validation of a save's access pattern. The save and a
+stock resume through Megatron-LM's pretrain_gpt.py are in test_megatron_lm.py (needs a checkout)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_odyssey.megatron_lm.checkpoint import (mark_replicas, rng_state_objects, rng_writers,
+                                                     sharded_unit)
+from megatron_odyssey.planning.plan import symmetric_plan
+from megatron_odyssey.planning.planner import reroute_plan
+
+mapping = pytest.importorskip("megatron.core.dist_checkpointing.mapping")
+from megatron.core.dist_checkpointing.validation import _validate_objects_for_key, _validate_sharding_for_key  # noqa: E402
+
+LAYERS, PP, DP = 4, 2, 2
+
+
+def test_units_of_checkpoint_keys() -> None:
+    assert sharded_unit("embedding.word_embeddings.weight", (0, 0), LAYERS) == 0
+    assert sharded_unit("decoder.layers.mlp.linear_fc1.weight", (2, 0, 0), LAYERS) == 3  # stacked: layer on axis 0
+    assert sharded_unit("decoder.layers.3.mlp.linear_fc1.weight", (0, 0), LAYERS) == 4  # non-homogeneous: in the key
+    assert sharded_unit("decoder.layers.self_attention.linear_proj._extra_state/shard_1_4", (1,), LAYERS) == 2
+    assert sharded_unit("decoder.final_layernorm.weight", (0,), LAYERS) == LAYERS + 1
+    assert sharded_unit("output_layer.weight", (0, 0), LAYERS) == LAYERS + 1
+
+
+def _layer_tensors(plan, node: int, replica_id=(0, 0, 0)) -> list:
+    """What every holder of a layer produces under our parallel_state (data-parallel rank 0 everywhere)."""
+    out = []
+    for unit in sorted(plan.holdings()[node]):
+        if 1 <= unit <= LAYERS:
+            out.append(mapping.ShardedTensor.from_rank_offsets(
+                "decoder.layers.mlp.linear_fc2.weight", torch.zeros(3, 2), (0, unit - 1, LAYERS), replica_id=replica_id,
+                prepend_axis_num=1))
+    return out
+
+
+@pytest.mark.parametrize("dead", [[1], [3], [1, 2]])
+def test_every_layer_has_exactly_one_writer_after_a_reroute(dead: list[int]) -> None:
+    plan = reroute_plan(symmetric_plan(PP, DP, LAYERS, 4), dead)
+    by_node = {n: _layer_tensors(plan, n) for n in plan.live_nodes()}
+    shardings = [(rank, t) for rank, ts in enumerate(by_node.values()) for t in ts]
+    if any(len(h) > 1 for h in plan.holders().values()):
+        with pytest.raises(Exception, match="Invalid access pattern"):  # Megatron's own replica ids: duplicates
+            _validate_sharding_for_key(shardings)
+    for node, ts in by_node.items():
+        mark_replicas(ts, plan.holders(), node, LAYERS)
+    _validate_sharding_for_key(shardings)  # each layer's element written once
+    for node, ts in by_node.items():
+        for t in ts:
+            owner = min(plan.holders()[t.global_offset[0] + 1])
+            assert (t.replica_id == (0, 0, 0)) == (node == owner)
+
+
+def test_rng_slots_keep_the_original_layout() -> None:
+    plan = reroute_plan(symmetric_plan(PP, DP, LAYERS, 4), [1])
+    assert rng_writers(plan, PP, DP, LAYERS) == {0: 0, 1: 2}
+    objects = [(n, o) for n in plan.live_nodes()
+               for o in rng_state_objects({"state": n}, rng_writers(plan, PP, DP, LAYERS), n, 0, 1)]
+    assert sorted(o.global_offset for _, o in objects) == [(0, 0), (1, 0)]
+    assert all(o.global_shape == (PP, 1) for _, o in objects)
+    _validate_objects_for_key(objects)  # Megatron's check: every slot once
+
+
+def test_rng_slot_of_a_dead_stage_goes_to_the_owner_of_its_first_layer() -> None:
+    """Every node of stage 1 of a PP=2 x DP=3 job (3, 4, 5) is gone and the stage-0 nodes were
+    re-arranged: stage 1's slot goes to node 1, the lowest live holder of layer 2."""
+    from megatron_odyssey.planning.plan import ExecutionPlan, Pipeline, Stage
+
+    plan = ExecutionPlan("reconfigure", LAYERS, (Pipeline((Stage(0, 0, 2), Stage(2, 2, 4)), 3),
+                                                 Pipeline((Stage(1, 0, 4),), 3)))
+    assert rng_writers(plan, PP, 3, LAYERS) == {0: 0, 1: 1}
