@@ -47,11 +47,12 @@ def _say(runtime: Any, text: str) -> None:
     print(f"[odyssey rank {runtime.ident}] {text}", file=sys.stderr, flush=True)
 
 
-def guarded(phase: str, what: str, keep: Callable[..., Callable[[], None]] | None = None
-            ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def guarded(phase: str, what: str, keep: Callable[..., Callable[[], None]] | None = None,
+            prepare: Callable[..., None] | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Wrap a Megatron function that runs between iterations: fault injection point ``phase``; a peer's
     failure inside it is recovered from, then the call is redone from the state it began in (Megatron's
-    timers, and what ``keep(*args, **kwargs)`` saves and its returned callable puts back)."""
+    timers, and what ``keep(*args, **kwargs)`` saves and its returned callable puts back);
+    ``prepare(runtime, *args, **kwargs)`` runs before every attempt."""
 
     def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
@@ -64,6 +65,8 @@ def guarded(phase: str, what: str, keep: Callable[..., Callable[[], None]] | Non
                 restore = keep(*args, **kwargs) if keep is not None else None
                 try:
                     runtime.at_between_steps(phase)
+                    if prepare is not None:
+                        prepare(runtime, *args, **kwargs)
                     return original(*args, **kwargs)
                 except Exception as exc:
                     runtime.recover_outside_step(exc, f"{what} after iteration {runtime.committed + 1}")
@@ -93,8 +96,19 @@ def _keep_loss_totals(*args: Any, **kwargs: Any) -> Callable[[], None]:
     return restore
 
 
+def _fresh_strategies(runtime: Any, *args: Any, **kwargs: Any) -> None:
+    """``save_checkpoint`` keeps its save (and load) strategy in ``checkpointing_context`` (6th argument)
+    from one save to the next, with the process groups of the world it was made in: made before a recovery,
+    its groups are gone. Forget it whenever the generation changed since it was made."""
+    context = kwargs.get("checkpointing_context", args[5] if len(args) > 5 else None)
+    if isinstance(context, dict) and context.get("odyssey_generation") != runtime.gen:
+        context.pop("save_strategy", None)
+        context.pop("load_strategy", None)
+        context["odyssey_generation"] = runtime.gen
+
+
 training_log = guarded("log", "training_log", keep=_keep_loss_totals)
 # save: Megatron marks a checkpoint as the latest only after every rank finished writing it, so an
 # interrupted save is never marked; the survivors write it again
 save_checkpoint_and_time = guarded("save", "the checkpoint save")
-save_checkpoint = guarded("save", "the checkpoint save")
+save_checkpoint = guarded("save", "the checkpoint save", prepare=_fresh_strategies)

@@ -46,7 +46,7 @@ WORKDIR_ENV = "ODYSSEY_WORKDIR"
 
 
 class OdysseyRestart(SystemExit):
-    """The planner found no in-process continuation: Megatron must be relaunched from its checkpoint."""
+    """The agent resumed at an iteration this rank cannot reach in-process: the job must be relaunched."""
 
 
 class AbortWatcher(StoreThread):
@@ -177,7 +177,7 @@ def config_from_megatron_args(args: Any) -> TrainConfig:
         heartbeat_timeout_s=args.odyssey_heartbeat_timeout, checkpoint_interval=0,
         soft_timeout_s=args.odyssey_soft_timeout, hard_timeout_s=args.odyssey_hard_timeout,
         workdir=os.environ.get(WORKDIR_ENV), mtbf_hours=args.odyssey_mtbf_hours,
-        extra={"megatron": True, "start_step": int(args.iteration),
+        extra={"megatron": True, "start_step": int(args.iteration), "save_dir": getattr(args, "save", None),
                "max_cached_failures": args.odyssey_max_cached_failures,
                "profile_iters": args.odyssey_profile_iters, **megatron_job_fields(args)})
 
@@ -331,19 +331,51 @@ class MegatronRank(GenerationRank):
         self.named = [(n, self.optimizer.main_param(p)) for n, p in self.named]
 
     def enter(self, gen: int, plan: ExecutionPlan, policy: str, transfers: list, checkpoint_step: int | None) -> None:
-        if policy == "restart":
-            self.store.set(f"odyssey/gen{gen}/restart/{self.ident}", "1")
-            raise OdysseyRestart(
-                f"[odyssey] rank {self.ident}: no in-process continuation after the failure (the planner chose a "
-                f"restart); relaunch the job with --load pointing at the latest Megatron checkpoint")
         self.stock = False  # one-way hand-off: Odyssey's executor from now on
-        super().enter(gen, plan, policy, transfers, checkpoint_step)
+        if policy == "restart":  # some layer has no live copy: Megatron's own checkpoint, loaded in-process
+            super().enter(gen, plan, policy, [], None)
+            self._load_megatron_checkpoint(int(checkpoint_step))
+        else:
+            super().enter(gen, plan, policy, transfers, checkpoint_step)
         # bf16: the restored fp32 main copies -> the bf16 model weights (Megatron >= 0.15 wraps even a single
         # optimizer in a ChainedOptimizer, which does not have this method itself)
         for opt in getattr(self.megatron_optimizer, "chained_optimizers", [self.megatron_optimizer]):
             if hasattr(opt, "_copy_main_params_to_model_params"):
                 opt._copy_main_params_to_model_params()
         self.scheduler.step(increment=0)  # the fresh optimizer's groups take the schedule's current lr
+
+    def _load_megatron_checkpoint(self, iteration: int) -> None:
+        """Megatron's ``load_checkpoint`` of ``iteration`` into this generation's fresh stage (any layout: the
+        torch_dist format is layout-free). Megatron's loop counters (consumed samples) are kept as they are:
+        the lost iterations are trained again inside the next call (:meth:`_redo`), not by Megatron's loop.
+        The RNG state is not loaded (saved in the original layout; dropout masks are keyed, see
+        runtime.dropout_rng)."""
+        from megatron.training import checkpointing
+
+        args = self.args
+        kept = {name: getattr(args, name, None) for name in
+                ("no_load_rng", "ckpt_step", "finetune", "consumed_train_samples", "skipped_train_samples",
+                 "consumed_valid_samples", "num_floating_point_operations_so_far")}
+        args.no_load_rng, args.ckpt_step, args.finetune = True, iteration, False
+        # Megatron's OptimizerParamScheduler.load_state_dict *adds* the saved step count to its own (it
+        # expects a fresh scheduler): start it from zero, as a relaunched job would
+        self.scheduler.num_steps = 0
+        try:
+            checkpointing.load_checkpoint(self.megatron_model, self.megatron_optimizer, self.scheduler,
+                                          load_arg="save", strict=True)
+        finally:
+            for name, value in kept.items():
+                setattr(args, name, value)
+        self.committed = iteration - 1  # the state now holds steps [0, iteration)
+        self.saved = None  # a failure before this generation's first commit captures the loaded state
+        print(f"[odyssey rank {self.ident}] loaded Megatron's checkpoint of iteration {iteration} in-process",
+              file=sys.stderr, flush=True)
+
+    def _redo(self, start: int, end: int) -> None:
+        """Train steps [start, end) again after a restart from a checkpoint, inside the current call of
+        Megatron's loop (which logs only its own iterations)."""
+        for step in range(start, end):
+            self._train_plan_step(self.last_forward_step, step, self.last_forward_backward)
 
     def _abort_locked(self) -> None:
         with self.gen_lock:
@@ -404,6 +436,7 @@ class MegatronRank(GenerationRank):
         arguments: generation 0 runs it (guarded, see :meth:`_stock_step`); later generations run
         :meth:`_step`."""
         self.current_step = step
+        self.last_forward_step, self.last_forward_backward = forward_step_func, forward_backward_func
         if not self.started:  # start-up is over: from now on a failure is recovered from
             self.store.set(STARTED_KEY.format(self.ident), "1")
             self.store.check([STARTED_KEY.format(self.ident)])  # a round trip: in the store before any fault fires
@@ -432,8 +465,11 @@ class MegatronRank(GenerationRank):
                     # the step was committed and applied before the failure reached this rank (in one of
                     # Megatron's collectives after its optimizer step): report it, do not redo it
                     loss = float(self.store.get(f"{keys(self.gen - 1)['commit']}/{step}"))
+                    self._finish_committed_stock_step()
                     return self._megatron_result(loss, True, self.pending_norm)
-                if resume != step:
+                if resume < step:  # restarted from a checkpoint: train the lost steps again first
+                    self._redo(resume, step)
+                elif resume != step:
                     raise OdysseyRestart(f"[odyssey] the agent resumes at iteration {resume}, not {step}")
 
     # -- between iterations (see between_steps) -------------------------------------------------------
@@ -450,9 +486,12 @@ class MegatronRank(GenerationRank):
         self._abort_locked()
         print(f"[odyssey rank {self.ident}] {where}: {type(exc).__name__}: {str(exc)[:120]}; recovering at "
               f"{time.time():.3f}", file=sys.stderr, flush=True)
+        done = self.committed + 1
         resume = self.recover(self.committed)
-        if resume != self.committed + 1:
-            raise OdysseyRestart(f"[odyssey] the agent resumes at iteration {resume}, not {self.committed + 1}")
+        if resume < done:  # restarted from a checkpoint: train the lost steps again before Megatron goes on
+            self._redo(resume, done)
+        elif resume != done:
+            raise OdysseyRestart(f"[odyssey] the agent resumes at iteration {resume}, not {done}")
 
     # -- generation 0: Megatron's own step, guarded --------------------------------------------------
     def _stock_step(self, stock_step: Callable[[Callable[..., Any]], tuple], forward_step_func: Callable[..., Any], step: int) -> tuple:
@@ -479,8 +518,9 @@ class MegatronRank(GenerationRank):
             self._fb_timer().stop(barrier=False)
             self.timed_iterations += 1
         self.pending_norm = self._megatron_grad_norm()
-        self._publish_ready(step, self._stock_loss_share())
+        self._publish_ready(step, *self._stock_loss_share())
         self._wait_commit(step)
+        self.scheduled_before = getattr(self.scheduler, "num_steps", None)  # see _finish_committed_stock_step
         self.at(step, "optimizer")
         STATE.grad_norm = self.pending_norm
         try:
@@ -489,6 +529,14 @@ class MegatronRank(GenerationRank):
             STATE.grad_norm = None
         self.committed, self.pending, self.saved = step, None, None
         return out
+
+    def _finish_committed_stock_step(self) -> None:
+        """Megatron's ``train_step`` steps the learning-rate schedule after ``optimizer.step`` and after a
+        collective over the model-parallel group (``logical_and_across_model_parallel_group``): a failure
+        in between leaves this rank's schedule one step behind the others. Step it as Megatron would have."""
+        before = getattr(self, "scheduled_before", None)
+        if before is not None and getattr(self.scheduler, "num_steps", None) == before:
+            self.scheduler.step(increment=self.cfg.global_batch)
 
     def _megatron_grad_norm(self) -> float:
         """Megatron's own gradient norm (its groups, its fp32 arithmetic: the stock clipping, bit for
@@ -500,20 +548,24 @@ class MegatronRank(GenerationRank):
             return float(opt.get_grad_norm())
         return plan_grad_norm(self.named, self.owners, self.node, self.tp_rank, self.cfg.layers, self.device)
 
-    def _stock_loss_share(self) -> float:
-        """This rank's share of the step's loss for the agent's report: the mean over the global batch of
-        each micro-batch's mean token loss (Megatron logs its own figure)."""
+    def _stock_loss_share(self) -> tuple[float, float | None]:
+        """This rank's share of the step's loss as Megatron's ``train_step`` reduces it: the sum of its
+        micro-batches' loss sums and the sum of their token counts (the agent divides the totals, so the
+        committed loss is Megatron's own figure; a micro-batch reported as one value counts as a mean)."""
         losses = STATE.last_losses or []
         if self.tp_rank != 0 or not losses:
-            return 0.0
-        total = 0.0
+            return 0.0, None
+        numerator, tokens, means = 0.0, 0.0, 0.0
         for entry in losses:
             value = entry.get("lm loss") if isinstance(entry, dict) else None
             if value is None:
                 continue
-            flat = value.detach().float().view(-1)
-            total += float(flat[0] / flat[1]) if flat.numel() == 2 else float(flat[0])
-        return total / self.cfg.num_micro_batches
+            flat = value.detach().double().view(-1)
+            if flat.numel() == 2:
+                numerator, tokens = numerator + float(flat[0]), tokens + float(flat[1])
+            else:
+                means += float(flat[0]) / self.cfg.num_micro_batches
+        return (numerator, tokens) if tokens else (means, None)
 
     def _injecting(self, forward_step_func: Callable[..., Any], step: int) -> Callable[..., Any]:
         """Megatron's forward step with ``--odyssey-inject-fault`` points: before each micro-batch is
@@ -545,6 +597,11 @@ class MegatronRank(GenerationRank):
         return get_timers()("odyssey-forward-backward", log_level=0)
 
     def _step(self, forward_step_func: Callable[..., Any], step: int, forward_backward_func: Callable[..., Any]) -> tuple:
+        return self._megatron_result(*self._train_plan_step(forward_step_func, step, forward_backward_func))
+
+    def _train_plan_step(self, forward_step_func: Callable[..., Any], step: int,
+                         forward_backward_func: Callable[..., Any]) -> tuple[float, bool, float]:
+        """One step of the current plan through the commit protocol: (committed loss, applied, norm)."""
         from megatron.training.global_vars import get_timers
 
         timers = get_timers()
@@ -568,7 +625,7 @@ class MegatronRank(GenerationRank):
         timers("optimizer", log_level=1).start(barrier=False)
         ok, norm = self._apply(step)
         timers("optimizer").stop()
-        return self._megatron_result(loss, ok, norm)
+        return loss, ok, norm
 
     # -- profiling with Megatron's timers ----------------------------------------------------------
     def _publish_profile(self) -> None:

@@ -129,6 +129,7 @@ class FailureRecord:
     published_at: float = 0.0
     joined_at: float = 0.0  # every survivor joined the new generation (its go)
     generation: int = 0
+    lost_steps: int = 0  # committed steps a restart from a checkpoint trains again
 
 
 class Agent:
@@ -424,7 +425,7 @@ class Agent:
         ready = [f"{self.key('ready')}/{t}/{i}" for i in self.members()]
         if not self.store.check(ready):
             return
-        loss = sum(float(v) for v in self.store.multi_get(ready))
+        loss = committed_loss(self.store.multi_get(ready))
         self.store.set(f"{self.key('commit')}/{t}", repr(loss))  # ranks report the committed loss
         # every rank has applied step t - 1 (it published ready/t): nobody waits on that commit any more;
         # each rank deletes its own ready key once it sees the commit (GenerationRank._wait_commit)
@@ -554,17 +555,22 @@ class Agent:
         rec.policy, rec.reason = chosen.policy, chosen.reason
         rec.candidates = [c.summary() for c in decision.candidates]
         resume, ckpt = last + 1, None
-        if chosen.policy == "restart":
+        if chosen.policy == "restart" and self.external:  # a Megatron job: its own latest checkpoint
+            ckpt = megatron_checkpoint_iteration(self.cfg.extra.get("save_dir"))
+            if ckpt is None:
+                self.stop_reason = (f"cannot continue: {chosen.reason}, and there is no Megatron checkpoint to "
+                                    f"restore (no --save, or nothing saved yet); relaunch from the start")
+                self.failures.append(rec)
+                return False
+            resume = ckpt  # Megatron's iteration N is N steps done: step N is the next
+            self.log(f"restart: {chosen.reason}; the survivors load Megatron's checkpoint of iteration {ckpt} "
+                     f"in-process, resuming at step {resume}")
+        elif chosen.policy == "restart":
             ckpt = self.latest_checkpoint()
             resume = (ckpt + 1) if ckpt is not None else 0
             where = f"checkpoint of step {ckpt}" if ckpt is not None else "the initial weights (no checkpoint yet)"
             self.log(f"restart: {chosen.reason}; restoring {where}, resuming at step {resume}")
-        if chosen.policy == "restart" and self.external:
-            self.stop_reason = (f"cannot continue in-process: {chosen.reason}; relaunch the job with --load "
-                                f"from the latest Megatron checkpoint")
-            rec.policy, rec.reason = "restart", chosen.reason
-            self.failures.append(rec)
-            return False
+        rec.lost_steps = max(0, last + 1 - resume)
         for c in decision.candidates:
             self.log(f"  candidate {c.policy:<11} step {c.step_time_s:.4g}s transition "
                      f"{c.transition.total_s if c.feasible else float('nan'):.4g}s score {c.score:.4g}  {c.reason}")
@@ -692,6 +698,32 @@ class Agent:
                   "profile": self.profile.name, "devices": devices, "host": host_summary(),
                   "final_plan": self.plan.to_dict(), "config": {k: v for k, v in vars(self.cfg).items()}}
         Path(self.cfg.report).write_text(json.dumps(report, indent=1))
+
+
+def committed_loss(shares: list[bytes]) -> float:
+    """The step's loss from every rank's *ready* value: a share of the normalised loss (``"x"``), or a loss
+    sum and its token count (``"x n"``, Megatron's own step) whose totals are divided."""
+    plain, numerator, tokens = 0.0, 0.0, 0.0
+    for share in shares:
+        parts = share.split()
+        if len(parts) == 2:
+            numerator, tokens = numerator + float(parts[0]), tokens + float(parts[1])
+        else:
+            plain += float(parts[0])
+    return plain + (numerator / tokens if tokens else 0.0)
+
+
+def megatron_checkpoint_iteration(save_dir: str | None) -> int | None:
+    """The iteration of the newest complete checkpoint in a Megatron ``--save`` folder (Megatron writes its
+    tracker file only once every rank has finished writing), or None."""
+    if not save_dir:
+        return None
+    tracker = Path(save_dir) / "latest_checkpointed_iteration.txt"
+    try:
+        text = tracker.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
 
 
 def host_summary() -> dict[str, Any]:

@@ -198,9 +198,11 @@ class GenerationRank(abc.ABC):
         return os.path.join(self.cfg.workdir or ".", "checkpoints")
 
     # -- the commit ---------------------------------------------------------------------------------
-    def _publish_ready(self, step: int, loss_share: float) -> None:
-        """Gradients of ``step`` are synchronised here; ``loss_share`` is this rank's part of its loss."""
-        self.store.set(f"{self.k['ready']}/{step}/{self.ident}", repr(loss_share))
+    def _publish_ready(self, step: int, loss_share: float, tokens: float | None = None) -> None:
+        """Gradients of ``step`` are synchronised here; ``loss_share`` is this rank's part of its loss (a sum
+        over ``tokens`` loss tokens when given: the agent then divides the totals, as Megatron does)."""
+        value = repr(loss_share) if tokens is None else f"{loss_share!r} {tokens!r}"
+        self.store.set(f"{self.k['ready']}/{step}/{self.ident}", value)
 
     def _wait_commit(self, step: int) -> float:
         """Block until the agent commits ``step`` (returns the step's loss) or aborts the generation."""

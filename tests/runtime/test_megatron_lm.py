@@ -127,7 +127,10 @@ def test_bf16_state_moves_through_main_params(tmp_path_factory: pytest.TempPathF
     assert failure["policy"] == "reconfigure"
     ranges = {tuple(st["layers"]) for pipe in job.report["final_plan"]["pipelines"] for st in pipe["stages"]}
     assert ranges - {(0, 2), (2, 4)}  # some survivor took layers it did not hold: their state moved
-    assert same_training(job.iterations(), stock.iterations())
+    # learning rates and consumed samples exactly, losses and norms to 5 significant digits: in bf16 a layout
+    # that keeps all four layers on one node drifts by a few units of the 6th digit by iteration 5 (seen with
+    # and without --accumulate-allreduce-grads-in-fp32; fp32 jobs match every printed digit)
+    assert same_training(job.iterations(), stock.iterations(), rel=1e-5)
 
 
 def test_per_token_loss_after_a_reroute(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
@@ -223,3 +226,21 @@ def test_dropout_through_a_failure_equals_fault_free(fault_free_dropout: dict, s
     assert [f["policy"] for f in job.report["failures"]] == [policy]
     assert same_training(job.iterations(), fault_free_dropout)
     assert not same_training(job.iterations(), stock)
+
+
+def test_lost_stage_restarts_in_process_from_megatron_checkpoint(stock: dict, tmp_path: Path) -> None:
+    """Both nodes of stage 1 die in iteration 4: layers 2-3 have no live copy. Instead of ending the job,
+    the survivors (the two stage-0 nodes) load Megatron's own checkpoint of iteration 2 in-process into a
+    layout they can form, train iteration 3 again, and go on; the report says one iteration was lost, and
+    every iteration Megatron logs equals stock Megatron-LM's."""
+    faults = [f"step=3,rank={r},phase=forward,kind=kill" for r in (2, 3)]
+    job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
+                                      *(x for f in faults for x in ("--odyssey-inject-fault", f))], _port(450))
+    assert job.returncode == 0, job.logs[-4000:]
+    restart = job.report["failures"][-1]
+    assert restart["policy"] == "restart" and "no live copy" in restart["reason"]
+    assert restart["lost_steps"] == 1  # iteration 3, committed after the checkpoint of iteration 2
+    assert "loaded Megatron's checkpoint of iteration 2 in-process" in job.logs
+    assert sorted(r for f in job.report["failures"] for r in f["ranks"]) == [2, 3]
+    assert job.report["steps"][-1]["alive"] == 2
+    assert same_training(job.iterations(), stock)
