@@ -7,12 +7,13 @@ We cannot start thousands of training processes here, but the coordination does 
 :class:`~megatron_odyssey.runtime.agent.Agent` (its detection, commit, planning and recovery code, unchanged)
 supervises *fake ranks*, threads that speak the real store protocol over their own TCPStore clients:
 publish *ready*, block on *commit*, delete their key; on an abort register for recovery, block on the next
-plan, join, block on *go*. Heartbeats (with progress) come from one thread per 256 ranks, one multi_set
-each. One fake rank is SIGKILL-ed (its thread stops and its exit code becomes -9) mid-run.
+plan, join, block on *go*. They live in 8 *fake machines* (processes), each reporting its ranks' exits
+as ``odyssey-launch``'s node agents do and sending their heartbeats (with progress) in one multi_set every
+0.2 s. One fake rank dies mid-run (its exit reported as -9, as a SIGKILL's).
 
 Measured, per rank count:
-- *commit*: the agent's own time to commit a step once the last *ready* is in (``Agent.advance``: one
-  ``check`` and one ``multi_get`` over every rank's key, the commit, the deletion of the previous one),
+- *commit*: the agent's own time to commit a step once the last *ready* is in (``Agent.advance``: the
+  ready counter, one ``check`` and one ``multi_get`` over every rank's key, the commit, the deletions),
   median over the steps. The wall time per step is shown too: it also counts the fake ranks' own store
   calls, which on a real cluster run on thousands of hosts in parallel but here share one Python process;
 - *recovery*: detection to abort, abort to sealed membership, to the plan published (includes planning),
@@ -22,7 +23,10 @@ Goal (issue): commit under 10 ms per step and recovery coordination under 2 s at
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
+import multiprocessing as mp
 import platform
 import statistics
 import sys
@@ -35,9 +39,10 @@ from pathlib import Path
 import torch.distributed as dist
 
 from docs_section import write_section
+from megatron_odyssey.launch import RemoteExits, RemoteRank, report_exit
 from megatron_odyssey.runtime.agent import Agent
 from megatron_odyssey.runtime.config import TrainConfig
-from megatron_odyssey.runtime.errors import ABORTED
+from megatron_odyssey.runtime.errors import ABORTED, STARTED_KEY
 from megatron_odyssey.runtime.liveness import Progress, WAITING
 
 START, END = "<!-- bench_coordination:start -->", "<!-- bench_coordination:end -->"
@@ -46,86 +51,83 @@ START, END = "<!-- bench_coordination:start -->", "<!-- bench_coordination:end -
 class FakeRank(threading.Thread):
     """One rank's side of the protocol, without a model (``generation.GenerationRank`` minus the work)."""
 
-    def __init__(self, ident: int, port: int, steps: int, kill_at: int | None):
+    def __init__(self, rank_id: int, port: int, steps: int, kill_at: int | None):
         super().__init__(daemon=True)
-        self.ident, self.steps, self.kill_at = ident, steps, kill_at
-        self.store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
-        self.exitcode: int | None = None
+        self.rank_id, self.steps, self.kill_at = rank_id, steps, kill_at
+        self.store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=300))
         self.progress = Progress()
-        self.gen, self.killed = 0, threading.Event()
-
-    # the agent's view of a process
-    @property
-    def pid(self) -> None:
-        return None
-
-    def kill(self) -> None:
-        self.killed.set()
-        if self.exitcode is None:
-            self.exitcode = -9
-
-    def join(self, timeout: float | None = None) -> None:  # noqa: D401 - a process's join
-        pass
+        self.gen, self.code = 0, None
 
     def run(self) -> None:
         try:
             self._run()
-            if self.exitcode is None:
-                self.exitcode = 0
-        except Exception as exc:  # noqa: BLE001 - a dead store at the end of the benchmark
-            if self.exitcode is None:
-                self.exitcode = 1 if not self.killed.is_set() else -9
-                if not self.killed.is_set():
-                    print(f"fake rank {self.ident}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            self.code = 0 if self.code is None else self.code
+        except Exception as exc:  # noqa: BLE001 - reported as this rank's exit
+            print(f"fake rank {self.rank_id}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            self.code = 1
+        report_exit(self.store, self.rank_id, self.code)
 
     def _run(self) -> None:
+        self.store.set(STARTED_KEY.format(self.rank_id), "1")  # past start-up: a failure is recovered from
         step = 0
         while step < self.steps:
             if self.kill_at == step:
-                self.kill()
+                self.code = -9  # as SIGKILL-ed
                 return
             g = f"odyssey/gen{self.gen}"
             self.progress.mark(step, "forward")
-            self.store.set(f"{g}/ready/{step}/{self.ident}", "0.0")
+            self.store.set(f"{g}/ready/{step}/{self.rank_id}", "0.0")
+            self.store.add(f"{g}/ready/{step}/count", 1)
             self.progress.set_state(WAITING)
             self.store.wait([f"{g}/commit/{step}"])
             if self.store.get(f"{g}/commit/{step}") != ABORTED:
-                self.store.delete_key(f"{g}/ready/{step}/{self.ident}")
+                self.store.delete_key(f"{g}/ready/{step}/{self.rank_id}")
                 step += 1
                 continue
             # aborted: register, wait for the next plan, join, wait for go
-            self.store.set(f"{g}/recover/{self.ident}", str(step - 1))
+            self.store.set(f"{g}/recover/{self.rank_id}", str(step - 1))
             nxt = f"odyssey/gen{self.gen + 1}"
             self.store.wait([f"{nxt}/plan"])
             msg = json.loads(self.store.get(f"{nxt}/plan"))
             live = {s["node"] for p in msg["plan"]["pipelines"] for s in p["stages"]} - set(msg["plan"].get("failed", []))
-            if self.ident not in live:
+            if self.rank_id not in live:
                 return
             self.gen += 1
-            self.store.set(f"{nxt}/join/{self.ident}", "1")
+            self.store.set(f"{nxt}/join/{self.rank_id}", "1")
             self.store.wait([f"{nxt}/go"])
             step = int(msg["resume_step"])
 
 
-def heartbeats(port: int, ranks: list[FakeRank], stop: threading.Event) -> None:
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-    while not stop.is_set():
-        alive = [r for r in ranks if r.exitcode is None]
+def machine(port: int, ranks: list[int], steps: int, victim: int) -> None:
+    """One fake machine (a process): its ranks as threads, and one heartbeat thread for all of them."""
+    fakes = [FakeRank(i, port, steps, steps // 2 if i == victim else None) for i in ranks]
+    beats = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=300))
+    for fake in fakes:
+        fake.start()
+    while any(f.is_alive() for f in fakes):
+        alive = [f for f in fakes if f.code is None]
         if alive:
-            store.multi_set([f"odyssey/hb/{r.ident}" for r in alive], [r.progress.beat() for r in alive])
-        stop.wait(0.2)
+            beats.multi_set([f"odyssey/hb/{f.rank_id}" for f in alive], [f.progress.beat() for f in alive])
+        time.sleep(0.2)
 
 
-def measure(n: int, steps: int, pp: int = 4) -> dict:
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
+def measure(n: int, steps: int, machines: int = 8, pp: int = 4) -> dict:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300))
     dp = n // pp
     cfg = TrainConfig(nproc=n, pp=pp, layers=32, hidden=64, heads=4, seq=32, global_batch=2 * dp, micro_batch=1,
-                      steps=steps, checkpoint_interval=0, heartbeat_timeout_s=60.0, timeout_s=300.0,
-                      soft_timeout_s=100.0, hard_timeout_s=200.0, extra={"max_cached_failures": 0})
+                      steps=steps, checkpoint_interval=0, heartbeat_timeout_s=120.0, timeout_s=600.0,
+                      soft_timeout_s=200.0, hard_timeout_s=400.0, extra={"max_cached_failures": 0})
     victim = n // 2 + 1
-    ranks = [FakeRank(i, store.port, steps, steps // 2 if i == victim else None) for i in range(n)]
+    ctx = mp.get_context("spawn")
+    share = -(-n // machines)
+    procs = [ctx.Process(target=machine, args=(store.port, list(range(m * share, min(n, (m + 1) * share))), steps,
+                                               victim), daemon=True) for m in range(machines) if m * share < n]
+    for p in procs:
+        p.start()
+    exits = RemoteExits(store)
     work = Path(tempfile.mkdtemp(prefix="odyssey-coordination-"))
-    agent = Agent(cfg, None, work, echo_rank0=False, procs={r.ident: r for r in ranks}, store=store)
+    agent = Agent(cfg, None, work, echo_rank0=False, procs={i: RemoteRank(store, i, exits) for i in range(n)},
+                  store=store)
     agent.log = lambda msg: None  # the candidates' table per failure is not what we measure
     commits: list[float] = []
     advance = agent.advance
@@ -137,22 +139,19 @@ def measure(n: int, steps: int, pp: int = 4) -> dict:
             commits.append(time.perf_counter() - t0)
 
     agent.advance = timed_advance
-    stop = threading.Event()
-    beat_threads = [threading.Thread(target=heartbeats, args=(store.port, ranks[i:i + 256], stop), daemon=True)
-                    for i in range(0, n, 256)]
-    for t in (*beat_threads, *ranks):
-        t.start()
     t0 = time.perf_counter()
-    code = agent.supervise()
+    with contextlib.redirect_stdout(io.StringIO()):  # the agent's per-step lines
+        code = agent.supervise()
     wall = time.perf_counter() - t0
-    stop.set()
+    for p in procs:
+        p.join(30)
     steps_done = agent.steps.records()
     (failure,) = agent.failures
     phases = failure.phases
     return {"ranks": n, "code": code, "steps": len(steps_done), "wall_s": wall,
             "commit_ms": statistics.median(commits) * 1e3, "commit_p90_ms": sorted(commits)[int(0.9 * len(commits))] * 1e3,
             "step_wall_ms": statistics.median(s["time_s"] for s in steps_done[1:]) * 1e3,
-            "detection_s": failure.detection_s, "sealed_s": phases["sealed_s"], "published_s": phases["published_s"],
+            "sealed_s": phases["sealed_s"], "published_s": phases["published_s"],
             "decision_s": failure.decision_s, "go_s": phases.get("joined_s") or float("nan"),
             "store_keys": steps_done[-1]["store_keys"]}
 

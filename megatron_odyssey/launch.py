@@ -28,6 +28,7 @@ from typing import Any
 from .runtime.errors import STOPPED_EXIT, rank_log_traceback  # (no torch import: the launcher starts fast)
 
 EXIT_KEY = "odyssey/exit/{}"  # node agents report a rank's exit code here
+EXITS_KEY = "odyssey/exits"  # ... and append "rank:code;" here: the coordinator reads every exit in one get
 FENCE_KEY = "odyssey/fence/{}"  # the coordinator asks a rank's node agent to SIGKILL it
 STARTUP_GRACE_S = 3.0  # after a rank fails at start-up, how long the others get to fail too (and say why)
 
@@ -62,16 +63,41 @@ class LocalRank:
             pass
 
 
+def report_exit(store: Any, ident: int, code: int) -> None:
+    """A node agent's report of one of its ranks' exit."""
+    store.set(EXIT_KEY.format(ident), str(code))
+    store.append(EXITS_KEY, f"{ident}:{code};")
+
+
+class RemoteExits:
+    """Exit codes of the ranks on other machines, for the coordinator: one store round trip per look, and at
+    most one look every few milliseconds, however many ranks there are (the agent asks for every rank's exit
+    code in every pass of its loop; one store lookup per rank would grow with the job)."""
+
+    def __init__(self, store: Any, every_s: float = 0.004):
+        self.store, self.every_s, self.read_at, self.codes = store, every_s, 0.0, {}
+
+    def code(self, ident: int) -> int | None:
+        now = time.monotonic()
+        if now - self.read_at >= self.every_s:
+            self.read_at = now
+            if self.store.check([EXITS_KEY]):
+                for item in self.store.get(EXITS_KEY).decode().split(";"):
+                    if item:
+                        rank, code = item.split(":")
+                        self.codes[int(rank)] = int(code)
+        return self.codes.get(ident)
+
+
 class RemoteRank:
     """A rank on another machine, seen through the store its node agent reports to."""
 
-    def __init__(self, store: Any, ident: int):
-        self.store, self.ident = store, ident
+    def __init__(self, store: Any, ident: int, exits: RemoteExits | None = None):
+        self.store, self.ident, self.exits = store, ident, exits or RemoteExits(store, every_s=0.0)
 
     @property
     def exitcode(self) -> int | None:
-        key = EXIT_KEY.format(self.ident)
-        return int(self.store.get(key)) if self.store.check([key]) else None
+        return self.exits.code(self.ident)
 
     def kill(self) -> None:
         self.store.set(FENCE_KEY.format(self.ident), "1")
@@ -142,7 +168,8 @@ def coordinate(args: argparse.Namespace, local: dict[int, LocalRank]) -> int:
     store = dist.TCPStore("0.0.0.0", args.odyssey_port, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=300))
     world = args.nnodes * args.nproc_per_node
-    procs: dict[int, Any] = {i: local.get(i) or RemoteRank(store, i) for i in range(world)}
+    exits = RemoteExits(store)
+    procs: dict[int, Any] = {i: local.get(i) or RemoteRank(store, i, exits) for i in range(world)}
     while not store.check(["odyssey/config"]):  # rank 0 publishes it when Megatron's train() starts
         codes = {i: p.exitcode for i, p in procs.items()}
         if all(c == 0 for c in codes.values()):
@@ -186,7 +213,7 @@ def serve_node(args: argparse.Namespace, local: dict[int, LocalRank]) -> int:
             if ident not in reported and store.check([FENCE_KEY.format(ident)]):
                 p.kill()
             if ident not in reported and p.exitcode is not None:
-                store.set(EXIT_KEY.format(ident), str(p.exitcode))
+                report_exit(store, ident, p.exitcode)
                 reported.add(ident)
                 if p.exitcode > 0 and p.exitcode != STOPPED_EXIT:  # an error (not a kill): say it here too
                     print(f"[odyssey launch node {args.node_rank}] rank {ident} exited {p.exitcode}:\n"

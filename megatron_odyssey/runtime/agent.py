@@ -422,10 +422,15 @@ class Agent:
         t = self.next_step
         if t >= self.cfg.steps:
             return
-        ready = [f"{self.key('ready')}/{t}/{i}" for i in self.members()]
-        if not self.store.check(ready):
+        members = self.members()
+        count = f"{self.key('ready')}/{t}/count"  # each rank adds 1 after its ready key: one counter to poll
+        if self.store.add(count, 0) < len(members):
+            return
+        ready = [f"{self.key('ready')}/{t}/{i}" for i in members]
+        if not self.store.check(ready):  # a rank of an earlier plan still counted in (never: safety)
             return
         loss = committed_loss(self.store.multi_get(ready))
+        self.store.delete_key(count)
         self.store.set(f"{self.key('commit')}/{t}", repr(loss))  # ranks report the committed loss
         # every rank has applied step t - 1 (it published ready/t): nobody waits on that commit any more;
         # each rank deletes its own ready key once it sees the commit (GenerationRank._wait_commit)

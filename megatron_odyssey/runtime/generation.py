@@ -203,6 +203,7 @@ class GenerationRank(abc.ABC):
         over ``tokens`` loss tokens when given: the agent then divides the totals, as Megatron does)."""
         value = repr(loss_share) if tokens is None else f"{loss_share!r} {tokens!r}"
         self.store.set(f"{self.k['ready']}/{step}/{self.ident}", value)
+        self.store.add(f"{self.k['ready']}/{step}/count", 1)  # the agent polls one counter, not every key
 
     def _wait_commit(self, step: int) -> float:
         """Block until the agent commits ``step`` (returns the step's loss) or aborts the generation."""

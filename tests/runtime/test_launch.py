@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_odyssey.launch import EXIT_KEY, FENCE_KEY, RemoteRank, parse
+from megatron_odyssey.launch import FENCE_KEY, RemoteExits, RemoteRank, parse, report_exit
 
 ENV_DUMP = """
 import json, os, sys
@@ -97,9 +97,14 @@ def test_remote_rank_reads_exits_and_requests_fencing_through_the_store() -> Non
     t0 = time.monotonic()
     remote.join(0.2)
     assert time.monotonic() - t0 >= 0.2  # still running: join waits its timeout
-    client.set(EXIT_KEY.format(5), "-9")  # the node agent reports the SIGKILL
+    report_exit(client, 5, -9)  # the node agent reports the SIGKILL
     remote.join(5)  # a store set is not acknowledged: the coordinator polls, as it does in supervise()
     assert remote.exitcode == -9
+    # the coordinator reads every remote exit in one round trip, however many ranks it asks about
+    report_exit(client, 7, 0)
+    exits = RemoteExits(coordinator, every_s=0.0)
+    ranks = [RemoteRank(coordinator, i, exits) for i in range(64)]
+    assert {r.ident: r.exitcode for r in ranks if r.exitcode is not None} == {5: -9, 7: 0}
     del server
 
 
