@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -163,17 +162,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
         console.print(f"[red]{exc}", soft_wrap=True)
         return 1
     console.print("[bold]fault-free reference[/] (one process, same batches) for the loss comparison")
-    ref_cfg = out / "reference_config.json"
-    cfg.save(ref_cfg)
-    ref = subprocess.run([sys.executable, "-m", "megatron_odyssey.testing.reference", "--config", str(ref_cfg),
-                          "--out", str(out / "reference.pt")], capture_output=True, text=True)
-    if ref.returncode:
-        console.print(f"the fault-free reference run failed (exit {ref.returncode}):\n{ref.stderr[-4000:]}",
-                      style="red", soft_wrap=True, markup=False)
-        return 1
     import torch
 
-    reference = torch.load(out / "reference.pt")
+    from .testing.reference import reference_in_subprocess
+
+    try:
+        reference = reference_in_subprocess(cfg, out)
+    except RuntimeError as exc:
+        console.print(str(exc), style="red", soft_wrap=True, markup=False)
+        return 1
     params = torch.load(cfg.save_params)
     report = json.loads(Path(cfg.report).read_text())
     worst = max((params[k] - reference["params"][k]).abs().max().item() for k in params)

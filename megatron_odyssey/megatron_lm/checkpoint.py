@@ -49,14 +49,13 @@ def _with_replica(replica_id: Any, index: int) -> Any:
 
 
 def mark_replicas(sharded: Iterable[Any], holders: dict[int, list[int]], node: int, num_layers: int,
-                  unit_by_storage: dict[int, int] | None = None) -> int:
+                  unit_by_storage: dict[int, int] | None = None) -> None:
     """Set each sharded item's replica index to this node's position among the unit's holders (the
-    owner, first, writes it); returns how many items this node now writes as main replica.
+    owner, first, writes it).
     ``unit_by_storage`` (parameter data pointer -> unit) places items whose key alone does not say
     their layer (a ShardedTensorFactory, such as SwiGLU's split ``linear_fc1``, has no offsets yet)."""
     from megatron.core.dist_checkpointing.mapping import ShardedBase
 
-    mains = 0
     for item in sharded:
         if not isinstance(item, ShardedBase):
             continue
@@ -69,8 +68,6 @@ def mark_replicas(sharded: Iterable[Any], holders: dict[int, list[int]], node: i
         nodes = sorted(holders.get(unit, [node]))
         index = nodes.index(node) if node in nodes else len(nodes)
         item.replica_id = _with_replica(item.replica_id, index)
-        mains += index == 0
-    return mains
 
 
 def rng_writers(plan: ExecutionPlan, pp: int, dp: int, num_layers: int) -> dict[int, int]:

@@ -37,7 +37,7 @@ from ..runtime.grad_sync import GradientSync, all_reduce_flat, params_by_unit, u
 from .hooks import ORIGINAL_ATTR, STATE
 from ..runtime.errors import GIVEUP_KEY, STARTED_KEY, fail_locally, giveup_reason, is_peer_failure, stop_now
 from ..runtime.generation import GenerationRank, keys, node_stage
-from ..runtime.liveness import IDLE, Heartbeat, Progress, track, StoreThread
+from ..runtime.liveness import Heartbeat, Progress, StoreThread, track
 from ..runtime.transport import P2P
 from ..runtime.world import RankMap, abort_all_groups, plan_process_groups
 
@@ -448,17 +448,12 @@ class MegatronRank(GenerationRank):
                     result = self._stock_step(stock_step, forward_step_func, step)
                 else:
                     result = self._step(forward_step_func, step, forward_backward_func)
-                self.progress.set_state(IDLE)  # back in Megatron's loop (logging, saving): not judged by progress
-                self.injector(step, "between")
+                self.at_rest(step, "between")  # back in Megatron's loop (logging, saving)
                 return result
             except Exception as exc:
-                if not is_peer_failure(exc, self.store, self.gen):  # ours (a device bug, OOM): report and leave
-                    fail_locally(self.store, self.ident, exc, f"iteration {step}", abort=self._abort_locked)
-                self._abort_locked()
+                self._take_failure(exc, f"iteration {step}")
                 _abandon_rerun_step()
                 failed = True
-                print(f"[odyssey rank {self.ident}] iteration {step}: {type(exc).__name__}: {str(exc)[:120]}; "
-                      f"recovering at {time.time():.3f}", file=sys.stderr, flush=True)
             if failed:
                 resume = self.recover(step)
                 if self.committed == step and resume == step + 1:
@@ -467,31 +462,36 @@ class MegatronRank(GenerationRank):
                     loss = float(self.store.get(f"{keys(self.gen - 1)['commit']}/{step}"))
                     self._finish_committed_stock_step()
                     return self._megatron_result(loss, True, self.pending_norm)
-                if resume < step:  # restarted from a checkpoint: train the lost steps again first
-                    self._redo(resume, step)
-                elif resume != step:
-                    raise OdysseyRestart(f"[odyssey] the agent resumes at iteration {resume}, not {step}")
+                self._catch_up(resume, step)
 
     # -- between iterations (see between_steps) -------------------------------------------------------
     def at_between_steps(self, phase: str) -> None:
         """An injection point of Megatron's loop after iteration ``committed`` (log, save)."""
-        self.progress.set_state(IDLE)
-        self.injector(self.committed, phase)
+        self.at_rest(self.committed, phase)
 
     def recover_outside_step(self, exc: BaseException, where: str) -> None:
         """A failure in Megatron's loop between iterations (every step so far committed): recover into the
         agent's next generation, or leave the job if the error is this rank's own."""
+        self._take_failure(exc, where)
+        done = self.committed + 1
+        self._catch_up(self.recover(self.committed), done)
+
+    def _take_failure(self, exc: BaseException, where: str) -> None:
+        """A failure reached this rank in ``where``: leave the job if the error is its own (a device bug, an
+        OOM: reported), else abort this generation's groups so that recovery can begin."""
         if not is_peer_failure(exc, self.store, self.gen):
             fail_locally(self.store, self.ident, exc, where, abort=self._abort_locked)
         self._abort_locked()
         print(f"[odyssey rank {self.ident}] {where}: {type(exc).__name__}: {str(exc)[:120]}; recovering at "
               f"{time.time():.3f}", file=sys.stderr, flush=True)
-        done = self.committed + 1
-        resume = self.recover(self.committed)
-        if resume < done:  # restarted from a checkpoint: train the lost steps again before Megatron goes on
-            self._redo(resume, done)
-        elif resume != done:
-            raise OdysseyRestart(f"[odyssey] the agent resumes at iteration {resume}, not {done}")
+
+    def _catch_up(self, resume: int, expected: int) -> None:
+        """The agent resumes at ``resume`` where this rank expected ``expected``: earlier after a restart from a
+        checkpoint (the lost steps are trained again now, before Megatron's loop goes on); later is a bug."""
+        if resume < expected:
+            self._redo(resume, expected)
+        elif resume != expected:
+            raise OdysseyRestart(f"[odyssey] the agent resumes at iteration {resume}, not {expected}")
 
     # -- generation 0: Megatron's own step, guarded --------------------------------------------------
     def _stock_step(self, stock_step: Callable[[Callable[..., Any]], tuple], forward_step_func: Callable[..., Any], step: int) -> tuple:

@@ -447,15 +447,15 @@ class Agent:
             self.warm, self.judged_from = True, now
         redone = self.steps.was_trained(t)  # trained before, lost to a restart from an older checkpoint
         self.steps.append({"step": t, "loss": loss, "time_s": now - self.step_started, "plan_id": self.plan.plan_id,
-                           "alive": len(self.members()), "policy": self.plan.policy, "generation": self.gen,
+                           "alive": len(members), "policy": self.plan.policy, "generation": self.gen,
                            "wall_s": now - self.started, "t": now, "redone": redone,
                            "store_keys": self.store.num_keys(), "agent_rss_mb": resident_mb()})
-        print(f"step {t:4d}  loss {loss:.6f}  time {now - self.step_started:.3f}s  devices {len(self.members())}  "
+        print(f"step {t:4d}  loss {loss:.6f}  time {now - self.step_started:.3f}s  devices {len(members)}  "
               f"plan {self.plan.plan_id} ({self.plan.policy})", flush=True)
         self.step_started = now
         self.next_step = t + 1
         if self.cfg.checkpoint_interval and (t + 1) % self.cfg.checkpoint_interval == 0:
-            self.checkpoints[t] = set(self.members())
+            self.checkpoints[t] = set(members)
             self._forget_old_checkpoints()
         for rec in self.failures:
             if rec.generation == self.gen and rec.recovery_s == 0.0:

@@ -25,10 +25,6 @@ def set_micro_batch(step: int, micro_batch: int) -> None:
     _CURRENT[0] = (step, micro_batch)
 
 
-def current_micro_batch() -> tuple[int, int] | None:
-    return _CURRENT[0]
-
-
 def key_seed(seed: int, step: int, micro_batch: int, layer: int, stream: str) -> int:
     """A 63-bit seed, a pure function of what is being computed."""
     digest = hashlib.sha256(f"{seed}|{step}|{micro_batch}|{layer}|{stream}".encode()).digest()

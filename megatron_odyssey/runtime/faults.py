@@ -22,7 +22,6 @@ from ..planning.errors import PlanningError
 #: optimizer, data: fetching a micro-batch), while recovering, and between steps (log: Megatron's
 #: training_log; save: a checkpoint save; between: just after a step, before anything else)
 PHASES = ("forward", "backward", "grad-sync", "optimizer", "data", "recovery", "log", "save", "between")
-STEP_PHASES = ("forward", "backward", "grad-sync", "optimizer", "data")
 KINDS = ("kill", "hang", "stall", "slow", "error")
 SLOW_S = 2.0
 

@@ -125,6 +125,12 @@ class GenerationRank(abc.ABC):
         self.progress.mark(step, phase)
         self.injector(step, phase)
 
+    def at_rest(self, step: int, phase: str) -> None:
+        """A moment outside ``step``'s work (``save``, ``between``, Megatron's ``log``): not judged by progress
+        (saves and logging take their time), and where injected faults fire."""
+        self.progress.set_state(IDLE)
+        self.injector(step, phase)
+
     def token_count(self, step: int) -> float:
         """Loss tokens in the whole global batch of ``step`` (any rank can compute it; the executor asks
         only ranks with last-stage work, and only for per-token loss normalisation)."""

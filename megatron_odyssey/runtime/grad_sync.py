@@ -16,10 +16,9 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from .liveness import communicating
-
 from ..planning.plan import ExecutionPlan
 from ..planning.restorer import colour_units
+from .liveness import communicating
 from .world import PlanGroups
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ..runtime.config import TrainConfig
 from ..runtime.errors import STARTED_KEY, fail_locally, is_peer_failure, stop_now
 from ..runtime.generation import GenerationRank
-from ..runtime.liveness import IDLE, Heartbeat, Progress, track
+from ..runtime.liveness import Heartbeat, Progress, track
 from ..runtime.transport import P2P
 from ..runtime.world import abort_all_groups, plan_process_groups
 
@@ -181,12 +181,10 @@ class StandaloneRank(GenerationRank):
         if interval and (step + 1) % interval == 0:
             from ..runtime.state import capture, save_checkpoint
 
-            self.progress.set_state(IDLE)  # a save is not judged by progress
-            self.injector(step, "save")
+            self.at_rest(step, "save")
             save_checkpoint(self._ckpt_root(), step, self.node, self.tp_rank, capture(self.named, self.optimizer))
             self.store.set(f"{self.k['ckpt']}/{step}/{self.ident}", "1")
-        self.progress.set_state(IDLE)
-        self.injector(step, "between")
+        self.at_rest(step, "between")
 
     def _apply(self, step: int) -> None:
         t0 = time.perf_counter()

@@ -8,7 +8,10 @@ the executor, groups or gradient sync, so exactness tests compare against an ind
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -58,6 +61,21 @@ def run_reference(cfg: TrainConfig) -> dict:
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     return out
+
+
+def reference_in_subprocess(cfg: TrainConfig, folder: Path) -> dict:
+    """:func:`run_reference` in a process of its own (it needs a fresh torch.distributed world and
+    parallel_state, which a test or CLI process may already hold): the config and the result are kept in
+    ``folder``. A failed run raises with its stderr."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg.save(folder / "reference_config.json")
+    proc = subprocess.run([sys.executable, "-m", "megatron_odyssey.testing.reference", "--config",
+                           str(folder / "reference_config.json"), "--out", str(folder / "reference.pt")],
+                          capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"the fault-free reference run failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return torch.load(folder / "reference.pt")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from megatron_odyssey.runtime.config import TrainConfig
+from megatron_odyssey.testing.reference import reference_in_subprocess
 from megatron_odyssey.standalone.launcher import launch
 
 pytestmark = pytest.mark.gpu
@@ -26,11 +25,7 @@ MODEL = dict(layers=4, hidden=64, heads=4, seq=32, global_batch=8, micro_batch=1
 
 def reference(tmp_path: Path) -> dict:
     """The fault-free one-process run on the GPU."""
-    cfg = TrainConfig(nproc=1, tp=1, pp=1, **MODEL)
-    cfg.save(tmp_path / "ref.json")
-    subprocess.run([sys.executable, "-m", "megatron_odyssey.testing.reference", "--config", str(tmp_path / "ref.json"),
-                    "--out", str(tmp_path / "ref.pt")], check=True)
-    ref = torch.load(tmp_path / "ref.pt")
+    ref = reference_in_subprocess(TrainConfig(nproc=1, tp=1, pp=1, **MODEL), tmp_path / "reference")
     assert ref["device"].startswith("cuda")
     return ref
 

@@ -4,13 +4,12 @@ training through a failure with dropout 0.1 equals the fault-free one-process re
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from megatron_odyssey.runtime.dropout_rng import key_seed
+from megatron_odyssey.testing.reference import reference_in_subprocess
 
 TOL = 1e-5
 MODEL = dict(layers=4, hidden=32, heads=4, seq=16, global_batch=12, micro_batch=1, steps=4, seed=5,
@@ -52,11 +51,7 @@ def test_masks_do_not_depend_on_the_generator_state_before(gloo_world) -> None:
 def reference(tmp_path_factory):
     from megatron_odyssey.runtime.config import TrainConfig
 
-    d = tmp_path_factory.mktemp("ref_dropout")
-    TrainConfig(nproc=1, tp=1, pp=1, **MODEL).save(d / "cfg.json")
-    subprocess.run([sys.executable, "-m", "megatron_odyssey.testing.reference", "--config", str(d / "cfg.json"),
-                    "--out", str(d / "ref.pt")], check=True, capture_output=True)
-    return torch.load(d / "ref.pt")
+    return reference_in_subprocess(TrainConfig(nproc=1, tp=1, pp=1, **MODEL), tmp_path_factory.mktemp("ref_dropout"))
 
 
 @pytest.mark.parametrize("policy", ["reroute", "reconfigure"])
@@ -80,7 +75,4 @@ def _no_dropout_first_loss(tmp_path) -> float:
     from megatron_odyssey.runtime.config import TrainConfig
 
     cfg = TrainConfig(nproc=1, tp=1, pp=1, **{**MODEL, "hidden_dropout": 0.0, "attention_dropout": 0.0, "steps": 1})
-    cfg.save(tmp_path / "nodrop.json")
-    subprocess.run([sys.executable, "-m", "megatron_odyssey.testing.reference", "--config", str(tmp_path / "nodrop.json"),
-                    "--out", str(tmp_path / "nodrop.pt")], check=True, capture_output=True)
-    return torch.load(tmp_path / "nodrop.pt")["losses"][0]
+    return reference_in_subprocess(cfg, tmp_path / "no_dropout")["losses"][0]

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from megatron_odyssey.runtime.config import TrainConfig
+from megatron_odyssey.testing.reference import reference_in_subprocess
 from megatron_odyssey.runtime.errors import ErrorRecord, error_place, is_peer_failure
 from megatron_odyssey.runtime.faults import FailSpec, InjectedError, Injector
 
@@ -36,11 +37,7 @@ def odyssey_train(tmp_path: Path, *flags: str) -> tuple[subprocess.CompletedProc
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    d = tmp_path_factory.mktemp("ref")
-    TrainConfig(nproc=1, tp=1, pp=1, **MODEL).save(d / "cfg.json")
-    subprocess.run([sys.executable, "-m", "megatron_odyssey.testing.reference", "--config", str(d / "cfg.json"),
-                    "--out", str(d / "ref.pt")], check=True, capture_output=True)
-    return torch.load(d / "ref.pt")
+    return reference_in_subprocess(TrainConfig(nproc=1, tp=1, pp=1, **MODEL), tmp_path_factory.mktemp("ref"))
 
 
 def test_a_rank_error_is_printed_and_the_job_recovers_without_it(reference, tmp_path: Path) -> None:

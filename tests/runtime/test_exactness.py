@@ -7,8 +7,6 @@ single-process reference run on the same global batches.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,6 +15,7 @@ from megatron_odyssey.planning.errors import PlanningError
 from megatron_odyssey.planning.plan import layout, symmetric_plan
 from megatron_odyssey.planning.planner import reroute_plan
 from megatron_odyssey.runtime.config import TrainConfig
+from megatron_odyssey.testing.reference import reference_in_subprocess
 from megatron_odyssey.standalone.launcher import launch
 
 TOL = 1e-5
@@ -30,11 +29,7 @@ def reference(tmp_path_factory):
     def get(cfg: TrainConfig):
         key = (cfg.layers, cfg.hidden, cfg.heads, cfg.seq, cfg.global_batch, cfg.micro_batch, cfg.steps, cfg.seed)
         if key not in cache:
-            d = tmp_path_factory.mktemp("ref")
-            cfg.save(d / "cfg.json")
-            subprocess.run([sys.executable, "-m", "megatron_odyssey.testing.reference", "--config",
-                            str(d / "cfg.json"), "--out", str(d / "ref.pt")], check=True, capture_output=True)
-            cache[key] = torch.load(d / "ref.pt")
+            cache[key] = reference_in_subprocess(cfg, tmp_path_factory.mktemp("ref"))
         return cache[key]
 
     return get

@@ -4,13 +4,12 @@ and compares the saved parameters with an independent single-process reference."
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from megatron_odyssey.runtime.config import TrainConfig
+from megatron_odyssey.testing.reference import reference_in_subprocess
 from megatron_odyssey.standalone.launcher import launch
 
 TOL = 1e-5
@@ -19,12 +18,7 @@ MODEL = dict(layers=6, hidden=32, heads=4, seq=16, global_batch=12, micro_batch=
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    d = tmp_path_factory.mktemp("ref")
-    cfg = TrainConfig(nproc=1, tp=1, pp=1, **MODEL)
-    cfg.save(d / "cfg.json")
-    subprocess.run([sys.executable, "-m", "megatron_odyssey.testing.reference", "--config", str(d / "cfg.json"),
-                    "--out", str(d / "ref.pt")], check=True, capture_output=True)
-    return torch.load(d / "ref.pt")
+    return reference_in_subprocess(TrainConfig(nproc=1, tp=1, pp=1, **MODEL), tmp_path_factory.mktemp("ref"))
 
 
 def run(tmp_path, fail, policy="auto", nproc=6, tp=1, pp=2, **extra):
