@@ -64,6 +64,9 @@ def add_train_arguments(p: argparse.ArgumentParser, defaults: TrainConfig) -> No
     p.add_argument("--shared-device", action="store_true", default=d.shared_device,
                    help="let every rank use the same GPU/NPU (for testing failures on a one-device machine): "
                         "ranks then communicate over gloo, staging point-to-point messages through host memory")
+    p.add_argument("--standby-agent", action="store_true",
+                   help="run a second agent process that takes over the job (and its ranks) if the agent's process "
+                        "is lost; across machines, odyssey-launch runs it on machine 1")
     p.add_argument("--profile-out", default=None,
                    help="measure every layer's forward/backward time and bytes; write a planner profile JSON")
 
@@ -79,7 +82,8 @@ def config_from_args(args: argparse.Namespace, defaults: TrainConfig) -> TrainCo
                        heartbeat_timeout_s=args.heartbeat_timeout, soft_timeout_s=args.soft_timeout,
                        hard_timeout_s=args.hard_timeout, mtbf_hours=args.mtbf_hours, workdir=args.workdir,
                        profile_out=args.profile_out, shared_device=args.shared_device,
-                       hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout)
+                       hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+                       extra={"control": {}} if getattr(args, "standby_agent", False) else {})
 
 
 def read_plan(path: str | None) -> dict | None:

@@ -44,6 +44,7 @@ from ..planning.plan import ExecutionPlan
 from ..planning.cache import PlanCache
 from ..planning.planner import Decision, Planner, PlannerOptions
 from .config import TrainConfig
+from .control_plane import Deposed, Replica
 from .liveness import COMM, IDLE, WORKING, Beat
 from .step_log import StepLog, resident_mb
 from .errors import ABORTED, GIVEUP_KEY, STARTED_KEY, STOP_LINE, ErrorRecord, rank_log_traceback, read_error
@@ -60,6 +61,8 @@ def rank_start_method(cfg: TrainConfig) -> str:
 
 
 DEVICE_KEY = "odyssey/device_info"  # rank 0's measured device (odyssey train), JSON
+DEPOSED_EXIT = 3  # an agent the standby took over from leaves with this code
+TAKEOVER_RECONNECT_S = 5.0  # after a takeover, how long a rank's heartbeat may take to reach the new agent
 
 
 def preload(sleep_mode: bool) -> None:
@@ -102,8 +105,11 @@ def _rank_main(cfg_path: str, ident: int, port: int, log_path: str, echo: bool) 
     cfg = TrainConfig.load(cfg_path)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=cfg.timeout_s))
     from ..standalone.trainer import run
+    from .control_plane import ControlPlane, parse_address
 
-    run(cfg, ident, store, ("127.0.0.1", port))
+    standby = cfg.extra.get("control", {}).get("standby")
+    control = ControlPlane(("127.0.0.1", port), parse_address(standby), ident, cfg.timeout_s) if standby else None
+    run(cfg, ident, store, ("127.0.0.1", port), control)
 
 
 @dataclass
@@ -130,6 +136,7 @@ class FailureRecord:
     joined_at: float = 0.0  # every survivor joined the new generation (its go)
     generation: int = 0
     lost_steps: int = 0  # committed steps a restart from a checkpoint trains again
+    takeover: dict[str, Any] | None = None  # the standby took over from a lost agent (control_plane)
 
 
 class Agent:
@@ -173,6 +180,9 @@ class Agent:
         self.judged_from = 0.0  # progress is judged from the last abort on (see _stalled)
         self.warm = False  # a step of this generation has committed (its first step warms up: not judged)
         self.recovering: set[int] = set()  # ranks registered for the recovery in progress (not judged)
+        self.replica: Replica | None = None  # the standby's copy of this agent's state (control_plane)
+        self.published: dict[str, Any] | None = None  # this generation's plan message, as published
+        self.takeover_at = 0.0  # this agent took over from a lost one (its ranks' heartbeats come back now)
 
     # -- bookkeeping ----------------------------------------------------------------------------------
     def members(self) -> list[int]:
@@ -211,7 +221,8 @@ class Agent:
             preload(self.cfg.sleep_forward_s is not None)
             if native_threads() != 1:
                 self.log(f"warning: forking ranks with {native_threads()} threads alive")
-        port = free_port()
+        control = self.cfg.extra.get("control", {})
+        port = int(control["primary"].rsplit(":", 1)[1]) if "primary" in control else free_port()
         # a gloo error otherwise symbolises a C++ backtrace (seconds on a loaded machine) on every rank
         os.environ.setdefault("TORCH_SHOW_CPP_STACKTRACES", "0")
         ctx = mp.get_context(method)
@@ -226,7 +237,25 @@ class Agent:
 
     def supervise(self) -> int:
         """Detect, commit, recover until every rank has exited; returns the job's exit code."""
+        try:
+            code = self._supervise()
+        except Deposed as exc:
+            self.log(f"deposed: the standby agent took over ({exc}); leaving the ranks to it")
+            sys.stdout.flush()
+            os._exit(DEPOSED_EXIT)  # no atexit: it would wait for the ranks, which are the standby's now
+        if self.replica is not None:
+            self.replica.finish(code)
+        return code
+
+    def attach_replica(self, address: tuple[str, int]) -> None:
+        """Write this agent's state ahead of every commit and decision into the standby's store."""
+        self.replica = Replica(address)
+        self.log(f"standby agent at {address[0]}:{address[1]}: state replicated ahead of every commit")
+
+    def _supervise(self) -> int:
         self._refresh_cache()
+        if self.replica is not None:
+            self._replicate_state()
         while True:
             failed = self.detect()
             if failed:
@@ -404,6 +433,8 @@ class Agent:
 
     def _stale(self, ident: int, now: float) -> bool:
         beat = self.beats.get(ident)
+        if beat is None and self.takeover_at:  # its heartbeat thread moves to this agent within seconds
+            return now - self.takeover_at > self.cfg.heartbeat_timeout_s + TAKEOVER_RECONNECT_S
         if beat is None:
             return now - self.started > max(60.0, 10 * self.cfg.heartbeat_timeout_s)  # never came up
         return now - beat.t > self.cfg.heartbeat_timeout_s
@@ -431,13 +462,27 @@ class Agent:
             return
         loss = committed_loss(self.store.multi_get(ready))
         self.store.delete_key(count)
+        now = time.time()
+        first_of_generation = not self.warm
+        if first_of_generation:
+            self._close_failure_records(now)
+        redone = self.steps.was_trained(t)  # trained before, lost to a restart from an older checkpoint
+        record = {"step": t, "loss": loss, "time_s": now - self.step_started, "plan_id": self.plan.plan_id,
+                  "alive": len(members), "policy": self.plan.policy, "generation": self.gen,
+                  "wall_s": now - self.started, "t": now, "redone": redone,
+                  "store_keys": self.store.num_keys(), "agent_rss_mb": resident_mb()}
+        new_layout = self.state_plan is not self.plan
+        self.state_plan = self.plan  # once committed, survivors hold their state in this generation's layout
+        if self.replica is not None:  # ahead of the commit: whatever a rank sees, the standby knows
+            if first_of_generation:
+                self._replicate_state()
+            self.replica.step({"generation": self.gen, "committed": t, "loss": loss, "next_step": t + 1,
+                               "latest_checkpoint": self._latest_checkpoint_if_any()}, record)
         self.store.set(f"{self.key('commit')}/{t}", repr(loss))  # ranks report the committed loss
         # every rank has applied step t - 1 (it published ready/t): nobody waits on that commit any more;
         # each rank deletes its own ready key once it sees the commit (GenerationRank._wait_commit)
         self.store.delete_key(f"{self.key('commit')}/{t - 1}")
-        now = time.time()
-        if self.state_plan is not self.plan:
-            self.state_plan = self.plan  # survivors now hold their state in this generation's layout
+        if new_layout:
             self._refresh_cache()
         if self.profile_iters and not self.measured:
             self._adopt_measured_profile()
@@ -445,11 +490,7 @@ class Agent:
             self._adopt_device(json.loads(self.store.get(DEVICE_KEY)))
         if not self.warm:
             self.warm, self.judged_from = True, now
-        redone = self.steps.was_trained(t)  # trained before, lost to a restart from an older checkpoint
-        self.steps.append({"step": t, "loss": loss, "time_s": now - self.step_started, "plan_id": self.plan.plan_id,
-                           "alive": len(members), "policy": self.plan.policy, "generation": self.gen,
-                           "wall_s": now - self.started, "t": now, "redone": redone,
-                           "store_keys": self.store.num_keys(), "agent_rss_mb": resident_mb()})
+        self.steps.append(record)
         print(f"step {t:4d}  loss {loss:.6f}  time {now - self.step_started:.3f}s  devices {len(members)}  "
               f"plan {self.plan.plan_id} ({self.plan.policy})", flush=True)
         self.step_started = now
@@ -457,6 +498,11 @@ class Agent:
         if self.cfg.checkpoint_interval and (t + 1) % self.cfg.checkpoint_interval == 0:
             self.checkpoints[t] = set(members)
             self._forget_old_checkpoints()
+        if first_of_generation and self.failures and self.failures[-1].generation == self.gen:
+            self.write_report(ok=True, final=False)  # the report grows as the job goes, not only at its end
+
+    def _close_failure_records(self, now: float) -> None:
+        """The recoveries into this generation end with its first commit: their times are known now."""
         for rec in self.failures:
             if rec.generation == self.gen and rec.recovery_s == 0.0:
                 rec.recovery_s = now - rec.started
@@ -488,21 +534,32 @@ class Agent:
         done = []
         gens = range(self.gen + 1)
         for step, writers in self.checkpoints.items():
-            if all(any(self.store.check([f"odyssey/gen{g}/ckpt/{step}/{i}"]) for g in gens) for i in writers):
+            if any(self.store.check([f"odyssey/gen{g}/ckpt/{step}/{i}" for i in writers]) for g in gens) or \
+                    all(any(self.store.check([f"odyssey/gen{g}/ckpt/{step}/{i}"]) for g in gens) for i in writers):
                 done.append(step)
         return max(done) if done else None
 
+    def _latest_checkpoint_if_any(self) -> int | None:
+        return self.latest_checkpoint() if self.checkpoints else None
+
     # -- recovery -------------------------------------------------------------------------------------
-    def recover(self, failed: set[int]) -> bool:
+    def recover(self, failed: set[int], takeover: dict[str, Any] | None = None) -> bool:
+        """Abort the generation, seal the survivors, decide and publish the next generation. ``takeover``:
+        this agent took over from a lost one (no rank needs to have failed; the ranks of a lost machine are
+        found here, by their missing heartbeats)."""
         detected = time.time()
         gen_failed = set(failed)
-        self.store.set(self.key("abort"), f"ranks {sorted(failed)} failed")
+        self.store.set(self.key("abort"), takeover["reason"] if takeover else f"ranks {sorted(failed)} failed")
         self._wake_waiters()
         self.judged_from = time.time()
         started = min((float(self.store.get(f"odyssey/injected/{i}")) for i in failed
                        if self.store.check([f"odyssey/injected/{i}"])), default=detected)
+        if takeover:
+            started = detected - takeover["lost_agent_s"]
         self.dead |= failed
-        self.log(f"generation {self.gen}: rank(s) {sorted(failed)} failed at step {self.next_step}; aborting the step")
+        if not takeover:
+            self.log(f"generation {self.gen}: rank(s) {sorted(failed)} failed at step {self.next_step}; aborting "
+                     f"the step")
         # seal membership: every other member registers or is dead/fenced
         scanned = 0.0
         while True:
@@ -541,7 +598,13 @@ class Agent:
         dead_nodes = {i // self.cfg.tp for i in self.dead} & set(base.live_nodes())
         rec = FailureRecord(ranks=sorted(gen_failed), phase=self._phase_of(gen_failed, last + 1),
                             detection_s=max(0.0, detected - started), step=last + 1, started=started,
-                            sealed_at=sealed_at, error=self._error_of(gen_failed))
+                            sealed_at=sealed_at, error=self._error_of(gen_failed), takeover=takeover)
+        if not dead_nodes:  # a takeover that lost no rank: the same layout, new groups on this agent's store
+            rec.policy, rec.reason = "resume", "no rank was lost: the same layout on new groups"
+            self.log(f"no rank was lost; resuming the same layout at step {last + 1}")
+            self._publish(rec, base, {"plan": base.to_dict(), "policy": "resume", "transfers": [],
+                                      "resume_step": last + 1, "checkpoint_step": None})
+            return True
         t0 = time.perf_counter()
         cache = self.cache
         try:
@@ -560,7 +623,7 @@ class Agent:
         rec.policy, rec.reason = chosen.policy, chosen.reason
         rec.candidates = [c.summary() for c in decision.candidates]
         resume, ckpt = last + 1, None
-        if chosen.policy == "restart" and self.external:  # a Megatron job: its own latest checkpoint
+        if chosen.policy == "restart" and self.cfg.extra.get("megatron"):  # a Megatron job: its own checkpoint
             ckpt = megatron_checkpoint_iteration(self.cfg.extra.get("save_dir"))
             if ckpt is None:
                 self.stop_reason = (f"cannot continue: {chosen.reason}, and there is no Megatron checkpoint to "
@@ -581,19 +644,91 @@ class Agent:
                      f"{c.transition.total_s if c.feasible else float('nan'):.4g}s score {c.score:.4g}  {c.reason}")
         self.log(f"decision: {chosen.policy} ({rec.decision_s * 1e3:.1f} ms); resuming at step {resume}")
         transfers = [[t.unit, t.src, t.dst] for t in chosen.transfers.transfers] if chosen.transfers else []
-        msg = {"plan": chosen.plan.to_dict(), "policy": chosen.policy, "transfers": transfers,
-               "resume_step": resume, "checkpoint_step": ckpt}
+        self._publish(rec, chosen.plan, {"plan": chosen.plan.to_dict(), "policy": chosen.policy,
+                                         "transfers": transfers, "resume_step": resume, "checkpoint_step": ckpt})
+        return True
+
+    def _publish(self, rec: FailureRecord, plan: ExecutionPlan, msg: dict[str, Any]) -> None:
+        """Start the next generation: its state goes to the standby first, then its plan to the ranks."""
         self.gen += 1
         rec.generation = self.gen
         self.failures.append(rec)
-        self.plan = chosen.plan
-        self.next_step = resume
+        self.plan = plan
+        self.next_step = int(msg["resume_step"])
         self.step_started = time.time()
-        self.store.set(self.key("plan"), json.dumps(msg))
         self.started_gen = False
         self.judged_from, self.warm = time.time(), False
+        self.published = msg
+        if self.replica is not None:
+            self._replicate_state()
+        self.store.set(self.key("plan"), json.dumps(msg))
         rec.published_at = time.time()
-        return True
+        self.write_report(ok=True, final=False)
+
+    # -- the standby (control_plane) ------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        """What a standby needs to go on from this agent's last decision (JSON)."""
+        return {"gen": self.gen, "plan": self.plan.to_dict(), "state_plan": self.state_plan.to_dict(),
+                "started_gen": self.started_gen, "published": self.published, "next_step": self.next_step,
+                "dead": sorted(self.dead), "fenced": sorted(self.fenced), "started": self.started,
+                "failures": [vars(f) for f in self.failures], "errors": {i: vars(r) for i, r in self.errors.items()},
+                "checkpoints": {s: sorted(w) for s, w in self.checkpoints.items()},
+                "latest_checkpoint": self._latest_checkpoint_if_any(),
+                "pids": {i: getattr(p, "pid", None) for i, p in self.procs.items()},
+                "agent_pid": os.getpid(), "host": platform_node(), "started_any": self.gen > 0 or self.warm}
+
+    def _replicate_state(self) -> None:
+        self.replica.state(self.snapshot())
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Become the agent whose ``snapshot`` (with its newest commit merged in) this is."""
+        self.gen, self.started = int(state["gen"]), float(state["started"])
+        self.plan = ExecutionPlan.from_dict(state["plan"])
+        committed_here = state.get("generation") == self.gen and "committed" in state
+        self.state_plan = self.plan if committed_here else ExecutionPlan.from_dict(state["state_plan"])
+        self.next_step = int(state.get("next_step", self.next_step))
+        self.dead, self.fenced = set(state["dead"]), set(state["fenced"])
+        self.failures = [FailureRecord(**f) for f in state["failures"]]
+        self.errors = {int(i): ErrorRecord(**r) for i, r in state["errors"].items()}
+        self.checkpoints = {int(s): set(w) for s, w in state["checkpoints"].items()}
+        self.published = state.get("published")
+        self.warm = committed_here
+
+    def take_over(self, state: dict[str, Any], reason: str) -> int:
+        """Go on from a lost agent's replicated ``state``: end every wait its ranks may be in (their commit,
+        the generation's start, its plan), say so (``TAKEOVER_KEY``), then recover as after a failure."""
+        from .control_plane import TAKEOVER_KEY
+        from .errors import STARTED_KEY
+
+        self.restore(state)
+        self.takeover_at = time.time()
+        g = self.key
+        if self.gen > 0 and self.published is not None:
+            self.store.set(g("plan"), json.dumps(self.published))
+        if state.get("generation") == self.gen and "committed" in state:
+            self.store.set(f"{g('commit')}/{state['committed']}", repr(float(state["loss"])))
+        if state.get("started_any") or "committed" in state:  # every member had reached its first step
+            for ident in self.members():
+                self.store.set(STARTED_KEY.format(ident), "1")
+        latest = state.get("latest_checkpoint")
+        if latest is not None:  # the restart fallback finds it complete here too
+            for ident in self.checkpoints.get(int(latest), ()):
+                self.store.set(f"{g('ckpt')}/{latest}/{ident}", "1")
+        self.store.set(g("abort"), reason)
+        self.store.set(TAKEOVER_KEY, json.dumps({"generation": self.gen, "reason": reason}))
+        self.log(f"taking over at generation {self.gen}, step {self.next_step}: {reason}")
+        self.started_gen = True
+        self.write_report(ok=True, final=False)
+        info = {"reason": reason, "lost_agent_s": float(state.get("lost_agent_s", 0.0))}
+        try:
+            ok = self.recover(set(), takeover=info)
+        except Exception as exc:  # noqa: BLE001 - say why, and stop the ranks rather than leave them waiting
+            ok, self.stop_reason = False, f"the takeover failed: {type(exc).__name__}: {exc}"
+        if not ok:
+            self.give_up(self.stop_reason or "the takeover failed")
+            self.write_report(ok=False)
+            return 1
+        return self.supervise()
 
     # -- planning inputs ------------------------------------------------------------------------------
     def _refresh_cache(self) -> None:
@@ -690,19 +825,29 @@ class Agent:
         path = self.workdir / f"rank{ident}.log"
         return "  " + "\n  ".join(path.read_text().strip().splitlines()[-12:]) if path.exists() else ""
 
-    def write_report(self, ok: bool) -> None:
+    def write_report(self, ok: bool, final: bool = True) -> None:
+        """The JSON report: at the end, and (``final=False``, ``"running": true``) after every failure and
+        takeover, so a lost machine does not take the job's record with it."""
         if not self.cfg.report:
             return
-        hidden = ("started", "generation", "sealed_at", "published_at", "joined_at")
+        hidden = ("started", "generation", "sealed_at", "published_at", "joined_at", "takeover")
         # wall_s: when the failure happened (injection, else detection), on the steps' clock
         failures = [{**{k: v for k, v in vars(f).items() if k not in hidden},
-                     "wall_s": f.started - self.started if f.started else None} for f in self.failures]
+                     "wall_s": f.started - self.started if f.started else None} for f in self.failures if f.ranks
+                    or not f.takeover]
+        takeovers = [{"step": f.step, "generation": f.generation, "reason": f.takeover["reason"],
+                      "ranks_lost": f.ranks, "policy": f.policy, "detection_s": f.detection_s,
+                      "recovery_s": f.recovery_s} for f in self.failures if f.takeover]
         devices = {i: self.store.get(f"odyssey/device/{i}").decode() for i in sorted(self.procs)
                    if self.store is not None and self.store.check([f"odyssey/device/{i}"])}
-        report = {"ok": ok, "steps": self.steps.records(), "failures": failures,
+        report = {"ok": ok, "running": not final, "steps": self.steps.records(), "failures": failures,
+                  "takeovers": takeovers,
                   "profile": self.profile.name, "devices": devices, "host": host_summary(),
                   "final_plan": self.plan.to_dict(), "config": {k: v for k, v in vars(self.cfg).items()}}
-        Path(self.cfg.report).write_text(json.dumps(report, indent=1))
+        path = Path(self.cfg.report)
+        partial = path.with_suffix(".json.partial")
+        partial.write_text(json.dumps(report, indent=1))
+        partial.replace(path)  # a reader never sees half a report
 
 
 def committed_loss(shares: list[bytes]) -> float:
@@ -731,6 +876,12 @@ def megatron_checkpoint_iteration(save_dir: str | None) -> int | None:
     return int(text) if text.isdigit() else None
 
 
+def platform_node() -> str:
+    import platform
+
+    return platform.node()
+
+
 def host_summary() -> dict[str, Any]:
     """What the ranks ran on, for reading the report's timings (several ranks may share few cores)."""
     import platform
@@ -744,8 +895,44 @@ def _indent(text: str) -> str:
 
 
 def run_agent(cfg_path: Path, workdir: Path, echo_rank0: bool = True) -> int:
+    from .control_plane import parse_address
+
     cfg = TrainConfig.load(cfg_path)
-    return Agent(cfg, cfg_path, workdir, echo_rank0).run()
+    agent = Agent(cfg, cfg_path, workdir, echo_rank0)
+    standby = cfg.extra.get("control", {}).get("standby")
+    if standby:
+        agent.attach_replica(parse_address(standby))
+    return agent.run()
+
+
+def run_standby(cfg_path: Path, workdir: Path) -> int:
+    """``odyssey train --standby-agent``: a second agent process on this machine, with its own store, that
+    takes over the job (and the ranks the first one forked) when the first one's process is lost."""
+    import torch.distributed as dist
+
+    from .control_plane import PidRank, Standby, parse_address
+
+    cfg = TrainConfig.load(cfg_path)
+    control = cfg.extra["control"]
+    host, port = parse_address(control["standby"])
+    store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=cfg.timeout_s))
+    report = Path(cfg.report) if cfg.report else workdir / "report.json"
+    watcher = Standby(store, parse_address(control["primary"]), report.with_suffix(".standby.steps.jsonl"),
+                      takeover_after_s=float(control.get("takeover_after_s", 2.0)), same_machine=True)
+    result = watcher.watch()
+    if isinstance(result, int):
+        return result
+    procs = {int(i): PidRank(int(pid), store, int(i)) for i, pid in result["pids"].items() if pid}
+    return take_over(Agent(cfg, cfg_path, workdir, echo_rank0=False, procs=procs, store=store), result, watcher,
+                     f"the agent's process was lost; the standby agent (pid {os.getpid()}) took over")
+
+
+def take_over(agent: Agent, state: dict[str, Any], watcher: Any, reason: str) -> int:
+    """Hand the job to ``agent`` (a standby's): its step log continues the one the standby copied."""
+    for record in StepLog.read(watcher.steps_path):
+        agent.steps.append(record)
+    return agent.take_over(state, reason)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -753,7 +940,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", required=True, type=Path)
     parser.add_argument("--workdir", required=True, type=Path)
     parser.add_argument("--quiet", action="store_true", help="do not echo rank 0's output")
+    parser.add_argument("--standby", action="store_true", help="be the standby agent (takes over a lost agent)")
     args = parser.parse_args(argv)
+    if args.standby:
+        sys.exit(run_standby(args.config, args.workdir))
     sys.exit(run_agent(args.config, args.workdir, echo_rank0=not args.quiet))
 
 

@@ -6,7 +6,9 @@ hung kernel or a lost message would: the process and its heartbeat thread live o
 progress check can catch it), ``slow`` sleeps (a straggler that must *not* be declared dead),
 ``error`` raises :class:`InjectedError` from the injection point: a local bug of the rank (as an
 out-of-memory or a shape error would be), which it must report and leave the job for, not take
-for a peer's failure.
+for a peer's failure. ``kill-agent`` SIGKILLs the rank's agent (its parent: the agent of ``odyssey
+train``, the launcher of machine 0 under ``odyssey-launch``) and goes on; ``kill-with-agent`` kills the
+agent and the rank itself (a lost machine that held both): the standby agent must take over.
 The rank records when it fired in the store, so the agent can report detection latency.
 """
 from __future__ import annotations
@@ -22,7 +24,7 @@ from ..planning.errors import PlanningError
 #: optimizer, data: fetching a micro-batch), while recovering, and between steps (log: Megatron's
 #: training_log; save: a checkpoint save; between: just after a step, before anything else)
 PHASES = ("forward", "backward", "grad-sync", "optimizer", "data", "recovery", "log", "save", "between")
-KINDS = ("kill", "hang", "stall", "slow", "error")
+KINDS = ("kill", "hang", "stall", "slow", "error", "kill-agent", "kill-with-agent")
 SLOW_S = 2.0
 
 
@@ -79,7 +81,9 @@ class Injector:
             self.fired.add(spec)
             if self.store is not None:
                 self.store.set(f"odyssey/injected/{self.ident}", repr(time.time()))
-            if spec.kind == "kill":
+            if spec.kind in ("kill-agent", "kill-with-agent"):
+                os.kill(os.getppid(), signal.SIGKILL)
+            if spec.kind in ("kill", "kill-with-agent"):
                 if os.getpgid(0) == os.getpid():  # a launched rank leads its group: take its workers too
                     os.killpg(os.getpid(), signal.SIGKILL)
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -89,7 +93,7 @@ class Injector:
                 _stall_in_a_collective()
             elif spec.kind == "error":
                 raise InjectedError(f"injected error (--fail step={step},rank={self.ident},phase={phase},kind=error)")
-            else:
+            elif spec.kind == "slow":
                 time.sleep(SLOW_S)
 
 

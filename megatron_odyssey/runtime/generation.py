@@ -96,6 +96,7 @@ class GenerationRank(abc.ABC):
     executor: PipelineExecutor | None = None
     sync: GradientSync | None = None
     groups: Any = None
+    control: Any = None  # control_plane.ControlPlane when a standby agent can take over
     uses_parallel_state = True  # point megatron-core's parallel_state at each generation's groups
 
     # -- what a host provides ----------------------------------------------------------------------
@@ -227,16 +228,38 @@ class GenerationRank(abc.ABC):
         return self.store.check([key]) and self.store.get(key) != ABORTED
 
     # -- recovery -----------------------------------------------------------------------------------
+    def follow_control_plane(self) -> bool:
+        """After an error: when the agent is lost and the standby took over, move this rank's store to it
+        (True); the rank then recovers as from a peer failure. False when the agent is still there."""
+        if self.control is None:
+            from .control_plane import reachable
+
+            if not reachable(self.store):  # without a standby nothing will answer again: leave now
+                stop_now(self.ident, "the agent's store is gone and this job has no standby agent")
+            return False
+        try:
+            moved = self.control.follow(self.store)
+        except ConnectionError as exc:  # the agent is gone and no standby took over: nothing will come
+            stop_now(self.ident, str(exc))
+        if moved is None:
+            return False
+        self.store, self.store_addr = moved, self.control.current
+        self.injector.store = moved
+        return True
+
     def recover(self, step: int) -> int:
         """Leave the broken generation and join the next one; returns the step to resume at."""
-        if self.pending is not None and self._committed(self.pending):
-            self._apply(self.pending)  # the agent committed it before the failure: keep it
-        self.pending = None
+        settled = False
         while True:
-            # register first: the agent seals membership while we clean up
-            self.store.set(f"{self.k['recover']}/{self.ident}", str(self.committed))
-            self.teardown()
             try:
+                self.follow_control_plane()
+                if not settled:
+                    if self.pending is not None and self._committed(self.pending):
+                        self._apply(self.pending)  # the agent committed it before the failure: keep it
+                    self.pending, settled = None, True
+                # register first: the agent seals membership while we clean up
+                self.store.set(f"{self.k['recover']}/{self.ident}", str(self.committed))
+                self.teardown()
                 self.at(step, "recovery")
                 msg = self._wait_plan(self.gen + 1)
                 self.enter(self.gen + 1, ExecutionPlan.from_dict(msg["plan"]), msg["policy"],

@@ -161,14 +161,23 @@ def _client(host: str, port: int, timeout_s: float) -> Any:
 
 
 class Heartbeat(StoreThread):
-    """Proves liveness and reports progress to the agent; stops with the process (SIGSTOP stops it too)."""
+    """Proves liveness and reports progress to the agent; stops with the process (SIGSTOP stops it too).
+    With a standby agent (``control``) it beats to whichever agent is in charge, and after a takeover it
+    obeys the rank's fence key (its launcher may be gone with the lost agent's machine)."""
 
     what = "heartbeat"
 
     def __init__(self, host: str, port: int, ident: int, interval_s: float, progress: Progress | None = None,
-                 **kw: Any):
+                 control: Any = None, **kw: Any):
+        if control is not None:
+            kw.setdefault("connect", control.connect)
+            kw.setdefault("grace_s", control.wait_s)
         super().__init__(host, port, ident, interval_s, **kw)
-        self.key, self.progress = f"odyssey/hb/{ident}", progress or Progress()
+        self.key, self.progress, self.control = f"odyssey/hb/{ident}", progress or Progress(), control
 
     def tick(self, store: Any) -> None:
         store.set(self.key, self.progress.beat())
+        if self.control is not None and self.control.fenced(store):
+            from .errors import stop_now
+
+            stop_now(self.rank, "the agent fenced this rank (its launcher is gone): leaving", code=137)

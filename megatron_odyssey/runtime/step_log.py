@@ -30,6 +30,12 @@ class StepLog:
         self.count += 1
         self.last = record
 
+    @staticmethod
+    def read(path: Path) -> list[dict[str, Any]]:
+        """The records of a step log file, in the order written."""
+        with Path(path).open() as f:
+            return [json.loads(line) for line in f if line.strip()]
+
     def records(self) -> list[dict[str, Any]]:
         """Every step once, in order; a step trained again after a restart keeps its last record."""
         by_step: dict[int, dict[str, Any]] = {}

@@ -10,7 +10,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
+from typing import IO
 
 from ..runtime.config import TrainConfig
 from ..runtime.errors import STOP_LINE
@@ -36,26 +38,59 @@ def launch(cfg: TrainConfig, workdir: str | Path | None = None, quiet: bool = Fa
     if cfg.workdir is None:
         cfg.workdir = str(workdir)  # checkpoints go next to the logs
     cfg_path = workdir / "config.json"
+    standby = "control" in cfg.extra
+    if standby:  # both agents' stores on this machine; the standby starts first (the agent writes into it)
+        from ..runtime.agent import free_port
+
+        primary_port, standby_port = free_port(), free_port()
+        while standby_port == primary_port:
+            standby_port = free_port()
+        cfg.extra["control"].update(primary=f"127.0.0.1:{primary_port}", standby=f"127.0.0.1:{standby_port}")
     cfg.save(cfg_path)
     cmd = [sys.executable, "-m", "megatron_odyssey.runtime.agent", "--config", str(cfg_path), "--workdir", str(workdir)]
-    if quiet:
-        cmd.append("--quiet")
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(cmd, env=env, stdout=None if not quiet else subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, errors="replace")
-    err = []
-    for line in proc.stderr:  # live: a rank's error reaches the terminal when it happens, not at the end
-        err.append(line)
-        if not quiet:
-            sys.stderr.write(line)
-            sys.stderr.flush()
-    code = proc.wait()
+    if standby:  # probing a lost agent's store makes c10d log a C++ backtrace per attempt: keep errors only
+        env.update(TORCH_SHOW_CPP_STACKTRACES="0", TORCH_CPP_LOG_LEVEL=os.environ.get("TORCH_CPP_LOG_LEVEL", "FATAL"))
+    out = None if not quiet else subprocess.DEVNULL
+    err: list[str] = []
+    procs = []
+    if standby:
+        procs.append(subprocess.Popen(cmd + ["--standby"], env=env, stdout=out, stderr=subprocess.PIPE, text=True,
+                                      errors="replace"))
+    agent = subprocess.Popen(cmd + (["--quiet"] if quiet else []), env=env, stdout=out, stderr=subprocess.PIPE,
+                             text=True, errors="replace")
+    procs.append(agent)
+    readers = [threading.Thread(target=_relay, args=(p.stderr, err, quiet), daemon=True) for p in procs]
+    for reader in readers:
+        reader.start()
+    code = agent.wait()
+    if standby:
+        code = job_exit_code(code, procs[0].wait())
+    for reader in readers:
+        reader.join()
     text = "".join(err)
     if code:
         raise TrainingFailed(failure_message(code, text, workdir, quiet), text)
     if temporary and cfg.workdir == str(workdir):
         shutil.rmtree(workdir, ignore_errors=True)  # nothing in it is needed after a clean finish
     return text
+
+
+def _relay(stream: IO[str], sink: list[str], quiet: bool) -> None:
+    """Live: a rank's error reaches the terminal when it happens, not at the end."""
+    for line in stream:
+        sink.append(line)
+        if not quiet:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+
+
+def job_exit_code(agent: int, standby: int) -> int:
+    """The agent's code when it ran the job to its end (the standby then ends with it); the standby's when
+    it took over (the agent was killed, or deposed)."""
+    from ..runtime.agent import DEPOSED_EXIT
+
+    return standby if agent < 0 or agent == DEPOSED_EXIT else agent
 
 
 def failure_message(code: int, stderr: str, workdir: Path, quiet: bool) -> str:

@@ -95,10 +95,11 @@ class SleepStage(torch.nn.Module):
 class StandaloneRank(GenerationRank):
     """One rank of ``odyssey train`` (see module docstring)."""
 
-    def __init__(self, cfg: TrainConfig, ident: int, store: dist.Store, store_addr: tuple[str, int]):
+    def __init__(self, cfg: TrainConfig, ident: int, store: dist.Store, store_addr: tuple[str, int],
+                 control: Any = None):
         from ..runtime.faults import Injector
 
-        self.cfg, self.ident, self.store = cfg, ident, store
+        self.cfg, self.ident, self.store, self.control = cfg, ident, store, control
         self.node, self.tp_rank = divmod(ident, cfg.tp)
         self.injector = Injector(cfg.fail_specs(), ident, store)
         self.progress = Progress()
@@ -204,7 +205,7 @@ class StandaloneRank(GenerationRank):
             fail_locally(self.store, self.ident, exc, "start-up")
         # Heartbeats start once set-up (dataset building holds the GIL for seconds) is done; until
         # then the agent judges the rank by its process alone.
-        Heartbeat(*self.store_addr, self.ident, self.cfg.heartbeat_interval_s, self.progress).start()
+        Heartbeat(*self.store_addr, self.ident, self.cfg.heartbeat_interval_s, self.progress, self.control).start()
         self.store.set(STARTED_KEY.format(self.ident), "1")  # from now on a failure is recovered from
         self.store.check([STARTED_KEY.format(self.ident)])  # a round trip: in the store before any fault fires
         step = 0
@@ -277,9 +278,9 @@ def _default_backend(shared_device: bool = False) -> str:
     return rank_backend(shared_device)
 
 
-def run(cfg: TrainConfig, rank: int, store: dist.Store, store_addr: tuple[str, int]) -> None:
+def run(cfg: TrainConfig, rank: int, store: dist.Store, store_addr: tuple[str, int], control: Any = None) -> None:
     try:
-        runtime = StandaloneRank(cfg, rank, store, store_addr)  # builds the dataset
+        runtime = StandaloneRank(cfg, rank, store, store_addr, control)  # builds the dataset
     except Exception as exc:
         fail_locally(store, rank, exc, "start-up")
     runtime.main()

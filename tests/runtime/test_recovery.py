@@ -3,36 +3,14 @@ fault-free run (issue 5 acceptance). Every case trains 6 ranks (PP=2 x DP=3, or 
 and compares the saved parameters with an independent single-process reference."""
 from __future__ import annotations
 
-import json
-
 import pytest
-import torch
 
-from megatron_odyssey.runtime.config import TrainConfig
-from megatron_odyssey.testing.reference import reference_in_subprocess
-from megatron_odyssey.standalone.launcher import launch
-
-TOL = 1e-5
-MODEL = dict(layers=6, hidden=32, heads=4, seq=16, global_batch=12, micro_batch=1, steps=4, seed=11)
+from recovery_job import assert_exact, reference_run, run
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    return reference_in_subprocess(TrainConfig(nproc=1, tp=1, pp=1, **MODEL), tmp_path_factory.mktemp("ref"))
-
-
-def run(tmp_path, fail, policy="auto", nproc=6, tp=1, pp=2, **extra):
-    cfg = TrainConfig(nproc=nproc, tp=tp, pp=pp, fail=fail, policy=policy, save_params=str(tmp_path / "p.pt"),
-                      report=str(tmp_path / "report.json"), **{**MODEL, **extra})
-    launch(cfg, tmp_path / "run", quiet=True)
-    return torch.load(tmp_path / "p.pt"), json.loads((tmp_path / "report.json").read_text())
-
-
-def assert_exact(reference, params, report):
-    assert set(params) == set(reference["params"])
-    worst = max((params[k] - reference["params"][k]).abs().max().item() for k in params)
-    assert worst < TOL, worst
-    assert [s["loss"] for s in report["steps"]] == pytest.approx(reference["losses"], abs=TOL)
+    return reference_run(tmp_path_factory)
 
 
 @pytest.mark.parametrize("phase", ["forward", "backward", "grad-sync", "optimizer"])

@@ -1,0 +1,353 @@
+"""The control plane's second copy: a standby agent, on another machine, that takes over when the agent's
+machine is lost.
+
+Why a standby agent and not a replicated store (etcd): the store is not where the state that matters
+lives. Everything a takeover needs (the generation, the layout that holds the state, the last committed
+step, the dead and fenced ranks, the failure records) is in the agent's memory, and most store keys
+(heartbeats, ready counts, the process-group rendezvous of a generation) are worthless once their agent is
+gone. Replicating that state costs one write per committed step; an etcd cluster would cost a server
+to install and run on three machines, a client library, and every store operation of every rank going
+through consensus, for keys that a new generation throws away anyway. (``torch.distributed.elastic``'s
+etcd backend replicates its rendezvous for the same reason we replicate the agent: so that it outlives a
+machine.)
+
+How it works:
+
+- **write-ahead** (:class:`Replica`): the agent writes its state into the standby's own store *before*
+  each commit and each published plan; so whatever a rank saw from the agent, the standby knows too.
+  A commit the standby knows of but no rank saw is applied by the ranks after the takeover (each still
+  holds its synchronised gradients); no rank can have applied a step the standby does not know of.
+- **watch** (:class:`Standby`): the standby probes the agent's store; when it has been unreachable for
+  ``takeover_after_s`` (and, on one machine, the agent's process is gone), it takes over
+  (``Agent.take_over``): it seeds its store so that every rank's pending wait ends (the last commit, an
+  abort of the generation), announces itself (:data:`TAKEOVER_KEY`), and recovers as after a failure:
+  the survivors register, the ranks of a lost machine are found dead by their missing heartbeats, and a
+  new generation starts, on the same layout when no rank was lost (new groups, no transfers), else on
+  the planner's choice.
+- **follow** (:class:`ControlPlane`, a rank's side): a rank whose store operation fails asks whether the
+  agent is still there; when the standby has taken over it moves its store client (and its heartbeat) to
+  the standby and recovers like after a peer failure.
+- **fence without a node agent**: a rank whose launcher died with the agent's machine cannot be killed
+  by anyone; after a takeover its heartbeat thread watches its fence key and ends the process itself.
+
+A deposed agent (one that comes back after the standby took over, e.g. from a pause) sees the takeover
+on its next write-ahead and leaves without touching the ranks.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+STANDBY_KEY = "odyssey/standby"  # in the agent's store: HOST:PORT of the standby's store (launch mode)
+TAKEOVER_KEY = "odyssey/takeover"  # in the standby's store: set when it takes over (JSON: generation, reason)
+FINISHED_KEY = "odyssey/replica/finished"  # in the standby's store: the agent ended the job (its exit code)
+STATE_KEY = "odyssey/replica/state"  # the agent's state of this generation (written at each decision)
+STEP_KEY = "odyssey/replica/step"  # the agent's per-commit state (written ahead of every commit)
+STEP_SLOT = "odyssey/replica/steps/{}"  # the committed steps' records by commit number, a ring the standby reads
+SLOTS = 256
+FENCE_SELF_KEY = "odyssey/fence/{}"  # (launch.FENCE_KEY) a rank without a node agent fences itself on it
+PROBE_TIMEOUT_S = 1.0  # a connect or an operation on a store that may be gone
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    host, port = text.rsplit(":", 1)
+    return host, int(port)
+
+
+def client(address: tuple[str, int], timeout_s: float) -> Any:
+    import torch.distributed as dist
+
+    return dist.TCPStore(address[0], address[1], is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+def reachable(store: Any) -> bool:
+    """The store answers a round trip (a ``set`` alone would not tell: TCPStore does not wait for its reply)."""
+    try:
+        store.check([TAKEOVER_KEY])
+        return True
+    except Exception:  # noqa: BLE001 - any store error means: not reachable now
+        return False
+
+
+# -- the agent's side -----------------------------------------------------------------------------------
+class Replica:
+    """The agent's write-ahead copy of its state in the standby's store."""
+
+    def __init__(self, address: tuple[str, int], connect_timeout_s: float = 60.0):
+        self.address = address
+        self.store = client(address, connect_timeout_s)  # the standby starts before the agent (or with it)
+        self.writes = 0
+        self.seq = -1  # commits written (a restart from a checkpoint commits a step number again)
+
+    def state(self, state: dict[str, Any]) -> None:
+        """A new generation's state (a decision), before its plan is published."""
+        self.store.set(STATE_KEY, json.dumps(state))
+        self._round_trip()
+
+    def step(self, step_state: dict[str, Any], record: dict[str, Any]) -> None:
+        """Step ``record["step"]`` is about to be committed."""
+        self.seq += 1
+        slot = STEP_SLOT.format(self.seq % SLOTS)
+        self.store.multi_set([STEP_KEY, slot], [json.dumps({**step_state, "seq": self.seq}), json.dumps(record)])
+        self._round_trip()
+
+    def _round_trip(self) -> None:
+        """Make the write durable before the agent acts on it (a set is fire-and-forget), and learn whether
+        the standby took over meanwhile (this agent is then deposed)."""
+        self.writes += 1
+        if self.store.check([TAKEOVER_KEY]):
+            raise Deposed(self.store.get(TAKEOVER_KEY).decode())
+
+    def finish(self, code: int) -> None:
+        try:
+            self.store.set(FINISHED_KEY, str(code))
+            self.store.check([FINISHED_KEY])
+        except Exception:  # noqa: BLE001 - the standby's machine is gone: nothing to tell
+            pass
+
+
+class Deposed(RuntimeError):
+    """The standby took over from this agent (it was unreachable for too long): this agent must leave."""
+
+
+# -- the standby's side ---------------------------------------------------------------------------------
+@dataclass
+class Standby:
+    """Watches the agent, keeps a copy of its committed steps on this machine, and says when to take over.
+
+    ``store`` is this standby's own store (the agent writes into it); ``agent_address`` the agent's store;
+    ``same_machine``: both agents run on this machine, so a live agent process (its pid is in the replicated
+    state) is never taken over from, however slowly its store answers.
+    """
+
+    store: Any
+    agent_address: tuple[str, int]
+    steps_path: Path
+    takeover_after_s: float = 2.0
+    poll_s: float = 0.05
+    same_machine: bool = False
+    log: Callable[[str], None] = lambda msg: print(f"[odyssey standby] {msg}", flush=True)
+    seen: int = -1  # the newest commit (its number) whose record was copied
+    lost_since: float | None = None
+    last_contact: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        self.steps_path.parent.mkdir(parents=True, exist_ok=True)
+        self.steps_path.write_text("")
+        self._agent: Any = None
+
+    def watch(self) -> dict[str, Any] | int:
+        """Until the agent ends the job (its exit code) or is lost (the state to take over with)."""
+        while True:
+            if self.store.check([FINISHED_KEY]):
+                self.copy_steps()
+                return int(self.store.get(FINISHED_KEY))
+            self.copy_steps()
+            if self.same_machine and self.store.check([STATE_KEY]) and not self._agent_process_alive():
+                self.log("the agent's process is gone")  # exact on one machine: no grace needed
+                self.copy_steps()
+                return self.snapshot()
+            if self._agent_answers():
+                self.lost_since = None
+                self.last_contact = time.time()
+            else:
+                now = time.time()
+                if self.lost_since is None:
+                    self.lost_since = now
+                    self.log(f"the agent's store {self.agent_address[0]}:{self.agent_address[1]} does not answer")
+                if now - self.lost_since >= self.takeover_after_s and not self._agent_process_alive():
+                    if self.store.check([FINISHED_KEY]):
+                        continue
+                    if not self.store.check([STATE_KEY]):
+                        self.log("the agent was lost before it started the job: nothing to take over")
+                        return 1
+                    self.copy_steps()
+                    return self.snapshot()
+            time.sleep(self.poll_s)
+
+    def _agent_answers(self) -> bool:
+        try:
+            if self._agent is None:
+                self._agent = client(self.agent_address, PROBE_TIMEOUT_S)
+            self._agent.check([TAKEOVER_KEY])
+            return True
+        except Exception:  # noqa: BLE001
+            self._agent = None
+            return False
+
+    def _agent_process_alive(self) -> bool:
+        if not self.same_machine or not self.store.check([STATE_KEY]):
+            return False
+        pid = int(json.loads(self.store.get(STATE_KEY))["agent_pid"])
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return not _zombie(pid)
+
+    def copy_steps(self) -> None:
+        """Committed steps' records the agent wrote ahead, onto this machine's disk."""
+        if not self.store.check([STEP_KEY]):
+            return
+        newest = int(json.loads(self.store.get(STEP_KEY))["seq"])
+        first = max(self.seen + 1, newest - SLOTS + 1)
+        if newest < first:
+            return
+        records = self.store.multi_get([STEP_SLOT.format(s % SLOTS) for s in range(first, newest + 1)])
+        with self.steps_path.open("a") as f:
+            for value in records:
+                f.write(value.decode() + "\n")
+        self.seen = newest
+
+    def snapshot(self) -> dict[str, Any]:
+        state = json.loads(self.store.get(STATE_KEY)) if self.store.check([STATE_KEY]) else {}
+        step = json.loads(self.store.get(STEP_KEY)) if self.store.check([STEP_KEY]) else {}
+        if step.get("generation") == state.get("gen"):
+            state.update(step)  # the newest commit of the newest generation
+        state["lost_agent_s"] = time.time() - self.last_contact
+        return state
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
+DONE_KEY = "odyssey/done/{}"  # a rank of odyssey train finished the job (set before it exits)
+
+
+class PidRank:
+    """A rank on this machine that another process started (the lost agent forked it): seen by its pid.
+    Its exit status went to its parent, which is gone: a rank that said it finished (``DONE_KEY``) exited 0,
+    any other exit is taken as a failure."""
+
+    def __init__(self, pid: int, store: Any, ident: int):
+        self.pid, self.store, self.ident = pid, store, ident
+        self.code: int | None = None
+
+    @property
+    def exitcode(self) -> int | None:
+        if self.code is None:
+            try:
+                os.kill(self.pid, 0)
+                gone = _zombie(self.pid)
+            except ProcessLookupError:
+                gone = True
+            except PermissionError:
+                gone = False
+            if gone:
+                self.code = 0 if self.store.check([DONE_KEY.format(self.ident)]) else -9
+        return self.code
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, 9)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def join(self, timeout: float | None = None) -> None:
+        deadline = time.monotonic() + (timeout or 0)
+        while self.exitcode is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+class OrphanRank:
+    """A rank on the lost machine whose launcher is gone with it: nobody reports its exit and nobody can
+    kill it. The agent finds it dead by its heartbeat; asked to fence it, it sets the rank's fence key,
+    which the rank's heartbeat thread obeys (:meth:`ControlPlane.fenced`)."""
+
+    def __init__(self, store: Any, ident: int):
+        self.store, self.ident, self.exitcode = store, ident, None
+
+    def kill(self) -> None:
+        self.store.set(FENCE_SELF_KEY.format(self.ident), "1")
+        self.exitcode = -9  # given up on: whatever it does now, it is not in the next generation
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+
+# -- a rank's side ------------------------------------------------------------------------------------
+class ControlPlane:
+    """Where a rank's agent is: its store, and the standby that takes over when it is lost."""
+
+    def __init__(self, primary: tuple[str, int], standby: tuple[str, int] | None, ident: int,
+                 wait_s: float = 120.0):
+        self.current, self.standby, self.ident, self.wait_s = primary, standby, ident, wait_s
+        self.moved = False  # the standby took over: fence keys are watched from now on
+        self.lock = threading.Lock()
+
+    @classmethod
+    def from_env(cls, primary: tuple[str, int], ident: int, store: Any, wait_s: float) -> "ControlPlane":
+        """Launch mode: the standby (machine 1's launcher) registers its address in the agent's store
+        while the ranks start; a job on more than one machine waits for it (``ODYSSEY_STANDBY=expected``)."""
+        standby = None
+        if os.environ.get("ODYSSEY_STANDBY") == "expected":
+            from .generation import wait_key
+
+            standby = parse_address(wait_key(store, STANDBY_KEY, "the standby agent's address", wait_s).decode())
+        return cls(primary, standby, ident, wait_s)
+
+    def connect(self, timeout_s: float = PROBE_TIMEOUT_S) -> Any:
+        """A client of the store the job's agent answers on now (for a rank's background threads)."""
+        try:
+            return client(self.current, timeout_s)
+        except Exception:
+            if self._standby_took_over() is None:
+                raise
+            return client(self.current, timeout_s)
+
+    def follow(self, store: Any) -> Any | None:
+        """After an error: None when ``store`` still answers (or there is no standby); else, once the
+        standby has taken over, a client of the standby's store (the caller moves to it). Raises when
+        the agent stays lost and no standby takes over within ``wait_s``."""
+        if self.standby is None or reachable(store):
+            return None
+        deadline = time.monotonic() + self.wait_s
+        while time.monotonic() < deadline:
+            if self.current == self.standby and self.moved:
+                return client(self.current, PROBE_TIMEOUT_S)  # a thread of ours moved already
+            moved = self._standby_took_over()
+            if moved is not None:
+                return moved
+            try:
+                fresh = client(self.current, PROBE_TIMEOUT_S)
+                if reachable(fresh):
+                    return None  # a hiccup: the agent is there
+            except Exception:  # noqa: BLE001
+                pass
+            time.sleep(0.1)
+        raise ConnectionError(f"the agent's store {self.current[0]}:{self.current[1]} is gone and the standby "
+                              f"{self.standby[0]}:{self.standby[1]} did not take over within {self.wait_s:.0f} s")
+
+    def _standby_took_over(self) -> Any | None:
+        if self.standby is None:
+            return None
+        try:
+            standby = client(self.standby, PROBE_TIMEOUT_S)
+            if not standby.check([TAKEOVER_KEY]):
+                return None
+        except Exception:  # noqa: BLE001 - the standby is not there either (yet)
+            return None
+        with self.lock:
+            if self.current != self.standby:
+                print(f"[odyssey rank {self.ident}] the agent is lost; the standby agent at "
+                      f"{self.standby[0]}:{self.standby[1]} took over", file=sys.stderr, flush=True)
+            self.current, self.moved = self.standby, True
+        return standby
+
+    def fenced(self, store: Any) -> bool:
+        """After a takeover: the agent asked this rank (whose launcher may be gone) to leave."""
+        return self.moved and store.check([FENCE_SELF_KEY.format(self.ident)])

@@ -1,0 +1,165 @@
+"""The control plane is not a single point of failure (issue 12, item 5): a standby agent takes over
+when the agent's process is killed, alone or with ranks of its machine, at any moment of a step or of
+a recovery, and training ends with exactly the parameters of a fault-free run. Real processes, real
+SIGKILLs, real stores."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from megatron_odyssey.runtime.agent import DEPOSED_EXIT, free_port
+from megatron_odyssey.runtime.control_plane import (FINISHED_KEY, STATE_KEY, TAKEOVER_KEY, Deposed, Replica,
+                                                    Standby)
+from megatron_odyssey.standalone.launcher import TrainingFailed, job_exit_code
+
+from recovery_job import assert_exact, reference_run, run
+
+STANDBY = {"control": {}}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return reference_run(tmp_path_factory)
+
+
+def _only_takeover(report: dict) -> dict:
+    assert report["ok"] and not report["running"]
+    (takeover,) = report["takeovers"]
+    return takeover
+
+
+@pytest.mark.parametrize("phase", ["backward", "optimizer", "between"])
+def test_the_agent_killed_alone_the_standby_resumes_the_same_layout(reference, tmp_path, phase):
+    """``optimizer``: the agent dies after committing step 1 (the killer saw the commit): the standby knew of
+    it before any rank did (write-ahead), so nobody trains step 1 twice or skips it."""
+    params, report = run(tmp_path, [f"step=1,rank=2,phase={phase},kind=kill-agent"], extra=STANDBY)
+    assert_exact(reference, params, report)  # every step's loss too: the standby copied the agent's records
+    takeover = _only_takeover(report)
+    assert takeover["ranks_lost"] == [] and takeover["policy"] == "resume"
+    assert takeover["step"] == (2 if phase in ("optimizer", "between") else 1)
+    assert report["failures"] == []
+    assert takeover["recovery_s"] < 30, takeover  # nobody waited out a timeout
+    assert report["steps"][-1]["alive"] == 6
+
+
+def test_the_agents_machine_is_lost_with_a_rank(reference, tmp_path):
+    """The agent and global rank 0 die together (one machine held both): the standby takes over, finds rank 0
+    dead, and the planner recovers without it."""
+    params, report = run(tmp_path, ["step=2,rank=0,phase=forward,kind=kill-with-agent"], extra=STANDBY)
+    assert_exact(reference, params, report)
+    takeover = _only_takeover(report)
+    assert takeover["ranks_lost"] == [0] and takeover["policy"] in ("reroute", "reconfigure")
+    (failure,) = report["failures"]
+    assert failure["ranks"] == [0] and failure["step"] == 2
+    assert report["steps"][-1]["alive"] == 5
+
+
+def test_the_agent_killed_during_a_recovery(reference, tmp_path):
+    """Rank 4 dies; while the agent recovers from it, the agent dies too: the standby finishes the recovery."""
+    params, report = run(tmp_path, ["step=1,rank=4,phase=backward,kind=kill",
+                                    "step=1,rank=1,phase=recovery,kind=kill-agent"], extra=STANDBY)
+    assert_exact(reference, params, report)
+    assert [f["ranks"] for f in report["failures"]] == [[4]]
+    assert len(report["takeovers"]) == 1
+    assert report["steps"][-1]["alive"] == 5
+
+
+def test_without_a_standby_losing_the_agent_ends_the_job_and_its_ranks(tmp_path):
+    """No standby: the job fails at once with the reason, and no rank is left waiting on a dead store."""
+    config = tmp_path / "run" / "config.json"
+    t0 = time.monotonic()
+    with pytest.raises(TrainingFailed):
+        run(tmp_path, ["step=1,rank=2,phase=backward,kind=kill-agent"])
+    deadline = time.monotonic() + 30
+    while _processes_with(str(config)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _processes_with(str(config)), "ranks outlived their agent"
+    assert time.monotonic() - t0 < 90
+    logs = " ".join(p.read_text() for p in (tmp_path / "run").glob("rank*.log"))
+    assert "the agent's store is gone and this job has no standby agent" in logs
+
+
+def _processes_with(text: str) -> list[int]:
+    """Live processes whose command line contains ``text`` (forked ranks keep their agent's command line)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if text in cmdline and state != "Z":
+                found.append(int(pid))
+    return found
+
+
+# -- the pieces, over real stores ---------------------------------------------------------------------
+
+def _store_server(port: int) -> subprocess.Popen:
+    code = (f"import time, torch.distributed as d; s = d.TCPStore('127.0.0.1', {port}, is_master=True, "
+            f"wait_for_workers=False); print('up', flush=True); time.sleep(600)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "up"
+    return proc
+
+
+def _master(port: int):
+    return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+
+
+def test_standby_copies_every_committed_step_and_takes_over_with_the_newest_state(tmp_path):
+    agent_port, standby_port = free_port(), free_port()
+    agent_store = _store_server(agent_port)  # the agent's store, in a process we can kill
+    standby_store = _master(standby_port)
+    try:
+        replica = Replica(("127.0.0.1", standby_port))
+        replica.state({"gen": 1, "plan": {}, "next_step": 3})
+        for t in range(3, 300):  # more steps than the ring holds: the standby copies as they come
+            replica.step({"generation": 1, "committed": t, "loss": float(t), "next_step": t + 1}, {"step": t})
+            if t == 150:
+                standby = Standby(standby_store, ("127.0.0.1", agent_port), tmp_path / "steps.jsonl",
+                                  takeover_after_s=0.5, poll_s=0.01)
+                standby.copy_steps()
+        standby.copy_steps()
+        agent_store.kill()
+        agent_store.wait()
+        state = standby.watch()
+    finally:
+        agent_store.kill()
+    assert isinstance(state, dict)
+    assert state["gen"] == 1 and state["committed"] == 299 and state["next_step"] == 300 and state["loss"] == 299.0
+    steps = [json.loads(line)["step"] for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert steps == list(range(3, 300))  # each once, in order, though the ring holds 256
+    assert state["lost_agent_s"] >= 0.5  # it waited the grace before taking over
+
+
+def test_a_finished_job_is_not_taken_over_and_a_deposed_agent_learns_it(tmp_path):
+    port = free_port()
+    store = _master(port)
+    replica = Replica(("127.0.0.1", port))
+    replica.state({"gen": 0})
+    replica.finish(0)
+    standby = Standby(store, ("127.0.0.1", free_port()), tmp_path / "steps.jsonl", takeover_after_s=0.1)
+    assert standby.watch() == 0  # the agent ended the job: exit with it, even though its store is gone now
+    store.delete_key(FINISHED_KEY)
+    store.set(TAKEOVER_KEY, json.dumps({"generation": 0, "reason": "test"}))
+    with pytest.raises(Deposed):
+        replica.step({"generation": 0, "committed": 0, "loss": 1.0, "next_step": 1}, {"step": 0})
+    assert store.check([STATE_KEY])
+
+
+def test_the_job_exit_code_follows_whoever_ran_the_job_to_its_end():
+    assert job_exit_code(0, 0) == 0  # the agent finished; the standby ended with it
+    assert job_exit_code(1, 1) == 1  # the agent gave up (the standby ends with its code)
+    assert job_exit_code(-9, 0) == 0  # the agent was killed; the standby finished the job
+    assert job_exit_code(-9, 1) == 1
+    assert job_exit_code(DEPOSED_EXIT, 0) == 0
