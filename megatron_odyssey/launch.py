@@ -8,7 +8,11 @@ machine as soon as one fails (then restarts them all), which is the relaunch Ody
 Here each machine runs a node agent that starts its ranks and only reports their exits; machine 0
 also runs the coordinator (:class:`~megatron_odyssey.runtime.agent.Agent`), which hosts the control
 store on ``--odyssey-port`` (default ``--master-port`` + 1), detects failures from exits and
-heartbeats, fences hung ranks through their node agent, and coordinates recovery.
+heartbeats, fences hung ranks through their node agent, and coordinates recovery. With more than one
+machine, machine 1 also runs the standby agent (:mod:`~megatron_odyssey.runtime.control_plane`) on
+``--standby-port`` (default ``--odyssey-port`` + 1): the coordinator writes its state into it ahead of
+every commit, and when machine 0 (or only its launcher) is lost the standby takes the job over; the
+ranks and the other machines' node agents follow it.
 
     odyssey-launch --nproc-per-node 8 [--nnodes 2 --node-rank 0 --master-addr HOST] pretrain_gpt.py ARGS
 """
@@ -26,6 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from .runtime.errors import STOPPED_EXIT, rank_log_traceback  # (no torch import: the launcher starts fast)
+
+FINISHED_KEY = "odyssey/finished"  # the agent ran the job to its end (its exit code): node agents stop
+CONFIG_KEY = "odyssey/config"  # rank 0 publishes the job's TrainConfig when Megatron's train() starts
 
 EXIT_KEY = "odyssey/exit/{}"  # node agents report a rank's exit code here
 EXITS_KEY = "odyssey/exits"  # ... and append "rank:code;" here: the coordinator reads every exit in one get
@@ -117,6 +124,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--master-addr", "--master_addr", default="127.0.0.1", help="machine 0's address")
     p.add_argument("--master-port", "--master_port", type=int, default=29500, help="torch.distributed's store port")
     p.add_argument("--odyssey-port", type=int, default=None, help="the agent's control store (default master port + 1)")
+    p.add_argument("--standby-port", type=int, default=None,
+                   help="machine 1's standby agent's store (default odyssey port + 1)")
+    p.add_argument("--standby-addr", default=None,
+                   help="machine 1's address as the others reach it (default: found from the route to --master-addr)")
+    p.add_argument("--no-standby", action="store_true",
+                   help="no standby agent on machine 1: losing machine 0 (or its launcher) then ends the job")
     p.add_argument("--workdir", type=Path, default=Path("odyssey-run"), help="per-rank logs (default odyssey-run)")
     p.add_argument("--no-python", action="store_true", help="run the script as an executable (like torchrun)")
     p.add_argument("script", help="the training script, e.g. Megatron-LM's pretrain_gpt.py")
@@ -127,7 +140,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 <= args.node_rank < args.nnodes:
         p.error(f"--node-rank {args.node_rank} is outside 0..{args.nnodes - 1}")
-    for name in ("master_port", "odyssey_port"):
+    for name in ("master_port", "odyssey_port", "standby_port"):
         port = getattr(args, name)
         if port is not None and not 1 <= port <= 65534:
             p.error(f"--{name.replace('_', '-')} must be a TCP port in 1..65534, got {port}")
@@ -135,6 +148,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"the script {args.script} does not exist")
     if args.odyssey_port is None:
         args.odyssey_port = args.master_port + 1
+    if args.standby_port is None:
+        args.standby_port = args.odyssey_port + 1
+    args.standby = args.nnodes > 1 and not args.no_standby
     return args
 
 
@@ -149,6 +165,7 @@ def start_ranks(args: argparse.Namespace) -> dict[int, LocalRank]:
                    LOCAL_WORLD_SIZE=str(args.nproc_per_node), GROUP_RANK=str(args.node_rank),
                    MASTER_ADDR=args.master_addr, MASTER_PORT=str(args.master_port),
                    ODYSSEY_STORE=f"{args.master_addr}:{args.odyssey_port}", ODYSSEY_WORKDIR=str(args.workdir),
+                   ODYSSEY_STANDBY="expected" if args.standby else "none",
                    TORCH_SHOW_CPP_STACKTRACES=os.environ.get("TORCH_SHOW_CPP_STACKTRACES", "0"))
         cmd = ([args.script] if args.no_python else [sys.executable, "-u", args.script]) + args.script_args
         log = open(args.workdir / f"rank{rank}.log", "w")
@@ -187,10 +204,17 @@ def coordinate(args: argparse.Namespace, local: dict[int, LocalRank]) -> int:
                   f"{args.workdir.resolve()}/rank*.log", file=sys.stderr)
             return 1
         time.sleep(0.05)
-    cfg = TrainConfig(**json.loads(store.get("odyssey/config")))
+    cfg = TrainConfig(**json.loads(store.get(CONFIG_KEY)))
     agent = Agent(cfg, None, args.workdir, procs=procs, store=store)
+    if args.standby:
+        from .runtime.control_plane import STANDBY_KEY, parse_address
+        from .runtime.generation import wait_key
+
+        # machine 1's launcher registers it at its start (the ranks wait for it too)
+        agent.attach_replica(parse_address(wait_key(store, STANDBY_KEY, "the standby agent's address",
+                                                    cfg.timeout_s).decode()))
     code = agent.supervise()
-    store.set("odyssey/finished", str(code))
+    store.set(FINISHED_KEY, str(code))
     return code
 
 
@@ -203,23 +227,116 @@ def startup_errors(workdir: Path, ranks: list[int]) -> str:
 
 
 def serve_node(args: argparse.Namespace, local: dict[int, LocalRank]) -> int:
-    """Machines 1..: report rank exits to the coordinator and fence ranks it asks to fence."""
+    """Machines 1..: report rank exits to the coordinator and fence ranks it asks to fence; machine 1 also
+    runs the standby agent (see :func:`standby_node`)."""
     import torch.distributed as dist
 
+    from .runtime.control_plane import STANDBY_KEY, ControlPlane, parse_address
+    from .runtime.generation import wait_key
+
     store = dist.TCPStore(args.master_addr, args.odyssey_port, is_master=False, timeout=timedelta(seconds=300))
+    control = None
+    if args.standby and args.node_rank == 1:
+        return standby_node(args, local, store)
+    if args.standby:
+        standby = parse_address(wait_key(store, STANDBY_KEY, "the standby agent's address", 300).decode())
+        control = ControlPlane((args.master_addr, args.odyssey_port), standby, -1, wait_s=120)
+    return node_agent(args, local, store, control)
+
+
+def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any, control: Any = None,
+               stop: Any = None) -> int:
+    """Report this machine's rank exits and fence the ranks the agent asks to fence, until every rank has
+    exited or the agent finished the job; follows the standby when it takes over (``control``)."""
     reported: set[int] = set()
-    while len(reported) < len(local) and not store.check(["odyssey/finished"]):
-        for ident, p in local.items():
-            if ident not in reported and store.check([FENCE_KEY.format(ident)]):
-                p.kill()
-            if ident not in reported and p.exitcode is not None:
-                report_exit(store, ident, p.exitcode)
-                reported.add(ident)
-                if p.exitcode > 0 and p.exitcode != STOPPED_EXIT:  # an error (not a kill): say it here too
-                    print(f"[odyssey launch node {args.node_rank}] rank {ident} exited {p.exitcode}:\n"
-                          f"{startup_errors(args.workdir, [ident])}", file=sys.stderr, flush=True)
+    while len(reported) < len(local):
+        try:
+            if store.check([FINISHED_KEY]) or (stop is not None and stop.is_set()):
+                break
+            for ident, p in local.items():
+                if ident not in reported and store.check([FENCE_KEY.format(ident)]):
+                    p.kill()
+                if ident not in reported and p.exitcode is not None:
+                    report_exit(store, ident, p.exitcode)
+                    reported.add(ident)
+                    if p.exitcode > 0 and p.exitcode != STOPPED_EXIT:  # an error (not a kill): say it here too
+                        print(f"[odyssey launch node {args.node_rank}] rank {ident} exited {p.exitcode}:\n"
+                              f"{startup_errors(args.workdir, [ident])}", file=sys.stderr, flush=True)
+        except Exception:  # noqa: BLE001 - the agent's store is gone: follow the standby, if it took over
+            moved = control.follow(store) if control is not None else None
+            if moved is None:
+                raise
+            store, reported = moved, set()  # the new agent has not seen any exit: report them again
+            continue
         time.sleep(0.01)
     return max((p.exitcode or 0 for p in local.values()), default=0)
+
+
+def standby_node(args: argparse.Namespace, local: dict[int, LocalRank], agent_store: Any) -> int:
+    """Machine 1: this machine's node agent (a thread), and the standby agent, which hosts its own store,
+    registers it with the agent, keeps the agent's replicated state, and takes the job over when machine 0
+    is lost (the ranks of machine 0 are then seen only by their heartbeats: ``OrphanRank``)."""
+    import threading
+
+    import torch.distributed as dist
+
+    from .runtime.agent import Agent, take_over
+    from .runtime.config import TrainConfig
+    from .runtime.control_plane import STANDBY_KEY, ControlPlane, OrphanRank, Standby
+
+    host = args.standby_addr or route_address(args.master_addr, args.odyssey_port)
+    store = dist.TCPStore("0.0.0.0", args.standby_port, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=300))
+    agent_store.set(STANDBY_KEY, f"{host}:{args.standby_port}")
+    control = ControlPlane((args.master_addr, args.odyssey_port), (host, args.standby_port), -1, wait_s=120)
+    codes: list[int] = []
+    stop = threading.Event()
+    node = threading.Thread(target=lambda: codes.append(node_agent(args, local, agent_store, control, stop)),
+                            name="odyssey-node-agent", daemon=True)
+    node.start()
+    watcher = Standby(store, (args.master_addr, args.odyssey_port), args.workdir / "standby.steps.jsonl",
+                      log=lambda msg: print(f"[odyssey standby, node 1] {msg}", file=sys.stderr, flush=True))
+    cfg_text = None
+    while cfg_text is None:  # the job's config, while the agent is there to give it
+        try:
+            if agent_store.check([CONFIG_KEY]):
+                cfg_text = agent_store.get(CONFIG_KEY)
+            elif all(p.exitcode is not None for p in local.values()):
+                node.join()
+                return codes[0] if codes else 1
+        except Exception:  # noqa: BLE001 - lost before the job started: nothing to take over
+            print("[odyssey standby, node 1] the agent was lost before the job started", file=sys.stderr)
+            return 1
+        time.sleep(0.05)
+    result = watcher.watch()
+    if isinstance(result, int):  # the agent ran the job to its end
+        node.join()
+        return codes[0] if codes else result
+    cfg = TrainConfig(**json.loads(cfg_text))
+    world = args.nnodes * args.nproc_per_node
+    machine0 = range(args.nproc_per_node)  # lost with the agent's machine, or orphaned by its launcher
+    exits = RemoteExits(store)
+    procs: dict[int, Any] = {i: local.get(i) or (OrphanRank(store, i) if i in machine0 else RemoteRank(store, i, exits))
+                             for i in range(world)}
+    agent = Agent(cfg, None, args.workdir, procs=procs, store=store)
+    code = take_over(agent, result, watcher, f"the agent on {args.master_addr} was lost; the standby on {host} "
+                                             f"took over")
+    store.set(FINISHED_KEY, str(code))
+    stop.set()
+    node.join(10)
+    return code
+
+
+def route_address(master_addr: str, port: int) -> str:
+    """This machine's address on the route to machine 0 (what the other machines can reach it at)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((master_addr, port))  # no packet is sent: it only picks the route
+            return s.getsockname()[0]
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -58,7 +58,11 @@ class AbortWatcher(StoreThread):
 
     what = "abort watcher"
 
-    def __init__(self, runtime: "MegatronRank", host: str, port: int, interval_s: float = 0.05, **kw: Any):
+    def __init__(self, runtime: "MegatronRank", host: str, port: int, interval_s: float = 0.05, control: Any = None,
+                 **kw: Any):
+        if control is not None:  # a standby agent may take over: reconnect to whoever is in charge
+            kw.setdefault("connect", control.connect)
+            kw.setdefault("grace_s", control.wait_s)
         super().__init__(host, port, runtime.ident, interval_s, **kw)
         self.runtime, self.handled = runtime, -1
 
@@ -234,8 +238,27 @@ class MegatronRank(GenerationRank):
         plan = symmetric_plan(cfg.pp, cfg.dp, cfg.layers, cfg.num_micro_batches)
         self.keyed_dropout = bool(getattr(args, "hidden_dropout", 0) or getattr(args, "attention_dropout", 0))
         self._adopt_generation0(plan)
-        Heartbeat(host, int(port), self.ident, cfg.heartbeat_interval_s, self.progress).start()
-        AbortWatcher(self, host, int(port)).start()
+        from ..runtime.control_plane import ControlPlane
+
+        self.control = ControlPlane.from_env(self.store_addr, self.ident, store, cfg.timeout_s)
+        if self.control.standby is None:
+            self.control = None
+        Heartbeat(host, int(port), self.ident, cfg.heartbeat_interval_s, self.progress, self.control).start()
+        AbortWatcher(self, host, int(port), control=self.control).start()
+        import atexit
+
+        atexit.register(self._say_done)
+
+    def _say_done(self) -> None:
+        """At a clean exit: tell the agent (a standby cannot see this process's exit code once its launcher
+        is gone; see control_plane.OrphanRank)."""
+        from ..runtime.control_plane import DONE_KEY
+
+        try:
+            self.store.set(DONE_KEY.format(self.ident), "1")
+            self.store.check([DONE_KEY.format(self.ident)])
+        except Exception:  # noqa: BLE001 - the agent is gone: nobody to tell
+            pass
 
     # -- data ------------------------------------------------------------------------------------------
     def micro_batch(self, step: int, j: int) -> dict[str, torch.Tensor]:

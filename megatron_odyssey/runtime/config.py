@@ -125,6 +125,9 @@ class TrainConfig:
             if spec.phase == "log" and not self.extra.get("megatron"):
                 raise PlanningError(f"--fail {text!r}: phase=log is Megatron-LM's training_log; odyssey train has no "
                                     f"log phase (use between, save or data)")
+            if spec.kind == "kill-machine" and not self.extra.get("megatron"):
+                raise PlanningError(f"--fail {text!r}: kind=kill-machine kills a launcher of odyssey-launch and its "
+                                    f"ranks; odyssey train runs on one machine (use kill-agent or kill-with-agent)")
             if spec.phase == "save" and not self.extra.get("megatron") and not self.checkpoint_interval:
                 raise PlanningError(f"--fail {text!r}: phase=save needs checkpoints (--checkpoint-interval > 0)")
         if self.global_batch % self.micro_batch:

@@ -52,6 +52,7 @@ STATE_KEY = "odyssey/replica/state"  # the agent's state of this generation (wri
 STEP_KEY = "odyssey/replica/step"  # the agent's per-commit state (written ahead of every commit)
 STEP_SLOT = "odyssey/replica/steps/{}"  # the committed steps' records by commit number, a ring the standby reads
 SLOTS = 256
+DONE_KEY = "odyssey/done/{}"  # a rank finished the job (set before it exits)
 FENCE_SELF_KEY = "odyssey/fence/{}"  # (launch.FENCE_KEY) a rank without a node agent fences itself on it
 PROBE_TIMEOUT_S = 1.0  # a connect or an operation on a store that may be gone
 
@@ -225,9 +226,6 @@ def _zombie(pid: int) -> bool:
         return False
 
 
-DONE_KEY = "odyssey/done/{}"  # a rank of odyssey train finished the job (set before it exits)
-
-
 class PidRank:
     """A rank on this machine that another process started (the lost agent forked it): seen by its pid.
     Its exit status went to its parent, which is gone: a rank that said it finished (``DONE_KEY``) exited 0,
@@ -266,14 +264,21 @@ class PidRank:
 class OrphanRank:
     """A rank on the lost machine whose launcher is gone with it: nobody reports its exit and nobody can
     kill it. The agent finds it dead by its heartbeat; asked to fence it, it sets the rank's fence key,
-    which the rank's heartbeat thread obeys (:meth:`ControlPlane.fenced`)."""
+    which the rank's heartbeat thread obeys (:meth:`ControlPlane.fenced`). A rank that finished the job
+    says so (``DONE_KEY``) before it exits."""
 
     def __init__(self, store: Any, ident: int):
-        self.store, self.ident, self.exitcode = store, ident, None
+        self.store, self.ident, self.code = store, ident, None
+
+    @property
+    def exitcode(self) -> int | None:
+        if self.code is None and self.store.check([DONE_KEY.format(self.ident)]):
+            self.code = 0
+        return self.code
 
     def kill(self) -> None:
         self.store.set(FENCE_SELF_KEY.format(self.ident), "1")
-        self.exitcode = -9  # given up on: whatever it does now, it is not in the next generation
+        self.code = -9  # given up on: whatever it does now, it is not in the next generation
 
     def join(self, timeout: float | None = None) -> None:
         pass

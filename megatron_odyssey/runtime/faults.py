@@ -8,7 +8,9 @@ progress check can catch it), ``slow`` sleeps (a straggler that must *not* be de
 out-of-memory or a shape error would be), which it must report and leave the job for, not take
 for a peer's failure. ``kill-agent`` SIGKILLs the rank's agent (its parent: the agent of ``odyssey
 train``, the launcher of machine 0 under ``odyssey-launch``) and goes on; ``kill-with-agent`` kills the
-agent and the rank itself (a lost machine that held both): the standby agent must take over.
+agent and the rank itself (a lost machine that held both): the standby agent must take over;
+``kill-machine`` (``odyssey-launch`` only) kills the rank's launcher and every rank it started: the
+whole machine is lost (on machine 0, with the agent).
 The rank records when it fired in the store, so the agent can report detection latency.
 """
 from __future__ import annotations
@@ -24,7 +26,7 @@ from ..planning.errors import PlanningError
 #: optimizer, data: fetching a micro-batch), while recovering, and between steps (log: Megatron's
 #: training_log; save: a checkpoint save; between: just after a step, before anything else)
 PHASES = ("forward", "backward", "grad-sync", "optimizer", "data", "recovery", "log", "save", "between")
-KINDS = ("kill", "hang", "stall", "slow", "error", "kill-agent", "kill-with-agent")
+KINDS = ("kill", "hang", "stall", "slow", "error", "kill-agent", "kill-with-agent", "kill-machine")
 SLOW_S = 2.0
 
 
@@ -81,6 +83,8 @@ class Injector:
             self.fired.add(spec)
             if self.store is not None:
                 self.store.set(f"odyssey/injected/{self.ident}", repr(time.time()))
+            if spec.kind == "kill-machine":
+                _kill_machine()
             if spec.kind in ("kill-agent", "kill-with-agent"):
                 os.kill(os.getppid(), signal.SIGKILL)
             if spec.kind in ("kill", "kill-with-agent"):
@@ -95,6 +99,29 @@ class Injector:
                 raise InjectedError(f"injected error (--fail step={step},rank={self.ident},phase={phase},kind=error)")
             elif spec.kind == "slow":
                 time.sleep(SLOW_S)
+
+
+def _kill_machine() -> None:
+    """SIGKILL this rank's launcher and every rank it started (each leads its own process group), then
+    this rank: what a machine's power loss does."""
+    launcher = os.getppid()
+    siblings = []
+    for task in os.listdir(f"/proc/{launcher}/task"):
+        try:
+            with open(f"/proc/{launcher}/task/{task}/children") as f:
+                siblings += [int(pid) for pid in f.read().split()]
+        except OSError:
+            pass
+    os.kill(launcher, signal.SIGKILL)
+    for pid in siblings:
+        if pid != os.getpid():
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    if os.getpgid(0) == os.getpid():
+        os.killpg(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _stall_in_a_collective() -> None:

@@ -244,3 +244,34 @@ def test_lost_stage_restarts_in_process_from_megatron_checkpoint(stock: dict, tm
     assert sorted(r for f in job.report["failures"] for r in f["ranks"]) == [2, 3]
     assert job.report["steps"][-1]["alive"] == 2
     assert same_training(job.iterations(), stock)
+
+
+def test_the_agents_launcher_is_killed_and_the_standby_takes_over(stock: dict, tmp_path: Path) -> None:
+    """Two machines; machine 0's launcher (the agent and its store) is SIGKILLed mid-iteration, its ranks
+    live on. Machine 1's standby agent takes over, every rank follows it, the same layout resumes on new
+    groups, and the job trains as stock Megatron-LM."""
+    job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--odyssey-inject-fault", "step=2,rank=1,phase=backward,kind=kill-agent"],
+                      _port(50), nodes=2)
+    assert job.returncode == 0, job.logs[-4000:]
+    report = job.report
+    (takeover,) = report["takeovers"]
+    assert takeover["ranks_lost"] == [] and takeover["policy"] == "resume"
+    assert report["failures"] == [] and not report["running"]
+    assert [s["step"] for s in report["steps"]] == list(range(ITERS))
+    assert same_training(job.iterations(), stock)
+
+
+def test_machine_0_is_lost_with_the_agent_and_a_rank(stock: dict, tmp_path: Path) -> None:
+    """Four machines of one rank each; machine 0 (its launcher with the agent, and rank 0) loses power in
+    iteration 3. The standby on machine 1 takes over, finds rank 0 dead by its silence, recovers without it,
+    and the job trains as stock Megatron-LM."""
+    job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--odyssey-inject-fault", "step=2,rank=0,phase=forward,kind=kill-machine"],
+                      _port(60), nodes=4)
+    assert job.returncode == 0, job.logs[-4000:]
+    report = job.report
+    (takeover,) = report["takeovers"]
+    assert takeover["ranks_lost"] == [0] and takeover["policy"] in ("reroute", "reconfigure")
+    (failure,) = report["failures"]
+    assert failure["ranks"] == [0]
+    assert [s["step"] for s in report["steps"]] == list(range(ITERS))
+    assert same_training(job.iterations(), stock)
