@@ -27,6 +27,7 @@ import contextlib
 import io
 import json
 import multiprocessing as mp
+import os
 import platform
 import statistics
 import sys
@@ -40,7 +41,9 @@ import torch.distributed as dist
 
 from docs_section import write_section
 from megatron_odyssey.launch import RemoteExits, RemoteRank, report_exit
+from megatron_odyssey.planning.plan import ExecutionPlan
 from megatron_odyssey.runtime.agent import Agent
+from megatron_odyssey.runtime.plan_message import decode_plan_message
 from megatron_odyssey.runtime.config import TrainConfig
 from megatron_odyssey.runtime.errors import ABORTED, STARTED_KEY
 from megatron_odyssey.runtime.liveness import Progress, WAITING
@@ -53,12 +56,14 @@ class FakeRank(threading.Thread):
 
     def __init__(self, rank_id: int, port: int, steps: int, kill_at: int | None):
         super().__init__(daemon=True)
-        self.rank_id, self.steps, self.kill_at = rank_id, steps, kill_at
-        self.store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=300))
+        self.rank_id, self.steps, self.kill_at, self.port = rank_id, steps, kill_at, port
+        self.store = None
         self.progress = Progress()
         self.gen, self.code = 0, None
 
     def run(self) -> None:
+        # connected here, in the rank's own thread: thousands of clients connect in parallel, as on a cluster
+        self.store = dist.TCPStore("127.0.0.1", self.port, is_master=False, timeout=timedelta(seconds=600))
         try:
             self._run()
             self.code = 0 if self.code is None else self.code
@@ -76,21 +81,19 @@ class FakeRank(threading.Thread):
                 return
             g = f"odyssey/gen{self.gen}"
             self.progress.mark(step, "forward")
-            self.store.set(f"{g}/ready/{step}/{self.rank_id}", "0.0")
+            self.store.append(f"{g}/ready/{step}/shares", f"{self.rank_id}=0.0;")
             self.store.add(f"{g}/ready/{step}/count", 1)
             self.progress.set_state(WAITING)
             self.store.wait([f"{g}/commit/{step}"])
             if self.store.get(f"{g}/commit/{step}") != ABORTED:
-                self.store.delete_key(f"{g}/ready/{step}/{self.rank_id}")
                 step += 1
                 continue
             # aborted: register, wait for the next plan, join, wait for go
             self.store.set(f"{g}/recover/{self.rank_id}", str(step - 1))
             nxt = f"odyssey/gen{self.gen + 1}"
             self.store.wait([f"{nxt}/plan"])
-            msg = json.loads(self.store.get(f"{nxt}/plan"))
-            live = {s["node"] for p in msg["plan"]["pipelines"] for s in p["stages"]} - set(msg["plan"].get("failed", []))
-            if self.rank_id not in live:
+            msg = decode_plan_message(self.store.get(f"{nxt}/plan"))
+            if self.rank_id not in ExecutionPlan.from_dict(msg["plan"]).live_nodes():  # as GenerationRank.enter
                 return
             self.gen += 1
             self.store.set(f"{nxt}/join/{self.rank_id}", "1")
@@ -105,7 +108,7 @@ def machine(port: int, ranks: list[int], steps: int, victim: int) -> None:
     for fake in fakes:
         fake.start()
     while any(f.is_alive() for f in fakes):
-        alive = [f for f in fakes if f.code is None]
+        alive = [f for f in fakes if f.code is None and f.store is not None]
         if alive:
             beats.multi_set([f"odyssey/hb/{f.rank_id}" for f in alive], [f.progress.beat() for f in alive])
         time.sleep(0.2)
@@ -130,13 +133,15 @@ def measure(n: int, steps: int, machines: int = 8, pp: int = 4) -> dict:
                   store=store)
     agent.log = lambda msg: None  # the candidates' table per failure is not what we measure
     commits: list[float] = []
+    cpu: list[float] = []  # the agent's own CPU time per commit: what the commit costs without contention
     advance = agent.advance
 
     def timed_advance() -> None:
-        before, t0 = agent.next_step, time.perf_counter()
+        before, t0, c0 = agent.next_step, time.perf_counter(), time.thread_time()
         advance()
         if agent.next_step != before:
             commits.append(time.perf_counter() - t0)
+            cpu.append(time.thread_time() - c0)
 
     agent.advance = timed_advance
     t0 = time.perf_counter()
@@ -150,6 +155,7 @@ def measure(n: int, steps: int, machines: int = 8, pp: int = 4) -> dict:
     phases = failure.phases
     return {"ranks": n, "code": code, "steps": len(steps_done), "wall_s": wall,
             "commit_ms": statistics.median(commits) * 1e3, "commit_p90_ms": sorted(commits)[int(0.9 * len(commits))] * 1e3,
+            "commit_cpu_ms": statistics.median(cpu) * 1e3,
             "step_wall_ms": statistics.median(s["time_s"] for s in steps_done[1:]) * 1e3,
             "sealed_s": phases["sealed_s"], "published_s": phases["published_s"],
             "decision_s": failure.decision_s, "go_s": phases.get("joined_s") or float("nan"),
@@ -163,14 +169,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--write", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None)
     args = p.parse_args(argv)
+    # c10d reverse-resolves every new connection's address (for its log lines); this sandbox's DNS server
+    # drops about one query in 25, and glibc's default 5 s resolver timeout then stalls that connect: with
+    # thousands of clients, setting up took longer than the run. One second and one attempt keeps the
+    # stalls short (only connecting is affected; no store operation resolves names).
+    os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
     rows = []
     for n in args.ranks:
         r = measure(n, args.steps)
         rows.append(r)
         print(json.dumps(r), flush=True)
-    table = ["| ranks | commit (agent), median | p90 | wall per step (incl. fake ranks) | abort -> sealed | "
-             "-> plan published (planning) | -> go | store keys at the end |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    table += [f"| {r['ranks']:,} | {r['commit_ms']:.2f} ms | {r['commit_p90_ms']:.2f} ms | {r['step_wall_ms']:.0f} ms | "
+    table = ["| ranks | commit (agent), median | p90 | agent CPU per commit | wall per step (incl. fake ranks) | "
+             "abort -> sealed | -> plan published (planning) | -> go | store keys at the end |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    table += [f"| {r['ranks']:,} | {r['commit_ms']:.2f} ms | {r['commit_p90_ms']:.2f} ms | {r['commit_cpu_ms']:.2f} ms | "
+              f"{r['step_wall_ms']:.0f} ms | "
               f"{r['sealed_s']:.3f} s | {r['published_s']:.3f} s ({r['decision_s'] * 1e3:.0f} ms) | {r['go_s']:.3f} s | "
               f"{r['store_keys']} |" for r in rows]
     print("\n".join(table))
@@ -183,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
         xs = [r["ranks"] for r in rows]
         a.plot(xs, [r["commit_ms"] for r in rows], "o-", label="agent's commit (median)")
+        a.plot(xs, [r["commit_cpu_ms"] for r in rows], "s--", label="agent's CPU per commit (median)")
         a.axhline(10, color="grey", ls="--", label="goal 10 ms")
         a.set(xscale="log", xlabel="ranks", ylabel="ms per step", title="Per-step commit")
         a.legend()

@@ -45,6 +45,7 @@ from ..planning.cache import PlanCache
 from ..planning.planner import Decision, Planner, PlannerOptions
 from .config import TrainConfig
 from .control_plane import Deposed, Replica
+from .plan_message import encode_plan_message
 from .liveness import COMM, IDLE, WORKING, Beat
 from .step_log import StepLog, resident_mb
 from .errors import ABORTED, GIVEUP_KEY, STARTED_KEY, STOP_LINE, ErrorRecord, rank_log_traceback, read_error
@@ -176,6 +177,7 @@ class Agent:
         self.stop_reason = ""  # why recover() could not go on
         self.beats: dict[int, Beat] = {}  # rank -> its last heartbeat (liveness and progress)
         self.named_stalled: set[tuple[int, int]] = set()  # (rank, count) already reported at the soft timeout
+        self.named_mismatch: set[tuple[int, int]] = set()  # (generation, step) whose ready shares did not match
         self.beats_read = 0.0  # when the heartbeats were last read (at most every half interval)
         self.judged_from = 0.0  # progress is judged from the last abort on (see _stalled)
         self.warm = False  # a step of this generation has committed (its first step warms up: not judged)
@@ -454,14 +456,19 @@ class Agent:
         if t >= self.cfg.steps:
             return
         members = self.members()
-        count = f"{self.key('ready')}/{t}/count"  # each rank adds 1 after its ready key: one counter to poll
+        count = f"{self.key('ready')}/{t}/count"  # each rank adds 1 after appending its share: one counter to poll
         if self.store.add(count, 0) < len(members):
             return
-        ready = [f"{self.key('ready')}/{t}/{i}" for i in members]
-        if not self.store.check(ready):  # a rank of an earlier plan still counted in (never: safety)
+        shares_key = f"{self.key('ready')}/{t}/shares"
+        shares = ready_shares(self.store.get(shares_key))
+        if len(shares) != len(members) or set(shares) != set(members):  # (never: a safety check)
+            if (self.gen, t) not in self.named_mismatch:
+                self.named_mismatch.add((self.gen, t))
+                self.log_error(f"step {t}: ready from ranks {sorted(shares)}, but the members are {members}")
             return
-        loss = committed_loss(self.store.multi_get(ready))
+        loss = committed_loss([shares[i] for i in members])  # in rank order, as before: the same float sum
         self.store.delete_key(count)
+        self.store.delete_key(shares_key)
         now = time.time()
         first_of_generation = not self.warm
         if first_of_generation:
@@ -479,8 +486,7 @@ class Agent:
             self.replica.step({"generation": self.gen, "committed": t, "loss": loss, "next_step": t + 1,
                                "latest_checkpoint": self._latest_checkpoint_if_any()}, record)
         self.store.set(f"{self.key('commit')}/{t}", repr(loss))  # ranks report the committed loss
-        # every rank has applied step t - 1 (it published ready/t): nobody waits on that commit any more;
-        # each rank deletes its own ready key once it sees the commit (GenerationRank._wait_commit)
+        # every rank has applied step t - 1 (it published ready/t): nobody waits on that commit any more
         self.store.delete_key(f"{self.key('commit')}/{t - 1}")
         if new_layout:
             self._refresh_cache()
@@ -661,7 +667,7 @@ class Agent:
         self.published = msg
         if self.replica is not None:
             self._replicate_state()
-        self.store.set(self.key("plan"), json.dumps(msg))
+        self.store.set(self.key("plan"), encode_plan_message(msg))
         rec.published_at = time.time()
         self.write_report(ok=True, final=False)
 
@@ -704,7 +710,7 @@ class Agent:
         self.takeover_at = time.time()
         g = self.key
         if self.gen > 0 and self.published is not None:
-            self.store.set(g("plan"), json.dumps(self.published))
+            self.store.set(g("plan"), encode_plan_message(self.published))
         if state.get("generation") == self.gen and "committed" in state:
             self.store.set(f"{g('commit')}/{state['committed']}", repr(float(state["loss"])))
         if state.get("started_any") or "committed" in state:  # every member had reached its first step
@@ -848,6 +854,16 @@ class Agent:
         partial = path.with_suffix(".json.partial")
         partial.write_text(json.dumps(report, indent=1))
         partial.replace(path)  # a reader never sees half a report
+
+
+def ready_shares(value: bytes) -> dict[int, bytes]:
+    """Every rank's *ready* value of a step, from the step's appended key (``rank=value;`` per rank)."""
+    out = {}
+    for item in value.split(b";"):
+        if item:
+            rank, share = item.split(b"=", 1)
+            out[int(rank)] = share
+    return out
 
 
 def committed_loss(shares: list[bytes]) -> float:

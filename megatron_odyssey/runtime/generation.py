@@ -35,6 +35,7 @@ from .errors import ABORTED, exit_if_stopped, fail_locally, is_peer_failure, sto
 from .executor import PipelineExecutor
 from .grad_sync import GradientSync, params_by_unit
 from .liveness import IDLE, WAITING, Progress
+from .plan_message import decode_plan_message
 from .transport import P2P
 from .world import (RankMap, abort_all_groups, build_plan_groups, clear_parallel_state, connect_peers, init_world,
                     install_parallel_state, peer_pairs, shut_connections)
@@ -209,8 +210,10 @@ class GenerationRank(abc.ABC):
         """Gradients of ``step`` are synchronised here; ``loss_share`` is this rank's part of its loss (a sum
         over ``tokens`` loss tokens when given: the agent then divides the totals, as Megatron does)."""
         value = repr(loss_share) if tokens is None else f"{loss_share!r} {tokens!r}"
-        self.store.set(f"{self.k['ready']}/{step}/{self.ident}", value)
-        self.store.add(f"{self.k['ready']}/{step}/count", 1)  # the agent polls one counter, not every key
+        # one key per step for every rank (appended atomically by the store) and one counter the agent polls:
+        # the agent's commit reads two keys however many ranks there are
+        self.store.append(f"{self.k['ready']}/{step}/shares", f"{self.ident}={value};")
+        self.store.add(f"{self.k['ready']}/{step}/count", 1)
 
     def _wait_commit(self, step: int) -> float:
         """Block until the agent commits ``step`` (returns the step's loss) or aborts the generation."""
@@ -218,9 +221,6 @@ class GenerationRank(abc.ABC):
         value = wait_key(self.store, f"{self.k['commit']}/{step}", f"the commit of step {step}", self.cfg.timeout_s)
         if value == ABORTED:
             self._aborted(self.gen)
-        # the agent read every ready key before it committed: this rank's is deleted by its owner, so the
-        # store holds a bounded number of keys however long the job runs
-        self.store.delete_key(f"{self.k['ready']}/{step}/{self.ident}")
         return float(value)
 
     def _committed(self, step: int) -> bool:
@@ -273,7 +273,8 @@ class GenerationRank(abc.ABC):
     def _wait_plan(self, gen: int) -> dict:
         """The agent's plan for generation ``gen``; exits at once if the agent gives up instead."""
         self.progress.set_state(WAITING)
-        msg = json.loads(wait_key(self.store, keys(gen)["plan"], f"the plan for generation {gen}", self.cfg.timeout_s))
+        msg = decode_plan_message(wait_key(self.store, keys(gen)["plan"], f"the plan for generation {gen}",
+                                           self.cfg.timeout_s))
         if "giveup" in msg:
             stop_now(self.ident, f"the agent stopped the job: {msg['giveup']}")
         return msg

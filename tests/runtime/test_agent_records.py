@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from megatron_odyssey.runtime.agent import committed_loss, megatron_checkpoint_iteration
+from megatron_odyssey.runtime.agent import committed_loss, megatron_checkpoint_iteration, ready_shares
 from megatron_odyssey.runtime.step_log import StepLog
 
 
@@ -15,6 +15,8 @@ def test_committed_loss_is_megatrons_token_weighted_mean() -> None:
     shares = [b"12.5 5.0", b"0.0", b"7.5 3.0", b"0.0"]  # two last-stage ranks (loss sum, tokens), two others
     assert committed_loss(shares) == pytest.approx((12.5 + 7.5) / (5.0 + 3.0))
     assert committed_loss([b"1.25", b"0.75", b"0.0"]) == pytest.approx(2.0)  # shares of a normalised loss
+    shares = ready_shares(b"3=1.25;0=0.75;12=12.5 5.0;")  # the step's appended key, in arrival order
+    assert shares == {3: b"1.25", 0: b"0.75", 12: b"12.5 5.0"}
 
 
 def test_megatron_checkpoint_tracker(tmp_path) -> None:
@@ -36,3 +38,20 @@ def test_step_log_keeps_the_last_record_of_a_redone_step(tmp_path) -> None:
     assert [r["redone"] for r in records] == [False, True, True, False]
     assert len((tmp_path / "r.steps.jsonl").read_text().splitlines()) == 6  # every commit is on disk, in order
     assert json.loads((tmp_path / "r.steps.jsonl").read_text().splitlines()[3])["loss"] == 4.95
+
+
+def test_the_plan_message_is_compressed_and_round_trips() -> None:
+    """Every rank downloads the whole message: at 4096 ranks its JSON alone would move ~1 GB through the store."""
+    import json
+
+    from megatron_odyssey.planning.plan import symmetric_plan
+    from megatron_odyssey.runtime.plan_message import decode_plan_message, encode_plan_message
+
+    plan = symmetric_plan(4, 1024, 32, 2048)
+    transfers = [[f"decoder.layers.{i % 32}", i, (i + 7) % 4096] for i in range(3000)]
+    msg = {"plan": plan.to_dict(), "policy": "reconfigure", "transfers": transfers, "resume_step": 5,
+           "checkpoint_step": None}
+    stored = encode_plan_message(msg)
+    assert decode_plan_message(stored) == msg
+    assert len(stored) < len(json.dumps(msg)) / 5, (len(stored), len(json.dumps(msg)))
+    assert decode_plan_message(json.dumps({"giveup": "why"}).encode()) == {"giveup": "why"}  # the agent's give-up
