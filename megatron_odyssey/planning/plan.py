@@ -15,6 +15,7 @@ Weight-holding *units* are numbered in model order: 0 = embedding, 1..L = transf
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -88,8 +89,8 @@ class ExecutionPlan:
         if self.policy not in POLICIES:
             raise PlanningError(f"unknown policy {self.policy!r}; expected one of {POLICIES}")
 
-    # -- derived views ------------------------------------------------------------------------
-    @property
+    # -- derived views (a plan is immutable: the costly ones are computed once; the agent asks every step) --
+    @functools.cached_property
     def plan_id(self) -> str:
         """Stable short id of the layout and routing, for logs and reports."""
         digest = hashlib.sha1(json.dumps(self.to_dict(include_id=False), sort_keys=True).encode())
@@ -111,7 +112,11 @@ class ExecutionPlan:
         return [s.node for p in self.pipelines for s in p.stages]
 
     def live_nodes(self) -> list[int]:
-        return sorted(n for n in self.nodes() if n not in self.failed)
+        return list(self._live_nodes)
+
+    @functools.cached_property
+    def _live_nodes(self) -> tuple[int, ...]:
+        return tuple(sorted(n for n in self.nodes() if n not in self.failed))
 
     def stage_units(self, pipeline: int, stage: int) -> frozenset[int]:
         p = self.pipelines[pipeline]

@@ -177,7 +177,8 @@ class Agent:
         self.stop_reason = ""  # why recover() could not go on
         self.beats: dict[int, Beat] = {}  # rank -> its last heartbeat (liveness and progress)
         self.named_stalled: set[tuple[int, int]] = set()  # (rank, count) already reported at the soft timeout
-        self.named_mismatch: set[tuple[int, int]] = set()  # (generation, step) whose ready shares did not match
+        self.named_mismatch: set[tuple[int, int]] = set()
+        self._members: tuple[Any, list[int]] = (None, [])  # (generation, step) whose ready shares did not match
         self.beats_read = 0.0  # when the heartbeats were last read (at most every half interval)
         self.judged_from = 0.0  # progress is judged from the last abort on (see _stalled)
         self.warm = False  # a step of this generation has committed (its first step warms up: not judged)
@@ -188,7 +189,10 @@ class Agent:
 
     # -- bookkeeping ----------------------------------------------------------------------------------
     def members(self) -> list[int]:
-        return [n * self.cfg.tp + t for n in self.plan.live_nodes() for t in range(self.cfg.tp)]
+        """The current plan's ranks (computed once per plan: the loop asks several times per pass)."""
+        if self._members[0] is not self.plan:
+            self._members = (self.plan, [n * self.cfg.tp + t for n in self.plan.live_nodes() for t in range(self.cfg.tp)])
+        return list(self._members[1])
 
     def key(self, name: str) -> str:
         return f"odyssey/gen{self.gen}/{name}"
