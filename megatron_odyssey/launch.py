@@ -29,14 +29,14 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from .runtime.errors import STOPPED_EXIT, rank_log_traceback  # (no torch import: the launcher starts fast)
+from .runtime.control_plane import FENCE_KEY  # (no torch import: the launcher starts fast)
+from .runtime.errors import STOPPED_EXIT, rank_log_traceback
 
 FINISHED_KEY = "odyssey/finished"  # the agent ran the job to its end (its exit code): node agents stop
 CONFIG_KEY = "odyssey/config"  # rank 0 publishes the job's TrainConfig when Megatron's train() starts
 
 EXIT_KEY = "odyssey/exit/{}"  # node agents report a rank's exit code here
 EXITS_KEY = "odyssey/exits"  # ... and append "rank:code;" here: the coordinator reads every exit in one get
-FENCE_KEY = "odyssey/fence/{}"  # the coordinator asks a rank's node agent to SIGKILL it
 STARTUP_GRACE_S = 3.0  # after a rank fails at start-up, how long the others get to fail too (and say why)
 
 

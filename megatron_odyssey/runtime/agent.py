@@ -177,8 +177,8 @@ class Agent:
         self.stop_reason = ""  # why recover() could not go on
         self.beats: dict[int, Beat] = {}  # rank -> its last heartbeat (liveness and progress)
         self.named_stalled: set[tuple[int, int]] = set()  # (rank, count) already reported at the soft timeout
-        self.named_mismatch: set[tuple[int, int]] = set()
-        self._members: tuple[Any, list[int]] = (None, [])  # (generation, step) whose ready shares did not match
+        self.named_mismatch: set[tuple[int, int]] = set()  # (generation, step) whose ready shares did not match
+        self._members: tuple[Any, list[int]] = (None, [])  # (plan, its ranks): see members()
         self.beats_read = 0.0  # when the heartbeats were last read (at most every half interval)
         self.judged_from = 0.0  # progress is judged from the last abort on (see _stalled)
         self.warm = False  # a step of this generation has committed (its first step warms up: not judged)
@@ -480,18 +480,19 @@ class Agent:
         redone = self.steps.was_trained(t)  # trained before, lost to a restart from an older checkpoint
         record = {"step": t, "loss": loss, "time_s": now - self.step_started, "plan_id": self.plan.plan_id,
                   "alive": len(members), "policy": self.plan.policy, "generation": self.gen,
-                  "wall_s": now - self.started, "t": now, "redone": redone,
-                  "store_keys": self.store.num_keys(), "agent_rss_mb": resident_mb()}
+                  "wall_s": now - self.started, "t": now, "redone": redone, "agent_rss_mb": resident_mb()}
         new_layout = self.state_plan is not self.plan
         self.state_plan = self.plan  # once committed, survivors hold their state in this generation's layout
         if self.replica is not None:  # ahead of the commit: whatever a rank sees, the standby knows
             if first_of_generation:
                 self._replicate_state()
+            # (the standby's copy of the record has no store_keys: they are counted after the commit)
             self.replica.step({"generation": self.gen, "committed": t, "loss": loss, "next_step": t + 1,
                                "latest_checkpoint": self._latest_checkpoint_if_any()}, record)
         self.store.set(f"{self.key('commit')}/{t}", repr(loss))  # ranks report the committed loss
         # every rank has applied step t - 1 (it published ready/t): nobody waits on that commit any more
         self.store.delete_key(f"{self.key('commit')}/{t - 1}")
+        record["store_keys"] = self.store.num_keys()  # after the commit: a round trip the ranks need not wait for
         if new_layout:
             self._refresh_cache()
         if self.profile_iters and not self.measured:
@@ -679,13 +680,13 @@ class Agent:
     def snapshot(self) -> dict[str, Any]:
         """What a standby needs to go on from this agent's last decision (JSON)."""
         return {"gen": self.gen, "plan": self.plan.to_dict(), "state_plan": self.state_plan.to_dict(),
-                "started_gen": self.started_gen, "published": self.published, "next_step": self.next_step,
+                "published": self.published, "next_step": self.next_step,
                 "dead": sorted(self.dead), "fenced": sorted(self.fenced), "started": self.started,
                 "failures": [vars(f) for f in self.failures], "errors": {i: vars(r) for i, r in self.errors.items()},
                 "checkpoints": {s: sorted(w) for s, w in self.checkpoints.items()},
                 "latest_checkpoint": self._latest_checkpoint_if_any(),
                 "pids": {i: getattr(p, "pid", None) for i, p in self.procs.items()},
-                "agent_pid": os.getpid(), "host": platform_node(), "started_any": self.gen > 0 or self.warm}
+                "agent_pid": os.getpid(), "started_any": self.gen > 0 or self.warm}
 
     def _replicate_state(self) -> None:
         self.replica.state(self.snapshot())
@@ -727,7 +728,6 @@ class Agent:
         self.store.set(g("abort"), reason)
         self.store.set(TAKEOVER_KEY, json.dumps({"generation": self.gen, "reason": reason}))
         self.log(f"taking over at generation {self.gen}, step {self.next_step}: {reason}")
-        self.started_gen = True
         self.write_report(ok=True, final=False)
         info = {"reason": reason, "lost_agent_s": float(state.get("lost_agent_s", 0.0))}
         try:
@@ -894,12 +894,6 @@ def megatron_checkpoint_iteration(save_dir: str | None) -> int | None:
     except OSError:
         return None
     return int(text) if text.isdigit() else None
-
-
-def platform_node() -> str:
-    import platform
-
-    return platform.node()
 
 
 def host_summary() -> dict[str, Any]:

@@ -53,7 +53,7 @@ STEP_KEY = "odyssey/replica/step"  # the agent's per-commit state (written ahead
 STEP_SLOT = "odyssey/replica/steps/{}"  # the committed steps' records by commit number, a ring the standby reads
 SLOTS = 256
 DONE_KEY = "odyssey/done/{}"  # a rank finished the job (set before it exits)
-FENCE_SELF_KEY = "odyssey/fence/{}"  # (launch.FENCE_KEY) a rank without a node agent fences itself on it
+FENCE_KEY = "odyssey/fence/{}"  # the agent asks a rank's node agent to SIGKILL it (or, without one, the rank itself)
 PROBE_TIMEOUT_S = 1.0  # a connect or an operation on a store that may be gone
 
 
@@ -84,7 +84,6 @@ class Replica:
     def __init__(self, address: tuple[str, int], connect_timeout_s: float = 60.0):
         self.address = address
         self.store = client(address, connect_timeout_s)  # the standby starts before the agent (or with it)
-        self.writes = 0
         self.seq = -1  # commits written (a restart from a checkpoint commits a step number again)
 
     def state(self, state: dict[str, Any]) -> None:
@@ -102,7 +101,6 @@ class Replica:
     def _round_trip(self) -> None:
         """Make the write durable before the agent acts on it (a set is fire-and-forget), and learn whether
         the standby took over meanwhile (this agent is then deposed)."""
-        self.writes += 1
         if self.store.check([TAKEOVER_KEY]):
             raise Deposed(self.store.get(TAKEOVER_KEY).decode())
 
@@ -277,7 +275,7 @@ class OrphanRank:
         return self.code
 
     def kill(self) -> None:
-        self.store.set(FENCE_SELF_KEY.format(self.ident), "1")
+        self.store.set(FENCE_KEY.format(self.ident), "1")
         self.code = -9  # given up on: whatever it does now, it is not in the next generation
 
     def join(self, timeout: float | None = None) -> None:
@@ -355,4 +353,4 @@ class ControlPlane:
 
     def fenced(self, store: Any) -> bool:
         """After a takeover: the agent asked this rank (whose launcher may be gone) to leave."""
-        return self.moved and store.check([FENCE_SELF_KEY.format(self.ident)])
+        return self.moved and store.check([FENCE_KEY.format(self.ident)])

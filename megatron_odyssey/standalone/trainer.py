@@ -231,7 +231,9 @@ class StandaloneRank(GenerationRank):
         state = self.gathered_state() if self.cfg.save_params else None
         if dist.get_rank() == 0 and self.cfg.save_params:
             torch.save(state, self.cfg.save_params)
-        self.store.set(f"odyssey/done/{self.ident}", "1")
+        from ..runtime.control_plane import DONE_KEY
+
+        self.store.set(DONE_KEY.format(self.ident), "1")
         dist.barrier()
         dist.destroy_process_group()
 
