@@ -101,11 +101,16 @@ def _plain_pipeline(costs: tuple[tuple[float, float], ...], m: int, p2p: float) 
 
 def simulate(plan: ExecutionPlan, profile: ModelProfile) -> Simulation:
     """Play every node's operation order (Eq. 11) and return each pipeline's time (Eq. 10's t_p)."""
-    costs = [
-        tuple((_unit_sum(ls, "forward_s"), _unit_sum(ls, "backward_s"))
-              for ls in (stage_layers(plan, profile, k, i) for i in range(pipe.length)))
-        for k, pipe in enumerate(plan.pipelines)
-    ]
+    per_units: dict[frozenset[int], tuple[float, float]] = {}  # thousands of stages, a few distinct ones
+
+    def cost(k: int, i: int) -> tuple[float, float]:
+        units = plan.stage_units(k, i)
+        if units not in per_units:
+            ls = stage_layers(plan, profile, k, i)
+            per_units[units] = (_unit_sum(ls, "forward_s"), _unit_sum(ls, "backward_s"))
+        return per_units[units]
+
+    costs = [tuple(cost(k, i) for i in range(pipe.length)) for k, pipe in enumerate(plan.pipelines)]
     coupled = _coupled_pipelines(plan)
     times = [0.0] * len(plan.pipelines)
     peak: dict[int, int] = {}
@@ -196,10 +201,12 @@ class StepEstimate:
 def node_memory(plan: ExecutionPlan, profile: ModelProfile, peak_in_flight: dict[int, int]) -> dict[int, int]:
     """Eq. 14 per node, with the in-flight count taken from the node's actual operation order."""
     units = profile.units()
+    per_units: dict[frozenset[int], tuple[int, int]] = {}
     out = {}
     for node, held in plan.holdings().items():
-        static = sum(units[u].static_bytes for u in held)
-        act = sum(units[u].activation_bytes for u in held)
+        if held not in per_units:
+            per_units[held] = (sum(units[u].static_bytes for u in held), sum(units[u].activation_bytes for u in held))
+        static, act = per_units[held]
         out[node] = static + peak_in_flight.get(node, 0) * act
     return out
 
@@ -210,7 +217,7 @@ def estimate_step(plan: ExecutionPlan, profile: ModelProfile) -> StepEstimate:
     sim = simulate(plan, profile)
     rounds = sync_rounds(plan, profile)
     units = profile.units()
-    optimizer = max((sum(units[u].optimizer_s for u in held) for held in plan.holdings().values()), default=0.0)
+    optimizer = max((sum(units[u].optimizer_s for u in held) for held in set(plan.holdings().values())), default=0.0)
     return StepEstimate(
         pipeline_times=sim.pipeline_times,
         compute_s=max(sim.pipeline_times),

@@ -27,6 +27,17 @@ PLAN_SCHEMA_VERSION = 1
 POLICIES = ("initial", "reroute", "reconfigure", "restart")
 
 
+@functools.lru_cache(maxsize=4096)
+def _units(layer_start: int, layer_end: int, first: bool, last: bool, num_layers: int) -> frozenset[int]:
+    """A stage's units (a big cluster has thousands of stages but only a few distinct ones)."""
+    units = set(range(layer_start + 1, layer_end + 1))
+    if first:
+        units.add(0)
+    if last:
+        units.add(num_layers + 1)
+    return frozenset(units)
+
+
 def layer_range(start: int, end: int) -> str:
     """``[0,6)``: layer ranges are half-open everywhere, in tables, messages and JSON (``"layers": [0, 6]``
     holds layers 0..5), so a range reads the same wherever it is printed."""
@@ -121,29 +132,36 @@ class ExecutionPlan:
     def stage_units(self, pipeline: int, stage: int) -> frozenset[int]:
         p = self.pipelines[pipeline]
         s = p.stages[stage]
-        units = set(range(s.layer_start + 1, s.layer_end + 1))
-        if stage == 0:
-            units.add(0)
-        if stage == p.length - 1:
-            units.add(self.num_layers + 1)
-        return frozenset(units)
+        return _units(s.layer_start, s.layer_end, stage == 0, stage == p.length - 1, self.num_layers)
 
     def position_of(self) -> dict[int, tuple[int, int]]:
         """node -> (pipeline, stage) for every node named in the layout."""
+        return dict(self._position_of)
+
+    @functools.cached_property
+    def _position_of(self) -> dict[int, tuple[int, int]]:
         return {s.node: (k, i) for k, p in enumerate(self.pipelines) for i, s in enumerate(p.stages)}
 
     def holdings(self) -> dict[int, frozenset[int]]:
         """Units held by each *live* node."""
-        pos = self.position_of()
-        return {n: self.stage_units(*pos[n]) for n in self.live_nodes()}
+        return dict(self._holdings)
+
+    @functools.cached_property
+    def _holdings(self) -> dict[int, frozenset[int]]:
+        pos = self._position_of
+        return {n: self.stage_units(*pos[n]) for n in self._live_nodes}
 
     def holders(self) -> dict[int, list[int]]:
         """unit -> live nodes holding it (the gradient-sync group of that unit)."""
+        return {u: list(nodes) for u, nodes in self._holders.items()}
+
+    @functools.cached_property
+    def _holders(self) -> dict[int, tuple[int, ...]]:
         out: dict[int, list[int]] = {u: [] for u in range(self.num_layers + 2)}
-        for node, units in sorted(self.holdings().items()):
+        for node, units in sorted(self._holdings.items()):
             for u in units:
                 out[u].append(node)
-        return out
+        return {u: tuple(nodes) for u, nodes in out.items()}
 
     def executor(self) -> dict[tuple[int, int, int], int]:
         """(pipeline, stage, micro-batch) -> node that runs it, for rerouted work only."""

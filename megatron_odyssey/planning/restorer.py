@@ -4,6 +4,7 @@ all-reduces of an asymmetric layout can run (graph colouring).
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 import networkx as nx
@@ -109,50 +110,96 @@ class TransferSchedule:
         return max(load.values(), default=0) / bandwidth_Bps
 
 
-def transfer_cost_matrix(old: list[frozenset[int]], new: list[frozenset[int]], unit_bytes: list[int]) -> np.ndarray:
-    """cost[i][j] = bytes node i must fetch to take new position j (what it lacks; extras are dropped).
+def _classes(sets: list[frozenset[int]]) -> tuple[list[frozenset[int]], list[int]]:
+    """Distinct sets in first-seen order, and each input's class index."""
+    index: dict[frozenset[int], int] = {}
+    of = [index.setdefault(u, len(index)) for u in sets]
+    return list(index), of
 
-    Computed once per distinct (holding, position) pair: a big cluster has only a few of each."""
-    old_classes: dict[frozenset[int], int] = {}
-    new_classes: dict[frozenset[int], int] = {}
-    old_idx = [old_classes.setdefault(u, len(old_classes)) for u in old]
-    new_idx = [new_classes.setdefault(u, len(new_classes)) for u in new]
-    small = np.zeros((len(old_classes), len(new_classes)))
-    for have, a in old_classes.items():
-        for need, b in new_classes.items():
-            small[a, b] = sum(unit_bytes[u] for u in need - have)
-    return small[np.ix_(np.asarray(old_idx), np.asarray(new_idx))]
+
+def _class_costs(old: list[frozenset[int]], new: list[frozenset[int]], unit_bytes: list[int]) -> np.ndarray:
+    return np.array([[sum(unit_bytes[u] for u in need - have) for need in new] for have in old], dtype=float)
+
+
+def transfer_cost_matrix(old: list[frozenset[int]], new: list[frozenset[int]], unit_bytes: list[int]) -> np.ndarray:
+    """cost[i][j] = bytes node i must fetch to take new position j (what it lacks; extras are dropped)."""
+    old_classes, old_idx = _classes(old)
+    new_classes, new_idx = _classes(new)
+    return _class_costs(old_classes, new_classes, unit_bytes)[np.ix_(np.asarray(old_idx), np.asarray(new_idx))]
 
 
 def match_positions(old: list[frozenset[int]], new: list[frozenset[int]], unit_bytes: list[int]) -> tuple[list[int], float]:
-    """Kuhn-Munkres matching of survivors to new positions; returns (survivor index per position, cost)."""
+    """Min-cost matching of survivors to new positions; returns (survivor index per position, cost).
+
+    The cost of a pair depends only on the survivor's holding and the position's units, and a big cluster
+    has thousands of nodes but a handful of distinct holdings and positions. So the matching is solved
+    between those classes (a transportation problem: networkx's min-cost flow, exact on integer bytes) and
+    expanded to nodes in index order; Kuhn-Munkres on the node-level matrix (``linear_sum_assignment``) is
+    O(n^3) and took 0.1 s per candidate at 4096 nodes. Both give the minimum; a test holds this one to
+    brute force on small cases."""
     if len(old) != len(new):
         raise PlanningError(f"{len(old)} survivors cannot fill {len(new)} positions")
-    cost = transfer_cost_matrix(old, new, unit_bytes)
-    rows, cols = linear_sum_assignment(cost)
+    old_classes, old_idx = _classes(old)
+    new_classes, new_idx = _classes(new)
+    small = _class_costs(old_classes, new_classes, unit_bytes)
+    if len(old_classes) * len(new_classes) >= len(old) * len(new) // 4:  # few repeats: the matrix is small
+        rows, cols = linear_sum_assignment(small[np.ix_(np.asarray(old_idx), np.asarray(new_idx))])
+        owner = [0] * len(new)
+        for r, c in zip(rows, cols):
+            owner[c] = int(r)
+        return owner, float(sum(small[old_idx[r], new_idx[c]] for r, c in zip(rows, cols)))
+    graph = nx.DiGraph()
+    for a in range(len(old_classes)):
+        graph.add_node(("old", a), demand=-old_idx.count(a))
+        for b in range(len(new_classes)):
+            graph.add_edge(("old", a), ("new", b), weight=int(round(small[a, b])))
+    for b in range(len(new_classes)):
+        graph.add_node(("new", b), demand=new_idx.count(b))
+    flow = nx.min_cost_flow(graph)
+    members: dict[int, list[int]] = {}
+    for i, a in enumerate(old_idx):
+        members.setdefault(a, []).append(i)
+    slots: dict[int, list[int]] = {}
+    for j, b in enumerate(new_idx):
+        slots.setdefault(b, []).append(j)
+    free_member = {a: iter(m) for a, m in members.items()}
+    free_slot = {b: iter(js) for b, js in slots.items()}
     owner = [0] * len(new)
-    for r, c in zip(rows, cols):
-        owner[c] = r
-    return owner, float(cost[rows, cols].sum())
+    total = 0.0
+    for a in range(len(old_classes)):
+        for b in range(len(new_classes)):
+            f = flow[("old", a)].get(("new", b), 0)
+            for _ in range(f):
+                owner[next(free_slot[b])] = next(free_member[a])
+            total += f * small[a, b]
+    return owner, total
 
 
 def schedule_transfers(holdings: dict[int, frozenset[int]], targets: dict[int, frozenset[int]],
                        unit_bytes: list[int]) -> TransferSchedule:
-    """For every unit a node needs and lacks, pick a live holder, spreading send load over holders."""
-    holders: dict[int, list[int]] = {}
-    for node, units in holdings.items():
-        for u in units:
-            holders.setdefault(u, []).append(node)
+    """For every unit a node needs and lacks, pick a live holder, spreading send load over holders: the
+    holder that has sent least so far (lowest node id on a tie).
+
+    Each unit's holders sit in a heap keyed by what they had sent when pushed; a holder chosen for another
+    unit since then is pushed again with its new load when it surfaces (loads only grow, so the top whose
+    key is current is the least loaded). A scan of every holder per transfer took seconds at 4096 nodes."""
+    holders: dict[int, list[tuple[int, int]]] = {}
+    for node in sorted(holdings):
+        for u in holdings[node]:
+            holders.setdefault(u, []).append((0, node))
     sent: dict[int, int] = {n: 0 for n in holdings}
     out = TransferSchedule()
     wanted = sorted(((u, dst) for dst, units in targets.items() for u in units - holdings.get(dst, frozenset())),
                     key=lambda x: (-unit_bytes[x[0]], x[0], x[1]))
     for u, dst in wanted:
-        sources = holders.get(u)
-        if not sources:
+        heap = holders.get(u)
+        if not heap:
             raise PlanningError(f"unit {u} has no live copy: cannot be transferred to node {dst}")
-        src = min(sources, key=lambda n: (sent[n], n))
+        while heap[0][0] != sent[heap[0][1]]:
+            heapq.heapreplace(heap, (sent[heap[0][1]], heap[0][1]))
+        src = heap[0][1]
         sent[src] += unit_bytes[u]
+        heapq.heapreplace(heap, (sent[src], src))
         out.transfers.append(Transfer(u, src, dst, unit_bytes[u]))
     return out
 

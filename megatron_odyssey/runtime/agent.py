@@ -592,7 +592,9 @@ class Agent:
             live = [i for i in self.members() if i not in self.dead]
             if self.store.check([f"{self.key('recover')}/{i}" for i in live]):  # one round trip for all
                 break
-            if time.time() - scanned > 0.1:  # who is still missing (progress judging spares the others)
+            # who is still missing (progress judging spares the others): one round trip per rank, so only once a
+            # rank could be judged (judging counts from this recovery's start) and not at every pass
+            if time.time() - self.judged_from > self.cfg.soft_timeout_s / 2 and time.time() - scanned > 0.1:
                 scanned = time.time()
                 self.recovering = {i for i in live if self.store.check([f"{self.key('recover')}/{i}"])}
             time.sleep(0.005)

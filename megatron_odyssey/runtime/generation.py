@@ -47,14 +47,23 @@ class Abort(RuntimeError):
 
 def wait_key(store: dist.Store, key: str, what: str, timeout_s: float) -> bytes:
     """The value of ``key`` once set: blocks in the store (no polling); the agent answers every key a rank
-    can wait on, even when it aborts, so the timeout only ends a wait whose agent is hung."""
+    can wait on, even when it aborts, so the timeout only ends a wait whose agent is hung.
+
+    ``get`` alone (it waits for the key itself, under the client's timeout): a ``wait`` then a ``get`` is
+    one more request per rank per step for the store server, on the path from a commit to the next step
+    (4096 of them at 4096 ranks: ``benchmarks/bench_coordination.py``)."""
+    timeout, before = timedelta(seconds=timeout_s), store.timeout
+    if timeout != before:
+        store.set_timeout(timeout)
     try:
-        store.wait([key], timedelta(seconds=timeout_s))
+        return store.get(key)
     except dist.DistStoreError as exc:
         if "timeout" in str(exc).lower():
             raise TimeoutError(f"{what}: no answer from the agent after {timeout_s:.0f} s") from None
         raise
-    return store.get(key)
+    finally:
+        if timeout != before:
+            store.set_timeout(before)
 
 
 def keys(gen: int) -> dict[str, str]:

@@ -81,3 +81,30 @@ def test_single_holder_units_need_no_sync():
     plan = symmetric_plan(2, 1, 4, 2)
     rounds = sync_rounds(plan, uniform_profile(4))
     assert rounds.rounds == [] and rounds.time_s == 0
+
+
+@pytest.mark.parametrize("dead", [{5}, {5, 17}, {0, 40, 63}])
+def test_matching_of_a_big_cluster_by_classes_equals_kuhn_munkres(dead):
+    """64 nodes hold 4 distinct stages: the matching runs between classes (min-cost flow), and costs what
+    the node-level Kuhn-Munkres costs, with every survivor used once."""
+    from scipy.optimize import linear_sum_assignment
+
+    prof = uniform_profile(16)
+    current = symmetric_plan(4, 16, 16, 16)
+    current = current.__class__(current.policy, 16, current.pipelines, failed=frozenset(dead))
+    holdings = current.holdings()
+    old = [holdings[n] for n in sorted(holdings)]
+    sizes = [u.state_bytes for u in prof.units()]
+    n = len(old)
+    tail = {0: [], 1: [((16,), 1)], 2: [((8, 8), 1)]}
+    for spec in ([((4, 4, 4, 4), 1)] * 12 + [((6, 5, 5), 1)] * ((n - 48) // 3) + tail[(n - 48) % 3],
+                 [((8, 8), 1)] * (n // 2) + tail[n % 2]):
+        new_layout = layout(spec)
+        new = [new_layout.stage_units(k, i) for k, p in enumerate(new_layout.pipelines) for i in range(p.length)]
+        assert len(new) == n
+        cost = transfer_cost_matrix(old, new, sizes)
+        rows, cols = linear_sum_assignment(cost)
+        owner, total = match_positions(old, new, sizes)
+        assert sorted(owner) == list(range(n))
+        assert total == pytest.approx(float(cost[rows, cols].sum()))
+        assert total == pytest.approx(sum(cost[owner[j], j] for j in range(n)))
