@@ -18,7 +18,7 @@ from pathlib import Path
 
 from docs_section import write_section
 from megatron_odyssey.planning.cache import PlanCache
-from megatron_odyssey.planning.estimator import _plain_pipeline
+from megatron_odyssey.planning.estimator import _one_f_one_b_order, _plain_pipeline
 from megatron_odyssey.planning.partition import _split_layers_cached, split_front
 from megatron_odyssey.planning.schedule import fault_free_slots
 from megatron_odyssey.planning.plan import symmetric_plan
@@ -27,6 +27,7 @@ from megatron_odyssey.planning.profile import builtin_profile
 
 def clear_memos() -> None:
     _plain_pipeline.cache_clear()
+    _one_f_one_b_order.cache_clear()
     fault_free_slots.cache_clear()
     _split_layers_cached.cache_clear()
     split_front.cache_clear()

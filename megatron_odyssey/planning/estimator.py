@@ -75,12 +75,19 @@ def stage_layers(plan: ExecutionPlan, profile: ModelProfile, pipeline: int, stag
     return [all_units[u] for u in sorted(plan.stage_units(pipeline, stage))]
 
 
+@lru_cache(maxsize=4096)
+def _one_f_one_b_order(p: int, m: int) -> tuple[tuple[int, str, int, int], ...]:
+    """Every operation of a p-stage, m-micro-batch 1F1B pipeline in the order the play visits them (the
+    layer split search plays thousands of splits of the same shape)."""
+    slots = fault_free_slots(p, m)
+    return tuple(sorted((slots[(kind, i, j)], kind, i, j) for i in range(p) for kind, j in one_f_one_b(p, i, m)))
+
+
 @lru_cache(maxsize=65536)
 def _plain_pipeline(costs: tuple[tuple[float, float], ...], m: int, p2p: float) -> tuple[float, tuple[int, ...]]:
     """Time and per-stage peak in-flight count of one 1F1B pipeline with its own nodes (memoised by shape)."""
     p = len(costs)
-    slots = fault_free_slots(p, m)
-    ops = sorted((slots[(kind, i, j)], kind, i, j) for i in range(p) for kind, j in one_f_one_b(p, i, m))
+    ops = _one_f_one_b_order(p, m)
     end: dict[tuple[str, int, int], float] = {}
     free = [0.0] * p
     in_flight = [0] * p

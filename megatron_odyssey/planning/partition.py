@@ -8,7 +8,7 @@ from __future__ import annotations
 from functools import lru_cache
 from itertools import combinations
 from math import comb
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from .errors import PlanningError
 from .estimator import _plain_pipeline
@@ -136,6 +136,15 @@ def _prefix(values: list[float]) -> list[float]:
 
 
 MAX_REMAINDER_PLACEMENTS = 128
+# Short, cheap plays (at most this many stages, and stages x micro-batches slots) get the wider layer-split
+# search: a layer moved to any stage, not only a neighbour, and a front of splits one such move away. On
+# longer ones the play itself costs milliseconds and the wider search seconds per decision.
+FULL_MOVES_MAX_STAGES = 8
+FULL_MOVES_MAX_SLOTS = 256
+
+
+def _small_play(stages: int, micro_batches: int) -> bool:
+    return stages <= FULL_MOVES_MAX_STAGES and stages * micro_batches <= FULL_MOVES_MAX_SLOTS
 
 
 def remainder_placements(num_layers: int, stages: int) -> list[tuple[int, ...]]:
@@ -197,9 +206,12 @@ def _split_layers_cached(model: PipelineModel, stages: int, micro_batches: int, 
         for src in sorted(range(stages), key=lambda i: -sum(model.stage_costs(best)[i])):
             if best[src] <= 1:
                 continue
-            for dst in (src - 1, src + 1):
-                if not 0 <= dst < stages:
-                    continue
+            # to a neighbour; on short pipelines to any other stage, nearest first (the boundaries between them
+            # all shift by one layer): neighbours alone miss splits like (2,3,2,2,1), where the output stage
+            # sheds a layer to stage 1. On long pipelines the wider search costs seconds per decision.
+            far = _small_play(stages, micro_batches)
+            for dst in sorted((d for d in range(stages) if d != src and (far or abs(d - src) == 1)),
+                              key=lambda d: (abs(d - src), d)):
                 trial = list(best)
                 trial[src] -= 1
                 trial[dst] += 1
@@ -224,14 +236,25 @@ def split_front(model: PipelineModel, stages: int, micro_batches: int) -> tuple[
     if base is None:
         return ()
     candidates = set(remainder_placements(model.profile.num_layers, stages)) | {base}
-    for split in list(candidates):
-        for src, dst in ((0, 1), (stages - 1, stages - 2)):
-            if stages > 1 and split[src] > 1:
+    if _small_play(stages, micro_batches):  # every split one single-layer move away
+        candidates |= {moved for split in candidates for moved in _single_moves(split, range(stages))}
+    else:
+        for split in list(candidates):
+            candidates |= set(_single_moves(split, (0, stages - 1), neighbours_only=True))
+    return _front([s for s in candidates if model.fits(s, micro_batches)], model, micro_batches)
+
+
+def _single_moves(split: tuple[int, ...], sources: Iterable[int], neighbours_only: bool = False) -> Iterator[tuple[int, ...]]:
+    """Splits with one layer moved from a source stage to another stage (the boundaries between shift)."""
+    for src in sources:
+        if split[src] <= 1:
+            continue
+        for dst in range(len(split)):
+            if dst != src and (not neighbours_only or abs(dst - src) == 1):
                 moved = list(split)
                 moved[src] -= 1
                 moved[dst] += 1
-                candidates.add(tuple(moved))
-    return _front([s for s in candidates if model.fits(s, micro_batches)], model, micro_batches)
+                yield tuple(moved)
 
 
 def _front(splits: list[tuple[int, ...]], model: PipelineModel, micro_batches: int) -> tuple[tuple[int, ...], ...]:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import math
 import time
+from itertools import islice
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from .errors import PlanningError
 from .estimator import StepEstimate, allreduce_time, estimate_step, score
-from .exhaustive import ExhaustiveSearch, SearchStatus
+from .exhaustive import ExhaustiveSearch, SearchStatus, batch_splits
 from .partition import (PipelineModel, balanced_multisets, distribute_batch, length_multisets, max_units,
                         split_front, split_layers)
 from .plan import ExecutionPlan, Reroute, layout
@@ -23,6 +24,7 @@ from .profile import ModelProfile
 from .restorer import TransferSchedule, assign_nodes
 
 SEARCH_MODES = ("heuristic", "exhaustive")
+FEW_PIPELINES = 4  # layouts of at most this many pipelines may try every batch split (_few_pipeline_batches)
 # Llama 3 (Grattafiori et al. 2024) saw 419 interruptions in 54 days on 16,384 GPUs: about 50,000
 # device-hours between failures of one device.
 DEFAULT_MTBF_HOURS = 50_000.0
@@ -37,7 +39,12 @@ class PlannerOptions:
     max_multisets_per_dp: int = 2000  # past this, only balanced multisets (two adjacent lengths)
     refine_top: int = 8  # candidates that get the full estimate (sync + optimizer) and batch refinement
     min_pipelines: int = 2  # keep a live replica of every layer when the survivors allow (see search_layouts)
-    unit_balance_top: int = 2  # of those, how many also try capping units per node (fewer sync rounds)
+    unit_balance_top: int = 4  # of those, how many also try capping units per node (fewer sync rounds)
+    screen_top: int = 3  # pipeline counts outside the DP window evaluated after the closed-form screen
+    few_batch_splits: int = 64  # layouts with at most this many batch splits try every one of them
+    unit_balance_batches: int = 8  # ... and the fastest this many of those also try capping units per node
+    screen_max_ops: int = 256  # ... among those whose pipelines play at most this many micro-batch x stage slots
+    #                            (and the bound on every-batch-split tries: stages x global micro-batches)
     tp: int = 1
     time_limit_s: float | None = None  # exhaustive search: stop here and keep the best layout found so far
     search_budget_s: float | None = 60.0  # exhaustive search without a time limit: refuse past this estimate
@@ -276,25 +283,76 @@ class Planner:
             dps = list(range(max(1, cap - 2 * self.options.dp_range), cap + 1))
         dps = [d for d in dps if d >= floor] or list(range(floor, min(cap, floor + 2 * self.options.dp_range) + 1))
         ranked: list[tuple[float, tuple[int, ...], list[int], list[tuple[int, ...]]]] = []
+        seen: set[tuple[int, ...]] = set()
+
+        def rank(lengths: tuple[int, ...]) -> None:
+            if lengths in seen or max(lengths) > L:
+                return
+            seen.add(lengths)
+            batch = distribute_batch(m_total, list(lengths))
+            evaluated = self._evaluate(lengths, batch)
+            if evaluated is not None:
+                ranked.append((evaluated[0] + self._approx_sync_s(evaluated[1]), lengths, batch, evaluated[1]))
+
         for dp in dps:
-            lo = max(1, min(current_pp - self.options.pp_range, num_nodes // dp))
-            hi = min(L, max(current_pp + self.options.pp_range, -(-num_nodes // dp)))
+            # lengths around the current one and around the balanced one (a lost node's pipeline may be
+            # best merged into a longer one: 7 + 4 beat 6 + 5 by 1.5% on 11 nodes)
+            lo = max(1, min(current_pp, num_nodes // dp) - self.options.pp_range)
+            hi = min(L, max(current_pp, -(-num_nodes // dp)) + self.options.pp_range)
             for lengths in self._multisets(num_nodes, dp, lo, hi):
-                batch = distribute_batch(m_total, list(lengths))
-                evaluated = self._evaluate(lengths, batch)
-                if evaluated is not None:
-                    approx = evaluated[0] + self._approx_sync_s(evaluated[1])
-                    ranked.append((approx, lengths, batch, evaluated[1]))
+                rank(lengths)
+        # Outside the window: with few micro-batches per pipeline, gradient sync dominates and fewer, longer
+        # pipelines than the current grid win by a wide margin (the paper's +-2 window missed them by up to
+        # 30%). Every other pipeline count is screened by a closed-form estimate, and the most promising few
+        # are evaluated as the window's are, with balanced lengths.
+        outside = sorted((self._screen(num_nodes, dp, m_total), dp) for dp in range(max(1, floor), cap + 1)
+                         if dp not in dps and -(-num_nodes // dp) <= L
+                         and -(-num_nodes // dp) * -(-m_total // dp) <= self.options.screen_max_ops)
+        for _, dp in outside[: self.options.screen_top]:
+            lo = max(1, num_nodes // dp - self.options.pp_range)
+            hi = min(L, -(-num_nodes // dp) + self.options.pp_range)
+            for lengths in self._multisets(num_nodes, dp, lo, hi):
+                rank(lengths)
         ranked.sort(key=lambda r: r[0])
         refined: dict[str, tuple[float, ExecutionPlan]] = {}
+        def keep(plan: ExecutionPlan) -> float:
+            if plan.plan_id not in refined:
+                refined[plan.plan_id] = (estimate_step(plan, self.profile).step_time_s, plan)
+            return refined[plan.plan_id][0]
+
         for rank, (_, lengths, batch, splits) in enumerate(ranked[: self.options.refine_top]):
-            batch, splits = self._refine_batch(lengths, batch, splits)
-            plans = (self._unit_balanced(lengths, batch, splits) if rank < self.options.unit_balance_top
-                     else [layout(list(zip(splits, batch)), num_layers=L)])
-            for plan in plans:
-                if plan.plan_id not in refined:
-                    refined[plan.plan_id] = (estimate_step(plan, self.profile).step_time_s, plan)
+            options = [self._refine_batch(lengths, batch, splits), *self._few_pipeline_batches(lengths)]
+            timed = sorted((keep(layout(list(zip(sp, b)), num_layers=L)), i) for i, (b, sp) in enumerate(options))
+            if rank < self.options.unit_balance_top:  # the best few batch splits also try capped units per node
+                for _, i in timed[: self.options.unit_balance_batches]:
+                    for plan in self._unit_balanced(lengths, *options[i]):
+                        keep(plan)
         return [plan for _, plan in sorted(refined.values(), key=lambda x: x[0])]
+
+    def _few_pipeline_batches(self, lengths: tuple[int, ...]) -> list[tuple[list[int], list[tuple[int, ...]]]]:
+        """Every batch split of a layout with few pipelines (up to ``few_batch_splits`` of them): the
+        proportional split refined one micro-batch at a time sees pipeline times only, not the sync rounds
+        that different layer splits imply, and misses by a few percent there."""
+        if len(lengths) > FEW_PIPELINES or max(lengths) * self.num_micro_batches > self.options.screen_max_ops:
+            return []  # many pipelines, or long plays: each batch split's layer split would cost seconds
+        out = []
+        for batch in islice(batch_splits(lengths, self.num_micro_batches), self.options.few_batch_splits + 1):
+            splits = [split_layers(self.model, n, m) for n, m in zip(lengths, batch)]
+            if all(s is not None for s in splits):
+                out.append((batch, splits))
+        return out if len(out) <= self.options.few_batch_splits else []
+
+    def _screen(self, num_nodes: int, dp: int, m_total: int) -> float:
+        """Closed-form step time of ``dp`` balanced pipelines, to pick which pipeline counts outside the
+        window deserve an evaluation: a 1F1B pipeline of p even stages runs m micro-batches in about
+        (m + p - 1) stage times; gradient sync takes one round per unit on the busiest node."""
+        per_micro_batch = sum(u.forward_s + u.backward_s for u in self.profile.units())
+        worst = 0.0
+        for p in {num_nodes // dp, -(-num_nodes // dp)}:
+            m = -(-m_total * p // num_nodes)
+            worst = max(worst, (m + p - 1) * per_micro_batch / p)
+        units_per_node = -(-self.profile.num_layers // (num_nodes // dp)) + 1
+        return worst + units_per_node * self._sync_per_unit_s(dp)
 
     def _approx_sync_s(self, splits: list[tuple[int, ...]]) -> float:
         """Cheap stand-in for the colouring's sync time, to rank candidates: as many rounds as the most
