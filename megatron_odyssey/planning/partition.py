@@ -141,6 +141,7 @@ MAX_REMAINDER_PLACEMENTS = 128
 # longer ones the play itself costs milliseconds and the wider search seconds per decision.
 FULL_MOVES_MAX_STAGES = 8
 FULL_MOVES_MAX_SLOTS = 256
+FRONT_SEEDS = 4  # ... from this many of the fastest base splits
 
 
 def _small_play(stages: int, micro_batches: int) -> bool:
@@ -236,8 +237,10 @@ def split_front(model: PipelineModel, stages: int, micro_batches: int) -> tuple[
     if base is None:
         return ()
     candidates = set(remainder_placements(model.profile.num_layers, stages)) | {base}
-    if _small_play(stages, micro_batches):  # every split one single-layer move away
-        candidates |= {moved for split in candidates for moved in _single_moves(split, range(stages))}
+    if _small_play(stages, micro_batches):  # every split one single-layer move away from the fastest few
+        fits = [s for s in candidates if model.fits(s, micro_batches)]
+        seeds = sorted(fits, key=lambda s: (model.time(s, micro_batches), s))[:FRONT_SEEDS]
+        candidates |= {moved for split in seeds for moved in _single_moves(split, range(stages))}
     else:
         for split in list(candidates):
             candidates |= set(_single_moves(split, (0, stages - 1), neighbours_only=True))

@@ -41,8 +41,9 @@ class PlannerOptions:
     min_pipelines: int = 2  # keep a live replica of every layer when the survivors allow (see search_layouts)
     unit_balance_top: int = 4  # of those, how many also try capping units per node (fewer sync rounds)
     screen_top: int = 3  # pipeline counts outside the DP window evaluated after the closed-form screen
+    transfer_top: int = 6  # of the fastest layouts, how many get their transfers planned and Eq. 8 scored
     few_batch_splits: int = 64  # layouts with at most this many batch splits try every one of them
-    unit_balance_batches: int = 8  # ... and the fastest this many of those also try capping units per node
+    unit_balance_batches: int = 3  # ... and the fastest this many of those also try capping units per node
     screen_max_ops: int = 256  # ... among those whose pipelines play at most this many micro-batch x stage slots
     #                            (and the bound on every-batch-split tries: stages x global micro-batches)
     tp: int = 1
@@ -224,7 +225,7 @@ class Planner:
         else:
             # Eq. 8 per layout: a slightly slower layout that moves far fewer bytes can win
             best = None
-            for candidate_shape in shapes:
+            for candidate_shape in shapes[: self.options.transfer_top]:
                 plan, transfers = assign_nodes(current, candidate_shape, self.profile)
                 cand = Candidate("reconfigure", plan, estimate_step(plan, self.profile),
                                  Transition(transfer_s=transfers.time_s(self.profile.transfer_bandwidth_Bps),
@@ -299,6 +300,9 @@ class Planner:
             # best merged into a longer one: 7 + 4 beat 6 + 5 by 1.5% on 11 nodes)
             lo = max(1, min(current_pp, num_nodes // dp) - self.options.pp_range)
             hi = min(L, max(current_pp, -(-num_nodes // dp)) + self.options.pp_range)
+            if math.comb(dp + hi - lo, hi - lo) > self.options.max_multisets_per_dp:  # big: the paper's window
+                lo = max(1, min(current_pp - self.options.pp_range, num_nodes // dp))
+                hi = min(L, max(current_pp + self.options.pp_range, -(-num_nodes // dp)))
             for lengths in self._multisets(num_nodes, dp, lo, hi):
                 rank(lengths)
         # Outside the window: with few micro-batches per pipeline, gradient sync dominates and fewer, longer
@@ -322,11 +326,16 @@ class Planner:
 
         for rank, (_, lengths, batch, splits) in enumerate(ranked[: self.options.refine_top]):
             options = [self._refine_batch(lengths, batch, splits), *self._few_pipeline_batches(lengths)]
-            timed = sorted((keep(layout(list(zip(sp, b)), num_layers=L)), i) for i, (b, sp) in enumerate(options))
-            if rank < self.options.unit_balance_top:  # the best few batch splits also try capped units per node
-                for _, i in timed[: self.options.unit_balance_batches]:
-                    for plan in self._unit_balanced(lengths, *options[i]):
+            if len(options) > 1:  # the batch splits that look fastest by the cheap estimate
+                approx = [(max(self.model.time(sp, b) for sp, b in zip(splits_k, batch_k))
+                           + self._approx_sync_s(splits_k), i) for i, (batch_k, splits_k) in enumerate(options)]
+                options = [options[i] for _, i in sorted(approx)[: self.options.unit_balance_batches]]
+            for batch_k, splits_k in options:
+                if rank < self.options.unit_balance_top:  # also with capped units per node
+                    for plan in self._unit_balanced(lengths, batch_k, splits_k):
                         keep(plan)
+                else:
+                    keep(layout(list(zip(splits_k, batch_k)), num_layers=L))
         return [plan for _, plan in sorted(refined.values(), key=lambda x: x[0])]
 
     def _few_pipeline_batches(self, lengths: tuple[int, ...]) -> list[tuple[list[int], list[tuple[int, ...]]]]:
