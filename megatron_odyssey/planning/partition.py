@@ -136,16 +136,18 @@ def _prefix(values: list[float]) -> list[float]:
 
 
 MAX_REMAINDER_PLACEMENTS = 128
-# Short, cheap plays (at most this many stages, and stages x micro-batches slots) get the wider layer-split
-# search: a layer moved to any stage, not only a neighbour, and a front of splits one such move away. On
-# longer ones the play itself costs milliseconds and the wider search seconds per decision.
+# A cheap play: a pipeline of at most CHEAP_PLAY_SLOTS stage x micro-batch slots (and, for the layer-split
+# search, at most FULL_MOVES_MAX_STAGES stages) is played in well under a millisecond. Those get the wider
+# searches: here a layer moved to any stage, not only a neighbour, and a front of splits one such move away;
+# in the planner, pipeline counts outside the DP window and every batch split. On longer plays the play
+# itself costs milliseconds and the wider searches seconds per decision.
 FULL_MOVES_MAX_STAGES = 8
-FULL_MOVES_MAX_SLOTS = 256
+CHEAP_PLAY_SLOTS = 256
 FRONT_SEEDS = 4  # ... from this many of the fastest base splits
 
 
 def _small_play(stages: int, micro_batches: int) -> bool:
-    return stages <= FULL_MOVES_MAX_STAGES and stages * micro_batches <= FULL_MOVES_MAX_SLOTS
+    return stages <= FULL_MOVES_MAX_STAGES and stages * micro_batches <= CHEAP_PLAY_SLOTS
 
 
 def remainder_placements(num_layers: int, stages: int) -> list[tuple[int, ...]]:

@@ -17,8 +17,8 @@ from typing import Any, Callable
 from .errors import PlanningError
 from .estimator import StepEstimate, allreduce_time, estimate_step, score
 from .exhaustive import ExhaustiveSearch, SearchStatus, batch_splits
-from .partition import (PipelineModel, balanced_multisets, distribute_batch, length_multisets, max_units,
-                        split_front, split_layers)
+from .partition import (CHEAP_PLAY_SLOTS, PipelineModel, balanced_multisets, distribute_batch, length_multisets,
+                        max_units, split_front, split_layers)
 from .plan import ExecutionPlan, Reroute, layout
 from .profile import ModelProfile
 from .restorer import TransferSchedule, assign_nodes
@@ -44,8 +44,8 @@ class PlannerOptions:
     transfer_top: int = 6  # of the fastest layouts, how many get their transfers planned and Eq. 8 scored
     few_batch_splits: int = 64  # layouts with at most this many batch splits try every one of them
     unit_balance_batches: int = 3  # ... and the fastest this many of those also try capping units per node
-    screen_max_ops: int = 256  # ... among those whose pipelines play at most this many micro-batch x stage slots
-    #                            (and the bound on every-batch-split tries: stages x global micro-batches)
+    cheap_play_slots: int = CHEAP_PLAY_SLOTS  # screened pipeline counts and every-batch-split tries: only where a
+    #                                           pipeline plays at most this many stage x micro-batch slots
     tp: int = 1
     time_limit_s: float | None = None  # exhaustive search: stop here and keep the best layout found so far
     search_budget_s: float | None = 60.0  # exhaustive search without a time limit: refuse past this estimate
@@ -286,7 +286,7 @@ class Planner:
         ranked: list[tuple[float, tuple[int, ...], list[int], list[tuple[int, ...]]]] = []
         seen: set[tuple[int, ...]] = set()
 
-        def rank(lengths: tuple[int, ...]) -> None:
+        def consider(lengths: tuple[int, ...]) -> None:
             if lengths in seen or max(lengths) > L:
                 return
             seen.add(lengths)
@@ -304,25 +304,27 @@ class Planner:
                 lo = max(1, min(current_pp - self.options.pp_range, num_nodes // dp))
                 hi = min(L, max(current_pp + self.options.pp_range, -(-num_nodes // dp)))
             for lengths in self._multisets(num_nodes, dp, lo, hi):
-                rank(lengths)
+                consider(lengths)
         # Outside the window: with few micro-batches per pipeline, gradient sync dominates and fewer, longer
         # pipelines than the current grid win by a wide margin (the paper's +-2 window missed them by up to
         # 30%). Every other pipeline count is screened by a closed-form estimate, and the most promising few
         # are evaluated as the window's are, with balanced lengths.
-        outside = sorted((self._screen(num_nodes, dp, m_total), dp) for dp in range(max(1, floor), cap + 1)
+        per_micro_batch_s = sum(u.forward_s + u.backward_s for u in self.profile.units())
+        outside = sorted((self._screen(num_nodes, dp, m_total, per_micro_batch_s), dp)
+                         for dp in range(max(1, floor), cap + 1)
                          if dp not in dps and -(-num_nodes // dp) <= L
-                         and -(-num_nodes // dp) * -(-m_total // dp) <= self.options.screen_max_ops)
+                         and -(-num_nodes // dp) * -(-m_total // dp) <= self.options.cheap_play_slots)
         for _, dp in outside[: self.options.screen_top]:
             lo = max(1, num_nodes // dp - self.options.pp_range)
             hi = min(L, -(-num_nodes // dp) + self.options.pp_range)
             for lengths in self._multisets(num_nodes, dp, lo, hi):
-                rank(lengths)
+                consider(lengths)
         ranked.sort(key=lambda r: r[0])
         refined: dict[str, tuple[float, ExecutionPlan]] = {}
-        def keep(plan: ExecutionPlan) -> float:
+
+        def keep(plan: ExecutionPlan) -> None:
             if plan.plan_id not in refined:
                 refined[plan.plan_id] = (estimate_step(plan, self.profile).step_time_s, plan)
-            return refined[plan.plan_id][0]
 
         for rank, (_, lengths, batch, splits) in enumerate(ranked[: self.options.refine_top]):
             options = [self._refine_batch(lengths, batch, splits), *self._few_pipeline_batches(lengths)]
@@ -342,7 +344,7 @@ class Planner:
         """Every batch split of a layout with few pipelines (up to ``few_batch_splits`` of them): the
         proportional split refined one micro-batch at a time sees pipeline times only, not the sync rounds
         that different layer splits imply, and misses by a few percent there."""
-        if len(lengths) > FEW_PIPELINES or max(lengths) * self.num_micro_batches > self.options.screen_max_ops:
+        if len(lengths) > FEW_PIPELINES or max(lengths) * self.num_micro_batches > self.options.cheap_play_slots:
             return []  # many pipelines, or long plays: each batch split's layer split would cost seconds
         out = []
         for batch in islice(batch_splits(lengths, self.num_micro_batches), self.options.few_batch_splits + 1):
@@ -351,15 +353,14 @@ class Planner:
                 out.append((batch, splits))
         return out if len(out) <= self.options.few_batch_splits else []
 
-    def _screen(self, num_nodes: int, dp: int, m_total: int) -> float:
+    def _screen(self, num_nodes: int, dp: int, m_total: int, per_micro_batch_s: float) -> float:
         """Closed-form step time of ``dp`` balanced pipelines, to pick which pipeline counts outside the
         window deserve an evaluation: a 1F1B pipeline of p even stages runs m micro-batches in about
         (m + p - 1) stage times; gradient sync takes one round per unit on the busiest node."""
-        per_micro_batch = sum(u.forward_s + u.backward_s for u in self.profile.units())
         worst = 0.0
         for p in {num_nodes // dp, -(-num_nodes // dp)}:
             m = -(-m_total * p // num_nodes)
-            worst = max(worst, (m + p - 1) * per_micro_batch / p)
+            worst = max(worst, (m + p - 1) * per_micro_batch_s / p)
         units_per_node = -(-self.profile.num_layers // (num_nodes // dp)) + 1
         return worst + units_per_node * self._sync_per_unit_s(dp)
 
