@@ -14,7 +14,8 @@ from functools import lru_cache
 
 from .plan import ExecutionPlan
 from .profile import LayerCost, ModelProfile
-from .schedule import BACKWARD, FORWARD, Op, dependency, fault_free_slots, node_operations, one_f_one_b
+from .schedule import (BACKWARD, FORWARD, WEIGHT_GRAD, Op, coupled_pipelines, deferred, dependency, fault_free_slots,
+                       filled_schedule, node_operations, one_f_one_b)
 
 # -- closed forms ---------------------------------------------------------------------------------
 
@@ -108,23 +109,23 @@ def _plain_pipeline(costs: tuple[tuple[float, float], ...], m: int, p2p: float) 
 
 def simulate(plan: ExecutionPlan, profile: ModelProfile) -> Simulation:
     """Play every node's operation order (Eq. 11) and return each pipeline's time (Eq. 10's t_p)."""
-    per_units: dict[frozenset[int], tuple[float, float]] = {}  # thousands of stages, a few distinct ones
+    per_units: dict[frozenset[int], tuple[float, float, float]] = {}  # thousands of stages, a few distinct ones
 
-    def cost(k: int, i: int) -> tuple[float, float]:
+    def cost(k: int, i: int) -> tuple[float, float, float]:
         units = plan.stage_units(k, i)
         if units not in per_units:
             ls = stage_layers(plan, profile, k, i)
-            per_units[units] = (_unit_sum(ls, "forward_s"), _unit_sum(ls, "backward_s"))
+            per_units[units] = (_unit_sum(ls, "forward_s"), _unit_sum(ls, "backward_s"), _unit_sum(ls, "deferrable_s"))
         return per_units[units]
 
     costs = [tuple(cost(k, i) for i in range(pipe.length)) for k, pipe in enumerate(plan.pipelines)]
-    coupled = _coupled_pipelines(plan)
+    coupled = coupled_pipelines(plan)
     times = [0.0] * len(plan.pipelines)
     peak: dict[int, int] = {}
     for k, pipe in enumerate(plan.pipelines):
         if k in coupled:
             continue
-        times[k], per_stage = _plain_pipeline(costs[k], pipe.micro_batches, profile.p2p_s)
+        times[k], per_stage = _plain_pipeline(tuple(c[:2] for c in costs[k]), pipe.micro_batches, profile.p2p_s)
         for i, s in enumerate(pipe.stages):
             peak[s.node] = per_stage[i]
     if coupled:
@@ -132,21 +133,13 @@ def simulate(plan: ExecutionPlan, profile: ModelProfile) -> Simulation:
     return Simulation(times, peak)
 
 
-def _coupled_pipelines(plan: ExecutionPlan) -> set[int]:
-    """Pipelines whose timing depends on another pipeline: a dead stage, or a node adopting work."""
-    if not plan.reroutes:
-        return set()
-    pos = plan.position_of()
-    out = set()
-    for r in plan.reroutes:
-        out.add(r.pipeline)
-        out.add(pos[r.peer][0])
-    return out
-
-
-def _simulate_coupled(plan: ExecutionPlan, profile: ModelProfile, costs: list, coupled: set[int],
+def _simulate_coupled(plan: ExecutionPlan, profile: ModelProfile, costs: list, coupled: frozenset[int],
                       times: list[float], peak: dict[int, int]) -> None:
+    """Play the coupled pipelines' nodes in a global order that respects every dependency: the
+    fault-free slots (plain reroute) or the unit-cost play's slots (filled reroute)."""
     orders = node_operations(plan)
+    slot_of = filled_schedule(plan)[1] if plan.fill else None
+    split = deferred(plan)
     pos = plan.position_of()
     executor_of: dict[Op, int] = {}
     ops: list[tuple[int, Op]] = []
@@ -155,8 +148,12 @@ def _simulate_coupled(plan: ExecutionPlan, profile: ModelProfile, costs: list, c
             continue
         for op in node_ops:
             executor_of[op] = node
-            pipe = plan.pipelines[op.pipeline]
-            ops.append((fault_free_slots(pipe.length, pipe.micro_batches)[(op.kind, op.stage, op.micro_batch)], op))
+            if slot_of is not None:
+                slot = slot_of[op]
+            else:
+                pipe = plan.pipelines[op.pipeline]
+                slot = fault_free_slots(pipe.length, pipe.micro_batches)[(op.kind, op.stage, op.micro_batch)]
+            ops.append((slot, op))
     ops.sort(key=lambda x: (x[0], x[1].pipeline, x[1].stage, x[1].kind, x[1].micro_batch))
     end: dict[Op, float] = {}
     free: dict[int, float] = {}
@@ -167,13 +164,19 @@ def _simulate_coupled(plan: ExecutionPlan, profile: ModelProfile, costs: list, c
         ready = 0.0
         if dep is not None:
             ready = end[dep] + (profile.p2p_s if executor_of[dep] != node else 0.0)
-        f, b = costs[op.pipeline][op.stage]
+        f, b, w = costs[op.pipeline][op.stage]
+        split_here = (op.pipeline, op.stage) in split
         if op.kind == FORWARD:
             in_flight[node] = in_flight.get(node, 0) + 1
             peak[node] = max(peak.get(node, 0), in_flight[node])
-        else:
+            dur = f
+        elif op.kind == WEIGHT_GRAD:  # a deferred W frees the micro-batch's activations, not its B
             in_flight[node] -= 1
-        end[op] = free[node] = max(free.get(node, 0.0), ready) + (f if op.kind == FORWARD else b)
+            dur = w
+        else:
+            in_flight[node] -= 0 if split_here else 1
+            dur = b - w if split_here else b
+        end[op] = free[node] = max(free.get(node, 0.0), ready) + dur
     for op, t in end.items():
         if op.pipeline in coupled:
             times[op.pipeline] = max(times[op.pipeline], t)

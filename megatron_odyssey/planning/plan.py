@@ -92,6 +92,10 @@ class ExecutionPlan:
     reroutes: tuple[Reroute, ...] = ()
     reason: str = ""
     schema_version: int = PLAN_SCHEMA_VERSION
+    # rerouted plans only: ReCycle's bubble filling. Backward ops of the pipelines that a reroute
+    # couples (the dead node's and its peers') split into input-gradient (B) and weight-gradient
+    # (W) halves, W deferred into idle slots or the end of the step (``schedule.filled_schedule``)
+    fill: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pipelines", tuple(self.pipelines))
@@ -200,6 +204,8 @@ class ExecutionPlan:
             raise PlanningError(f"plan runs {self.num_micro_batches} micro-batches per step, "
                                 f"the global batch has {num_micro_batches}")
         self._validate_reroutes(seen)
+        if self.fill and not self.reroutes:
+            raise PlanningError("fill (bubble-filling backward) applies to rerouted plans only; this plan reroutes nothing")
 
     def _validate_reroutes(self, position: dict[int, tuple[int, int]]) -> None:
         table = self.executor()
@@ -241,6 +247,8 @@ class ExecutionPlan:
             "reroutes": [[r.pipeline, r.stage, r.micro_batch, r.peer] for r in self.reroutes],
             "reason": self.reason,
         }
+        if self.fill:  # only when set: ids of unfilled plans stay what they were
+            out["fill"] = True
         if include_id:
             out["plan_id"] = self.plan_id
         return out
@@ -258,7 +266,7 @@ class ExecutionPlan:
             return cls(policy=data["policy"], num_layers=int(data["num_layers"]), pipelines=pipelines,
                        failed=frozenset(data.get("failed", ())),
                        reroutes=tuple(Reroute(*map(int, r)) for r in data.get("reroutes", ())),
-                       reason=data.get("reason", ""))
+                       reason=data.get("reason", ""), fill=bool(data.get("fill", False)))
         except (KeyError, TypeError, IndexError, ValueError) as exc:
             raise PlanningError(f"malformed plan JSON: {exc!r}") from None
 

@@ -46,6 +46,7 @@ class PlannerOptions:
     unit_balance_batches: int = 3  # ... and the fastest this many of those also try capping units per node
     cheap_play_slots: int = CHEAP_PLAY_SLOTS  # screened pipeline counts and every-batch-split tries: only where a
     #                                           pipeline plays at most this many stage x micro-batch slots
+    fill: bool = True  # also offer the bubble-filling reroute (decoupled backward)
     tp: int = 1
     time_limit_s: float | None = None  # exhaustive search: stop here and keep the best layout found so far
     search_budget_s: float | None = 60.0  # exhaustive search without a time limit: refuse past this estimate
@@ -88,8 +89,18 @@ class Candidate:
     def step_time_s(self) -> float:
         return self.step.step_time_s if self.step else math.inf
 
+    @property
+    def fill(self) -> bool:
+        """A reroute that fills pipeline bubbles (decoupled backward, ``ExecutionPlan.fill``)."""
+        return self.plan is not None and self.plan.fill
+
+    @property
+    def kind(self) -> str:
+        """The policy, with the filled reroute told apart ('fill'): what --policy forces."""
+        return "fill" if self.fill else self.policy
+
     def summary(self) -> dict[str, Any]:
-        return {"policy": self.policy, "step_time_s": _finite(self.step_time_s),
+        return {"policy": self.policy, "fill": self.fill, "step_time_s": _finite(self.step_time_s),
                 "transition_time_s": self.transition.total_s if self.feasible else None,
                 "score": self.score, "feasible": self.feasible, "reason": self.reason}
 
@@ -123,6 +134,7 @@ class Decision:
         step = c.step_time_s
         return {
             "policy": self.policy,
+            "fill": c.fill,
             "plan": c.plan.to_dict() if c.plan else None,
             "estimates": {
                 "step_time_s": _finite(step),
@@ -181,7 +193,7 @@ class Planner:
             raise PlanningError("every node has failed: nothing left to plan on")
         dead_view = ExecutionPlan(current.policy, current.num_layers, current.pipelines, failed=failed)
         t_next = self.options.mtbf_hours * 3600.0 / (len(survivors) * self.options.tp)
-        candidates = [self._reroute(current, failed), *self._reconfigure_and_restart(dead_view, survivors, t_next)]
+        candidates = [*self._reroutes(current, failed), *self._reconfigure_and_restart(dead_view, survivors, t_next)]
         search_s = time.perf_counter() - start
         for c in candidates:
             c.transition.search_s = search_s
@@ -196,18 +208,29 @@ class Planner:
                         search=self.last_search)
 
     # -- reroute ----------------------------------------------------------------------------------
-    def _reroute(self, current: ExecutionPlan, failed: frozenset[int]) -> Candidate:
+    def _reroutes(self, current: ExecutionPlan, failed: frozenset[int]) -> list[Candidate]:
+        """Plain reroute (1F1B with adopted work) and, when it fits, the same routing with ReCycle's
+        bubble filling; Eq. 8 chooses between them like between any two candidates."""
         plan = reroute_plan(current, failed)
         if isinstance(plan, str):
-            return Candidate("reroute", None, reason=plan)
+            return [Candidate("reroute", None, reason=plan)]
+        out = [self._reroute_candidate(plan, f"{len(failed)} dead node(s); their micro-batches run on data-parallel "
+                                             "peers (1F1B)")]
+        if self.options.fill:
+            out.append(self._reroute_candidate(replace(plan, fill=True), f"{len(failed)} dead node(s); their micro-"
+                                               "batches run on data-parallel peers, weight gradients deferred into "
+                                               "pipeline bubbles"))
+        return out
+
+    def _reroute_candidate(self, plan: ExecutionPlan, reason: str) -> Candidate:
         step = estimate_step(plan, self.profile)
         if not step.fits_memory:
             over = step.over_memory()
             node = max(over, key=over.get)
+            held = "deferred weight gradients" if plan.fill else "adopted micro-batches"
             return Candidate("reroute", None, reason=f"node {node} would need {over[node] / 2**30:.1f} GiB with the "
-                             f"adopted micro-batches, more than the device's {self.profile.device_memory_bytes / 2**30:.1f} GiB")
-        return Candidate("reroute", plan, step, Transition(overhead_s=self.profile.reroute_overhead_s),
-                         reason=f"{len(failed)} dead node(s); their micro-batches run on data-parallel peers")
+                             f"{held}, more than the device's {self.profile.device_memory_bytes / 2**30:.1f} GiB")
+        return Candidate("reroute", plan, step, Transition(overhead_s=self.profile.reroute_overhead_s), reason=reason)
 
     # -- reconfigure / restart --------------------------------------------------------------------
     def _reconfigure_and_restart(self, current: ExecutionPlan, survivors: list[int], t_next: float) -> list[Candidate]:

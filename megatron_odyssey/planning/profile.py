@@ -30,6 +30,14 @@ class LayerCost:
     optimizer_bytes: int
     activation_bytes: int  # kept per in-flight micro-batch until its backward
     optimizer_s: float = 0.0
+    # the weight-gradient part of backward_s (what a filled reroute defers); None: half of it, the
+    # share of a layer made of GEMMs, whose input- and weight-gradient GEMMs cost the same
+    weight_grad_s: float | None = None
+
+    @property
+    def deferrable_s(self) -> float:
+        """Time of the weight-gradient (W) half of backward; the input-gradient (B) half is the rest."""
+        return self.backward_s / 2 if self.weight_grad_s is None else self.weight_grad_s
 
     @property
     def static_bytes(self) -> int:
@@ -162,6 +170,10 @@ def _layer_from_dict(data: Any, source: str) -> LayerCost:
     if missing:
         raise PlanningError(f"{source}: missing field(s) {missing}")
     _check_numbers(data, source, non_negative=_LAYER_NUMBERS)
+    w = data.get("weight_grad_s")
+    if w is not None and (not _is_number(w) or not 0 <= w <= data["backward_s"]):
+        raise PlanningError(f"{source}: field 'weight_grad_s' must be a number between 0 and backward_s "
+                            f"({data['backward_s']!r}), got {w!r}")
     return LayerCost(**data)
 
 

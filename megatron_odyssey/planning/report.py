@@ -32,13 +32,13 @@ def print_decision(decision: Decision, console=None) -> None:
         table.add_column(col, no_wrap=col == "policy")
     for c in decision.candidates:
         mark = "[bold green]* " if c is decision.chosen else "  "
-        table.add_row(mark + c.policy, f"{c.step_time_s:.4g}" if c.feasible else "-",
+        table.add_row(mark + ("reroute+fill" if c.fill else c.policy), f"{c.step_time_s:.4g}" if c.feasible else "-",
                       f"{c.transition.total_s:.4g}" if c.feasible else "-",
                       f"{c.score:.4g}" if c.feasible else "-", c.reason)
     console.print(table)
     plan = decision.plan
     if plan is not None:
-        layout = Table(title=f"Chosen plan {plan.plan_id} ({decision.policy})",
+        layout = Table(title=f"Chosen plan {plan.plan_id} ({decision.policy}{', bubble filling' if plan.fill else ''})",
                        caption="node[first,end): half-open layer ranges, as the JSON's \"layers\"")
         for col in ("pipeline", "micro-batches", "stages: node[layers)"):
             layout.add_column(col)

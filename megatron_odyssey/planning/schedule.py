@@ -5,6 +5,15 @@ of its own operations and the adopted ones, ordered by when each operation would
 fault-free schedule (unit costs F=1, B=2). Every node's order is then a sub-sequence of one global
 order in which each operation comes after everything it depends on, so executing the orders with
 blocking receives and non-blocking sends cannot deadlock, and the estimator can play them exactly.
+
+A *filled* rerouted plan (``ExecutionPlan.fill``, ReCycle's decoupled back-propagation) splits the
+backward of every non-first stage of the coupled pipelines (the dead node's and its peers') into B,
+which computes only the input gradient the previous stage waits for, and W, the weight gradient,
+which nobody waits for. W is deferred: a node runs a pending W whenever its next operation's input
+has not arrived (a bubble), and the rest at the end of the step. Where the W's go is decided once,
+by playing the plan with unit costs (F=1, B=1, W=1) in :func:`filled_schedule`, so the runtime and
+the estimator execute the same orders, and the start slots of that play are again one global order
+that respects every dependency.
 """
 from __future__ import annotations
 
@@ -13,12 +22,12 @@ from functools import lru_cache
 
 from .plan import ExecutionPlan
 
-FORWARD, BACKWARD = "F", "B"
+FORWARD, BACKWARD, WEIGHT_GRAD = "F", "B", "W"
 
 
 @dataclass(frozen=True, order=True)
 class Op:
-    kind: str  # FORWARD or BACKWARD
+    kind: str  # FORWARD, BACKWARD (with a W later: input gradient only) or WEIGHT_GRAD
     pipeline: int
     stage: int
     micro_batch: int  # index within the pipeline
@@ -69,6 +78,12 @@ def fault_free_slots(num_stages: int, num_micro_batches: int) -> dict[tuple[str,
 
 def node_operations(plan: ExecutionPlan) -> dict[int, list[Op]]:
     """node -> the operations it executes this step, in execution order (live nodes only)."""
+    if plan.fill:
+        return {n: list(ops) for n, ops in filled_schedule(plan)[0].items()}
+    return _slot_ordered_operations(plan)
+
+
+def _slot_ordered_operations(plan: ExecutionPlan) -> dict[int, list[Op]]:
     table = plan.executor()
     keyed: dict[int, list[tuple[int, int, Op]]] = {n: [] for n in plan.live_nodes()}
     for k, pipe in enumerate(plan.pipelines):
@@ -81,8 +96,86 @@ def node_operations(plan: ExecutionPlan) -> dict[int, list[Op]]:
     return {n: [op for _, _, op in sorted(ops)] for n, ops in keyed.items()}
 
 
+def coupled_pipelines(plan: ExecutionPlan) -> frozenset[int]:
+    """Pipelines whose timing depends on another pipeline: a dead stage, or a node adopting work."""
+    if not plan.reroutes:
+        return frozenset()
+    pos = plan.position_of()
+    out = set()
+    for r in plan.reroutes:
+        out.add(r.pipeline)
+        out.add(pos[r.peer][0])
+    return frozenset(out)
+
+
+def deferred(plan: ExecutionPlan) -> frozenset[tuple[int, int]]:
+    """(pipeline, stage) whose backward is split into B and a deferred W in ``plan``."""
+    if not plan.fill:
+        return frozenset()
+    return frozenset((k, i) for k in coupled_pipelines(plan) for i in range(1, plan.pipelines[k].length))
+
+
+@lru_cache(maxsize=64)
+def filled_schedule(plan: ExecutionPlan) -> tuple[dict[int, tuple[Op, ...]], dict[Op, int]]:
+    """Every node's order in a filled plan, and each operation's start slot in the unit-cost play.
+
+    Forward and backward keep the slot order of :func:`node_operations`; a node whose next operation
+    is still waiting for its input runs the oldest pending W instead (one slot), so W's fill the
+    bubbles that adopted work leaves and never delay a B anyone waits for by more than one slot."""
+    orders = _slot_ordered_operations(plan)
+    split = deferred(plan)
+    coupled = coupled_pipelines(plan)
+    active = {n for n, ops in orders.items() if any(op.pipeline in coupled for op in ops)}
+    out: dict[int, list[Op]] = {n: list(ops) for n, ops in orders.items() if n not in active}
+    start: dict[Op, int] = {}
+    for n in out:  # uncoupled pipelines: plain 1F1B slots
+        for op in out[n]:
+            pipe = plan.pipelines[op.pipeline]
+            start[op] = fault_free_slots(pipe.length, pipe.micro_batches)[(op.kind, op.stage, op.micro_batch)]
+    end: dict[Op, int] = {}
+    idx = {n: 0 for n in active}
+    free = {n: 0 for n in active}
+    pending: dict[int, list[Op]] = {n: [] for n in active}
+    seq: dict[int, list[Op]] = {n: [] for n in active}
+    busy = sorted(active)
+    pos = plan.position_of()
+    t = 0
+    while busy:
+        still = []
+        for n in busy:
+            ops = orders[n]
+            if free[n] <= t:
+                op = ops[idx[n]] if idx[n] < len(ops) else None
+                dep = dependency(op, plan.pipelines[op.pipeline].length) if op is not None else None
+                if len(pending[n]) >= plan.pipelines[pos[n][0]].length:  # bound the activations held for W
+                    op = None
+                if op is not None and (dep is None or end.get(dep, t + 1) <= t):
+                    if op.kind == BACKWARD and (op.pipeline, op.stage) in split:
+                        dur = 1
+                        pending[n].append(Op(WEIGHT_GRAD, op.pipeline, op.stage, op.micro_batch))
+                    else:
+                        dur = 1 if op.kind == FORWARD else 2
+                    idx[n] += 1
+                elif pending[n]:
+                    op, dur = pending[n].pop(0), 1
+                else:
+                    op = None
+                if op is not None:
+                    start[op], end[op] = t, t + dur
+                    free[n] = t + dur
+                    seq[n].append(op)
+            if idx[n] < len(ops) or pending[n]:
+                still.append(n)
+        busy = still
+        t += 1
+    out.update(seq)
+    return {n: tuple(ops) for n, ops in out.items()}, start
+
+
 def dependency(op: Op, num_stages: int) -> Op | None:
-    """The operation whose output ``op`` consumes (Eq. 11's f1/f2 mapping)."""
+    """The operation whose output ``op`` consumes (Eq. 11's f1/f2 mapping); a W consumes its own B's."""
+    if op.kind == WEIGHT_GRAD:
+        return Op(BACKWARD, op.pipeline, op.stage, op.micro_batch)
     if op.kind == FORWARD:
         return Op(FORWARD, op.pipeline, op.stage - 1, op.micro_batch) if op.stage > 0 else None
     if op.stage < num_stages - 1:

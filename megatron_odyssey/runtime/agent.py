@@ -118,6 +118,7 @@ class FailureRecord:
     ranks: list[int]
     phase: str = ""
     policy: str = ""
+    fill: bool = False  # a reroute with weight gradients deferred into pipeline bubbles
     detection_s: float = 0.0
     decision_s: float = 0.0
     transfer_s: float = 0.0
@@ -633,7 +634,7 @@ class Agent:
         rec.decision_s = time.perf_counter() - t0
         rec.time_to_next_failure_s, rec.mtbf_hours = decision.time_to_next_failure_s, self.options.mtbf_hours
         chosen = self._apply_policy(decision)
-        rec.policy, rec.reason = chosen.policy, chosen.reason
+        rec.policy, rec.fill, rec.reason = chosen.policy, chosen.fill, chosen.reason
         rec.candidates = [c.summary() for c in decision.candidates]
         resume, ckpt = last + 1, None
         if chosen.policy == "restart" and self.cfg.extra.get("megatron"):  # a Megatron job: its own checkpoint
@@ -653,9 +654,9 @@ class Agent:
             self.log(f"restart: {chosen.reason}; restoring {where}, resuming at step {resume}")
         rec.lost_steps = max(0, last + 1 - resume)
         for c in decision.candidates:
-            self.log(f"  candidate {c.policy:<11} step {c.step_time_s:.4g}s transition "
+            self.log(f"  candidate {c.kind:<11} step {c.step_time_s:.4g}s transition "
                      f"{c.transition.total_s if c.feasible else float('nan'):.4g}s score {c.score:.4g}  {c.reason}")
-        self.log(f"decision: {chosen.policy} ({rec.decision_s * 1e3:.1f} ms); resuming at step {resume}")
+        self.log(f"decision: {chosen.kind} ({rec.decision_s * 1e3:.1f} ms); resuming at step {resume}")
         transfers = [[t.unit, t.src, t.dst] for t in chosen.transfers.transfers] if chosen.transfers else []
         self._publish(rec, chosen.plan, {"plan": chosen.plan.to_dict(), "policy": chosen.policy,
                                          "transfers": transfers, "resume_step": resume, "checkpoint_step": ckpt})
@@ -811,8 +812,10 @@ class Agent:
         """The planner's choice, or the forced policy when it is feasible (else say why not)."""
         if self.cfg.policy == "auto":
             return decision.chosen
-        forced = next(c for c in decision.candidates if c.policy == self.cfg.policy)
-        if forced.feasible:
+        forced = next((c for c in decision.candidates if c.kind == self.cfg.policy),
+                      next(c for c in decision.candidates if c.policy == ("reroute" if self.cfg.policy == "fill"
+                                                                          else self.cfg.policy)))
+        if forced.feasible and forced.kind == self.cfg.policy:
             return forced
         self.log(f"--policy {self.cfg.policy} is not possible here ({forced.reason}); using {decision.policy}")
         return decision.chosen

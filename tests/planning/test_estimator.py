@@ -95,3 +95,92 @@ def test_adopting_micro_batches_raises_a_peers_memory():
     base = estimate_step(plan, prof).peak_memory_bytes[2]
     rerouted = estimate_step(reroute_plan(plan, frozenset({3})), prof).peak_memory_bytes[2]
     assert rerouted > base
+
+
+# -- bubble filling (ReCycle's decoupled back-propagation) ------------------------------------------
+
+def _slides_example(stage: int):
+    """ReCycle slides, Design 2: 3 data-parallel pipelines of 4 stages, 6 micro-batches each, F = 1 slot,
+    backward = 2 slots (input gradient 1, weight gradient 1); worker W_{1,stage} fails."""
+    from megatron_odyssey.planning.schedule import deferred
+
+    prof = uniform_profile(8, 0.5, 1.0)  # two layers per stage: F = 1, B = 2 per stage
+    base = symmetric_plan(4, 3, 8, 18)
+    plain = reroute_plan(base, frozenset({base.pipelines[1].stages[stage].node}))
+    filled = replace(plain, fill=True)
+    assert deferred(filled) and not deferred(plain)
+    return prof, base, plain, filled
+
+
+def test_slides_worked_example_27_36_29():
+    """27 slots fault-free, 36 with the failed worker's 6 micro-batches spread over its 2 peers (the
+    slides' "9 extra time steps"; Eq. 12 gives exactly that), 29 with decoupled back-propagation.
+    The played 1F1B reroute (33) lies between: adopted operations take their fault-free slots."""
+    prof, base, plain, filled = _slides_example(stage=1)  # W_{1,2}, stages counted from 1
+    assert max(simulate(base, prof).pipeline_times) == 27 == eq9_step_time(4, 6, 1, 2)
+    assert eq12_step_time(4, 6, 3, 1, 2) == 36
+    assert max(simulate(plain, prof).pipeline_times) == 33
+    assert max(simulate(filled, prof).pipeline_times) == 29
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_filling_never_slower_than_plain_reroute_on_the_slides_grid(stage):
+    prof, base, plain, filled = _slides_example(stage)
+    t_plain, t_fill = max(simulate(plain, prof).pipeline_times), max(simulate(filled, prof).pipeline_times)
+    # the last stage's peers have 9 micro-batches x 3 slots of work after a 3-slot warm-up: 30 is the floor
+    assert 27 < t_fill <= t_plain and t_fill == {0: 28, 1: 29, 2: 29, 3: 30}[stage]
+
+
+def test_filled_orders_are_one_dependency_respecting_order():
+    """The runtime runs these orders with blocking receives: every operation must start after what it
+    consumes ends, and each node's operations must appear in start order, once each."""
+    from megatron_odyssey.planning.schedule import WEIGHT_GRAD, dependency, filled_schedule
+
+    for stage in range(4):
+        _, _, plain, filled = _slides_example(stage)
+        orders, start = filled_schedule(filled)
+        seen = set()
+        for node, ops in orders.items():
+            assert [start[o] for o in ops] == sorted(start[o] for o in ops)
+            seen.update(ops)
+            for op in ops:
+                dep = dependency(op, 4)
+                assert dep is None or start[dep] < start[op]
+        ws = {(o.pipeline, o.stage, o.micro_batch) for o in seen if o.kind == WEIGHT_GRAD}
+        # every backward of a non-first stage of a coupled pipeline has its W; the rest have none
+        assert ws and all(i > 0 for (_, i, _) in ws)
+        assert len(seen) == sum(2 * p.micro_batches * p.length for p in plain.pipelines) + len(ws)
+
+
+def test_deferred_weight_gradients_hold_activations_longer():
+    """Eq. 14 with the real order: a micro-batch's activations stay until its W, so a peer that defers
+    holds more at once, and a device too small for that is not offered the filled reroute."""
+    prof, _, plain, filled = _slides_example(stage=1)
+    prof = replace(prof, layers=tuple(replace(l, activation_bytes=10) for l in prof.layers))
+    peer = next(r.peer for r in filled.reroutes)
+    assert simulate(filled, prof).peak_in_flight[peer] > simulate(plain, prof).peak_in_flight[peer]
+    from megatron_odyssey.planning.planner import Planner, PlannerOptions
+
+    need_plain = max(estimate_step(plain, prof).peak_memory_bytes.values())
+    tight = replace(prof, device_memory_bytes=need_plain)
+    d = Planner(tight, 18, 1, PlannerOptions()).decide(symmetric_plan(4, 3, 8, 18), {filled.pipelines[1].stages[1].node})
+    fill = next(c for c in d.candidates if c.policy == "reroute" and not c.feasible)
+    assert "deferred weight gradients" in fill.reason
+
+
+def test_weight_gradient_share_comes_from_the_profile():
+    """Nothing deferrable (a measured W of 0 s): the filled plan is the 1F1B reroute, same time."""
+    prof, _, plain, filled = _slides_example(stage=1)
+    none_w = replace(prof, layers=tuple(replace(l, weight_grad_s=0.0) for l in prof.layers))
+    assert max(simulate(filled, none_w).pipeline_times) == max(simulate(plain, none_w).pipeline_times) == 33
+    assert max(simulate(filled, prof).pipeline_times) == 29
+
+
+def test_profile_rejects_a_weight_gradient_longer_than_backward():
+    from megatron_odyssey.planning.errors import PlanningError
+    from megatron_odyssey.planning.profile import ModelProfile
+
+    data = uniform_profile(2).to_dict()
+    data["layers"][0]["weight_grad_s"] = 5.0
+    with pytest.raises(PlanningError, match="weight_grad_s.*between 0 and backward_s"):
+        ModelProfile.from_dict(data, source="p.json")

@@ -152,19 +152,29 @@ def test_policy_flips_to_reconfigure_as_time_to_next_failure_grows():
     assert long.policy == "reconfigure"
 
 
-def test_policy_flips_to_reconfigure_as_failures_accumulate():
+def _policies_as_failures_accumulate(fill: bool) -> list[str]:
     prof = builtin_profile(num_layers=32)
-    options = PlannerOptions(mtbf_hours=0.3)
-    planner = Planner(prof, 64, 1, options)
+    planner = Planner(prof, 64, 1, PlannerOptions(mtbf_hours=0.3, fill=fill))
     plan = symmetric_plan(4, 4, 32, 64)
     policies = []
     for node in (5, 10, 3):  # one failure after another, each on the plan the last decision chose
         d = planner.decide(plan, {node})
-        policies.append(d.policy)
+        policies.append(d.policy + ("+fill" if d.chosen.fill else ""))
         if d.policy != "reroute":
             break
         plan = d.plan
+    return policies
+
+
+def test_policy_flips_to_reconfigure_as_failures_accumulate():
+    policies = _policies_as_failures_accumulate(fill=False)
     assert policies[0] == "reroute" and policies[-1] == "reconfigure"
+
+
+def test_bubble_filling_keeps_rerouting_longer():
+    """Three failures, one per stage group: the 1F1B reroute gives way to a reconfiguration, the
+    filled reroute hides every dead node's work in its peers' bubbles and keeps rerouting."""
+    assert _policies_as_failures_accumulate(fill=True) == ["reroute+fill"] * 3
 
 
 def test_cache_matches_fresh_search_and_relabels():
