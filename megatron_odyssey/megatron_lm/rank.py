@@ -446,9 +446,8 @@ class MegatronRank(GenerationRank):
     def run_schedule(self, forward_step_func: Callable[..., Any], step: int) -> list[dict[str, torch.Tensor]]:
         """This rank's operations of the current plan for one iteration (what the dispatcher runs)."""
         self.runner.forward_step_func = forward_step_func
-        phase = {"F": "forward", "B": "backward"}
         self.last_result = self.executor.run_step(step, lambda: self.token_count(step),
-                                                  on_op=lambda kind: self.at(step, phase[kind]))
+                                                  on_op=lambda phase: self.at(step, phase))
         return [{"lm loss": torch.tensor([self.last_result.loss_sum, 1.0], device=self.device)}]
 
     def megatron_train_step(self, stock_step: Callable[[Callable[..., Any]], tuple], forward_step_func: Callable[..., Any], step: int,

@@ -8,6 +8,10 @@ serves two pipelines (rerouting) never confuses their tensors whatever the backe
 deadlock: a receive waits at most for a message its sender produces at an earlier fault-free slot
 than the receiving operation's.
 
+In a filled reroute (``ExecutionPlan.fill``) the backward of a deferred stage is two operations: B
+computes the input gradient only (:func:`~.weight_grad.input_gradients_only`) and sends it at once;
+W, later in the order, runs the weight-gradient GEMMs B left behind.
+
 The loss of each micro-batch is its token-loss sum divided by the number of loss tokens in the
 whole global batch: the gradients of all micro-batches then simply add up to the global-batch
 gradient, however the micro-batches are spread over pipelines.
@@ -21,10 +25,11 @@ from typing import Any, Callable, Mapping, Protocol
 import torch
 
 from ..planning.plan import ExecutionPlan
-from ..planning.schedule import BACKWARD, FORWARD, Op, node_operations, receive_orders
+from ..planning.schedule import BACKWARD, FORWARD, WEIGHT_GRAD, Op, deferred, node_operations, receive_orders
 from .dropout_rng import set_micro_batch
 from .liveness import communicating
 from .transport import Mailbox, P2P
+from .weight_grad import DeferredWeightGrads, input_gradients_only
 from .world import PlanGroups
 
 
@@ -39,12 +44,16 @@ class StageRunner(Protocol):
 
 MicroBatchFn = Callable[[int, int], Mapping[str, torch.Tensor]]  # (step, global micro-batch) -> batch
 
+#: the ``--fail phase=`` each operation kind belongs to
+PHASE_OF_OP = {FORWARD: "forward", BACKWARD: "backward", WEIGHT_GRAD: "weight-grad"}
+
 
 @dataclass
 class StepResult:
     loss_sum: float = 0.0  # sum of this rank's normalised micro-batch losses (last stage only)
     forward_s: float = 0.0
     backward_s: float = 0.0
+    weight_grad_s: float = 0.0  # deferred W operations (filled reroutes)
     ops: int = 0
 
 
@@ -66,6 +75,7 @@ class PipelineExecutor:
 
     def __post_init__(self) -> None:
         self._ops = node_operations(self.plan)[self.groups.node]
+        self._deferred = deferred(self.plan)
         self._executor = self.plan.executor()
         self._offsets = self.plan.micro_batch_offsets()
         # no closure over self: a reference cycle would keep this executor, and with it the
@@ -88,7 +98,8 @@ class PipelineExecutor:
     # -- one step ---------------------------------------------------------------------------------
     def run_step(self, step: int, token_count: Callable[[], float],
                  on_op: Callable[[str], None] | None = None) -> StepResult:
-        """Run this rank's operations of ``step``; ``on_op(kind)`` is called before each (fault injection).
+        """Run this rank's operations of ``step``; ``on_op(phase)`` is called before each (fault injection,
+        progress), with the operation's phase from :data:`PHASE_OF_OP`.
 
         ``token_count()`` (loss tokens in the whole global batch) is asked for only if this rank runs
         last-stage work, so other ranks never read the whole global batch."""
@@ -97,6 +108,7 @@ class PipelineExecutor:
         result = StepResult()
         tokens: float | None = None
         saved: dict[tuple[int, int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        weight_grads: dict[tuple[int, int, int], DeferredWeightGrads] = {}  # B done, W to come
         pending: list = []
         loss_sum: torch.Tensor | None = None  # on the device: one host sync per step, not per micro-batch
         self._inbox.reset()
@@ -104,9 +116,12 @@ class PipelineExecutor:
             key = (op.pipeline, op.stage, op.micro_batch)
             last_stage = op.stage == self.plan.pipelines[op.pipeline].length - 1
             if on_op is not None:
-                on_op(op.kind)
+                on_op(PHASE_OF_OP[op.kind])
             t0 = time.perf_counter()
-            if op.kind == FORWARD:
+            if op.kind == WEIGHT_GRAD:
+                weight_grads.pop(key).apply()
+                result.weight_grad_s += time.perf_counter() - t0
+            elif op.kind == FORWARD:
                 inp = None
                 if op.stage > 0:
                     with communicating():
@@ -140,7 +155,12 @@ class PipelineExecutor:
                     with communicating():
                         grad = self._inbox.receive(self._node_of(op.pipeline, op.stage + 1, op.micro_batch),
                                                    (BACKWARD, op.pipeline, op.stage + 1, op.micro_batch))
-                torch.autograd.backward(out, grad if grad is None else grad.to(out.dtype))
+                grad = grad if grad is None else grad.to(out.dtype)
+                if (op.pipeline, op.stage) in self._deferred:
+                    with input_gradients_only() as weight_grads[key]:
+                        torch.autograd.backward(out, grad)
+                else:
+                    torch.autograd.backward(out, grad)
                 if inp is not None:
                     pending.append(self.p2p.isend(inp.grad.to(self.dtype),
                                                   self._rank_of(op.pipeline, op.stage - 1, op.micro_batch)))

@@ -169,9 +169,8 @@ class StandaloneRank(GenerationRank):
     def train_step(self, step: int) -> None:
         self.pending = step
         self.optimizer.zero_grad(set_to_none=True)
-        phase = {"F": "forward", "B": "backward"}
         result = self.executor.run_step(step, lambda: self.token_count(step),
-                                        on_op=lambda kind: self.at(step, phase[kind]))
+                                        on_op=lambda phase: self.at(step, phase))
         self.at(step, "grad-sync")
         self.sync()
         self._publish_ready(step, result.loss_sum if self.tp_rank == 0 else 0.0)

@@ -98,6 +98,17 @@ def test_tensor_parallel_inside_a_rerouted_plan(reference, tmp_path):
     _assert_matches(reference(cfg), params, report)
 
 
+def test_filled_rerouted_plan_with_tensor_parallelism(reference, tmp_path):
+    """Bubble filling under TP=2: B's input gradient is all-reduced over the TP group, W stays local."""
+    from dataclasses import replace
+
+    plan = replace(reroute_plan(symmetric_plan(2, 2, 6, 12), frozenset({1})), fill=True)  # 4 nodes x TP=2
+    cfg = TrainConfig(nproc=8, tp=2, pp=2, plan=plan.to_dict(), **BASE)
+    params, report = _train(cfg, tmp_path)
+    assert report["steps"][0]["alive"] == 6
+    _assert_matches(reference(cfg), params, report)
+
+
 @pytest.mark.parametrize("plan,message", [
     (layout([((2, 3), 6), ((3, 3), 6)], num_layers=6), "pipeline 0 covers layers [0,5) but the model has 6"),
     (layout([((3, 3), 6), ((3, 3), 6)], nodes=[0, 1, 2, 9]), "names node 9, which does not exist"),

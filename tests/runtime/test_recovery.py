@@ -76,6 +76,25 @@ def test_forced_policy_on_the_same_failure(reference, tmp_path, policy):
         assert report["final_plan"]["failed"] == [3] and report["final_plan"]["reroutes"]
 
 
+def test_filled_reroute_trains_exactly(reference, tmp_path):
+    """The planner's bubble-filling reroute, forced: stage 1 of every pipeline runs B then a deferred W."""
+    params, report = run(tmp_path, ["step=1,rank=3,phase=backward,kind=kill"], policy="fill")
+    assert_exact(reference, params, report)
+    (failure,) = report["failures"]
+    assert failure["policy"] == "reroute" and failure["fill"] is True
+    assert report["final_plan"]["fill"] is True and report["final_plan"]["failed"] == [3]
+
+
+def test_second_failure_inside_a_deferred_weight_gradient(reference, tmp_path):
+    """Rank 5 (stage 1, a peer adopting rank 3's micro-batches) dies between a B and its W of step 2:
+    its half-accumulated gradients die with it, step 2 is redone on the next plan, nothing is lost."""
+    params, report = run(tmp_path, ["step=1,rank=3,phase=backward,kind=kill", "step=2,rank=5,phase=weight-grad,kind=kill"],
+                         policy="fill")
+    assert_exact(reference, params, report)
+    assert [f["ranks"] for f in report["failures"]] == [[3], [5]]
+    assert report["failures"][1]["step"] == 2 and report["steps"][-1]["alive"] == 4
+
+
 def test_lost_layer_restores_the_checkpoint_and_says_so(reference, tmp_path):
     # PP=2 x DP=3 x TP=1: nodes 3, 4, 5 hold stage 1; killing all three leaves no copy of it
     fails = [f"step=3,rank={r},phase=forward,kind=kill" for r in (3, 4, 5)]

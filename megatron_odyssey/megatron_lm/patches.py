@@ -1,0 +1,231 @@
+"""The registry of every change Odyssey makes to Megatron: one :class:`Patch` per Megatron name
+it replaces, with a factory that wraps the original and the reason. :mod:`megatron_odyssey.megatron_adaptor`
+applies them all when a Megatron-LM script imports it; the standalone trainer applies only the
+megatron-core ones it needs (:func:`apply_patches` with ``only``).
+
+Aliases matter: ``from x import f`` copies the name, so a function used through such an import is
+patched where it is used (``initialize.parse_args``, ``training.get_forward_backward_func``...).
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+from . import hooks
+from .hooks import ORIGINAL_ATTR
+
+
+@dataclass(frozen=True)
+class Patch:
+    target: str  # "package.module:attribute" or "package.module:Class.attribute"
+    wrap: Callable[[Any], Any]  # original -> replacement
+    why: str
+
+    @property
+    def module(self) -> str:
+        return self.target.split(":")[0]
+
+    @property
+    def path(self) -> list[str]:
+        return self.target.split(":")[1].split(".")
+
+
+# -- replacements that need Megatron-LM's training package (imported lazily) ---------------------------
+
+def _parse_args(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Chains the --odyssey-* group into whatever extra_args_provider the script passes."""
+    from ..arguments import add_odyssey_args
+
+    @functools.wraps(original)
+    def parse_args(extra_args_provider: Callable[..., Any] | None = None, *args: Any, **kwargs: Any) -> Any:
+        def provider(parser: Any) -> Any:
+            if extra_args_provider is not None:
+                parser = extra_args_provider(parser)
+            return add_odyssey_args(parser)
+
+        return original(provider, *args, **kwargs)
+
+    return parse_args
+
+
+def _validate_args(original: Callable[..., Any]) -> Callable[..., Any]:
+    from ..arguments import OdysseyArgumentError, validate_odyssey_args
+
+    @functools.wraps(original)
+    def validate_args(args: Any, *a: Any, **k: Any) -> Any:
+        out = original(args, *a, **k)
+        try:
+            validate_odyssey_args(args)
+        except OdysseyArgumentError as exc:
+            raise SystemExit(f"odyssey: {exc}") from None
+        return out
+
+    return validate_args
+
+
+def _finalize_model_grads(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def finalize_model_grads(model: Any, *args: Any, **kwargs: Any) -> Any:
+        runtime = hooks.STATE.runtime
+        if runtime is None or runtime.sync is None:
+            if runtime is not None:  # generation 0: Megatron's own DDP reduction, after the fault point
+                runtime.at(runtime.current_step, "grad-sync")
+            return original(model, *args, **kwargs)
+        runtime.sync()  # per layer, over exactly the ranks holding it
+        return None
+
+    return finalize_model_grads
+
+
+def _train_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    from .rank import train_step
+
+    return train_step(original)
+
+
+def _dispatcher(original: Callable[..., Any]) -> Callable[..., Any]:
+    from .schedule import get_forward_backward_func
+
+    return get_forward_backward_func(original)
+
+
+def _between_steps(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+        from . import between_steps
+
+        return getattr(between_steps, name)(original)
+
+    return wrap
+
+
+def _weight_grad_patch(original: Callable[..., Any]) -> Callable[..., Any]:
+    from ..runtime.weight_grad import linear_backward
+
+    return linear_backward(original)
+
+
+_T, _C = "megatron.training", "megatron.core"
+
+#: The registry: one entry per Megatron name Odyssey replaces.
+PATCHES: tuple[Patch, ...] = (
+    # arguments
+    Patch(f"{_T}.arguments:parse_args", _parse_args,
+          "pretrain_gpt.py passes no extra_args_provider for plugins: the --odyssey-* group is chained in here"),
+    Patch(f"{_T}.initialize:parse_args", _parse_args, "initialize_megatron calls its own imported alias"),
+    Patch(f"{_T}.arguments:validate_args", _validate_args,
+          "rejects flag combinations Odyssey cannot run (distributed optimizer, overlapped grad reduce, ...) "
+          "once world and data-parallel sizes are known"),
+    Patch(f"{_T}.initialize:validate_args", _validate_args, "initialize_megatron calls its own imported alias"),
+    # schedule
+    Patch(f"{_C}.pipeline_parallel:get_forward_backward_func", _dispatcher,
+          "returns a dispatcher that picks the stock schedule or this node's plan schedule at every call"),
+    Patch(f"{_T}.training:get_forward_backward_func", _dispatcher,
+          "train() captures the schedule once before its loop: the captured object must switch after a failure"),
+    # the step: commit and redo, gradients, norm
+    Patch(f"{_T}.training:train_step", _train_step,
+          "generation 0 runs Megatron's own step with a commit guard before the optimizer; after a failure "
+          "an iteration is executor -> per-layer grad sync -> plan-wide norm -> commit -> optimizer, "
+          "redone on the next generation when a rank fails before the commit"),
+    Patch(f"{_T}.training:finalize_model_grads", _finalize_model_grads,
+          "DDP all-reduces whole buckets over one data-parallel group; after a failure, layers of "
+          "non-uniform plans are held by different rank sets and are all-reduced per layer (generation 0 "
+          "keeps Megatron's own reduction)"),
+    Patch(f"{_C}.optimizer.optimizer:get_grad_norm_fp32", hooks.grad_norm_fp32,
+          "the stock norm all-reduces over the uniform model-parallel group, after the commit; Odyssey "
+          "computes it over the plan before the commit and the optimizer reuses it"),
+    # stages of any layer range (group installation itself is runtime.world.install_parallel_state)
+    Patch(f"{_C}.transformer.transformer_block:get_num_layers_to_build", hooks.num_layers_to_build,
+          "derives a stage's layer count from a uniform split; asymmetric plans give each stage its own"),
+    Patch(f"{_C}.transformer.transformer_layer:get_transformer_layer_offset", hooks.layer_offset,
+          "derives a stage's first layer number from a uniform split (TransformerLayer keeps global numbers)"),
+    Patch(f"{_C}.transformer.transformer_block:get_transformer_layer_offset", hooks.layer_offset,
+          "TransformerBlock's imported alias (local <-> global layer names in sharded state dicts)"),
+    # failures between iterations (megatron_lm.between_steps)
+    Patch(f"{_T}.training:training_log", _between_steps("training_log"),
+          "its interval barrier and timer all-gathers run over the world outside train_step: a peer's failure "
+          "there is recovered from, and the log line abandoned"),
+    Patch(f"{_T}.training:save_checkpoint_and_time", _between_steps("save_checkpoint_and_time"),
+          "its timer barrier and the save run over the world outside train_step: a peer's failure there is "
+          "recovered from and the save redone by the survivors"),
+    Patch(f"{_T}.training:save_checkpoint", _between_steps("save_checkpoint"),
+          "the final save (pretrain) and every interval save: an interrupted save is redone, never marked latest"),
+    # checkpoints written after a recovery (megatron_lm.checkpoint)
+    Patch(f"{_T}.checkpointing:generate_state_dict", hooks.plan_replica_state_dict,
+          "replica ids come from the data-parallel rank, 0 on every rank under our parallel_state: after a "
+          "recovery one holder per layer (its owner) must be the main replica, the others replicas"),
+    Patch(f"{_T}.checkpointing:get_rng_state", hooks.original_layout_rng_state,
+          "the RNG state is sharded by pipeline rank (0 of 1 under our parallel_state): written in the "
+          "original stage x TP layout, one live rank per slot, so a stock job finds every slot"),
+    # capture what a rebuild needs
+    Patch(f"{_T}.training:get_model", hooks.capture_get_model,
+          "remembers the model provider, to rebuild a stage after a failure with Megatron's own get_model"),
+    Patch(f"{_T}.training:get_megatron_optimizer", hooks.capture_get_optimizer,
+          "remembers the optimizer arguments (they differ between megatron-core versions) for rebuilds"),
+    Patch(f"{_T}.training:build_train_valid_test_datasets", hooks.capture_datasets,
+          "keeps the training split so any rank can read any (iteration, micro-batch) after a reroute"),
+    # decoupled back-propagation (filled reroutes)
+    Patch(f"{_C}.tensor_parallel.layers:LinearWithGradAccumulationAndAsyncCommunication.backward",
+          _weight_grad_patch,
+          "computes input and weight gradients together; inside a filled reroute's B only the input "
+          "gradient is computed and the weight gradient is left for the plan's later W (runtime.weight_grad)"),
+    Patch(f"{_C}.datasets.blended_megatron_dataset_builder:BlendedMegatronDatasetBuilder.__init__",
+          hooks.build_datasets_everywhere,
+          "stock Megatron builds datasets on first/last stages only; after a failure any rank can become one"),
+)
+
+_LOCK = threading.RLock()
+_APPLIED: dict[str, tuple[Any, str, Any]] = {}  # target -> (owner, attribute, original)
+_SKIPPED: dict[str, str] = {}  # target -> why it was not applied
+
+
+def _owner(patch: Patch) -> tuple[Any, str]:
+    owner: Any = importlib.import_module(patch.module)
+    for name in patch.path[:-1]:
+        owner = getattr(owner, name)
+    return owner, patch.path[-1]
+
+
+def apply_patches(only: Iterable[str] | None = None) -> dict[str, str]:
+    """Apply every patch whose module imports (idempotent: a patched name is never wrapped twice);
+    ``only``: just these targets (the standalone trainer needs megatron-core's, not Megatron-LM's)."""
+    wanted = None if only is None else set(only)
+    with _LOCK:
+        for patch in PATCHES:
+            if patch.target in _APPLIED or (wanted is not None and patch.target not in wanted):
+                continue
+            try:
+                owner, attr = _owner(patch)
+                original = getattr(owner, attr)
+            except (ImportError, AttributeError) as exc:
+                _SKIPPED[patch.target] = f"{type(exc).__name__}: {exc}"
+                continue
+            _SKIPPED.pop(patch.target, None)
+            replacement = patch.wrap(original)
+            setattr(replacement, ORIGINAL_ATTR, original)
+            setattr(owner, attr, replacement)
+            _APPLIED[patch.target] = (owner, attr, original)
+        return patch_status()
+
+
+def remove_patches() -> None:
+    """Put every original back (idempotent)."""
+    with _LOCK:
+        for target in list(_APPLIED):
+            owner, attr, original = _APPLIED.pop(target)
+            setattr(owner, attr, original)
+        _SKIPPED.clear()
+
+
+def patch_status() -> dict[str, str]:
+    """target -> "applied" or the reason it was skipped."""
+    return {p.target: "applied" if p.target in _APPLIED else _SKIPPED.get(p.target, "not applied")
+            for p in PATCHES}
+
+
+def describe_patches() -> list[dict[str, str]]:
+    return [{"target": p.target, "why": p.why} for p in PATCHES]
+
+
