@@ -28,7 +28,9 @@ used unchanged for every plan (no per-plan tuning):
 
 Evaluated plans (8 layers, 16 micro-batches, 8 nodes, node of (stage s, replica d) = s * DP + d):
 symmetric PP=2 x DP=4; rerouted PP=2 x DP=4 with node 1 (stage 0) dead and with node 5 (stage 1)
-dead (7 live ranks; ``planning.planner.reroute_plan``); asymmetric [2, 2, 3] on 7 nodes (the
+dead (7 live ranks; ``planning.planner.reroute_plan``); the same two reroutes with bubble filling
+(``ExecutionPlan.fill``: stage 1's backward split into B and a deferred W; sleep mode sleeps half the
+backward in each, the estimator's default weight-gradient share); asymmetric [2, 2, 3] on 7 nodes (the
 paper's example: splits (4,4), (4,4), (3,3,2); micro-batches 5, 5, 6) and [3, 3, 2] on 8 nodes
 (splits (3,3,2), (3,3,2), (4,4); micro-batches 5, 5, 6). Target (issue): |error| < 3 % on each.
 
@@ -90,6 +92,10 @@ def jobs(layers: int, micro_batches: int) -> tuple[list[Job], list[Job]]:
         Job("symmetric", "symmetric", sym, 8, "PP=2 x DP=4, 8 ranks"),
         Job("rerouted-s0", "rerouted", _reroute(sym, 1), 8, "PP=2 x DP=4, node 1 (stage 0) dead, 7 ranks"),
         Job("rerouted-s1", "rerouted", _reroute(sym, 5), 8, "PP=2 x DP=4, node 5 (stage 1) dead, 7 ranks"),
+        Job("filled-s0", "filled", _reroute(sym, 1, fill=True), 8,
+            "rerouted-s0 with bubble filling (stage 1: B, W deferred), 7 ranks"),
+        Job("filled-s1", "filled", _reroute(sym, 5, fill=True), 8,
+            "rerouted-s1 with bubble filling (stage 1: B, W deferred), 7 ranks"),
         Job("asym-223", "asymmetric", layout([((a, b), 5), ((a, b), 5), (t, M - 10)], num_layers=L), 7,
             f"[2,2,3] on 7 nodes: {two}x5, {two}x5, {three}x{M - 10}"),
         Job("asym-332", "asymmetric", layout([(t, 5), (t, 5), ((a, b), M - 10)], num_layers=L), 8,
@@ -98,11 +104,11 @@ def jobs(layers: int, micro_batches: int) -> tuple[list[Job], list[Job]]:
     return cal, evals
 
 
-def _reroute(plan: ExecutionPlan, node: int) -> ExecutionPlan:
+def _reroute(plan: ExecutionPlan, node: int, fill: bool = False) -> ExecutionPlan:
     out = reroute_plan(plan, frozenset({node}))
     if isinstance(out, str):
         raise SystemExit(out)
-    return out
+    return dataclasses.replace(out, fill=fill)
 
 
 # -- running ----------------------------------------------------------------------------------------

@@ -107,8 +107,11 @@ def _plain_pipeline(costs: tuple[tuple[float, float], ...], m: int, p2p: float) 
     return max(free), tuple(peak)
 
 
-def simulate(plan: ExecutionPlan, profile: ModelProfile) -> Simulation:
-    """Play every node's operation order (Eq. 11) and return each pipeline's time (Eq. 10's t_p)."""
+def simulate(plan: ExecutionPlan, profile: ModelProfile, staggered: bool = False) -> Simulation:
+    """Play every node's operation order (Eq. 11) and return each pipeline's time (Eq. 10's t_p).
+
+    ``staggered`` models ReCycle's staggered optimizer for a filled plan, which our runtime does not
+    run (see :func:`_simulate_coupled`); the simulator's ReCycle baseline uses it."""
     per_units: dict[frozenset[int], tuple[float, float, float]] = {}  # thousands of stages, a few distinct ones
 
     def cost(k: int, i: int) -> tuple[float, float, float]:
@@ -129,14 +132,19 @@ def simulate(plan: ExecutionPlan, profile: ModelProfile) -> Simulation:
         for i, s in enumerate(pipe.stages):
             peak[s.node] = per_stage[i]
     if coupled:
-        _simulate_coupled(plan, profile, costs, coupled, times, peak)
+        _simulate_coupled(plan, profile, costs, coupled, times, peak, staggered)
     return Simulation(times, peak)
 
 
 def _simulate_coupled(plan: ExecutionPlan, profile: ModelProfile, costs: list, coupled: frozenset[int],
-                      times: list[float], peak: dict[int, int]) -> None:
+                      times: list[float], peak: dict[int, int], staggered: bool = False) -> None:
     """Play the coupled pipelines' nodes in a global order that respects every dependency: the
-    fault-free slots (plain reroute) or the unit-cost play's slots (filled reroute)."""
+    fault-free slots (plain reroute) or the unit-cost play's slots (filled reroute).
+
+    ``staggered``: each stage updates as soon as its own work is done, so in the steady state the
+    W's a node runs after its last B overlap the next step's warm-up, during which that node waits
+    for its first input (as long as the node's first operation started this step); the node's
+    period is max(end of its last B, end - that wait)."""
     orders = node_operations(plan)
     slot_of = filled_schedule(plan)[1] if plan.fill else None
     split = deferred(plan)
@@ -157,6 +165,8 @@ def _simulate_coupled(plan: ExecutionPlan, profile: ModelProfile, costs: list, c
     ops.sort(key=lambda x: (x[0], x[1].pipeline, x[1].stage, x[1].kind, x[1].micro_batch))
     end: dict[Op, float] = {}
     free: dict[int, float] = {}
+    first: dict[int, float] = {}  # when each node's first operation starts (its warm-up wait)
+    last_b: dict[int, float] = {}  # when its last non-W operation ends
     in_flight: dict[int, int] = {}
     for _, op in ops:
         node = executor_of[op]
@@ -176,9 +186,15 @@ def _simulate_coupled(plan: ExecutionPlan, profile: ModelProfile, costs: list, c
         else:
             in_flight[node] -= 0 if split_here else 1
             dur = b - w if split_here else b
+        first.setdefault(node, max(free.get(node, 0.0), ready))
         end[op] = free[node] = max(free.get(node, 0.0), ready) + dur
+        if op.kind != WEIGHT_GRAD:
+            last_b[node] = end[op]
     for op, t in end.items():
         if op.pipeline in coupled:
+            node = executor_of[op]
+            if staggered:
+                t = min(t, max(last_b[node], free[node] - first[node]))
             times[op.pipeline] = max(times[op.pipeline], t)
 
 
@@ -221,10 +237,10 @@ def node_memory(plan: ExecutionPlan, profile: ModelProfile, peak_in_flight: dict
     return out
 
 
-def estimate_step(plan: ExecutionPlan, profile: ModelProfile) -> StepEstimate:
+def estimate_step(plan: ExecutionPlan, profile: ModelProfile, staggered: bool = False) -> StepEstimate:
     from .restorer import sync_rounds  # restorer depends on the estimator's all-reduce model
 
-    sim = simulate(plan, profile)
+    sim = simulate(plan, profile, staggered)
     rounds = sync_rounds(plan, profile)
     units = profile.units()
     optimizer = max((sum(units[u].optimizer_s for u in held) for held in set(plan.holdings().values())), default=0.0)
@@ -243,12 +259,30 @@ def estimate_step(plan: ExecutionPlan, profile: ModelProfile) -> StepEstimate:
 # -- Eq. 8 ----------------------------------------------------------------------------------------
 
 
-def score(global_batch: int, step_time_s: float, transition_s: float, time_to_next_failure_s: float) -> float:
+def score(global_batch: int, step_time_s: float, transition_s: float, time_to_next_failure_s: float,
+          restart_risk_s: float = 0.0) -> float:
     """Throughput x effective-time ratio (Eq. 8); the time in the new state is the expected time to
-    the next failure minus the transition (floored at zero)."""
+    the next failure minus the transition (floored at zero). ``restart_risk_s`` (see
+    :func:`restart_risk`) is the expected training time the next failure destroys by forcing a
+    checkpoint restart; it counts as time without progress in this state."""
     if not math.isfinite(step_time_s) or step_time_s <= 0:
         return 0.0
     in_state = max(time_to_next_failure_s - transition_s, 0.0)
     total = transition_s + in_state
-    ratio = in_state / total if total > 0 else 1.0
+    ratio = max(in_state - restart_risk_s, 0.0) / total if total > 0 else 1.0
     return global_batch / step_time_s * ratio
+
+
+def fatal_share(plan: ExecutionPlan) -> float:
+    """Share of the live nodes whose loss alone would leave some layer without a live copy."""
+    live = plan._live_nodes
+    if not live:
+        return 0.0
+    critical = {nodes[0] for nodes in plan._holders.values() if len(nodes) == 1}
+    return len(critical) / len(live)
+
+
+def restart_risk(plan: ExecutionPlan, restart_cost_s: float) -> float:
+    """Expected cost of the next failure's checkpoint restart in ``plan`` (the failure hits a node
+    uniformly): P(it hits a node holding a layer's only copy) x (relaunch + load + lost work)."""
+    return fatal_share(plan) * restart_cost_s

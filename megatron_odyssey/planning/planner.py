@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from .errors import PlanningError
-from .estimator import StepEstimate, allreduce_time, estimate_step, score
+from .estimator import StepEstimate, allreduce_time, estimate_step, restart_risk, score
 from .exhaustive import ExhaustiveSearch, SearchStatus, batch_splits
 from .partition import (CHEAP_PLAY_SLOTS, PipelineModel, balanced_multisets, distribute_batch, length_multisets,
                         max_units, split_front, split_layers)
@@ -38,7 +38,10 @@ class PlannerOptions:
     mtbf_hours: float = DEFAULT_MTBF_HOURS  # per device; the next failure is expected after mtbf / devices
     max_multisets_per_dp: int = 2000  # past this, only balanced multisets (two adjacent lengths)
     refine_top: int = 8  # candidates that get the full estimate (sync + optimizer) and batch refinement
-    min_pipelines: int = 2  # keep a live replica of every layer when the survivors allow (see search_layouts)
+    min_pipelines: int = 2  # layouts that keep a live replica of every layer (see search_layouts)
+    # Eq. 8 charges each candidate the expected restart its next failure forces (estimator.restart_risk);
+    # False: instead never choose fewer than min_pipelines pipelines when the survivors allow
+    price_restart_risk: bool = True
     unit_balance_top: int = 4  # of those, how many also try capping units per node (fewer sync rounds)
     screen_top: int = 3  # pipeline counts outside the DP window evaluated after the closed-form screen
     transfer_top: int = 6  # of the fastest layouts, how many get their transfers planned and Eq. 8 scored
@@ -80,6 +83,7 @@ class Candidate:
     transfers: TransferSchedule | None = None
     reason: str = ""
     score: float = 0.0
+    restart_risk_s: float = 0.0  # expected cost of the restart the next failure may force (Eq. 8 extension)
 
     @property
     def feasible(self) -> bool:
@@ -101,6 +105,7 @@ class Candidate:
 
     def summary(self) -> dict[str, Any]:
         return {"policy": self.policy, "fill": self.fill, "step_time_s": _finite(self.step_time_s),
+                "restart_risk_s": self.restart_risk_s,
                 "transition_time_s": self.transition.total_s if self.feasible else None,
                 "score": self.score, "feasible": self.feasible, "reason": self.reason}
 
@@ -198,7 +203,8 @@ class Planner:
         for c in candidates:
             c.transition.search_s = search_s
             if c.feasible:
-                c.score = score(self.global_batch, c.step_time_s, c.transition.total_s, t_next)
+                c.restart_risk_s = self._risk(c.plan)
+                c.score = score(self.global_batch, c.step_time_s, c.transition.total_s, t_next, c.restart_risk_s)
         feasible = [c for c in candidates if c.feasible]
         if not feasible:
             reasons = "; ".join(f"{c.policy}: {c.reason}" for c in candidates)
@@ -239,7 +245,8 @@ class Planner:
             why = (f"no layout of {len(survivors)} nodes fits the model in "
                    f"{self.profile.device_memory_bytes / 2**30:.1f} GiB per device")
             return [Candidate("reconfigure", None, reason=why), Candidate("restart", None, reason=why)]
-        shape = shapes[0]  # fastest steps: what a restart (no transfers) would use
+        shape = max(shapes[: self.options.transfer_top], key=lambda s: score(  # what a restart would use
+            self.global_batch, estimate_step(s, self.profile).step_time_s, 0.0, t_next, self._risk(s)))
         lost = [u for u, nodes in current.holders().items() if not nodes]
         out = []
         if lost:
@@ -248,7 +255,7 @@ class Planner:
         else:
             # Eq. 8 per layout: a slightly slower layout that moves far fewer bytes can win
             best = None
-            for candidate_shape in shapes[: self.options.transfer_top]:
+            for candidate_shape in shapes[: 2 * self.options.transfer_top]:
                 plan, transfers = assign_nodes(current, candidate_shape, self.profile)
                 cand = Candidate("reconfigure", plan, estimate_step(plan, self.profile),
                                  Transition(transfer_s=transfers.time_s(self.profile.transfer_bandwidth_Bps),
@@ -256,7 +263,8 @@ class Planner:
                                  transfers=transfers,
                                  reason=f"{len(plan.pipelines)} pipelines of lengths "
                                         f"{[p.length for p in plan.pipelines]}")
-                cand.score = score(self.global_batch, cand.step_time_s, cand.transition.total_s, t_next)
+                cand.score = score(self.global_batch, cand.step_time_s, cand.transition.total_s, t_next,
+                                   self._risk(plan))
                 if best is None or cand.score > best.score:
                     best = cand
             out.append(best)
@@ -270,6 +278,11 @@ class Planner:
                              reason=why))
         return out
 
+    def _risk(self, plan: ExecutionPlan) -> float:
+        if not self.options.price_restart_risk:
+            return 0.0
+        return restart_risk(plan, self.profile.restart_overhead_s + self.profile.checkpoint_interval_s / 2)
+
     def search_layout(self, num_nodes: int, current_dp: int, current_pp: int) -> ExecutionPlan | None:
         """Algorithm 1: the fastest layout (node ids are placeholders 0..N-1), or None if none fits."""
         layouts = self.search_layouts(num_nodes, current_dp, current_pp)
@@ -278,14 +291,23 @@ class Planner:
     def search_layouts(self, num_nodes: int, current_dp: int, current_pp: int) -> list[ExecutionPlan]:
         """The best few layouts, fastest step first (the caller weighs their transfer costs).
 
-        Layouts keep at least ``min_pipelines`` pipelines when any such layout fits: a single pipeline
-        holds the only copy of every layer, so the next failure would force a checkpoint restart, a
-        cost Eq. 8 does not see (Oobleck keeps f+1 pipelines for the same reason). Only when no
-        layout with that many fits does the search fall back to fewer."""
+        A single pipeline holds the only copy of every layer, so the next failure forces a checkpoint
+        restart. With ``price_restart_risk`` Eq. 8 charges that risk, and the fastest layouts of at
+        least ``min_pipelines`` pipelines are searched too (they would not be among the fastest), so
+        the scoring can choose either. Without it, layouts keep at least ``min_pipelines`` pipelines
+        when any such layout fits (Oobleck's f+1 rule), and only fall back to fewer when none does."""
         self.last_search = None
         if num_nodes < 1:
             return []
         floor = max(1, min(self.options.min_pipelines, num_nodes, self.num_micro_batches))
+        if self.options.price_restart_risk:
+            fastest = self._search_layouts(num_nodes, current_dp, current_pp, 1)
+            if floor <= 1 or all(len(s.pipelines) >= floor for s in fastest[: self.options.transfer_top]):
+                return fastest
+            safe = self._search_layouts(num_nodes, current_dp, current_pp, floor)
+            top = self.options.transfer_top
+            seen = {s.pipelines for s in fastest[:top]}
+            return fastest[:top] + [s for s in safe[:top] if s.pipelines not in seen] + fastest[top:]
         while True:
             found = self._search_layouts(num_nodes, current_dp, current_pp, floor)
             if found or floor <= 1:

@@ -46,9 +46,13 @@ class DeferredWeightGrads:
     """The weight gradients one micro-batch's B left for its W."""
 
     pending: list[_Pending] = field(default_factory=list)
+    later: list[Callable[[], None]] = field(default_factory=list)  # other deferred work (sleep mode)
 
     def apply(self) -> None:
         """W: the weight-gradient GEMMs, in the order B met the layers, then drop the operands."""
+        for work in self.later:
+            work()
+        self.later.clear()
         for p in self.pending:
             grad = p.grad_output.t().matmul(p.total_input)
             target = getattr(p.weight, "main_grad", None)
@@ -72,6 +76,11 @@ def input_gradients_only() -> Iterator[DeferredWeightGrads]:
         yield stash
     finally:
         _ACTIVE.stash = None
+
+
+def active() -> DeferredWeightGrads | None:
+    """The stash of the B running on this thread, if any (for stages with their own weight gradients)."""
+    return getattr(_ACTIVE, "stash", None)
 
 
 def linear_backward(original: Callable[..., Any]) -> Callable[..., Any]:

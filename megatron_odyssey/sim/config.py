@@ -16,7 +16,7 @@ from .errors import SimulationError
 from .profiles import MODEL_NAMES
 
 DEFAULT_POLICIES = ("odyssey", "oobleck", "recycle", "checkpoint", "fault-scaled")
-EXTRA_POLICIES = ("odyssey-f1", "recycle-nofill", "ideal")
+EXTRA_POLICIES = ("odyssey-f1", "odyssey-nofill", "recycle-nofill", "ideal")
 POLICY_NAMES = DEFAULT_POLICIES + EXTRA_POLICIES
 
 
@@ -84,7 +84,8 @@ class SimulationConfig:
     search: str = "heuristic"  # Odyssey planner search
     oobleck_f: int = 1  # Oobleck's fault-tolerance threshold f (>= f+1 pipelines)
     oobleck_rebuild_s: float | None = None  # sensitivity only: Oobleck's own rebuild overhead (None: shared)
-    recycle_residual_bubble: float = 2 / 9  # share of a stage's bubble ReCycle cannot fill
+    recycle_residual_bubble: float = 2 / 9  # share of a stage's bubble ReCycle cannot fill (closed form only)
+    recycle_model: str = "play"  # "play": the estimator's filled-reroute play; "closed-form": the r = 2/9 model
     lose_partial_step: bool = True  # a failure mid-step loses the step's work (half a step on average)
     progress: bool = True
     extra: dict[str, Any] = field(default_factory=dict)  # free-form labels copied into the JSON

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from ..planning.errors import PlanningError
 from ..planning.estimator import estimate_step
@@ -55,16 +56,24 @@ class CostModel:
         self.model = PipelineModel(profile)
         self.unit_bytes = [u.state_bytes for u in profile.units()]
         self._by_shape: dict[Shape, Estimate] = {}
-        self._by_plan: dict[ExecutionPlan, Estimate] = {}
+        self._by_plan: dict[Any, Estimate] = {}  # plan, or ("staggered", plan)
         self._symmetric: dict[int, tuple[int, int, tuple[int, ...]] | None] = {}
         self.templates = TemplateModel(profile)
         self._compute: dict[tuple[int, int], float] = {}
         self._min_nodes: int | None | bool = False
 
     # -- step times --------------------------------------------------------------------------------
-    def estimate(self, plan: ExecutionPlan) -> Estimate:
+    def estimate(self, plan: ExecutionPlan, staggered: bool = False) -> Estimate:
         """The planning estimator's step time (Eq. 10/11 + sync rounds + optimizer), memoised by
-        layout shape for plain plans and by the whole plan for rerouted ones."""
+        layout shape for plain plans and by the whole plan for rerouted ones; ``staggered``: with
+        ReCycle's staggered optimizer (filled plans; the ReCycle baseline only)."""
+        if staggered:
+            key = ("staggered", plan)
+            hit = self._by_plan.get(key)
+            if hit is None:
+                e = estimate_step(plan, self.profile, staggered=True)
+                hit = self._by_plan[key] = Estimate(e.step_time_s, e.fits_memory)
+            return hit
         if not plan.failed and not plan.reroutes:
             key = plan_shape(plan)
             hit = self._by_shape.get(key)
@@ -78,8 +87,8 @@ class CostModel:
             hit = self._by_plan[plan] = Estimate(e.step_time_s, e.fits_memory)
         return hit
 
-    def step_time(self, plan: ExecutionPlan) -> float:
-        return self.estimate(plan).step_time_s
+    def step_time(self, plan: ExecutionPlan, staggered: bool = False) -> float:
+        return self.estimate(plan, staggered).step_time_s
 
     def throughput(self, plan: ExecutionPlan | None) -> float:
         """Samples per second of ``plan`` (0 for no plan)."""

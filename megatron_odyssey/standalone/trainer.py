@@ -11,6 +11,7 @@ normally the agent starts the ranks.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -21,6 +22,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
+from ..runtime import weight_grad
 from ..runtime.config import TrainConfig
 from ..runtime.errors import STARTED_KEY, fail_locally, is_peer_failure, stop_now
 from ..runtime.generation import GenerationRank
@@ -60,7 +62,12 @@ class _Sleep(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        time.sleep(ctx.backward_s)
+        stash = weight_grad.active()
+        if stash is None:
+            time.sleep(ctx.backward_s)
+        else:  # a filled reroute's B: the weight-gradient half (the estimator's default share) waits for W
+            time.sleep(ctx.backward_s / 2)
+            stash.later.append(functools.partial(time.sleep, ctx.backward_s / 2))
         return grad, None, None
 
 

@@ -12,7 +12,8 @@ from .recycle import RecyclePolicy
 
 FACTORIES: dict[str, Callable[[SimContext], Policy]] = {
     "odyssey": OdysseyPolicy,
-    "odyssey-f1": lambda ctx: OdysseyPolicy(ctx, min_pipelines=2),
+    "odyssey-f1": lambda ctx: OdysseyPolicy(ctx, "odyssey-f1", price_restart_risk=False, min_pipelines=2),
+    "odyssey-nofill": lambda ctx: OdysseyPolicy(ctx, "odyssey-nofill", fill=False),
     "oobleck": OobleckPolicy,
     "recycle": RecyclePolicy,
     "recycle-nofill": lambda ctx: RecyclePolicy(ctx, bubble_filling=False),

@@ -61,7 +61,7 @@ class SimContext:
     cost: CostModel
     mtbf_hours: float
     memo: dict[str, dict[Any, Any]] = field(default_factory=dict)
-    _planner: Planner | None = None
+    _planners: dict[tuple, Planner] = field(default_factory=dict)
 
     @classmethod
     def build(cls, config: SimulationConfig, base_profile: ModelProfile, mtbf_hours: float) -> "SimContext":
@@ -94,11 +94,16 @@ class SimContext:
 
     @property
     def planner(self) -> Planner:
-        if self._planner is None:
-            self._planner = Planner(self.profile, self.config.global_batch, self.config.micro_batch,
-                                    PlannerOptions(search=self.config.search, mtbf_hours=self.mtbf_hours,
-                                                   tp=self.config.tp))
-        return self._planner
+        return self.planner_with()
+
+    def planner_with(self, **options: Any) -> Planner:
+        """The planner with the run's search, MTBF and TP and these other options (one per option set)."""
+        key = tuple(sorted(options.items()))
+        if key not in self._planners:
+            self._planners[key] = Planner(self.profile, self.config.global_batch, self.config.micro_batch,
+                                          PlannerOptions(search=self.config.search, mtbf_hours=self.mtbf_hours,
+                                                         tp=self.config.tp, **options))
+        return self._planners[key]
 
     def time_to_next_failure_s(self, nodes: int) -> float:
         """Eq. 8's horizon: per-device MTBF over the devices in use."""

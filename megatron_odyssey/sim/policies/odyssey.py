@@ -7,14 +7,14 @@ because the job was full), we apply the same rule to three candidates: keep the 
 nodes take the places of dead nodes of a rerouted plan (they fetch their layers from a live twin
 while training goes on, as a rejoining ReCycle worker does), or reconfigure onto every node.
 
-``odyssey-f1`` is a diagnostic variant, not the paper's system: the same Planner, but layouts with
-fewer than two pipelines are replaced by the best layout that keeps two (Oobleck's f = 1). Eq. 8 does
-not price the risk of a layout in which some layer has a single copy, and the Planner drifts to one
-long pipeline when that is fastest; the next failure then forces a checkpoint restart.
+Variants (same policy, other planner options): ``odyssey-f1`` never chooses fewer than two pipelines
+when the survivors allow (Oobleck's f = 1) instead of pricing the restart risk in Eq. 8 (the product's
+rule before the risk was priced); ``odyssey-nofill`` has no bubble-filling reroute candidate.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ...planning.errors import PlanningError
 from ...planning.estimator import estimate_step, score
@@ -34,11 +34,10 @@ class _Outcome:
 class OdysseyPolicy(Policy):
     name = "odyssey"
 
-    def __init__(self, ctx, min_pipelines: int = 1):
+    def __init__(self, ctx, name: str = "odyssey", **planner_options: Any):
         super().__init__(ctx)
-        self.min_pipelines = min_pipelines
-        if min_pipelines > 1:
-            self.name = f"odyssey-f{min_pipelines - 1}"
+        self.name = name
+        self.planner = ctx.planner_with(**planner_options)
         self.plan: ExecutionPlan | None = None
         self.stopped = False
         self._fail_memo = ctx.memo_of(f"{self.name}.failure")
@@ -62,7 +61,7 @@ class OdysseyPolicy(Policy):
         if plan is None:
             # Algorithm 1 searches around a current DP; from scratch, take the configured pipeline length
             c = self.ctx.config
-            shape = self.ctx.planner.search_layout(len(nodes), max(1, len(nodes) // c.pp), c.pp)
+            shape = self.planner.search_layout(len(nodes), max(1, len(nodes) // c.pp), c.pp)
             if shape is None:
                 return None
             plan = relabel(shape, nodes)
@@ -87,7 +86,7 @@ class OdysseyPolicy(Policy):
         return then(out.reaction, self.on_add(frozenset(), alive))
 
     def _decide(self, plan: ExecutionPlan, hit: frozenset[int]) -> _Outcome:
-        planner = self.ctx.planner
+        planner = self.planner
         try:
             decision = planner.decide(plan, hit)
         except PlanningError as exc:
@@ -96,51 +95,20 @@ class OdysseyPolicy(Policy):
                                            note=f"no plan fits: {exc}"))
         # Re-score without the measured search time so that the choice is deterministic.
         t_next = decision.time_to_next_failure_s
-        candidates = [c for c in decision.candidates if c.feasible]
-        if self.min_pipelines > 1:
-            candidates = [c for c in candidates if len(c.plan.pipelines) >= self.min_pipelines]
-            candidates += self._redundant_candidates(plan, hit)
         best, best_key = None, None
-        for c in candidates:
+        for c in decision.candidates:
+            if not c.feasible:
+                continue
             t = c.transition.transfer_s + c.transition.overhead_s
-            key = (score(self.ctx.config.global_batch, c.step_time_s, t, t_next), -c.step_time_s)
+            key = (score(self.ctx.config.global_batch, c.step_time_s, t, t_next, c.restart_risk_s), -c.step_time_s)
             if best_key is None or key > best_key:
                 best, best_key = c, key
-        if best is None:
-            return _Outcome(None, Reaction(STOP, 0.0, lose_since_checkpoint=True,
-                                           note=f"no layout with {self.min_pipelines} pipelines fits"))
+        assert best is not None  # decide() raises when no candidate is feasible
         if best.policy == "restart":
             return _Outcome(best.plan, Reaction(RESTART, self.ctx.restart_s, lose_since_checkpoint=True, note=best.reason))
         kind = REROUTE if best.policy == "reroute" else RECONFIGURE
         return _Outcome(best.plan, Reaction(kind, best.transition.transfer_s + best.transition.overhead_s,
                                             note=best.reason))
-
-    def _redundant_candidates(self, plan: ExecutionPlan, hit: frozenset[int]) -> list[Candidate]:
-        """Reconfigure/restart candidates among the Planner's layouts with >= min_pipelines pipelines."""
-        planner, prof = self.ctx.planner, self.ctx.profile
-        dead_view = ExecutionPlan(plan.policy, plan.num_layers, plan.pipelines, failed=plan.failed | hit)
-        survivors = dead_view.live_nodes()
-        typical = max(1, round(len(plan.nodes()) / len(plan.pipelines)))
-        dp = max(self.min_pipelines, len(plan.pipelines))
-        search = getattr(planner, "search_layouts", None)
-        shapes = search(len(survivors), dp, typical) if search else [planner.search_layout(len(survivors), dp, typical)]
-        shapes = [s for s in shapes if s is not None and len(s.pipelines) >= self.min_pipelines]
-        lost = lost_units(plan, hit)
-        out = []
-        for shape in shapes:
-            if lost:
-                restart = relabel(ExecutionPlan("restart", shape.num_layers, shape.pipelines), survivors)
-                out.append(Candidate("restart", restart, estimate_step(restart, prof),
-                                     Transition(overhead_s=prof.restart_overhead_s + prof.checkpoint_interval_s / 2),
-                                     reason="no live copy of some layer: restore the last checkpoint"))
-            else:
-                new_plan, transfers = assign_nodes(dead_view, shape, prof)
-                out.append(Candidate("reconfigure", new_plan, estimate_step(new_plan, prof),
-                                     Transition(transfer_s=transfers.time_s(prof.transfer_bandwidth_Bps),
-                                                overhead_s=prof.rebuild_overhead_s),
-                                     reason=f"{len(new_plan.pipelines)} pipelines of lengths "
-                                            f"{[p.length for p in new_plan.pipelines]} (>= {self.min_pipelines})"))
-        return out
 
     def on_add(self, added, alive):
         if self.plan is None:
@@ -167,18 +135,19 @@ class OdysseyPolicy(Policy):
             est = self.cost.estimate(new_plan)
             if not est.fits_memory:
                 return
-            s = score(gb, est.step_time_s, reaction.transition_s, self.ctx.time_to_next_failure_s(nodes))
+            s = score(gb, est.step_time_s, reaction.transition_s, self.ctx.time_to_next_failure_s(nodes),
+                      self.planner._risk(new_plan))
             options.append((s, rank, new_plan, reaction))
 
-        options.append((score(gb, self.cost.step_time(plan), 0.0, self.ctx.time_to_next_failure_s(len(live))),
-                        2, None, KEEP))
+        options.append((score(gb, self.cost.step_time(plan), 0.0, self.ctx.time_to_next_failure_s(len(live)),
+                              self.planner._risk(plan)), 2, None, KEEP))
         if plan.failed:
             filled = _fill(plan, spare)
             if filled is not None:
                 consider(1, filled, Reaction(FILL, prof.reroute_overhead_s, note="new nodes take dead nodes' places"),
                          len(filled.live_nodes()))
         n = len(live) + len(spare)
-        shape = self.ctx.planner.search_layout(n, len(plan.pipelines), max(1, round(len(plan.nodes()) / len(plan.pipelines))))
+        shape = self.planner.search_layout(n, len(plan.pipelines), max(1, round(len(plan.nodes()) / len(plan.pipelines))))
         if shape is not None:
             holdings = dict(plan.holdings())
             holdings.update({s: frozenset() for s in spare})

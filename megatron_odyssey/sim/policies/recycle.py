@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from ...planning.plan import ExecutionPlan, Pipeline, Stage
 from ...planning.planner import reroute_plan
@@ -73,6 +74,11 @@ class RecyclePolicy(Policy):
         plain = ExecutionPlan(grid.policy, grid.num_layers, grid.pipelines)
         if not failed:
             return self.cost.step_time(plain)
+        if self.bubble_filling and self.ctx.config.recycle_model == "play":
+            rerouted = reroute_plan(plain, failed)
+            if not isinstance(rerouted, ExecutionPlan):
+                return math.inf
+            return self.cost.step_time(replace(rerouted, fill=True), staggered=True)
         if self.bubble_filling:
             counts = tuple(self._counts(grid, failed))
             split, mb = grid.pipelines[0].layer_split(), grid.pipelines[0].micro_batches
