@@ -273,16 +273,29 @@ def score(global_batch: int, step_time_s: float, transition_s: float, time_to_ne
     return global_batch / step_time_s * ratio
 
 
-def fatal_share(plan: ExecutionPlan) -> float:
-    """Share of the live nodes whose loss alone would leave some layer without a live copy."""
-    live = plan._live_nodes
-    if not live:
+#: sizes of failure events and their probabilities: one node at a time (independent failures)
+SINGLE_FAILURES: tuple[tuple[int, float], ...] = ((1, 1.0),)
+
+
+def fatal_probability(plan: ExecutionPlan, bursts: tuple[tuple[int, float], ...] = SINGLE_FAILURES) -> float:
+    """Probability that the next failure event, which takes k live nodes uniformly at random (k drawn
+    from ``bursts``; spot reclaims take several at once), removes every live copy of some layer.
+    Layers held by the same nodes are one event; the union over different holder sets is bounded by
+    the sum (exact for one failure at a time: the sets are then disjoint single nodes)."""
+    n = len(plan._live_nodes)
+    if n == 0:
         return 0.0
-    critical = {nodes[0] for nodes in plan._holders.values() if len(nodes) == 1}
-    return len(critical) / len(live)
+    sets = {tuple(nodes) for nodes in plan._holders.values() if nodes}
+    total = 0.0
+    for k, p in bursts:
+        k = min(k, n)
+        fatal = sum(math.comb(n - len(h), k - len(h)) for h in sets if len(h) <= k) / math.comb(n, k)
+        total += p * min(fatal, 1.0)
+    return total
 
 
-def restart_risk(plan: ExecutionPlan, restart_cost_s: float) -> float:
-    """Expected cost of the next failure's checkpoint restart in ``plan`` (the failure hits a node
-    uniformly): P(it hits a node holding a layer's only copy) x (relaunch + load + lost work)."""
-    return fatal_share(plan) * restart_cost_s
+def restart_risk(plan: ExecutionPlan, restart_cost_s: float,
+                 bursts: tuple[tuple[int, float], ...] = SINGLE_FAILURES) -> float:
+    """Expected cost of the restart the next failure event forces in ``plan``: its probability
+    (:func:`fatal_probability`) x (relaunch + load + half a checkpoint interval of lost work)."""
+    return fatal_probability(plan, bursts) * restart_cost_s

@@ -42,6 +42,7 @@ class PlannerOptions:
     # Eq. 8 charges each candidate the expected restart its next failure forces (estimator.restart_risk);
     # False: instead never choose fewer than min_pipelines pipelines when the survivors allow
     price_restart_risk: bool = True
+    failure_bursts: tuple[tuple[int, float], ...] = ((1, 1.0),)  # (nodes lost together, probability) per event
     unit_balance_top: int = 4  # of those, how many also try capping units per node (fewer sync rounds)
     screen_top: int = 3  # pipeline counts outside the DP window evaluated after the closed-form screen
     transfer_top: int = 6  # of the fastest layouts, how many get their transfers planned and Eq. 8 scored
@@ -61,6 +62,10 @@ class PlannerOptions:
             raise PlanningError(f"--mtbf-hours must be positive, got {self.mtbf_hours}")
         if self.time_limit_s is not None and not self.time_limit_s > 0:
             raise PlanningError(f"--time-limit must be positive seconds, got {self.time_limit_s}")
+        if (not self.failure_bursts or any(not isinstance(k, int) or k < 1 or not 0 <= p <= 1 for k, p in self.failure_bursts)
+                or abs(sum(p for _, p in self.failure_bursts) - 1) > 1e-6):
+            raise PlanningError(f"failure_bursts must be (nodes >= 1, probability) pairs whose probabilities sum to 1, "
+                                f"got {self.failure_bursts!r}")
 
 
 @dataclass
@@ -281,7 +286,8 @@ class Planner:
     def _risk(self, plan: ExecutionPlan) -> float:
         if not self.options.price_restart_risk:
             return 0.0
-        return restart_risk(plan, self.profile.restart_overhead_s + self.profile.checkpoint_interval_s / 2)
+        return restart_risk(plan, self.profile.restart_overhead_s + self.profile.checkpoint_interval_s / 2,
+                            self.options.failure_bursts)
 
     def search_layout(self, num_nodes: int, current_dp: int, current_pp: int) -> ExecutionPlan | None:
         """Algorithm 1: the fastest layout (node ids are placeholders 0..N-1), or None if none fits."""

@@ -58,6 +58,18 @@ def derived_mtbf_hours(config: SimulationConfig, trace: Trace | None) -> float:
     return node_hours * config.tp / removals
 
 
+def derived_failure_bursts(config: SimulationConfig, trace: Trace | None) -> tuple[tuple[int, float], ...]:
+    """How many nodes one failure event takes, for Eq. 8's restart risk: one (Poisson and interval
+    processes), or the trace's distribution of removals per event (spot reclaims come in bursts)."""
+    if config.process != "trace":
+        return ((1, 1.0),)
+    assert trace is not None
+    sizes = [len(e.removed) for e in trace_events(trace, config.horizon_s).events if e.removed]
+    if not sizes:
+        return ((1, 1.0),)
+    return tuple((k, sizes.count(k) / len(sizes)) for k in sorted(set(sizes)))
+
+
 def load_profile(config: SimulationConfig) -> ModelProfile:
     """The job's profile: ``profile`` (a JSON file or a built-in name, as ``odyssey plan --profile``
     takes) or the built-in ``model``; a stage needs at least one layer, so PP must not exceed them."""
@@ -85,7 +97,7 @@ def run_simulation(config: SimulationConfig, on_progress: Callable[[int, int], N
         trace = load_trace(config.trace)
     profile = load_profile(config)
     mtbf = derived_mtbf_hours(config, trace)
-    ctx = SimContext.build(config, profile, mtbf)
+    ctx = SimContext.build(config, profile, mtbf, derived_failure_bursts(config, trace))
     for name in config.policies:  # a policy that cannot run on this job says so before any seed runs
         make_policy(name, ctx)
     seeds = list(range(config.first_seed, config.first_seed + config.seeds))

@@ -60,11 +60,13 @@ class SimContext:
     profile: ModelProfile
     cost: CostModel
     mtbf_hours: float
+    failure_bursts: tuple[tuple[int, float], ...] = ((1, 1.0),)  # nodes per failure event (Eq. 8's restart risk)
     memo: dict[str, dict[Any, Any]] = field(default_factory=dict)
     _planners: dict[tuple, Planner] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, config: SimulationConfig, base_profile: ModelProfile, mtbf_hours: float) -> "SimContext":
+    def build(cls, config: SimulationConfig, base_profile: ModelProfile, mtbf_hours: float,
+              failure_bursts: tuple[tuple[int, float], ...] = ((1, 1.0),)) -> "SimContext":
         ckpt = config.checkpoint_interval_s or base_profile.checkpoint_interval_s
         profile = replace(
             base_profile,
@@ -73,7 +75,7 @@ class SimContext:
             restart_overhead_s=config.relaunch_s + config.checkpoint_load_s,
             checkpoint_interval_s=ckpt)
         cost = CostModel(profile, config.num_micro_batches, config.micro_batch)
-        ctx = cls(config, profile, cost, mtbf_hours)
+        ctx = cls(config, profile, cost, mtbf_hours, failure_bursts)
         if ctx.initial_plan(list(range(config.num_nodes))) is None:
             raise SimulationError(misfit_message(config, profile))
         return ctx
@@ -102,7 +104,8 @@ class SimContext:
         if key not in self._planners:
             self._planners[key] = Planner(self.profile, self.config.global_batch, self.config.micro_batch,
                                           PlannerOptions(search=self.config.search, mtbf_hours=self.mtbf_hours,
-                                                         tp=self.config.tp, **options))
+                                                         tp=self.config.tp, failure_bursts=self.failure_bursts,
+                                                         **options))
         return self._planners[key]
 
     def time_to_next_failure_s(self, nodes: int) -> float:
