@@ -122,7 +122,8 @@ def simulate(plan: ExecutionPlan, profile: ModelProfile, staggered: bool = False
         return per_units[units]
 
     costs = [tuple(cost(k, i) for i in range(pipe.length)) for k, pipe in enumerate(plan.pipelines)]
-    coupled = coupled_pipelines(plan)
+    # a filled plan runs every pipeline's filled order: all of them are played together
+    coupled = frozenset(range(len(plan.pipelines))) if plan.fill else coupled_pipelines(plan)
     times = [0.0] * len(plan.pipelines)
     peak: dict[int, int] = {}
     for k, pipe in enumerate(plan.pipelines):

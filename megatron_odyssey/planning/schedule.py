@@ -7,7 +7,7 @@ order in which each operation comes after everything it depends on, so executing
 blocking receives and non-blocking sends cannot deadlock, and the estimator can play them exactly.
 
 A *filled* rerouted plan (``ExecutionPlan.fill``, ReCycle's decoupled back-propagation) splits the
-backward of every non-first stage of the coupled pipelines (the dead node's and its peers') into B,
+backward of every non-first stage into B,
 which computes only the input gradient the previous stage waits for, and W, the weight gradient,
 which nobody waits for. W is deferred: a node runs a pending W whenever its next operation's input
 has not arrived (a bubble), and the rest at the end of the step. Where the W's go is decided once,
@@ -109,10 +109,12 @@ def coupled_pipelines(plan: ExecutionPlan) -> frozenset[int]:
 
 
 def deferred(plan: ExecutionPlan) -> frozenset[tuple[int, int]]:
-    """(pipeline, stage) whose backward is split into B and a deferred W in ``plan``."""
+    """(pipeline, stage) whose backward is split into B and a deferred W in ``plan``: every stage but
+    the first (whose input gradient nobody waits for) of every pipeline. Splitting only the pipelines a
+    reroute couples would make a further failure that couples more pipelines speed the step up."""
     if not plan.fill:
         return frozenset()
-    return frozenset((k, i) for k in coupled_pipelines(plan) for i in range(1, plan.pipelines[k].length))
+    return frozenset((k, i) for k, p in enumerate(plan.pipelines) for i in range(1, p.length))
 
 
 @lru_cache(maxsize=64)
@@ -124,20 +126,13 @@ def filled_schedule(plan: ExecutionPlan) -> tuple[dict[int, tuple[Op, ...]], dic
     bubbles that adopted work leaves and never delay a B anyone waits for by more than one slot."""
     orders = _slot_ordered_operations(plan)
     split = deferred(plan)
-    coupled = coupled_pipelines(plan)
-    active = {n for n, ops in orders.items() if any(op.pipeline in coupled for op in ops)}
-    out: dict[int, list[Op]] = {n: list(ops) for n, ops in orders.items() if n not in active}
     start: dict[Op, int] = {}
-    for n in out:  # uncoupled pipelines: plain 1F1B slots
-        for op in out[n]:
-            pipe = plan.pipelines[op.pipeline]
-            start[op] = fault_free_slots(pipe.length, pipe.micro_batches)[(op.kind, op.stage, op.micro_batch)]
     end: dict[Op, int] = {}
-    idx = {n: 0 for n in active}
-    free = {n: 0 for n in active}
-    pending: dict[int, list[Op]] = {n: [] for n in active}
-    seq: dict[int, list[Op]] = {n: [] for n in active}
-    busy = sorted(active)
+    idx = {n: 0 for n in orders}
+    free = {n: 0 for n in orders}
+    pending: dict[int, list[Op]] = {n: [] for n in orders}
+    seq: dict[int, list[Op]] = {n: [] for n in orders}
+    busy = sorted(orders)
     pos = plan.position_of()
     t = 0
     while busy:
@@ -168,8 +163,7 @@ def filled_schedule(plan: ExecutionPlan) -> tuple[dict[int, tuple[Op, ...]], dic
                 still.append(n)
         busy = still
         t += 1
-    out.update(seq)
-    return {n: tuple(ops) for n, ops in out.items()}, start
+    return {n: tuple(ops) for n, ops in seq.items()}, start
 
 
 def dependency(op: Op, num_stages: int) -> Op | None:

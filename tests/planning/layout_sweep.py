@@ -22,14 +22,19 @@ def shape(plan) -> list:
     return [[list(p.layer_split()), p.micro_batches] for p in plan.pipelines]
 
 
+#: the sweep compares searches under one rule: at least two pipelines where they fit (Eq. 8's restart
+#: risk, the product's default, decides between the floor's layouts and faster single pipelines later)
+FLOOR = PlannerOptions(price_restart_risk=False)
+
+
 def heuristic_best(pp: int, dp: int, layers: int, failures: int, m: int, options: PlannerOptions | None = None):
     prof = builtin_profile(num_layers=layers, seq_length=SEQ)
-    plan = Planner(prof, m, 1, options or PlannerOptions()).search_layout(pp * dp - failures, dp, pp)
+    plan = Planner(prof, m, 1, options or FLOOR).search_layout(pp * dp - failures, dp, pp)
     return estimate_step(plan, prof).step_time_s, shape(plan)
 
 
 def exhaustive_best(pp: int, dp: int, layers: int, failures: int, m: int) -> tuple[float, list]:
     prof = builtin_profile(num_layers=layers, seq_length=SEQ)
-    options = PlannerOptions(search="exhaustive", search_budget_s=None)
+    options = PlannerOptions(search="exhaustive", search_budget_s=None, price_restart_risk=False)
     plan = Planner(prof, m, 1, options).search_layout(pp * dp - failures, dp, pp)
     return estimate_step(plan, prof).step_time_s, shape(plan)

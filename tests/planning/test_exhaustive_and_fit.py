@@ -57,12 +57,14 @@ def test_time_limit_must_be_positive():
         PlannerOptions(search="exhaustive", time_limit_s=0)
 
 
-def test_small_exhaustive_search_completes_with_its_counted_size():
+@pytest.mark.parametrize("price_risk, layouts", [(True, 1229), (False, 1228)])
+def test_small_exhaustive_search_completes_with_its_counted_size(price_risk, layouts):
+    """Every layout of 7 nodes; under the two-pipeline floor the single pipeline is not one of them."""
     prof = builtin_profile(num_layers=8, seq_length=4096)
-    planner = Planner(prof, 16, 1, PlannerOptions(search="exhaustive"))
+    planner = Planner(prof, 16, 1, PlannerOptions(search="exhaustive", price_restart_risk=price_risk))
     planner.search_layout(7, 4, 2)
     st = planner.last_search
-    assert st.complete and not st.cut_short and st.layouts_done == st.layouts_total == 1228
+    assert st.complete and not st.cut_short and st.layouts_done == st.layouts_total == layouts
 
 
 def test_suggested_layout_fits_where_the_given_one_does_not():
