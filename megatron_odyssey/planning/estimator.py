@@ -9,10 +9,10 @@ reproduces Eq. 9 exactly there.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from .plan import ExecutionPlan
+from .plan import ExecutionPlan, symmetric_plan
 from .profile import LayerCost, ModelProfile
 from .schedule import (BACKWARD, FORWARD, WEIGHT_GRAD, Op, coupled_pipelines, deferred, dependency, fault_free_slots,
                        filled_schedule, node_operations, one_f_one_b)
@@ -122,22 +122,34 @@ def simulate(plan: ExecutionPlan, profile: ModelProfile, staggered: bool = False
         return per_units[units]
 
     costs = [tuple(cost(k, i) for i in range(pipe.length)) for k, pipe in enumerate(plan.pipelines)]
-    # a filled plan runs every pipeline's filled order: all of them are played together
-    coupled = frozenset(range(len(plan.pipelines))) if plan.fill else coupled_pipelines(plan)
+    coupled = coupled_pipelines(plan)
     times = [0.0] * len(plan.pipelines)
     peak: dict[int, int] = {}
     for k, pipe in enumerate(plan.pipelines):
         if k in coupled:
             continue
-        times[k], per_stage = _plain_pipeline(tuple(c[:2] for c in costs[k]), pipe.micro_batches, profile.p2p_s)
+        if plan.fill:
+            times[k], per_stage = _filled_pipeline(costs[k], pipe.micro_batches, profile.p2p_s, staggered)
+        else:
+            times[k], per_stage = _plain_pipeline(tuple(c[:2] for c in costs[k]), pipe.micro_batches, profile.p2p_s)
         for i, s in enumerate(pipe.stages):
             peak[s.node] = per_stage[i]
     if coupled:
-        _simulate_coupled(plan, profile, costs, coupled, times, peak, staggered)
+        _simulate_coupled(plan, profile.p2p_s, costs, coupled, times, peak, staggered)
     return Simulation(times, peak)
 
 
-def _simulate_coupled(plan: ExecutionPlan, profile: ModelProfile, costs: list, coupled: frozenset[int],
+@lru_cache(maxsize=4096)
+def _filled_pipeline(costs: tuple[tuple[float, float, float], ...], m: int, p2p_s: float,
+                     staggered: bool) -> tuple[float, tuple[int, ...]]:
+    """Time and per-stage peak in-flight count of one filled pipeline with its own nodes (memoised)."""
+    lone = replace(symmetric_plan(len(costs), 1, len(costs), m), fill=True)
+    times, peak = [0.0], {}
+    _simulate_coupled(lone, p2p_s, [costs], frozenset({0}), times, peak, staggered)
+    return times[0], tuple(peak.get(s.node, 0) for s in lone.pipelines[0].stages)
+
+
+def _simulate_coupled(plan: ExecutionPlan, p2p_s: float, costs: list, coupled: frozenset[int],
                       times: list[float], peak: dict[int, int], staggered: bool = False) -> None:
     """Play the coupled pipelines' nodes in a global order that respects every dependency: the
     fault-free slots (plain reroute) or the unit-cost play's slots (filled reroute).
@@ -174,7 +186,7 @@ def _simulate_coupled(plan: ExecutionPlan, profile: ModelProfile, costs: list, c
         dep = dependency(op, plan.pipelines[op.pipeline].length)
         ready = 0.0
         if dep is not None:
-            ready = end[dep] + (profile.p2p_s if executor_of[dep] != node else 0.0)
+            ready = end[dep] + (p2p_s if executor_of[dep] != node else 0.0)
         f, b, w = costs[op.pipeline][op.stage]
         split_here = (op.pipeline, op.stage) in split
         if op.kind == FORWARD:

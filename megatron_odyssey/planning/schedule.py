@@ -123,17 +123,50 @@ def filled_schedule(plan: ExecutionPlan) -> tuple[dict[int, tuple[Op, ...]], dic
 
     Forward and backward keep the slot order of :func:`node_operations`; a node whose next operation
     is still waiting for its input runs the oldest pending W instead (one slot), so W's fill the
-    bubbles that adopted work leaves and never delay a B anyone waits for by more than one slot."""
+    bubbles that adopted work leaves and never delay a B anyone waits for by more than one slot.
+    Pipelines no reroute couples play alone, each like every other of its shape (played once)."""
     orders = _slot_ordered_operations(plan)
-    split = deferred(plan)
+    coupled = coupled_pipelines(plan)
+    pos = plan.position_of()
+    active = {n: ops for n, ops in orders.items() if pos[n][0] in coupled}
+    seq, start = _play_filled(plan, active)
+    for n in orders.keys() - active.keys():
+        k, i = pos[n]
+        pipe = plan.pipelines[k]
+        ops = []
+        for slot, kind, j in lone_filled_pipeline(pipe.length, pipe.micro_batches)[i]:
+            op = Op(kind, k, i, j)
+            start[op] = slot
+            ops.append(op)
+        seq[n] = tuple(ops)
+    return seq, start
+
+
+@lru_cache(maxsize=256)
+def lone_filled_pipeline(num_stages: int, num_micro_batches: int) -> tuple[tuple[tuple[int, str, int], ...], ...]:
+    """Per stage, (slot, kind, micro-batch) of one filled pipeline that shares no node with another."""
+    from .plan import symmetric_plan
+
+    plan = symmetric_plan(num_stages, 1, num_stages, num_micro_batches)
+    seq, start = _play_filled(plan, _slot_ordered_operations(plan))
+    node_stage = {s.node: i for i, s in enumerate(plan.pipelines[0].stages)}
+    out: list[tuple[tuple[int, str, int], ...]] = [()] * num_stages
+    for n, ops in seq.items():
+        out[node_stage[n]] = tuple((start[op], op.kind, op.micro_batch) for op in ops)
+    return tuple(out)
+
+
+def _play_filled(plan: ExecutionPlan, orders: dict[int, list[Op]]) -> tuple[dict[int, tuple[Op, ...]], dict[Op, int]]:
+    """The unit-cost play of :func:`filled_schedule` for the nodes in ``orders`` (which must include
+    every node their operations depend on)."""
     start: dict[Op, int] = {}
     end: dict[Op, int] = {}
     idx = {n: 0 for n in orders}
     free = {n: 0 for n in orders}
     pending: dict[int, list[Op]] = {n: [] for n in orders}
     seq: dict[int, list[Op]] = {n: [] for n in orders}
+    cap = {n: plan.pipelines[ops[0].pipeline].length if ops else 1 for n, ops in orders.items()}
     busy = sorted(orders)
-    pos = plan.position_of()
     t = 0
     while busy:
         still = []
@@ -141,11 +174,11 @@ def filled_schedule(plan: ExecutionPlan) -> tuple[dict[int, tuple[Op, ...]], dic
             ops = orders[n]
             if free[n] <= t:
                 op = ops[idx[n]] if idx[n] < len(ops) else None
-                dep = dependency(op, plan.pipelines[op.pipeline].length) if op is not None else None
-                if len(pending[n]) >= plan.pipelines[pos[n][0]].length:  # bound the activations held for W
+                if len(pending[n]) >= cap[n]:  # bound the activations held for W
                     op = None
+                dep = dependency(op, plan.pipelines[op.pipeline].length) if op is not None else None
                 if op is not None and (dep is None or end.get(dep, t + 1) <= t):
-                    if op.kind == BACKWARD and (op.pipeline, op.stage) in split:
+                    if op.kind == BACKWARD and op.stage > 0:
                         dur = 1
                         pending[n].append(Op(WEIGHT_GRAD, op.pipeline, op.stage, op.micro_batch))
                     else:

@@ -234,3 +234,37 @@ def test_losing_many_nodes_at_once_still_finds_a_layout():
     assert decision.policy in ("reroute", "reconfigure")
     reconf = next(c for c in decision.candidates if c.policy == "reconfigure")
     assert reconf.feasible and len(reconf.plan.live_nodes()) == 5
+
+
+# -- Eq. 8 with the restart risk of the next failure (instead of a two-pipeline floor) ------------------
+
+def test_fatal_probability_hand_computed():
+    from megatron_odyssey.planning.estimator import fatal_probability
+
+    two = symmetric_plan(2, 2, 4, 4)  # stage 0 on one pair of nodes, stage 1 on the other
+    assert fatal_probability(two) == 0.0  # one node at a time never takes both copies
+    assert fatal_probability(two, ((2, 1.0),)) == pytest.approx(2 / 6)  # 2 of the C(4,2) pairs are a stage
+    assert fatal_probability(two, ((3, 1.0),)) == 1.0  # any 3 nodes contain one stage's pair
+    assert fatal_probability(two, ((1, 0.5), (2, 0.5))) == pytest.approx(1 / 6)
+    assert fatal_probability(symmetric_plan(4, 1, 4, 4)) == 1.0  # one pipeline: every node is fatal
+
+
+@pytest.mark.parametrize("mtbf_hours, lengths", [(0.5, [4, 3]), (500.0, [7])])
+def test_restart_risk_chooses_between_one_fast_pipeline_and_two_safe_ones(mtbf_hours, lengths):
+    """7 survivors of 4 x 2: one pipeline of 7 steps 1.4x faster than [4, 3], but its next failure forces
+    a checkpoint restart (300 s + half of 30 min lost, 1200 s). With failures every few minutes per
+    cluster that risk outweighs the speed; with rare failures it does not. The floor rule keeps [4, 3]
+    in both cases."""
+    prof = builtin_profile(num_layers=32, seq_length=2048)
+    priced = Planner(prof, 8, 1, PlannerOptions(mtbf_hours=mtbf_hours, fill=False)).decide(symmetric_plan(4, 2, 32, 8), {7})
+    assert priced.policy == "reconfigure" and [p.length for p in priced.plan.pipelines] == lengths
+    assert priced.chosen.restart_risk_s == (1200.0 if lengths == [7] else 0.0)
+    floor = Planner(prof, 8, 1, PlannerOptions(mtbf_hours=mtbf_hours, fill=False, price_restart_risk=False))
+    assert [p.length for p in floor.decide(symmetric_plan(4, 2, 32, 8), {7}).plan.pipelines] == [4, 3]
+
+
+def test_failure_bursts_must_be_a_distribution():
+    with pytest.raises(PlanningError, match="failure_bursts"):
+        PlannerOptions(failure_bursts=((2, 0.5),))
+    with pytest.raises(PlanningError, match="failure_bursts"):
+        PlannerOptions(failure_bursts=((0, 1.0),))

@@ -43,15 +43,18 @@ def stock(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[str, ...]
     return its
 
 
-@pytest.mark.parametrize("policy", ["reroute", "reconfigure"])
+@pytest.mark.parametrize("policy", ["reroute", "fill", "reconfigure"])
 def test_pretrain_gpt_survives_a_killed_rank(stock: dict, tmp_path: Path, policy: str) -> None:
+    """fill: the bubble-filling reroute, B through Megatron's own linear layers, W into main_grad."""
     job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--odyssey-policy", policy, "--odyssey-inject-fault",
-                                      "step=2,rank=1,phase=backward,kind=kill"], _port(10 if policy == "reroute" else 20))
+                                      "step=2,rank=1,phase=backward,kind=kill"],
+                      _port({"reroute": 10, "reconfigure": 20, "fill": 470}[policy]))
     assert job.returncode == 0, job.logs[-4000:]
     report = job.report
     assert [s["step"] for s in report["steps"]] == list(range(ITERS))  # training continued and finished
     (failure,) = report["failures"]
-    assert failure["ranks"] == [1] and failure["policy"] == policy
+    assert failure["ranks"] == [1] and failure["policy"] == ("reroute" if policy == "fill" else policy)
+    assert failure["fill"] == (policy == "fill")
     # no survivor waited out a timeout (120 s): generation 0 is Megatron's own DDP and p2p, whose gloo
     # sockets its data-loader workers also hold (see world.shut_connections)
     assert failure["recovery_s"] < 30, failure
