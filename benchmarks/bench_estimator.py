@@ -229,7 +229,7 @@ def plot(result: dict, path: Path) -> None:
 
     rs = result["rows"]
     x = range(len(rs))
-    fig, ax = plt.subplots(figsize=(8, 4.2))
+    fig, ax = plt.subplots(figsize=(9, 4.6))
     w = 0.38
     ax.bar([i - w / 2 for i in x], [r["measured_s"] for r in rs], w, label="measured (median)", color="#4c72b0",
            yerr=[[r["measured_s"] - r["min_s"] for r in rs], [r["max_s"] - r["measured_s"] for r in rs]], capsize=3)
@@ -242,8 +242,8 @@ def plot(result: dict, path: Path) -> None:
     ax.set_ylabel("step time (s)")
     ax.set_title(f"Estimator vs runtime, sleep mode {result['forward_ms']:g}/{result['backward_ms']:g} ms per layer "
                  f"(error target {TARGET_PCT:g}%)", fontsize=10)
-    ax.legend(loc="upper left", fontsize=9)
-    ax.set_ylim(0, 1.2 * max(max(r["measured_s"], r["predicted_s"]) for r in rs))
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2, fontsize=9, frameon=False)
+    ax.set_ylim(0, 1.15 * max(max(r["max_s"], r["predicted_s"]) for r in rs))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -309,10 +309,30 @@ def markdown(result: dict, args: argparse.Namespace) -> str:
                                   for r in rs if abs(r["error_pct"]) >= TARGET_PCT) + ". ")
         + "The machine is shared (see the load average): a job that overlaps a burst of other work runs "
         "slow, which moves single plans by a few percent between runs; the min-max column shows the spread.",
+        *filling_lines(rs),
         *lockstep_lines(result),
         END,
     ]
     return "\n".join(line for line in lines if line is not None)
+
+
+def filling_lines(rs: list[dict]) -> list[str]:
+    """Filled against plain reroute of the same failure, and against the fault-free step, in this run."""
+    by = {r["name"]: r for r in rs}
+    pairs = [(f"filled-s{s}", f"rerouted-s{s}") for s in (0, 1) if f"filled-s{s}" in by and f"rerouted-s{s}" in by]
+    if not pairs or "symmetric" not in by:
+        return []
+    sym = by["symmetric"]
+    out = ["", "Bubble filling, side by side in this run (same failure; medians):", "",
+           "| failure | fault-free (s) | plain reroute (s) | filled reroute (s) | filled / plain measured | "
+           "filled / plain predicted | filled / fault-free |", "|---|---|---|---|---|---|---|"]
+    for f, p in pairs:
+        a, b = by[f], by[p]
+        out.append(f"| node {1 if f.endswith('0') else 5} ({'stage 0' if f.endswith('0') else 'stage 1'}) | "
+                   f"{sym['measured_s']:.4f} | {b['measured_s']:.4f} | {a['measured_s']:.4f} | "
+                   f"{a['measured_s'] / b['measured_s']:.3f} | {a['predicted_s'] / b['predicted_s']:.3f} | "
+                   f"{a['measured_s'] / sym['measured_s']:.3f} |")
+    return out
 
 
 def lockstep_lines(result: dict) -> list[str]:
