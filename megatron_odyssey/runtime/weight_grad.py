@@ -53,15 +53,16 @@ class DeferredWeightGrads:
         for work in self.later:
             work()
         self.later.clear()
-        for p in self.pending:
-            grad = p.grad_output.t().matmul(p.total_input)
-            target = getattr(p.weight, "main_grad", None)
-            if target is not None:  # Megatron's DDP: its hook would have added param.grad here
-                target.add_(grad.to(target.dtype))
-            elif p.weight.grad is None:
-                p.weight.grad = grad.to(p.weight.dtype)
-            else:
-                p.weight.grad.add_(grad)
+        with torch.no_grad():  # a gradient, not part of any graph
+            for p in self.pending:
+                grad = p.grad_output.t().matmul(p.total_input)
+                target = getattr(p.weight, "main_grad", None)
+                if target is not None:  # Megatron's DDP: its hook would have added param.grad here
+                    target.add_(grad.to(target.dtype))
+                elif p.weight.grad is None:
+                    p.weight.grad = grad.to(p.weight.dtype)
+                else:
+                    p.weight.grad.add_(grad)
         self.pending.clear()
 
 
@@ -93,6 +94,7 @@ def linear_backward(original: Callable[..., Any]) -> Callable[..., Any]:
         if stash is None or getattr(ctx, "grad_output_buffer", None) is not None:
             return original(ctx, grad_output)  # (Megatron's own embedding-wgrad deferral: leave it)
         inp, weight = ctx.saved_tensors
+        inp = inp.detach()  # W's operand, kept past this graph (saved activations carry requires_grad)
         tp_group = getattr(ctx, "tp_group", None)
         total_input = inp
         if ctx.sequence_parallel:
@@ -107,7 +109,7 @@ def linear_backward(original: Callable[..., Any]) -> Callable[..., Any]:
             grad_input = scattered
         elif ctx.allreduce_dgrad:
             dist.all_reduce(grad_input, group=tp_group)
-        go2 = grad_output.reshape(-1, grad_output.shape[-1])
+        go2 = grad_output.detach().reshape(-1, grad_output.shape[-1])
         stash.pending.append(_Pending(weight, go2, total_input.reshape(-1, total_input.shape[-1])))
         grad_bias = go2.sum(dim=0) if ctx.use_bias else None
         return (grad_input, None, grad_bias) + (None,) * (num_inputs - 3)
