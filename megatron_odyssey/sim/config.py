@@ -16,7 +16,7 @@ from .errors import SimulationError
 from .profiles import MODEL_NAMES
 
 DEFAULT_POLICIES = ("odyssey", "oobleck", "recycle", "checkpoint", "fault-scaled")
-EXTRA_POLICIES = ("odyssey-f1", "odyssey-nofill", "recycle-nofill", "ideal")
+EXTRA_POLICIES = ("odyssey-f1", "odyssey-nofill", "recycle-nofill", "recycle-nostagger", "ideal")
 POLICY_NAMES = DEFAULT_POLICIES + EXTRA_POLICIES
 
 

@@ -22,6 +22,11 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.3g} h"
 
 
+def policy_name(entry: dict[str, Any]) -> str:
+    """A failure's or candidate's policy, the bubble-filling reroute told apart."""
+    return f"{entry['policy']}+fill" if entry.get("fill") else entry["policy"]
+
+
 def explain_failure(failure: dict[str, Any], global_batch: int) -> str:
     """One line: why the chosen policy's Eq. 8 score beat the runner-up's, the time to the next failure
     it assumed, whether the planner's default MTBF would have changed it, and where the decision came
@@ -29,13 +34,14 @@ def explain_failure(failure: dict[str, Any], global_batch: int) -> str:
     ranks = ", ".join(str(r) for r in failure["ranks"])
     head = f"step {failure['step']}, rank {ranks} ({failure.get('phase') or 'unknown phase'})"
     feasible = sorted((c for c in failure.get("candidates", []) if c["feasible"]), key=lambda c: -c["score"])
-    chosen = next((c for c in feasible if c["policy"] == failure["policy"]), None)
+    chosen = next((c for c in feasible if c["policy"] == failure["policy"]
+                   and c.get("fill", False) == failure.get("fill", False)), None)
     if chosen is None:
         return f"{head}: {failure['policy'] or 'no policy'} ({failure.get('reason', '')})"
     others = [c for c in feasible if c is not chosen]
-    line = f"{head}: [bold]{chosen['policy']}[/], Eq. 8 score {chosen['score']:.4g}"
+    line = f"{head}: [bold]{policy_name(chosen)}[/], Eq. 8 score {chosen['score']:.4g}"
     if others:
-        line += " vs " + ", ".join(f"{c['policy']} {c['score']:.4g}" for c in others)
+        line += " vs " + ", ".join(f"{policy_name(c)} {c['score']:.4g}" for c in others)
     t_next = failure.get("time_to_next_failure_s") or 0.0
     mtbf = failure.get("mtbf_hours") or 0.0
     live = round(mtbf * 3600 / t_next) if t_next else 0
@@ -44,22 +50,22 @@ def explain_failure(failure: dict[str, Any], global_batch: int) -> str:
         speedup = rival["step_time_s"] / chosen["step_time_s"] - 1
         extra = rival["transition_time_s"] - chosen["transition_time_s"]
         if speedup >= 0 and extra >= 0:
-            line += f": faster steps and a shorter transition than {rival['policy']}"
+            line += f": faster steps and a shorter transition than {policy_name(rival)}"
         elif speedup < 0 <= extra:
-            line += (f": {rival['policy']}'s steps would be {-speedup / (1 + speedup):.0%} faster, but its "
+            line += (f": {policy_name(rival)}'s steps would be {-speedup / (1 + speedup):.0%} faster, but its "
                      f"{rival['transition_time_s']:.2g} s transition (vs {chosen['transition_time_s']:.2g} s) "
                      f"costs more")
         else:
-            line += (f": its steps are {speedup:.0%} faster than {rival['policy']}'s, which outweighs its "
+            line += (f": its steps are {speedup:.0%} faster than {policy_name(rival)}'s, which outweighs its "
                      f"{-extra:.2g} s longer transition")
     if t_next:
         line += f" in the {_duration(t_next)} to the next expected failure (MTBF {mtbf:.3g} h / {live} devices"
         if mtbf < DEFAULT_MTBF_HOURS and others:
             default_t = DEFAULT_MTBF_HOURS * 3600 / max(live, 1)
             best = max(feasible, key=lambda c: (score(global_batch, c["step_time_s"], c["transition_time_s"],
-                                                      default_t), -c["step_time_s"]))
+                                                      default_t, c.get("restart_risk_s", 0.0)), -c["step_time_s"]))
             if best is not chosen:
-                line += f"; at {DEFAULT_MTBF_HOURS:,.0f} h {best['policy']} would win"
+                line += f"; at {DEFAULT_MTBF_HOURS:,.0f} h {policy_name(best)} would win"
         line += ")"
     source = "from the plan cache" if failure.get("cached") else "planned on demand"
     return line + f"; {source} in {failure['decision_s'] * 1e3:.1f} ms"
@@ -88,10 +94,10 @@ def print_summary(console, report: dict[str, Any], global_batch: int, wall_s: fl
                 "candidates (step s / transition s / score)"):
         table.add_column(col)
     for f in report["failures"]:
-        cands = "; ".join(f"{c['policy']}: {_num(c['step_time_s'])}/{_num(c['transition_time_s'])}/{c['score']:.0f}"
+        cands = "; ".join(f"{policy_name(c)}: {_num(c['step_time_s'])}/{_num(c['transition_time_s'])}/{c['score']:.0f}"
                           for c in f["candidates"])
         decision = f"{f['decision_s'] * 1e3:.1f}" + (" (cache)" if f.get("cached") else "")
-        table.add_row(str(f["step"]), str(f["ranks"]), f["phase"], f"[bold]{f['policy']}", f"{f['detection_s']:.3f}",
+        table.add_row(str(f["step"]), str(f["ranks"]), f["phase"], f"[bold]{policy_name(f)}", f"{f['detection_s']:.3f}",
                       decision, f"{f['transfer_s']:.3f}", f"{f['recovery_s']:.2f}", cands)
     console.print(table)
     for f in report["failures"]:
@@ -143,7 +149,7 @@ def run_description(report: dict[str, Any]) -> tuple[str, str | None]:
 
 def failure_label(f: dict[str, Any]) -> str:
     ranks = ", ".join(str(r) for r in f["ranks"])
-    return f"rank {ranks} fails (step {f['step']}) -> {f['policy'] or 'stop'}"
+    return f"rank {ranks} fails (step {f['step']}) -> {policy_name(f) or 'stop'}"
 
 
 def plot_report(report: dict[str, Any], path: str | Path, keep: bool = False):

@@ -17,6 +17,7 @@ FACTORIES: dict[str, Callable[[SimContext], Policy]] = {
     "oobleck": OobleckPolicy,
     "recycle": RecyclePolicy,
     "recycle-nofill": lambda ctx: RecyclePolicy(ctx, bubble_filling=False),
+    "recycle-nostagger": lambda ctx: RecyclePolicy(ctx, staggered=False),
     "checkpoint": CheckpointPolicy,
     "fault-scaled": FaultScaledPolicy,
     "ideal": IdealPolicy,

@@ -28,11 +28,14 @@ from .base import FILL, KEEP, REROUTE, RESTART, START, STOP, Policy, Reaction, t
 class RecyclePolicy(Policy):
     name = "recycle"
 
-    def __init__(self, ctx, bubble_filling: bool = True):
+    def __init__(self, ctx, bubble_filling: bool = True, staggered: bool = True):
         super().__init__(ctx)
         self.bubble_filling = bubble_filling
+        self.staggered = staggered
         if not bubble_filling:
             self.name = "recycle-nofill"
+        elif not staggered:
+            self.name = "recycle-nostagger"
         self.grid: ExecutionPlan | None = None  # the layout, dead nodes still in place
         self.failed: frozenset[int] = frozenset()
         self.stopped = False
@@ -78,7 +81,7 @@ class RecyclePolicy(Policy):
             rerouted = reroute_plan(plain, failed)
             if not isinstance(rerouted, ExecutionPlan):
                 return math.inf
-            return self.cost.step_time(replace(rerouted, fill=True), staggered=True)
+            return self.cost.step_time(replace(rerouted, fill=True), staggered=self.staggered)
         if self.bubble_filling:
             counts = tuple(self._counts(grid, failed))
             split, mb = grid.pipelines[0].layer_split(), grid.pipelines[0].micro_batches
