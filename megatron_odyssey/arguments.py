@@ -10,7 +10,7 @@ import argparse
 import math
 from typing import Any
 
-POLICIES = ("auto", "reroute", "fill", "reconfigure")
+POLICIES = ("auto", "reroute", "fill", "reconfigure", "normalise")
 
 # Megatron features whose state or communication is laid out for one uniform grid; each would be
 # silently wrong (or hang) on a rerouted or asymmetric plan. (attribute, flag, why)
@@ -41,8 +41,8 @@ def add_odyssey_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="enable failure recovery by rerouting or re-arranging pipelines in-process")
     g.add_argument("--odyssey-policy", choices=POLICIES, default="auto",
                    help="auto: the performance model chooses per failure; reroute (1F1B), fill (reroute with "
-                        "weight gradients deferred into pipeline bubbles), reconfigure: force one when feasible "
-                        "(default: auto)")
+                        "weight gradients deferred into pipeline bubbles), reconfigure, normalise (a few nodes "
+                        "change stage so failures spread, then reroute): force one when feasible (default: auto)")
     g.add_argument("--odyssey-max-cached-failures", type=int, default=1, metavar="K",
                    help="precompute plans for every set of up to K failed nodes (0: plan on demand; default 1)")
     g.add_argument("--odyssey-mtbf-hours", type=float, default=None, metavar="H",

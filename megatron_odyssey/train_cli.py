@@ -38,9 +38,10 @@ def add_train_arguments(p: argparse.ArgumentParser, defaults: TrainConfig) -> No
                         "kind=kill|hang|slow|error (repeatable; error: the rank raises, as a local bug would)"
                         + (f"; replaces the built-in faults ({'; '.join(d.fail)}); --fail none: no faults"
                            if d.fail else ""))
-    p.add_argument("--policy", choices=("auto", "reroute", "fill", "reconfigure"), default=d.policy,
+    p.add_argument("--policy", choices=("auto", "reroute", "fill", "reconfigure", "normalise"), default=d.policy,
                    help="auto: the planner chooses by Eq. 8; else force a policy where it is feasible (fill: "
-                        "reroute with weight gradients deferred into pipeline bubbles)")
+                        "reroute with weight gradients deferred into pipeline bubbles; normalise: a few "
+                        "nodes change stage so failures spread, then reroute)")
     p.add_argument("--save-params", default=d.save_params, help="write the gathered fp32 state dict here")
     p.add_argument("--report", default=d.report, help="write the JSON report here")
     p.add_argument("--plan", default=None, help="run this plan JSON (an execution plan, or `odyssey plan --json` "

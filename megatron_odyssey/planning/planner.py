@@ -21,7 +21,8 @@ from .partition import (CHEAP_PLAY_SLOTS, PipelineModel, balanced_multisets, dis
                         max_units, split_front, split_layers)
 from .plan import ExecutionPlan, Reroute, layout
 from .profile import ModelProfile
-from .restorer import TransferSchedule, assign_nodes
+from .normalise import normalised_grid
+from .restorer import TransferSchedule, assign_nodes, schedule_transfers
 
 SEARCH_MODES = ("heuristic", "exhaustive")
 FEW_PIPELINES = 4  # layouts of at most this many pipelines may try every batch split (_few_pipeline_batches)
@@ -51,6 +52,7 @@ class PlannerOptions:
     cheap_play_slots: int = CHEAP_PLAY_SLOTS  # screened pipeline counts and every-batch-split tries: only where a
     #                                           pipeline plays at most this many stage x micro-batch slots
     fill: bool = True  # also offer the bubble-filling reroute (decoupled backward)
+    normalise: bool = True  # also offer ReCycle's failure normalisation (a few nodes change stage, then reroute)
     tp: int = 1
     time_limit_s: float | None = None  # exhaustive search: stop here and keep the best layout found so far
     search_budget_s: float | None = 60.0  # exhaustive search without a time limit: refuse past this estimate
@@ -105,8 +107,14 @@ class Candidate:
 
     @property
     def kind(self) -> str:
-        """The policy, with the filled reroute told apart ('fill'): what --policy forces."""
-        return "fill" if self.fill else self.policy
+        """The policy, with the filled reroute ('fill') and the normalised reroute ('normalise': a
+        reconfiguration that keeps dead nodes' places and reroutes their work) told apart: what
+        --policy forces."""
+        if self.policy == "reroute":
+            return "fill" if self.fill else "reroute"
+        if self.policy == "reconfigure" and self.plan is not None and self.plan.reroutes:
+            return "normalise"
+        return self.policy
 
     def summary(self) -> dict[str, Any]:
         return {"policy": self.policy, "fill": self.fill, "step_time_s": _finite(self.step_time_s),
@@ -203,7 +211,8 @@ class Planner:
             raise PlanningError("every node has failed: nothing left to plan on")
         dead_view = ExecutionPlan(current.policy, current.num_layers, current.pipelines, failed=failed)
         t_next = self.options.mtbf_hours * 3600.0 / (len(survivors) * self.options.tp)
-        candidates = [*self._reroutes(current, failed), *self._reconfigure_and_restart(dead_view, survivors, t_next)]
+        candidates = [*self._reroutes(current, failed), *self._reconfigure_and_restart(dead_view, survivors, t_next),
+                      *self._normalised_reroutes(dead_view)]
         search_s = time.perf_counter() - start
         for c in candidates:
             c.transition.search_s = search_s
@@ -232,6 +241,35 @@ class Planner:
                                                "batches run on data-parallel peers, weight gradients deferred into "
                                                "pipeline bubbles"))
         return out
+
+    def _normalised_reroutes(self, dead_view: ExecutionPlan) -> list[Candidate]:
+        """ReCycle's failure normalisation as a reconfiguration: on a uniform grid, a few live nodes move
+        to the stages that lost most replicas (they fetch those layers), then the dead nodes' work is
+        rerouted, plain and filled. Offered only when it moves someone and every stage keeps a replica."""
+        if not self.options.normalise:
+            return []
+        failed = dead_view.failed
+        out = normalised_grid(dead_view, failed)
+        if out is None:
+            return []
+        moved, targets = out
+        rerouted = reroute_plan(moved, failed)
+        if isinstance(rerouted, str):
+            return []
+        transfers = schedule_transfers(dead_view.holdings(), targets, [u.state_bytes for u in self.profile.units()])
+        why = (f"failure normalisation: node(s) {sorted(targets)} move to the stages that lost most replicas, "
+               "then the dead nodes' micro-batches run on data-parallel peers")
+        cands = []
+        for fill in ((False, True) if self.options.fill else (False,)):
+            plan = replace(rerouted, policy="reconfigure", fill=fill, reason=why)
+            c = self._reroute_candidate(plan, why + (", weight gradients deferred into bubbles" if fill else ""))
+            if c.feasible:
+                c.policy = "reconfigure"
+                c.transfers = transfers
+                c.transition = Transition(transfer_s=transfers.time_s(self.profile.transfer_bandwidth_Bps),
+                                          overhead_s=self.profile.rebuild_overhead_s)
+                cands.append(c)
+        return cands
 
     def _reroute_candidate(self, plan: ExecutionPlan, reason: str) -> Candidate:
         step = estimate_step(plan, self.profile)

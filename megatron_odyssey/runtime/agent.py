@@ -812,9 +812,9 @@ class Agent:
         """The planner's choice, or the forced policy when it is feasible (else say why not)."""
         if self.cfg.policy == "auto":
             return decision.chosen
+        family = {"fill": "reroute", "normalise": "reconfigure"}.get(self.cfg.policy, self.cfg.policy)
         forced = next((c for c in decision.candidates if c.kind == self.cfg.policy),
-                      next(c for c in decision.candidates if c.policy == ("reroute" if self.cfg.policy == "fill"
-                                                                          else self.cfg.policy)))
+                      next(c for c in decision.candidates if c.policy == family))
         if forced.feasible and forced.kind == self.cfg.policy:
             return forced
         self.log(f"--policy {self.cfg.policy} is not possible here ({forced.reason}); using {decision.policy}")

@@ -42,7 +42,7 @@ class TrainConfig:
     timeout_s: float = 120.0
     # fault tolerance
     fail: list[str] = field(default_factory=list)  # --fail specs (runtime.faults.FailSpec text)
-    policy: str = "auto"  # auto | reroute | fill | reconfigure
+    policy: str = "auto"  # auto | reroute | fill | reconfigure | normalise
     heartbeat_interval_s: float = 0.2
     heartbeat_timeout_s: float = 5.0  # 2-core CI with 8 ranks; use 30-60 s on real clusters
     # progress (not liveness): a rank working inside a step that makes no progress for soft_timeout_s is
@@ -86,8 +86,8 @@ class TrainConfig:
             raise PlanningError(f"--hidden {self.hidden} is not divisible by --heads {self.heads}")
         if self.heads % self.tp or self.vocab % self.tp:
             raise PlanningError(f"--heads {self.heads} and the vocabulary {self.vocab} must be divisible by --tp {self.tp}")
-        if self.policy not in ("auto", "reroute", "fill", "reconfigure"):
-            raise PlanningError(f"--policy must be auto, reroute, fill or reconfigure, got {self.policy!r}")
+        if self.policy not in ("auto", "reroute", "fill", "reconfigure", "normalise"):
+            raise PlanningError(f"--policy must be auto, reroute, fill, reconfigure or normalise, got {self.policy!r}")
         if not self.heartbeat_timeout_s > self.heartbeat_interval_s:
             raise PlanningError(f"--heartbeat-timeout must be longer than the heartbeat interval "
                                 f"{self.heartbeat_interval_s} s, got {self.heartbeat_timeout_s}")

@@ -1,5 +1,5 @@
-"""ReCycle's planner pieces (Gandhi et al., SOSP '24; ``papers/recycle-slides.txt``): failure
-normalisation and the step time of its adaptive schedule.
+"""ReCycle's adaptive-schedule closed form (Gandhi et al., SOSP '24; ``papers/recycle-slides.txt``), the
+simulator's ``recycle_model="closed-form"``; failure normalisation lives in ``planning.normalise``.
 
 Failure normalisation (slides' Algorithm 1) decides how many of the F failed workers each of the PP
 stages should carry so that rerouted work fits the pipeline bubbles best; ReCycle realises the
@@ -31,44 +31,9 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+from ..planning.normalise import failure_normalisation, normalisation_cost
 
-def normalisation_cost(f: int, mb: int, dp: int, pp: int) -> float:
-    """Slides' COST(f) with the ``min`` typo fixed to ``max``; infinite once a stage has no replica left."""
-    if f <= 0:
-        return 0.0
-    if f >= dp:
-        return math.inf
-    return float(max(0, mb * f * 3 - (dp - f) * (pp - 1) * 3))
-
-
-def failure_normalisation(dp: int, pp: int, mb: int, failures: int) -> tuple[list[int], float]:
-    """Algorithm 1 (FAILURE_NORMALIZATION): failures per stage minimising the summed COST.
-
-    ``O[i][f]`` is the least cost of placing f failures on stages 0..i and ``A[i][f]`` the placement.
-    Ties (common: COST is 0 while bubbles absorb the work) go to the placement with the fewest
-    failures on its most loaded stage, then to the lexicographically smallest, so the result is
-    deterministic and spreads failures (the slides' "distribute across different peers").
-    Returns (placement, cost); cost is infinite when no placement keeps a replica of every stage.
-    """
-    if failures < 0 or pp < 1 or dp < 1:
-        raise ValueError("need failures >= 0, pp >= 1, dp >= 1")
-    O = [[math.inf] * (failures + 1) for _ in range(pp)]
-    A: list[list[list[int]]] = [[[] for _ in range(failures + 1)] for _ in range(pp)]
-    for f in range(failures + 1):
-        O[0][f] = normalisation_cost(f, mb, dp, pp)
-        A[0][f] = [f]
-    for i in range(1, pp):
-        for f in range(failures + 1):
-            best_key, best = None, None
-            for x in range(f + 1):
-                o = O[i - 1][f - x] + normalisation_cost(x, mb, dp, pp)
-                cand = A[i - 1][f - x] + [x]
-                key = (o, max(cand), cand)
-                if best_key is None or key < best_key:
-                    best_key, best = key, (o, cand)
-            assert best is not None
-            O[i][f], A[i][f] = best
-    return A[pp - 1][failures], O[pp - 1][failures]
+__all__ = ["adaptive_compute_time", "failure_normalisation", "normalisation_cost"]
 
 
 def adaptive_compute_time(stage_costs: Sequence[tuple[float, float]], failures: Sequence[int], dp: int, mb: int,

@@ -115,10 +115,10 @@ def test_70b_one_failed_node_continues_in_process_and_restarts_only_without_a_li
     so restart (300 s relaunch + half a 30-min checkpoint interval lost) must not win; both replicas of
     stage 1 dead (nodes 2 and 3) leaves layers 10-19 nowhere: only a restart can continue."""
     d = _decide(L70, 8, 2, 8, 1024, {3})
-    by = {c.policy: c for c in d.candidates}
+    by = {c.kind: c for c in d.candidates}
     assert d.policy in ("reroute", "reconfigure") and d.policy != "restart"
     assert all(c.feasible for c in d.candidates)
-    assert by[d.policy].score > by["restart"].score
+    assert by[d.chosen.kind].score > by["restart"].score
     assert by["reroute"].step_time_s > by["reconfigure"].step_time_s  # Eq. 12: ~2x with DP=2
     lost = _decide(L70, 8, 2, 8, 1024, {2, 3})
     assert lost.policy == "restart"

@@ -268,3 +268,36 @@ def test_failure_bursts_must_be_a_distribution():
         PlannerOptions(failure_bursts=((2, 0.5),))
     with pytest.raises(PlanningError, match="failure_bursts"):
         PlannerOptions(failure_bursts=((0, 1.0),))
+
+
+# -- ReCycle's failure normalisation as a candidate ----------------------------------------------------
+
+def test_normalised_grid_spreads_a_pile_up():
+    """PP=2 x DP=3, both dead nodes on stage 1 (nodes 3 and 5): one live stage-0 node moves to stage 1
+    and fetches stage 1's units; the dead node takes its stage-0 place; one failure per stage remains."""
+    from megatron_odyssey.planning.normalise import normalised_grid
+
+    grid = symmetric_plan(2, 3, 8, 12)  # node of (pipeline k, stage i) = 3i + k
+    moved, targets = normalised_grid(grid, frozenset({3, 5}))
+    dead_stages = sorted(i for p in moved.pipelines for i, s in enumerate(p.stages) if s.node in (3, 5))
+    assert dead_stages == [0, 1]
+    (mover,) = targets
+    assert grid.position_of()[mover][1] == 0 and moved.position_of()[mover][1] == 1
+    assert targets[mover] == grid.stage_units(0, 1)
+    assert normalised_grid(grid, frozenset({0, 1, 2})) is None  # stage 0 lost every replica
+    assert normalised_grid(grid, frozenset({3, 5}), spread_only=True) is not None
+    assert normalised_grid(grid, frozenset({3}), spread_only=True) is None  # nothing to spread
+
+
+def test_planner_offers_the_normalised_reroute_with_its_transfer():
+    prof = builtin_profile(num_layers=8, seq_length=2048)
+    d = Planner(prof, 12, 1, PlannerOptions(mtbf_hours=1.0)).decide(symmetric_plan(2, 3, 8, 12), {3, 5})
+    norm = [c for c in d.candidates if c.kind == "normalise"]
+    assert [c.fill for c in norm] == [False, True]
+    for c in norm:
+        assert c.policy == "reconfigure" and c.plan.reroutes and c.transfers.total_bytes > 0
+        assert c.transition.overhead_s == prof.rebuild_overhead_s
+        assert sorted(c.plan.failed) == [3, 5]
+        c.plan.validate(num_micro_batches=12)
+    assert not [c for c in Planner(prof, 12, 1, PlannerOptions(normalise=False)).decide(
+        symmetric_plan(2, 3, 8, 12), {3, 5}).candidates if c.kind == "normalise"]

@@ -95,6 +95,20 @@ def test_second_failure_inside_a_deferred_weight_gradient(reference, tmp_path):
     assert report["failures"][1]["step"] == 2 and report["steps"][-1]["alive"] == 4
 
 
+def test_normalised_reroute_moves_a_node_and_trains_exactly(reference, tmp_path):
+    """Ranks 3 and 5 (stage 1 of pipelines 0 and 2) die in the same step: stage 1 keeps one replica of three.
+    Failure normalisation moves a stage-0 node to stage 1 (it fetches those layers from the survivor), so
+    each stage carries one failure, and the dead nodes' micro-batches are rerouted."""
+    params, report = run(tmp_path, ["step=1,rank=3,phase=forward,kind=kill", "step=1,rank=5,phase=forward,kind=kill"],
+                         policy="normalise")
+    assert_exact(reference, params, report)
+    final = report["final_plan"]
+    assert sorted(final["failed"]) == [3, 5] and final["reroutes"]
+    dead_stages = sorted(i for p in final["pipelines"] for i, s in enumerate(p["stages"]) if s["node"] in (3, 5))
+    assert dead_stages == [0, 1]  # one failure per stage after normalisation
+    assert any(f["policy"] == "reconfigure" and f["transfer_s"] > 0 for f in report["failures"])
+
+
 def test_lost_layer_restores_the_checkpoint_and_says_so(reference, tmp_path):
     # PP=2 x DP=3 x TP=1: nodes 3, 4, 5 hold stage 1; killing all three leaves no copy of it
     fails = [f"step=3,rank={r},phase=forward,kind=kill" for r in (3, 4, 5)]

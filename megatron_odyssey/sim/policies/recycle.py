@@ -21,7 +21,8 @@ from dataclasses import replace
 
 from ...planning.plan import ExecutionPlan, Pipeline, Stage
 from ...planning.planner import reroute_plan
-from ..normalisation import adaptive_compute_time, failure_normalisation
+from ...planning.normalise import normalised_grid
+from ..normalisation import adaptive_compute_time
 from .base import FILL, KEEP, REROUTE, RESTART, START, STOP, Policy, Reaction, then
 
 
@@ -129,28 +130,16 @@ class RecyclePolicy(Policy):
     def _normalise(self) -> Reaction:
         """Move surviving workers between stages to the normalised failure placement if it is faster."""
         grid, failed = self.grid, self.failed
-        counts = self._counts(grid, failed)
-        target, cost = failure_normalisation(self.dp, self.pp, self.mb, sum(counts))
-        if target == counts or not math.isfinite(cost):
+        out = normalised_grid(grid, failed)
+        if out is None:
             return KEEP
-        nodes = [[p.stages[s].node for p in grid.pipelines] for s in range(self.pp)]  # nodes[stage][replica]
-        takers = [s for s in range(self.pp) for _ in range(counts[s] - target[s]) if counts[s] > target[s]]
-        givers = [s for s in range(self.pp) for _ in range(target[s] - counts[s]) if target[s] > counts[s]]
-        holdings = {n: grid.stage_units(d, s) for s in range(self.pp) for d, n in enumerate(nodes[s]) if n not in failed}
-        targets = {}
-        for recv, give in zip(takers, givers):
-            d_dead = next(d for d, n in enumerate(nodes[recv]) if n in failed)
-            d_live = max(d for d, n in enumerate(nodes[give]) if n not in failed)
-            mover, dead = nodes[give][d_live], nodes[recv][d_dead]
-            nodes[recv][d_dead], nodes[give][d_live] = mover, dead
-            targets[mover] = grid.stage_units(d_dead, recv)
-        pipes = tuple(Pipeline(tuple(Stage(nodes[s][d], st.layer_start, st.layer_end) for s, st in enumerate(p.stages)),
-                               p.micro_batches) for d, p in enumerate(grid.pipelines))
-        moved = ExecutionPlan(grid.policy, grid.num_layers, pipes)
+        moved, targets = out
+        counts, target = self._counts(grid, failed), self._counts(moved, failed)
         before, after = self._step(grid, failed), self._step(moved, failed)
         if (after, max(target)) >= (before, max(counts)):
             return KEEP
         self.grid = moved
+        holdings = {n: grid.stage_units(*pos) for n, pos in grid.position_of().items() if n not in failed}
         copy_s = self.cost.transfer_time(holdings, targets)
         return Reaction(REROUTE, copy_s, note=f"failure normalisation {counts} -> {target}")
 
