@@ -117,7 +117,7 @@ class Candidate:
         return self.policy
 
     def summary(self) -> dict[str, Any]:
-        return {"policy": self.policy, "fill": self.fill, "step_time_s": _finite(self.step_time_s),
+        return {"policy": self.policy, "kind": self.kind, "fill": self.fill, "step_time_s": _finite(self.step_time_s),
                 "restart_risk_s": self.restart_risk_s,
                 "transition_time_s": self.transition.total_s if self.feasible else None,
                 "score": self.score, "feasible": self.feasible, "reason": self.reason}
@@ -152,6 +152,7 @@ class Decision:
         step = c.step_time_s
         return {
             "policy": self.policy,
+            "kind": c.kind,
             "fill": c.fill,
             "plan": c.plan.to_dict() if c.plan else None,
             "estimates": {
@@ -257,8 +258,8 @@ class Planner:
         if isinstance(rerouted, str):
             return []
         transfers = schedule_transfers(dead_view.holdings(), targets, [u.state_bytes for u in self.profile.units()])
-        why = (f"failure normalisation: node(s) {sorted(targets)} move to the stages that lost most replicas, "
-               "then the dead nodes' micro-batches run on data-parallel peers")
+        why = (f"failure normalisation: node(s) {sorted(targets)} change stage so that the failures sit where "
+               "they cost least, then the dead nodes' micro-batches run on data-parallel peers")
         cands = []
         for fill in ((False, True) if self.options.fill else (False,)):
             plan = replace(rerouted, policy="reconfigure", fill=fill, reason=why)

@@ -118,7 +118,8 @@ class FailureRecord:
     ranks: list[int]
     phase: str = ""
     policy: str = ""
-    fill: bool = False  # a reroute with weight gradients deferred into pipeline bubbles
+    fill: bool = False  # weight gradients deferred into pipeline bubbles (a filled reroute)
+    kind: str = ""  # the policy with the filled and the normalised reroute told apart (Candidate.kind)
     detection_s: float = 0.0
     decision_s: float = 0.0
     transfer_s: float = 0.0
@@ -634,7 +635,7 @@ class Agent:
         rec.decision_s = time.perf_counter() - t0
         rec.time_to_next_failure_s, rec.mtbf_hours = decision.time_to_next_failure_s, self.options.mtbf_hours
         chosen = self._apply_policy(decision)
-        rec.policy, rec.fill, rec.reason = chosen.policy, chosen.fill, chosen.reason
+        rec.policy, rec.kind, rec.fill, rec.reason = chosen.policy, chosen.kind, chosen.fill, chosen.reason
         rec.candidates = [c.summary() for c in decision.candidates]
         resume, ckpt = last + 1, None
         if chosen.policy == "restart" and self.cfg.extra.get("megatron"):  # a Megatron job: its own checkpoint

@@ -23,8 +23,11 @@ def _duration(seconds: float) -> str:
 
 
 def policy_name(entry: dict[str, Any]) -> str:
-    """A failure's or candidate's policy, the bubble-filling reroute told apart."""
-    return f"{entry['policy']}+fill" if entry.get("fill") else entry["policy"]
+    """A failure's or candidate's policy, the filled and the normalised reroute told apart."""
+    kind = entry.get("kind") or entry["policy"]
+    if kind == "fill":
+        return "reroute+fill"
+    return f"{kind}+fill" if entry.get("fill") else kind
 
 
 def explain_failure(failure: dict[str, Any], global_batch: int) -> str:
@@ -35,7 +38,8 @@ def explain_failure(failure: dict[str, Any], global_batch: int) -> str:
     head = f"step {failure['step']}, rank {ranks} ({failure.get('phase') or 'unknown phase'})"
     feasible = sorted((c for c in failure.get("candidates", []) if c["feasible"]), key=lambda c: -c["score"])
     chosen = next((c for c in feasible if c["policy"] == failure["policy"]
-                   and c.get("fill", False) == failure.get("fill", False)), None)
+                   and c.get("fill", False) == failure.get("fill", False)
+                   and c.get("kind", c["policy"]) == (failure.get("kind") or c.get("kind", c["policy"]))), None)
     if chosen is None:
         return f"{head}: {failure['policy'] or 'no policy'} ({failure.get('reason', '')})"
     others = [c for c in feasible if c is not chosen]
