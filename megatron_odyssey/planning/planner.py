@@ -247,9 +247,9 @@ class Planner:
         """ReCycle's failure normalisation as a reconfiguration: on a uniform grid, a few live nodes move
         to the stages that lost most replicas (they fetch those layers), then the dead nodes' work is
         rerouted, plain and filled. Offered only when it moves someone and every stage keeps a replica."""
-        if not self.options.normalise:
-            return []
         failed = dead_view.failed
+        if not self.options.normalise or len(failed) < 2:  # one failure: nothing to spread, only to move
+            return []
         out = normalised_grid(dead_view, failed)
         if out is None:
             return []
