@@ -14,8 +14,8 @@ from functools import lru_cache
 
 from .plan import ExecutionPlan, symmetric_plan
 from .profile import LayerCost, ModelProfile
-from .schedule import (BACKWARD, FORWARD, WEIGHT_GRAD, Op, coupled_pipelines, deferred, dependency, fault_free_slots,
-                       filled_schedule, node_operations, one_f_one_b)
+from .schedule import (BACKWARD, FORWARD, WEIGHT_GRAD, Op, coupled_orders, coupled_pipelines, deferred, dependency,
+                       fault_free_slots, one_f_one_b)
 
 # -- closed forms ---------------------------------------------------------------------------------
 
@@ -158,23 +158,14 @@ def _simulate_coupled(plan: ExecutionPlan, p2p_s: float, costs: list, coupled: f
     W's a node runs after its last B overlap the next step's warm-up, during which that node waits
     for its first input (as long as the node's first operation started this step); the node's
     period is max(end of its last B, end - that wait)."""
-    orders = node_operations(plan)
-    slot_of = filled_schedule(plan)[1] if plan.fill else None
+    orders, slot_of = coupled_orders(plan, coupled)
     split = deferred(plan)
-    pos = plan.position_of()
     executor_of: dict[Op, int] = {}
     ops: list[tuple[int, Op]] = []
     for node, node_ops in orders.items():
-        if pos[node][0] not in coupled:  # peers of a coupled pipeline are coupled themselves
-            continue
         for op in node_ops:
             executor_of[op] = node
-            if slot_of is not None:
-                slot = slot_of[op]
-            else:
-                pipe = plan.pipelines[op.pipeline]
-                slot = fault_free_slots(pipe.length, pipe.micro_batches)[(op.kind, op.stage, op.micro_batch)]
-            ops.append((slot, op))
+            ops.append((slot_of[op], op))
     ops.sort(key=lambda x: (x[0], x[1].pipeline, x[1].stage, x[1].kind, x[1].micro_batch))
     end: dict[Op, float] = {}
     free: dict[int, float] = {}

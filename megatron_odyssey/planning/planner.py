@@ -289,8 +289,7 @@ class Planner:
             why = (f"no layout of {len(survivors)} nodes fits the model in "
                    f"{self.profile.device_memory_bytes / 2**30:.1f} GiB per device")
             return [Candidate("reconfigure", None, reason=why), Candidate("restart", None, reason=why)]
-        shape = max(shapes[: self.options.transfer_top], key=lambda s: score(  # what a restart would use
-            self.global_batch, estimate_step(s, self.profile).step_time_s, 0.0, t_next, self._risk(s)))
+        shape = self._restart_shape(shapes, t_next)
         lost = [u for u, nodes in current.holders().items() if not nodes]
         out = []
         if lost:
@@ -299,7 +298,7 @@ class Planner:
         else:
             # Eq. 8 per layout: a slightly slower layout that moves far fewer bytes can win
             best = None
-            for candidate_shape in shapes[: 2 * self.options.transfer_top]:
+            for candidate_shape in shapes[: self.options.transfer_top]:
                 plan, transfers = assign_nodes(current, candidate_shape, self.profile)
                 cand = Candidate("reconfigure", plan, estimate_step(plan, self.profile),
                                  Transition(transfer_s=transfers.time_s(self.profile.transfer_bandwidth_Bps),
@@ -321,6 +320,14 @@ class Planner:
                                         + self.profile.checkpoint_interval_s / 2),
                              reason=why))
         return out
+
+    def _restart_shape(self, shapes: list[ExecutionPlan], t_next: float) -> ExecutionPlan:
+        """What a restart would run: the fastest layout, unless its own next failure would force another
+        restart (one pipeline) and a safer layout among the best scores better by Eq. 8."""
+        if self._risk(shapes[0]) == 0.0:
+            return shapes[0]
+        return max(shapes[: self.options.transfer_top], key=lambda s: score(
+            self.global_batch, estimate_step(s, self.profile).step_time_s, 0.0, t_next, self._risk(s)))
 
     def _risk(self, plan: ExecutionPlan) -> float:
         if not self.options.price_restart_risk:
@@ -347,12 +354,15 @@ class Planner:
         floor = max(1, min(self.options.min_pipelines, num_nodes, self.num_micro_batches))
         if self.options.price_restart_risk:
             fastest = self._search_layouts(num_nodes, current_dp, current_pp, 1)
-            if floor <= 1 or all(len(s.pipelines) >= floor for s in fastest[: self.options.transfer_top]):
-                return fastest
-            safe = self._search_layouts(num_nodes, current_dp, current_pp, floor)
             top = self.options.transfer_top
-            seen = {s.pipelines for s in fastest[:top]}
-            return fastest[:top] + [s for s in safe[:top] if s.pipelines not in seen] + fastest[top:]
+            if floor <= 1 or any(len(s.pipelines) >= floor for s in fastest[:top]):
+                return fastest
+            # the fastest few are all below the floor: the best safe layouts take the last places
+            seen = {s.pipelines for s in fastest}
+            safe = [s for s in self._search_layouts(num_nodes, current_dp, current_pp, floor)
+                    if s.pipelines not in seen][: max(1, top // 2)]
+            cut = max(1, top - len(safe))
+            return fastest[:cut] + safe + fastest[cut:]
         while True:
             found = self._search_layouts(num_nodes, current_dp, current_pp, floor)
             if found or floor <= 1:

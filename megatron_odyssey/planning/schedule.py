@@ -83,16 +83,20 @@ def node_operations(plan: ExecutionPlan) -> dict[int, list[Op]]:
     return _slot_ordered_operations(plan)
 
 
-def _slot_ordered_operations(plan: ExecutionPlan) -> dict[int, list[Op]]:
+def _slot_ordered_operations(plan: ExecutionPlan, only: frozenset[int] | None = None) -> dict[int, list[Op]]:
+    """node -> its operations in fault-free slot order; ``only``: just these pipelines' operations (and
+    the nodes that run them: the estimator plays the coupled pipelines alone)."""
     table = plan.executor()
-    keyed: dict[int, list[tuple[int, int, Op]]] = {n: [] for n in plan.live_nodes()}
+    keyed: dict[int, list[tuple[int, int, Op]]] = {n: [] for n in plan.live_nodes()} if only is None else {}
     for k, pipe in enumerate(plan.pipelines):
+        if only is not None and k not in only:
+            continue
         slots = fault_free_slots(pipe.length, pipe.micro_batches)
         for i, stage in enumerate(pipe.stages):
             for kind, j in one_f_one_b(pipe.length, i, pipe.micro_batches):
                 node = table.get((k, i, j), stage.node)
                 # own work before adopted work at equal slots keeps a peer's own pipeline on time
-                keyed[node].append((slots[(kind, i, j)], 0 if node == stage.node else 1, Op(kind, k, i, j)))
+                keyed.setdefault(node, []).append((slots[(kind, i, j)], 0 if node == stage.node else 1, Op(kind, k, i, j)))
     return {n: [op for _, _, op in sorted(ops)] for n, ops in keyed.items()}
 
 
@@ -125,12 +129,10 @@ def filled_schedule(plan: ExecutionPlan) -> tuple[dict[int, tuple[Op, ...]], dic
     is still waiting for its input runs the oldest pending W instead (one slot), so W's fill the
     bubbles that adopted work leaves and never delay a B anyone waits for by more than one slot.
     Pipelines no reroute couples play alone, each like every other of its shape (played once)."""
-    orders = _slot_ordered_operations(plan)
-    coupled = coupled_pipelines(plan)
+    seq, start = coupled_orders(plan)
+    seq, start = dict(seq), dict(start)
     pos = plan.position_of()
-    active = {n: ops for n, ops in orders.items() if pos[n][0] in coupled}
-    seq, start = _play_filled(plan, active)
-    for n in orders.keys() - active.keys():
+    for n in set(plan.live_nodes()) - seq.keys():
         k, i = pos[n]
         pipe = plan.pipelines[k]
         ops = []
@@ -140,6 +142,24 @@ def filled_schedule(plan: ExecutionPlan) -> tuple[dict[int, tuple[Op, ...]], dic
             ops.append(op)
         seq[n] = tuple(ops)
     return seq, start
+
+
+@lru_cache(maxsize=64)
+def coupled_orders(plan: ExecutionPlan, pipelines: frozenset[int] | None = None
+                   ) -> tuple[dict[int, tuple[Op, ...]], dict[Op, int]]:
+    """The nodes of the pipelines a reroute couples, their orders and a global start slot per
+    operation (fault-free slots, or the filled play's): all the estimator needs to play them, without
+    building the orders of every other node (thousands at scale). ``pipelines``: these instead."""
+    coupled = coupled_pipelines(plan) if pipelines is None else pipelines
+    orders = _slot_ordered_operations(plan, coupled)
+    if plan.fill:
+        return _play_filled(plan, orders)
+    start = {}
+    for ops in orders.values():
+        for op in ops:
+            pipe = plan.pipelines[op.pipeline]
+            start[op] = fault_free_slots(pipe.length, pipe.micro_batches)[(op.kind, op.stage, op.micro_batch)]
+    return {n: tuple(ops) for n, ops in orders.items()}, start
 
 
 @lru_cache(maxsize=256)
