@@ -50,13 +50,15 @@ def test_odyssey_train_one_rank_on_the_gpu(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("policy,fail", [("reconfigure", "step=1,rank=3,phase=backward,kind=kill"),
-                                         ("reroute", "step=2,rank=1,phase=forward,kind=kill")])
+                                         ("reroute", "step=2,rank=1,phase=forward,kind=kill"),
+                                         ("fill", "step=2,rank=1,phase=forward,kind=kill")])
 def test_four_ranks_share_the_gpu_through_a_kill(tmp_path: Path, policy: str, fail: str) -> None:
     ref = reference(tmp_path)
     params, report = train(tmp_path, nproc=4, pp=2, shared_device=True, policy=policy, fail=[fail])
     assert all(d.startswith("cuda") and "gloo" in d for d in report["devices"].values()), report["devices"]
     (failure,) = report["failures"]
-    assert failure["ranks"] == [int(fail.split("rank=")[1].split(",")[0])] and failure["policy"] == policy
+    assert failure["ranks"] == [int(fail.split("rank=")[1].split(",")[0])]
+    assert failure["policy"] == ("reroute" if policy == "fill" else policy) and failure["fill"] == (policy == "fill")
     assert report["steps"][-1]["alive"] == 3
     assert report["profile"].startswith("cuda")  # planned from the device rank 0 measured
     assert worst(params, ref) <= TOL
