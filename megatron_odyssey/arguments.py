@@ -10,6 +10,7 @@ import argparse
 import math
 from typing import Any
 
+#: what --odyssey-policy / odyssey train --policy accept: Eq. 8's choice, or a recovery kind forced
 POLICIES = ("auto", "reroute", "fill", "reconfigure", "normalise")
 
 # Megatron features whose state or communication is laid out for one uniform grid; each would be

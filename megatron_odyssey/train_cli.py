@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from .arguments import POLICIES
 from .cli_args import UsageError, ensure_folder
 from .planning.errors import read_user_file
 from .runtime.config import TrainConfig
@@ -38,7 +39,7 @@ def add_train_arguments(p: argparse.ArgumentParser, defaults: TrainConfig) -> No
                         "kind=kill|hang|slow|error (repeatable; error: the rank raises, as a local bug would)"
                         + (f"; replaces the built-in faults ({'; '.join(d.fail)}); --fail none: no faults"
                            if d.fail else ""))
-    p.add_argument("--policy", choices=("auto", "reroute", "fill", "reconfigure", "normalise"), default=d.policy,
+    p.add_argument("--policy", choices=POLICIES, default=d.policy,
                    help="auto: the planner chooses by Eq. 8; else force a policy where it is feasible (fill: "
                         "reroute with weight gradients deferred into pipeline bubbles; normalise: a few "
                         "nodes change stage so failures spread, then reroute)")

@@ -9,13 +9,13 @@ reproduces Eq. 9 exactly there.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import lru_cache
 
-from .plan import ExecutionPlan, symmetric_plan
+from .plan import ExecutionPlan
 from .profile import LayerCost, ModelProfile
 from .schedule import (BACKWARD, FORWARD, WEIGHT_GRAD, Op, coupled_orders, coupled_pipelines, deferred, dependency,
-                       fault_free_slots, one_f_one_b)
+                       fault_free_slots, lone_filled_plan, one_f_one_b)
 
 # -- closed forms ---------------------------------------------------------------------------------
 
@@ -143,7 +143,7 @@ def simulate(plan: ExecutionPlan, profile: ModelProfile, staggered: bool = False
 def _filled_pipeline(costs: tuple[tuple[float, float, float], ...], m: int, p2p_s: float,
                      staggered: bool) -> tuple[float, tuple[int, ...]]:
     """Time and per-stage peak in-flight count of one filled pipeline with its own nodes (memoised)."""
-    lone = replace(symmetric_plan(len(costs), 1, len(costs), m), fill=True)
+    lone = lone_filled_plan(len(costs), m)
     times, peak = [0.0], {}
     _simulate_coupled(lone, p2p_s, [costs], frozenset({0}), times, peak, staggered)
     return times[0], tuple(peak.get(s.node, 0) for s in lone.pipelines[0].stages)
@@ -190,8 +190,9 @@ def _simulate_coupled(plan: ExecutionPlan, p2p_s: float, costs: list, coupled: f
         else:
             in_flight[node] -= 0 if split_here else 1
             dur = b - w if split_here else b
-        first.setdefault(node, max(free.get(node, 0.0), ready))
-        end[op] = free[node] = max(free.get(node, 0.0), ready) + dur
+        begin = max(free.get(node, 0.0), ready)
+        first.setdefault(node, begin)
+        end[op] = free[node] = begin + dur
         if op.kind != WEIGHT_GRAD:
             last_b[node] = end[op]
     for op, t in end.items():

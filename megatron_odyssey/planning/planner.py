@@ -116,11 +116,24 @@ class Candidate:
             return "normalise"
         return self.policy
 
+    @property
+    def label(self) -> str:
+        """How reports name the candidate (``policy_label``)."""
+        return policy_label(self.kind, self.fill)
+
     def summary(self) -> dict[str, Any]:
         return {"policy": self.policy, "kind": self.kind, "fill": self.fill, "step_time_s": _finite(self.step_time_s),
                 "restart_risk_s": self.restart_risk_s,
                 "transition_time_s": self.transition.total_s if self.feasible else None,
                 "score": self.score, "feasible": self.feasible, "reason": self.reason}
+
+
+def policy_label(kind: str, fill: bool) -> str:
+    """A recovery's name in tables and plots: its kind, with bubble filling told apart (reroute+fill,
+    normalise+fill); shared by ``odyssey plan`` and the report view, which reads it from JSON."""
+    if kind == "fill":
+        return "reroute+fill"
+    return f"{kind}+fill" if fill else kind
 
 
 def _finite(x: float) -> float | None:
@@ -218,7 +231,7 @@ class Planner:
         for c in candidates:
             c.transition.search_s = search_s
             if c.feasible:
-                c.restart_risk_s = self._risk(c.plan)
+                c.restart_risk_s = self.restart_risk_of(c.plan)
                 c.score = score(self.global_batch, c.step_time_s, c.transition.total_s, t_next, c.restart_risk_s)
         feasible = [c for c in candidates if c.feasible]
         if not feasible:
@@ -260,27 +273,27 @@ class Planner:
         transfers = schedule_transfers(dead_view.holdings(), targets, [u.state_bytes for u in self.profile.units()])
         why = (f"failure normalisation: node(s) {sorted(targets)} change stage so that the failures sit where "
                "they cost least, then the dead nodes' micro-batches run on data-parallel peers")
-        cands = []
-        for fill in ((False, True) if self.options.fill else (False,)):
-            plan = replace(rerouted, policy="reconfigure", fill=fill, reason=why)
-            c = self._reroute_candidate(plan, why + (", weight gradients deferred into bubbles" if fill else ""))
-            if c.feasible:
-                c.policy = "reconfigure"
-                c.transfers = transfers
-                c.transition = Transition(transfer_s=transfers.time_s(self.profile.transfer_bandwidth_Bps),
-                                          overhead_s=self.profile.rebuild_overhead_s)
-                cands.append(c)
-        return cands
+        transition = Transition(transfer_s=transfers.time_s(self.profile.transfer_bandwidth_Bps),
+                                overhead_s=self.profile.rebuild_overhead_s)
+        cands = [self._reroute_candidate(replace(rerouted, policy="reconfigure", fill=fill, reason=why),
+                                         why + (", weight gradients deferred into bubbles" if fill else ""),
+                                         transition, transfers)
+                 for fill in ((False, True) if self.options.fill else (False,))]
+        return [c for c in cands if c.feasible]
 
-    def _reroute_candidate(self, plan: ExecutionPlan, reason: str) -> Candidate:
+    def _reroute_candidate(self, plan: ExecutionPlan, reason: str, transition: Transition | None = None,
+                           transfers: TransferSchedule | None = None) -> Candidate:
+        """A candidate running ``plan``'s rerouting table, under ``plan.policy`` (a normalised reroute
+        moves layers first, so it is a reconfiguration); not offered when it does not fit memory."""
         step = estimate_step(plan, self.profile)
         if not step.fits_memory:
             over = step.over_memory()
             node = max(over, key=over.get)
             held = "deferred weight gradients" if plan.fill else "adopted micro-batches"
-            return Candidate("reroute", None, reason=f"node {node} would need {over[node] / 2**30:.1f} GiB with the "
+            return Candidate(plan.policy, None, reason=f"node {node} would need {over[node] / 2**30:.1f} GiB with the "
                              f"{held}, more than the device's {self.profile.device_memory_bytes / 2**30:.1f} GiB")
-        return Candidate("reroute", plan, step, Transition(overhead_s=self.profile.reroute_overhead_s), reason=reason)
+        return Candidate(plan.policy, plan, step, transition or Transition(overhead_s=self.profile.reroute_overhead_s),
+                         transfers, reason=reason)
 
     # -- reconfigure / restart --------------------------------------------------------------------
     def _reconfigure_and_restart(self, current: ExecutionPlan, survivors: list[int], t_next: float) -> list[Candidate]:
@@ -307,7 +320,7 @@ class Planner:
                                  reason=f"{len(plan.pipelines)} pipelines of lengths "
                                         f"{[p.length for p in plan.pipelines]}")
                 cand.score = score(self.global_batch, cand.step_time_s, cand.transition.total_s, t_next,
-                                   self._risk(plan))
+                                   self.restart_risk_of(plan))
                 if best is None or cand.score > best.score:
                     best = cand
             out.append(best)
@@ -324,12 +337,12 @@ class Planner:
     def _restart_shape(self, shapes: list[ExecutionPlan], t_next: float) -> ExecutionPlan:
         """What a restart would run: the fastest layout, unless its own next failure would force another
         restart (one pipeline) and a safer layout among the best scores better by Eq. 8."""
-        if self._risk(shapes[0]) == 0.0:
+        if self.restart_risk_of(shapes[0]) == 0.0:
             return shapes[0]
         return max(shapes[: self.options.transfer_top], key=lambda s: score(
-            self.global_batch, estimate_step(s, self.profile).step_time_s, 0.0, t_next, self._risk(s)))
+            self.global_batch, estimate_step(s, self.profile).step_time_s, 0.0, t_next, self.restart_risk_of(s)))
 
-    def _risk(self, plan: ExecutionPlan) -> float:
+    def restart_risk_of(self, plan: ExecutionPlan) -> float:
         if not self.options.price_restart_risk:
             return 0.0
         return restart_risk(plan, self.profile.restart_overhead_s + self.profile.checkpoint_interval_s / 2,

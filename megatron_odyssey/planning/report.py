@@ -32,7 +32,7 @@ def print_decision(decision: Decision, console=None) -> None:
         table.add_column(col, no_wrap=col == "policy")
     for c in decision.candidates:
         mark = "[bold green]* " if c is decision.chosen else "  "
-        table.add_row(mark + ("reroute+fill" if c.kind == "fill" else c.kind + ("+fill" if c.fill else "")), f"{c.step_time_s:.4g}" if c.feasible else "-",
+        table.add_row(mark + c.label, f"{c.step_time_s:.4g}" if c.feasible else "-",
                       f"{c.transition.total_s:.4g}" if c.feasible else "-",
                       f"{c.score:.4g}" if c.feasible else "-", c.reason)
     console.print(table)

@@ -17,10 +17,10 @@ that respects every dependency.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from .plan import ExecutionPlan
+from .plan import ExecutionPlan, symmetric_plan
 
 FORWARD, BACKWARD, WEIGHT_GRAD = "F", "B", "W"
 
@@ -163,12 +163,17 @@ def coupled_orders(plan: ExecutionPlan, pipelines: frozenset[int] | None = None
 
 
 @lru_cache(maxsize=256)
-def lone_filled_pipeline(num_stages: int, num_micro_batches: int) -> tuple[tuple[tuple[int, str, int], ...], ...]:
-    """Per stage, (slot, kind, micro-batch) of one filled pipeline that shares no node with another."""
-    from .plan import symmetric_plan
+def lone_filled_plan(num_stages: int, num_micro_batches: int) -> ExecutionPlan:
+    """One filled pipeline that shares no node with another: every such pipeline of this shape plays
+    like it (the estimator times it, :func:`filled_schedule` copies its orders)."""
+    return replace(symmetric_plan(num_stages, 1, num_stages, num_micro_batches), fill=True)
 
-    plan = symmetric_plan(num_stages, 1, num_stages, num_micro_batches)
-    seq, start = _play_filled(plan, _slot_ordered_operations(plan))
+
+@lru_cache(maxsize=256)
+def lone_filled_pipeline(num_stages: int, num_micro_batches: int) -> tuple[tuple[tuple[int, str, int], ...], ...]:
+    """Per stage, (slot, kind, micro-batch) of :func:`lone_filled_plan`'s play."""
+    plan = lone_filled_plan(num_stages, num_micro_batches)
+    seq, start = coupled_orders(plan, frozenset({0}))
     node_stage = {s.node: i for i, s in enumerate(plan.pipelines[0].stages)}
     out: list[tuple[tuple[int, str, int], ...]] = [()] * num_stages
     for n, ops in seq.items():
@@ -179,6 +184,7 @@ def lone_filled_pipeline(num_stages: int, num_micro_batches: int) -> tuple[tuple
 def _play_filled(plan: ExecutionPlan, orders: dict[int, list[Op]]) -> tuple[dict[int, tuple[Op, ...]], dict[Op, int]]:
     """The unit-cost play of :func:`filled_schedule` for the nodes in ``orders`` (which must include
     every node their operations depend on)."""
+    split = deferred(plan)
     start: dict[Op, int] = {}
     end: dict[Op, int] = {}
     idx = {n: 0 for n in orders}
@@ -198,7 +204,7 @@ def _play_filled(plan: ExecutionPlan, orders: dict[int, list[Op]]) -> tuple[dict
                     op = None
                 dep = dependency(op, plan.pipelines[op.pipeline].length) if op is not None else None
                 if op is not None and (dep is None or end.get(dep, t + 1) <= t):
-                    if op.kind == BACKWARD and op.stage > 0:
+                    if op.kind == BACKWARD and (op.pipeline, op.stage) in split:
                         dur = 1
                         pending[n].append(Op(WEIGHT_GRAD, op.pipeline, op.stage, op.micro_batch))
                     else:

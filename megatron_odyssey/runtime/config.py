@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..arguments import POLICIES
 from ..planning.errors import PlanningError
 from ..planning.plan import ExecutionPlan, symmetric_plan
 
@@ -86,8 +87,8 @@ class TrainConfig:
             raise PlanningError(f"--hidden {self.hidden} is not divisible by --heads {self.heads}")
         if self.heads % self.tp or self.vocab % self.tp:
             raise PlanningError(f"--heads {self.heads} and the vocabulary {self.vocab} must be divisible by --tp {self.tp}")
-        if self.policy not in ("auto", "reroute", "fill", "reconfigure", "normalise"):
-            raise PlanningError(f"--policy must be auto, reroute, fill, reconfigure or normalise, got {self.policy!r}")
+        if self.policy not in POLICIES:
+            raise PlanningError(f"--policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if not self.heartbeat_timeout_s > self.heartbeat_interval_s:
             raise PlanningError(f"--heartbeat-timeout must be longer than the heartbeat interval "
                                 f"{self.heartbeat_interval_s} s, got {self.heartbeat_timeout_s}")

@@ -124,7 +124,12 @@ def _linear_function() -> Any:
 
 
 def ensure_installed() -> None:
-    """The patch, for hosts that do not import the Megatron-LM adaptor (the standalone trainer)."""
+    """The patch, for hosts that do not import the Megatron-LM adaptor (the standalone trainer). Runs
+    at every B, so the installed case is one attribute lookup, not a pass over the registry."""
+    from ..megatron_lm.hooks import ORIGINAL_ATTR
+
+    if hasattr(_linear_function().backward, ORIGINAL_ATTR):
+        return
     from ..megatron_lm.patches import apply_patches
 
     status = apply_patches(only=[LINEAR_BACKWARD])[LINEAR_BACKWARD]

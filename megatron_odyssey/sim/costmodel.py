@@ -67,24 +67,18 @@ class CostModel:
         """The planning estimator's step time (Eq. 10/11 + sync rounds + optimizer), memoised by
         layout shape for plain plans and by the whole plan for rerouted ones; ``staggered``: with
         ReCycle's staggered optimizer (filled plans; the ReCycle baseline only)."""
-        if staggered:
-            key = ("staggered", plan)
-            hit = self._by_plan.get(key)
-            if hit is None:
-                e = estimate_step(plan, self.profile, staggered=True)
-                hit = self._by_plan[key] = Estimate(e.step_time_s, e.fits_memory)
-            return hit
-        if not plan.failed and not plan.reroutes:
+        if not staggered and not plan.failed and not plan.reroutes:
             key = plan_shape(plan)
             hit = self._by_shape.get(key)
             if hit is None:
                 e = estimate_step(plan, self.profile)
                 hit = self._by_shape[key] = Estimate(e.step_time_s, e.fits_memory)
             return hit
-        hit = self._by_plan.get(plan)
+        key = ("staggered", plan) if staggered else plan
+        hit = self._by_plan.get(key)
         if hit is None:
-            e = estimate_step(plan, self.profile)
-            hit = self._by_plan[plan] = Estimate(e.step_time_s, e.fits_memory)
+            e = estimate_step(plan, self.profile, staggered)
+            hit = self._by_plan[key] = Estimate(e.step_time_s, e.fits_memory)
         return hit
 
     def step_time(self, plan: ExecutionPlan, staggered: bool = False) -> float:

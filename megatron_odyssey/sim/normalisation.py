@@ -1,18 +1,6 @@
 """ReCycle's adaptive-schedule closed form (Gandhi et al., SOSP '24; ``papers/recycle-slides.txt``), the
-simulator's ``recycle_model="closed-form"``; failure normalisation lives in ``planning.normalise``.
-
-Failure normalisation (slides' Algorithm 1) decides how many of the F failed workers each of the PP
-stages should carry so that rerouted work fits the pipeline bubbles best; ReCycle realises the
-assignment by changing which stage surviving workers serve (a worker that changes stage fetches that
-stage's parameters from a data-parallel peer). Its per-stage cost counts the time slots of rerouted
-work (F = 1 slot, B = 2 slots) that do not fit in the bubbles of the stage's surviving peers:
-
-    COST(f) = max(0, MB*f*3 - (DP - f)*(PP - 1)*3)   for 0 < f < DP, COST(0) = 0.
-
-The slides print ``min(0, ...)``, which is a typo: min(0, x) is never positive, so every
-assignment would cost <= 0 and the DP could not tell a spread of failures from a pile-up. We use
-``max`` and add what the slides leave implicit: a stage that loses every replica (f >= DP) cannot
-be rerouted at all (infinite cost).
+simulator's ``recycle_model="closed-form"``. Failure normalisation (Algorithm 1, with the slides'
+``min`` typo fixed) lives in ``planning.normalise`` and is re-exported here.
 
 The adaptive schedule (decoupled back-propagation + staggered optimizer) hides rerouted micro-batches
 in bubbles; what does not fit lengthens the step. We model the step's compute part as

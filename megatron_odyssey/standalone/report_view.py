@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..planning.estimator import score
-from ..planning.planner import DEFAULT_MTBF_HOURS
+from ..planning.planner import DEFAULT_MTBF_HOURS, policy_label
 
 
 def _duration(seconds: float) -> str:
@@ -22,12 +22,14 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.3g} h"
 
 
+def _kind(entry: dict[str, Any]) -> tuple[str, bool]:
+    """A failure's or candidate's kind and bubble filling (reports before them name the policy only)."""
+    return entry.get("kind") or entry["policy"], bool(entry.get("fill"))
+
+
 def policy_name(entry: dict[str, Any]) -> str:
-    """A failure's or candidate's policy, the filled and the normalised reroute told apart."""
-    kind = entry.get("kind") or entry["policy"]
-    if kind == "fill":
-        return "reroute+fill"
-    return f"{kind}+fill" if entry.get("fill") else kind
+    """A failure's or candidate's name, the filled and the normalised reroute told apart."""
+    return policy_label(*_kind(entry))
 
 
 def explain_failure(failure: dict[str, Any], global_batch: int) -> str:
@@ -37,9 +39,7 @@ def explain_failure(failure: dict[str, Any], global_batch: int) -> str:
     ranks = ", ".join(str(r) for r in failure["ranks"])
     head = f"step {failure['step']}, rank {ranks} ({failure.get('phase') or 'unknown phase'})"
     feasible = sorted((c for c in failure.get("candidates", []) if c["feasible"]), key=lambda c: -c["score"])
-    chosen = next((c for c in feasible if c["policy"] == failure["policy"]
-                   and c.get("fill", False) == failure.get("fill", False)
-                   and c.get("kind", c["policy"]) == (failure.get("kind") or c.get("kind", c["policy"]))), None)
+    chosen = next((c for c in feasible if _kind(c) == _kind(failure)), None)
     if chosen is None:
         return f"{head}: {failure['policy'] or 'no policy'} ({failure.get('reason', '')})"
     others = [c for c in feasible if c is not chosen]

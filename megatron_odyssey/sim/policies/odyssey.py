@@ -17,10 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...planning.errors import PlanningError
-from ...planning.estimator import estimate_step, score
+from ...planning.estimator import score
 from ...planning.plan import ExecutionPlan
-from ...planning.planner import Candidate, Transition, reroute_plan
-from ...planning.restorer import assign_nodes
+from ...planning.planner import reroute_plan
 from ..costmodel import lost_units, relabel
 from .base import FILL, KEEP, RECONFIGURE, REROUTE, RESTART, START, STOP, Policy, Reaction, then
 
@@ -136,11 +135,11 @@ class OdysseyPolicy(Policy):
             if not est.fits_memory:
                 return
             s = score(gb, est.step_time_s, reaction.transition_s, self.ctx.time_to_next_failure_s(nodes),
-                      self.planner._risk(new_plan))
+                      self.planner.restart_risk_of(new_plan))
             options.append((s, rank, new_plan, reaction))
 
         options.append((score(gb, self.cost.step_time(plan), 0.0, self.ctx.time_to_next_failure_s(len(live)),
-                              self.planner._risk(plan)), 2, None, KEEP))
+                              self.planner.restart_risk_of(plan)), 2, None, KEEP))
         if plan.failed:
             filled = _fill(plan, spare)
             if filled is not None:
