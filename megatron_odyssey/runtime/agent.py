@@ -34,6 +34,7 @@ import signal
 import statistics
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -251,6 +252,16 @@ class Agent:
             self.log(f"deposed: the standby agent took over ({exc}); leaving the ranks to it")
             sys.stdout.flush()
             os._exit(DEPOSED_EXIT)  # no atexit: it would wait for the ranks, which are the standby's now
+        except Exception as exc:  # a bug in the agent itself (planner, report...): stop the job now, say why
+            self.log_error("internal error, stopping the job:\n" + traceback.format_exc())
+            self.give_up(f"the agent failed: {type(exc).__name__}: {exc}")
+            try:
+                self.write_report(ok=False)
+            except Exception:  # the report is a courtesy here; the cause is on the terminal already
+                pass
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)  # its helper threads (plan cache, store server) would keep the process, and the job, alive
         if self.replica is not None:
             self.replica.finish(code)
         return code

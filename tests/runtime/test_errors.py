@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
 import subprocess
 import sys
 import time
@@ -130,3 +131,27 @@ def test_an_injected_error_is_local_and_placed_at_its_raise() -> None:
         torch.ones(2, 3) @ torch.ones(4, 5)
     except RuntimeError as exc:  # inside torch: the place is the caller's line, in this file
         assert error_place(exc).startswith("tests/runtime/test_errors.py:")
+
+
+def test_a_bug_in_the_agent_stops_the_job_promptly_with_its_traceback(tmp_path: Path) -> None:
+    """The agent's own code fails when a rank dies (here: the planner raises). Its helper threads must not
+    keep the job alive until a timeout: the cause reaches the terminal and every process ends at once."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import megatron_odyssey.planning.planner as planner\n"
+        "def decide(self, *args, **kwargs):\n"
+        "    raise RuntimeError('planner bug planted by the test')\n"
+        "planner.Planner.decide = decide\n")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "megatron_odyssey.cli", "train", *JOB, "--workdir", str(tmp_path / "run"),
+                           "--report", str(tmp_path / "report.json"), "--fail", "step=1,rank=3,phase=forward,kind=kill"],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": f"{hook}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+    wall = time.monotonic() - t0
+    terminal = proc.stdout + proc.stderr
+    assert proc.returncode == 1, terminal[-4000:]
+    assert "internal error, stopping the job" in terminal and "RuntimeError: planner bug planted by the test" in terminal
+    assert "in recover" in terminal  # the traceback, not only the message
+    assert wall < TIMEOUT_S / 2, wall
+    assert json.loads((tmp_path / "report.json").read_text())["ok"] is False
