@@ -15,6 +15,7 @@ patched where it is used (``initialize.parse_args``, ``training.get_forward_back
 from __future__ import annotations
 
 from .megatron_lm.hooks import ORIGINAL_ATTR
+from .megatron_lm.versions import provide_python312_names
 from .megatron_lm.patches import PATCHES, Patch, apply_patches, describe_patches, patch_status, remove_patches
 
 __all__ = ["ORIGINAL_ATTR", "PATCHES", "Patch", "apply_patches", "describe_patches", "patch_status", "remove_patches"]
@@ -34,5 +35,6 @@ def _cpu_mode_if_no_accelerator() -> None:
         enable_megatron_lm_cpu_mode()
 
 
+provide_python312_names()
 apply_patches()
 _cpu_mode_if_no_accelerator()

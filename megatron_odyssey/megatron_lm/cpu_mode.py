@@ -183,8 +183,8 @@ def _allow_no_cuda(original: Callable[..., Any]) -> Callable[..., Any]:
     return initialize_megatron
 
 
-def _skip_warmup_jit_function() -> None:
-    """CPU-mode ``_warmup_jit_function``: nothing to warm up (see the patch table)."""
+def _skip_warmup_jit_function(*args: Any, **kwargs: Any) -> None:
+    """CPU-mode ``_warmup_jit_function``: nothing to warm up (see the patch table; 0.19 passes ``tp_size``)."""
     return None
 
 
@@ -306,6 +306,11 @@ MEGATRON_LM_CPU_PATCHES: Tuple[Patch, ...] = (
           "get_model()/train() use current_device(), cuda streams and device='cuda' flag tensors"),
     Patch(f"{_MT}.utils.torch", _TRAINING_TORCH_VIEW,
           "get_batch_on_this_tp_rank() broadcasts batches into torch.cuda.current_device() buffers"),
+    Patch(f"{_MT}.utils.common_utils.torch", _TRAINING_TORCH_VIEW,
+          "0.18+ (utils became a package): get_batch_on_this_tp_rank() and "
+          "logical_and_across_model_parallel_group() use torch.cuda.current_device() tensors"),
+    Patch(f"{_MT}.models.dist_utils.torch", _TRAINING_TORCH_VIEW,
+          "0.19+ wraps models in DDP here (training.get_model's successor): torch.cuda.Stream, current_device()"),
     Patch(f"{_MT}.checkpointing.torch", _TRAINING_TORCH_VIEW,
           "get_rng_state()/load_checkpoint() read and set torch.cuda RNG states; save/load use cuda tensors"),
     # --- megatron-core modules only the training loop reaches ---
@@ -343,6 +348,9 @@ MEGATRON_LM_CPU_PATCHES: Tuple[Patch, ...] = (
 # --------------------------------------------------------------------------------------------
 
 
+#: Targets in modules that only some Megatron-LM releases have (skipped where the module is absent).
+_ONLY_SOME_RELEASES = frozenset({f"{_MT}.utils.common_utils.torch", f"{_MT}.models.dist_utils.torch"})
+
 _LOCK = threading.RLock()
 _APPLIED: List[_Applied] = []
 _OWNS_CORE_MODE = False
@@ -365,6 +373,13 @@ def _owner_and_attr(target: str) -> Tuple[Any, str]:
     return _resolve(target)  # e.g. a class attribute such as torch.Tensor.cuda
 
 
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a parent is a module, not a package
+        return False
+
+
 def megatron_lm_cpu_mode_enabled() -> bool:
     """True while the Megatron-LM CPU-mode patches are applied."""
     return bool(_APPLIED)
@@ -384,6 +399,8 @@ def enable_megatron_lm_cpu_mode() -> None:
         enable_cpu_mode()
         try:
             for patch in MEGATRON_LM_CPU_PATCHES:
+                if patch.target in _ONLY_SOME_RELEASES and not _module_exists(patch.target.rsplit(".", 1)[0]):
+                    continue
                 value = patch.replacement
                 build = value.build if isinstance(value, _WrapOriginal) else (lambda _original, value=value: value)
                 install_patch(*_owner_and_attr(patch.target), build, _APPLIED)
@@ -415,13 +432,16 @@ def describe_megatron_lm_cpu_patches() -> List[dict]:
 
 def tiny_gpt_flags(train_iters: int, pipeline_parallel: int = 2) -> List[str]:
     """Megatron-LM flags for a tiny Llama-style GPT on mock data that runs on CPU (gloo): the kernels
-    this mode cannot run are switched off. Shared by the Megatron-LM tests and benchmarks."""
+    this mode cannot run are switched off. Shared by the Megatron-LM tests and benchmarks.
+
+    The vocabulary covers every token of megatron-core 0.12's mock documents (up to 4095, not reduced
+    modulo the vocabulary as from 0.13 on)."""
     return [
         "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "176",
         "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
         "--global-batch-size", "8", "--train-iters", str(train_iters), "--lr", "1e-3", "--min-lr", "1e-4",
         "--lr-decay-style", "cosine", "--clip-grad", "1.0", "--weight-decay", "0.01", "--seed", "1234",
-        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "4096",
         "--distributed-backend", "gloo", "--transformer-impl", "local", "--use-cpu-initialization",
         "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
         "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-persist-layer-norm",

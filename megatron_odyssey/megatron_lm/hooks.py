@@ -94,6 +94,23 @@ def grad_norm_fp32(original: Callable[..., Any]) -> Callable[..., Any]:
 
 # -- capturing Megatron's set-up ------------------------------------------------------------------------
 
+def whole_batch_on_every_stage(original: Callable[..., Any]) -> Callable[..., Any]:
+    """megatron-core 0.18+'s ``get_batch_on_this_tp_rank(batch, ..., pipeline_model_parallel_size,
+    is_pipeline_first_stage, ...)``: keeps tokens on the first stage and labels on the last. After a
+    failure every rank is stage 0 of 1 to Megatron (the executor does the pipelining; a plan's stage
+    may be both), so the split would drop the labels everywhere: read the whole batch, as without
+    pipelining."""
+
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        runtime = STATE.runtime
+        if runtime is not None and runtime.sync is not None and "pipeline_model_parallel_size" in kwargs:
+            kwargs["pipeline_model_parallel_size"] = 1
+        return original(*args, **kwargs)
+
+    return wrapper
+
+
 def capture_get_model(original: Callable[..., Any]) -> Callable[..., Any]:
     """megatron's ``get_model``: unchanged, but remembers the model provider and type for rebuilds."""
 
@@ -104,6 +121,28 @@ def capture_get_model(original: Callable[..., Any]) -> Callable[..., Any]:
         if model_type is None:
             return original(model_provider_func, *args, **kwargs)
         return original(model_provider_func, model_type, *args, **kwargs)
+
+    return wrapper
+
+
+def capture_model_builder(original: Callable[..., Any]) -> Callable[..., Any]:
+    """0.19+: ``pretrain`` builds models from a config container through ``GPTModelBuilder`` and never
+    calls ``get_model``; remember a provider over the builder's ``build_model`` (one stage, any
+    pre/post-processing) so a rebuild can still go through Megatron's ``get_model``."""
+
+    @functools.wraps(original)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if STATE.captured.model_provider is None:
+            from megatron.core.enums import ModelType
+
+            def provider(pre_process: bool = True, post_process: bool = True, vp_stage: Any = None,
+                         config: Any = None, pg_collection: Any = None, **_: Any) -> Any:
+                return self.build_model(pg_collection, pre_process=pre_process, post_process=post_process,
+                                        vp_stage=vp_stage)
+
+            STATE.captured.model_provider = provider
+            STATE.captured.model_type = kwargs.get("model_type", ModelType.encoder_or_decoder)
+        return original(self, *args, **kwargs)
 
     return wrapper
 

@@ -23,6 +23,10 @@ class Patch:
     target: str  # "package.module:attribute" or "package.module:Class.attribute"
     wrap: Callable[[Any], Any]  # original -> replacement
     why: str
+    releases: tuple[int, int] = (12, 20)  # megatron-core minor versions whose code has the target
+
+    def expected_in(self, minor: int) -> bool:
+        return self.releases[0] <= minor <= self.releases[1]
 
     @property
     def module(self) -> str:
@@ -114,11 +118,13 @@ PATCHES: tuple[Patch, ...] = (
     # arguments
     Patch(f"{_T}.arguments:parse_args", _parse_args,
           "pretrain_gpt.py passes no extra_args_provider for plugins: the --odyssey-* group is chained in here"),
-    Patch(f"{_T}.initialize:parse_args", _parse_args, "initialize_megatron calls its own imported alias"),
+    Patch(f"{_T}.initialize:parse_args", _parse_args, "initialize_megatron calls its own imported alias",
+          releases=(12, 17)),
     Patch(f"{_T}.arguments:validate_args", _validate_args,
           "rejects flag combinations Odyssey cannot run (distributed optimizer, overlapped grad reduce, ...) "
           "once world and data-parallel sizes are known"),
-    Patch(f"{_T}.initialize:validate_args", _validate_args, "initialize_megatron calls its own imported alias"),
+    Patch(f"{_T}.initialize:validate_args", _validate_args, "initialize_megatron calls its own imported alias",
+          releases=(12, 17)),
     # schedule
     Patch(f"{_C}.pipeline_parallel:get_forward_backward_func", _dispatcher,
           "returns a dispatcher that picks the stock schedule or this node's plan schedule at every call"),
@@ -159,9 +165,16 @@ PATCHES: tuple[Patch, ...] = (
     Patch(f"{_T}.checkpointing:get_rng_state", hooks.original_layout_rng_state,
           "the RNG state is sharded by pipeline rank (0 of 1 under our parallel_state): written in the "
           "original stage x TP layout, one live rank per slot, so a stock job finds every slot"),
+    # the batch (before pretrain_gpt.py imports its alias)
+    Patch(f"{_C}.utils:get_batch_on_this_tp_rank", hooks.whole_batch_on_every_stage,
+          "0.18+ keeps labels only where is_pipeline_last_stage(); after a failure every rank is stage 0 of 1 "
+          "to Megatron, so each stage reads the whole batch", releases=(18, 20)),
     # capture what a rebuild needs
     Patch(f"{_T}.training:get_model", hooks.capture_get_model,
           "remembers the model provider, to rebuild a stage after a failure with Megatron's own get_model"),
+    Patch(f"{_T}.models.gpt:GPTModelBuilder.build_distributed_models", hooks.capture_model_builder,
+          "0.19+ pretrain() builds the model through this config-driven builder instead of get_model: remembers "
+          "a provider over its build_model for rebuilds", releases=(19, 20)),
     Patch(f"{_T}.training:get_megatron_optimizer", hooks.capture_get_optimizer,
           "remembers the optimizer arguments (they differ between megatron-core versions) for rebuilds"),
     Patch(f"{_T}.training:build_train_valid_test_datasets", hooks.capture_datasets,
@@ -223,6 +236,12 @@ def patch_status() -> dict[str, str]:
     """target -> "applied" or the reason it was skipped."""
     return {p.target: "applied" if p.target in _APPLIED else _SKIPPED.get(p.target, "not applied")
             for p in PATCHES}
+
+
+def missing_patches(minor: int) -> dict[str, str]:
+    """Targets this release's code should have but that did not apply, and why (empty: fully patched)."""
+    status = patch_status()
+    return {p.target: status[p.target] for p in PATCHES if p.expected_in(minor) and status[p.target] != "applied"}
 
 
 def describe_patches() -> list[dict[str, str]]:

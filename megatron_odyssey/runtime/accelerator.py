@@ -264,6 +264,25 @@ def _is_cuda_device(device: Any) -> bool:
     return False
 
 
+class _CpuStream:
+    """A CUDA stream on the CPU: work is synchronous, so every wait and record is already satisfied."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def record_event(self, event: Any = None) -> Any:
+        return event
+
+    def synchronize(self) -> None:
+        return None
+
+
 class CpuCudaView:
     """What ``torch.cuda`` looks like to a megatron-core module in CPU mode.
 
@@ -299,6 +318,17 @@ class CpuCudaView:
     @staticmethod
     def empty_cache() -> None:
         return None
+
+    # megatron-core 0.19+ waits on the current stream for CUDA-graph events before a bucket's reduce
+    Stream = _CpuStream
+
+    @staticmethod
+    def current_stream(device: Any = None) -> _CpuStream:
+        return _CpuStream()
+
+    @staticmethod
+    def stream(stream: Any) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch.cuda, name)
@@ -403,7 +433,7 @@ def cpu_rng_tracker_class() -> type:
             if name not in self.states_:
                 raise Exception(f"cpu rng state {name} is not added")
             orig_state = torch.get_rng_state()
-            orig_name = self._current_state_name
+            orig_name = getattr(self, "_current_state_name", "default-rng")  # megatron-core < 0.15 has none
             if orig_name != "default-rng":
                 self.states_[orig_name] = orig_state
             torch.set_rng_state(self.states_[name])

@@ -24,7 +24,7 @@ import hashlib
 import math
 import re
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -32,12 +32,15 @@ import torch.distributed as dist
 try:  # megatron-core is an optional ("runtime") dependency of the package.
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.transformer_config import TransformerConfig
-except ImportError as _exc:  # pragma: no cover - exercised only without megatron-core
+except ModuleNotFoundError as _exc:  # pragma: no cover - exercised only without megatron-core
+    if _exc.name not in ("megatron", "megatron.core"):
+        raise  # megatron-core is there but lacks a name (a release we do not know): show the real cause
     raise ImportError(
         "megatron_odyssey.runtime.model needs megatron-core: pip install 'megatron-odyssey[runtime]'"
     ) from _exc
+if TYPE_CHECKING:  # megatron-core 0.15+; a Megatron-LM 0.12-0.14 checkout's own core has ModelCommProcessGroups
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
 
 # --------------------------------------------------------------------------------------------

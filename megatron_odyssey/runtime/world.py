@@ -161,6 +161,18 @@ def install_parallel_state(groups: PlanGroups) -> None:
         "_EXPERT_DATA_PARALLEL_GROUP_GLOO": groups.self_group,
         "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP": groups.self_group,
         "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO": groups.self_group,
+        # megatron-core 0.19+: weight-rematerialising TP ("GTP remat", refused with --odyssey) is size 1,
+        # where Megatron makes each *_WITH_* group equal to its plain one
+        "_GTP_WEIGHT_REMAT_GROUP": groups.self_group,
+        "_GTP_WEIGHT_REMAT_GLOBAL_RANKS": me,
+        "_EXPERT_GTP_WEIGHT_REMAT_GROUP": groups.self_group,
+        "_EXPERT_GTP_WEIGHT_REMAT_GLOBAL_RANKS": me,
+        "_DATA_PARALLEL_GROUP_WITH_GTP_REMAT": groups.self_group,
+        "_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT": groups.self_group,
+        "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT": groups.self_group,
+        "_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT": groups.self_group,
+        "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT": groups.self_group,
+        "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP_WITH_EGTP": groups.tp_group,
     }
     for name, value in values.items():
         if hasattr(ps, name):

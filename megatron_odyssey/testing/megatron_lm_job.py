@@ -17,12 +17,14 @@ PATCHES = ROOT / "patches"
 
 
 def patch_for(megatron_lm: str | Path) -> Path:
-    """``patches/pretrain_gpt.core_r0.MINOR.0.patch`` for the checkout's megatron-core version."""
+    """``patches/pretrain_gpt.<branch>.patch`` for the checkout's megatron-core version."""
+    from ..megatron_lm.versions import KNOWN_RELEASES
+
     info = (Path(megatron_lm) / "megatron" / "core" / "package_info.py").read_text()
-    minor = re.search(r"^MINOR\s*=\s*(\d+)", info, re.M).group(1)
-    path = PATCHES / f"pretrain_gpt.core_r0.{minor}.0.patch"
+    minor = int(re.search(r"^MINOR\s*=\s*(\d+)", info, re.M).group(1))
+    path = PATCHES / f"pretrain_gpt.{KNOWN_RELEASES.get(minor, f'core_r0.{minor}.0')}.patch"
     if not path.exists():
-        raise FileNotFoundError(f"no patch for megatron-core 0.{minor} in {PATCHES} (0.12-0.16 are provided)")
+        raise FileNotFoundError(f"no patch for megatron-core 0.{minor} in {PATCHES} (see patches/README.md)")
     return path
 
 # one line of Megatron's training_log, minus timing

@@ -1,0 +1,63 @@
+"""Which Megatron-LM releases the adaptor knows, and the one Python shim the newest need on 3.11.
+
+A release we have not checked is refused with ``--odyssey`` (see ``arguments``) rather than patched
+half-way: the registry's targets move between releases (``initialize.parse_args`` is gone in 0.18,
+0.19 builds models without ``training.get_model``), and a patch that silently misses its target
+turns recovery into a hang.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+import typing
+from dataclasses import dataclass
+
+#: megatron-core minor version -> the Megatron-LM branch it was checked on (main: 0.20 pre-release).
+KNOWN_RELEASES: dict[int, str] = {**{minor: f"core_r0.{minor}.0" for minor in range(12, 20)}, 20: "main"}
+
+
+@dataclass(frozen=True)
+class MegatronVersion:
+    major: int
+    minor: int
+    patch: int
+
+    def __str__(self) -> str:
+        return f"{self.major}.{self.minor}.{self.patch}"
+
+    @property
+    def known(self) -> bool:
+        return self.major == 0 and self.minor in KNOWN_RELEASES
+
+    @property
+    def branch(self) -> str:
+        return KNOWN_RELEASES.get(self.minor, f"core_r{self.major}.{self.minor}.0") if self.major == 0 else str(self)
+
+
+def installed_version() -> MegatronVersion | None:
+    """The megatron-core that ``import megatron.core`` finds (a checkout's own, before the wheel)."""
+    try:
+        info = importlib.import_module("megatron.core.package_info")
+    except ImportError:
+        return None
+    return MegatronVersion(int(info.MAJOR), int(info.MINOR), int(info.PATCH))
+
+
+def known_releases_text() -> str:
+    return ", ".join(KNOWN_RELEASES.values())
+
+
+def unknown_version_error(version: MegatronVersion) -> str:
+    return (f"megatron-core {version} is not a release megatron-odyssey has been checked against; known: "
+            f"{known_releases_text()} (megatron-core 0.12 to 0.20.0 pre-release). Run without --odyssey, or "
+            f"use a known release")
+
+
+def provide_python312_names() -> None:
+    """Megatron-LM 0.18+ asks for Python 3.12 in its metadata, but its code parses and runs on 3.11
+    except for ``from typing import override`` (``megatron/training/models/*.py``): on 3.11 that name
+    comes from ``typing_extensions``, the same decorator (a no-op marker at run time)."""
+    if sys.version_info < (3, 12) and not hasattr(typing, "override"):
+        from typing_extensions import override
+
+        typing.override = override  # type: ignore[attr-defined]
