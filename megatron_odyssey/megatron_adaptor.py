@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from .megatron_lm.hooks import ORIGINAL_ATTR
 from .megatron_lm.versions import provide_python312_names
-from .megatron_lm.patches import PATCHES, Patch, apply_patches, describe_patches, patch_status, remove_patches
+from .megatron_lm.patches import (PATCHES, Patch, apply_for_installed_release, apply_patches, describe_patches,
+                                  patch_status, remove_patches)
 
 __all__ = ["ORIGINAL_ATTR", "PATCHES", "Patch", "apply_patches", "describe_patches", "patch_status", "remove_patches"]
 
@@ -36,5 +37,5 @@ def _cpu_mode_if_no_accelerator() -> None:
 
 
 provide_python312_names()
-apply_patches()
+apply_for_installed_release()
 _cpu_mode_if_no_accelerator()

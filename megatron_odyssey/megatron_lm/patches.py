@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable
 
 from . import hooks
 from .hooks import ORIGINAL_ATTR
+from .versions import installed_version, unknown_version_error
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,8 @@ def _validate_args(original: Callable[..., Any]) -> Callable[..., Any]:
         out = original(args, *a, **k)
         try:
             validate_odyssey_args(args)
+            if getattr(args, "odyssey", False):
+                check_release()
         except OdysseyArgumentError as exc:
             raise SystemExit(f"odyssey: {exc}") from None
         return out
@@ -242,6 +245,31 @@ def missing_patches(minor: int) -> dict[str, str]:
     """Targets this release's code should have but that did not apply, and why (empty: fully patched)."""
     status = patch_status()
     return {p.target: status[p.target] for p in PATCHES if p.expected_in(minor) and status[p.target] != "applied"}
+
+
+def check_release() -> None:
+    """--odyssey needs a megatron-core release we know, with every patch its code should take applied."""
+    from ..arguments import OdysseyArgumentError
+
+    version = installed_version()
+    if version is None or not version.known:
+        raise OdysseyArgumentError(unknown_version_error(version))
+    missing = missing_patches(version.minor)
+    if missing:
+        raise OdysseyArgumentError(
+            f"megatron-core {version} ({version.branch}) should take every patch of megatron_odyssey's registry, "
+            f"but these did not apply: " + "; ".join(f"{t} ({why})" for t, why in missing.items()))
+
+
+#: What is applied on a release we do not know: only the flags, so ``--odyssey`` is refused clearly.
+ARGUMENT_TARGETS = (f"{_T}.arguments:parse_args", f"{_T}.initialize:parse_args",
+                    f"{_T}.arguments:validate_args", f"{_T}.initialize:validate_args")
+
+
+def apply_for_installed_release() -> dict[str, str]:
+    """All patches on a known release; on any other only :data:`ARGUMENT_TARGETS` (never half-patched)."""
+    version = installed_version()
+    return apply_patches(only=None if version is None or version.known else ARGUMENT_TARGETS)
 
 
 def describe_patches() -> list[dict[str, str]]:

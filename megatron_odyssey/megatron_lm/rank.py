@@ -285,9 +285,7 @@ class MegatronRank(GenerationRank):
         STATE.plan = None  # the dispatcher runs Megatron's own schedule
         # the process groups train() keeps for its whole run (a local of Megatron's train(), passed to
         # training_log): emptied at teardown and refilled with each new generation's, see teardown
-        from megatron.core.utils import get_attr_wrapped_model
-
-        self.train_pgs = get_attr_wrapped_model(self.model, "pg_collection", allow_none=True)
+        self.train_pgs = _pg_collection_of(self.model)
 
     def _adopt_chunk(self, chunk: Any) -> None:
         """This node's Megatron model chunk as the stage: its runner, its parameters by global name
@@ -324,7 +322,6 @@ class MegatronRank(GenerationRank):
     def _build_model(self, start: int, end: int) -> None:
         """This generation's stage, built by Megatron's own ``get_model``/``get_megatron_optimizer`` and
         swapped into ``train()``'s objects; its state is restored by :meth:`enter` afterwards."""
-        from megatron.core.utils import get_attr_wrapped_model
         from megatron.training import training as mt
 
         captured = STATE.captured
@@ -344,7 +341,7 @@ class MegatronRank(GenerationRank):
         fresh = mt.get_megatron_optimizer(config, chunks, *rest, **kwargs)
         self._key_dropout(chunks)
         self.megatron_model[:] = chunks
-        fresh_pgs = get_attr_wrapped_model(chunks[0], "pg_collection", allow_none=True)
+        fresh_pgs = _pg_collection_of(chunks[0])
         if self.train_pgs is not None and fresh_pgs is not None:
             self.train_pgs.__dict__.update(fresh_pgs.__dict__)
         self.megatron_optimizer.__dict__.clear()
@@ -582,7 +579,10 @@ class MegatronRank(GenerationRank):
             value = entry.get("lm loss") if isinstance(entry, dict) else None
             if value is None:
                 continue
-            flat = value.detach().double().view(-1)
+            if isinstance(value, (tuple, list)):  # megatron-core 0.12-0.13's loss_func: (loss sum, tokens)
+                flat = torch.stack([v.detach().double().view(()) for v in value])
+            else:
+                flat = value.detach().double().view(-1)
             if flat.numel() == 2:
                 numerator, tokens = numerator + float(flat[0]), tokens + float(flat[1])
             else:
@@ -697,6 +697,16 @@ class MegatronRank(GenerationRank):
         loss_dict = {"lm loss": torch.tensor(loss, device=self.device)}
         base = (loss_dict, 0 if ok else 1, False, False, 0, norm, None)
         return base + (0,) if self.arity == 8 else base
+
+
+def _pg_collection_of(model: Any) -> Any:
+    """The chunk's process-group collection (megatron-core 0.15+), or None (0.12-0.14 read parallel_state)."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    try:
+        return get_attr_wrapped_model(model, "pg_collection")
+    except RuntimeError:  # not found (0.12-0.14's get_attr_wrapped_model has no allow_none)
+        return None
 
 
 def _abandon_rerun_step() -> None:

@@ -47,7 +47,9 @@ def known_releases_text() -> str:
     return ", ".join(KNOWN_RELEASES.values())
 
 
-def unknown_version_error(version: MegatronVersion) -> str:
+def unknown_version_error(version: MegatronVersion | None) -> str:
+    if version is None:
+        return "megatron-core is not importable; --odyssey runs inside a Megatron-LM job"
     return (f"megatron-core {version} is not a release megatron-odyssey has been checked against; known: "
             f"{known_releases_text()} (megatron-core 0.12 to 0.20.0 pre-release). Run without --odyssey, or "
             f"use a known release")

@@ -44,8 +44,12 @@ def test_every_patch_names_megatron_target_and_reason() -> None:
 
 
 def test_apply_and_remove_are_idempotent_and_restore_originals() -> None:
+    from megatron_odyssey.megatron_lm.versions import installed_version
+
     adaptor.remove_patches()
-    applicable = [p for p in adaptor.PATCHES if importlib.util.find_spec(p.module.split(".")[0]) is not None]
+    minor = installed_version().minor
+    applicable = [p for p in adaptor.PATCHES
+                  if p.expected_in(minor) and importlib.util.find_spec(p.module.split(".")[0]) is not None]
     originals = {}
     for p in applicable:
         try:
@@ -63,7 +67,7 @@ def test_apply_and_remove_are_idempotent_and_restore_originals() -> None:
         patched = getattr(owner, attr)
         assert patched is not original
         assert getattr(patched, adaptor.ORIGINAL_ATTR) is original  # wrapped once, never twice
-    for p in adaptor.PATCHES:
+    for p in applicable:
         if p.target not in originals:
             assert "megatron.training" in status[p.target] or "No module" in status[p.target]
     adaptor.remove_patches()
@@ -217,3 +221,69 @@ def test_optimizer_uses_the_agreed_norm(gloo_world: None) -> None:
     assert mopt.get_grad_norm_fp32.__odyssey_original__ is clip_grads.get_grad_norm_fp32
     STATE.grad_norm = 2.5  # ... and returns the norm agreed before the commit, with no collective
     assert mopt.get_grad_norm_fp32(grads) == 2.5
+
+
+# -- releases ---------------------------------------------------------------------------------------------
+
+def test_every_patch_targets_known_releases() -> None:
+    from megatron_odyssey.megatron_lm.versions import KNOWN_RELEASES
+
+    assert sorted(KNOWN_RELEASES) == list(range(12, 21)) and KNOWN_RELEASES[20] == "main"
+    for patch in adaptor.PATCHES:
+        low, high = patch.releases
+        assert low in KNOWN_RELEASES and high in KNOWN_RELEASES and low <= high, patch.target
+
+
+def test_unknown_release_is_refused_with_the_known_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron_odyssey.megatron_lm import patches
+    from megatron_odyssey.megatron_lm.versions import MegatronVersion
+
+    monkeypatch.setattr(patches, "installed_version", lambda: MegatronVersion(0, 21, 0))
+    with pytest.raises(OdysseyArgumentError, match=r"megatron-core 0\.21\.0 is not a release.*core_r0\.12\.0.*core_r0\.19\.0, main"):
+        patches.check_release()
+    monkeypatch.setattr(patches, "installed_version", lambda: None)
+    with pytest.raises(OdysseyArgumentError, match="megatron-core is not importable"):
+        patches.check_release()
+
+
+def test_unknown_release_is_not_half_patched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the flag patches (so --odyssey can be refused clearly); megatron-core's own stay untouched."""
+    from megatron_odyssey.megatron_lm import patches
+    from megatron_odyssey.megatron_lm.versions import MegatronVersion
+
+    core_target = "megatron.core.pipeline_parallel:get_forward_backward_func"
+    adaptor.remove_patches()
+    monkeypatch.setattr(patches, "installed_version", lambda: MegatronVersion(0, 21, 0))
+    assert patches.apply_for_installed_release()[core_target] != "applied"
+    owner, attr = _resolve(core_target)
+    assert not hasattr(getattr(owner, attr), adaptor.ORIGINAL_ATTR)
+    monkeypatch.setattr(patches, "installed_version", lambda: MegatronVersion(0, 16, 1))
+    assert patches.apply_for_installed_release()[core_target] == "applied"
+
+
+def test_a_known_release_missing_a_target_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The megatron-core wheel alone has no megatron.training: as a 0.16 Megatron-LM job it would be half-patched."""
+    from megatron_odyssey.megatron_lm import patches
+    from megatron_odyssey.megatron_lm.versions import MegatronVersion
+
+    monkeypatch.setattr(patches, "installed_version", lambda: MegatronVersion(0, 16, 1))
+    missing = patches.missing_patches(16)
+    assert "megatron.training.training:train_step" in missing
+    assert "megatron.training.initialize:parse_args" in missing  # 0.12-0.17 have it
+    assert "megatron.core.utils:get_batch_on_this_tp_rank" not in missing  # 0.18+ only
+    with pytest.raises(OdysseyArgumentError, match="did not apply: .*train_step"):
+        patches.check_release()
+
+
+def test_python_3_11_gets_typing_override() -> None:
+    import typing
+
+    from megatron_odyssey.megatron_lm.versions import provide_python312_names
+
+    provide_python312_names()
+
+    @typing.override  # what Megatron-LM 0.18+'s megatron/training/models/*.py import
+    def f() -> int:
+        return 1
+
+    assert f() == 1

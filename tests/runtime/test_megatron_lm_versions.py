@@ -1,0 +1,77 @@
+"""Every Megatron-LM release the adaptor knows, each with its own megatron.core: stock ``pretrain_gpt.py``
+(no ``--odyssey``) is the reference, and the same job under ``odyssey-launch`` with one rank SIGKILLed
+mid-iteration trains exactly as it (loss and grad norm to the printed digit, learning rate, samples).
+
+Needs checkouts: ``MEGATRON_LM_CHECKOUTS=/path/core_r0.12.0:/path/core_r0.19.0:...`` (``os.pathsep``
+separated; ``git archive`` of each branch is enough), plus Megatron-LM's own requirements (``einops``
+for core_r0.12.0). Skipped otherwise. About 80 s per checkout and policy on 2 cores.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_odyssey.megatron_lm.cpu_mode import tiny_gpt_flags
+from megatron_odyssey.megatron_lm.versions import KNOWN_RELEASES
+from megatron_odyssey.testing.megatron_lm_job import job_env, run_odyssey, run_stock, same_training
+
+CHECKOUTS = [p for p in os.environ.get("MEGATRON_LM_CHECKOUTS", "").split(os.pathsep) if p]
+
+pytestmark = pytest.mark.skipif(not CHECKOUTS, reason="set MEGATRON_LM_CHECKOUTS to Megatron-LM checkouts")
+
+ITERS = 5
+FLAGS = tiny_gpt_flags(ITERS)
+
+
+def _minor(checkout: str) -> int:
+    info = (Path(checkout) / "megatron" / "core" / "package_info.py").read_text()
+    return int(next(line.split("=")[1] for line in info.splitlines() if line.startswith("MINOR")))
+
+
+def _port(checkout: str, offset: int) -> int:
+    return 20000 + (os.getpid() * 7 + 97 * _minor(checkout)) % 20000 + offset
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, dict]:
+    """checkout -> stock Megatron-LM's logged iterations (run once per checkout)."""
+    return {}
+
+
+@pytest.mark.parametrize("checkout", CHECKOUTS, ids=[Path(c).name for c in CHECKOUTS])
+def test_every_patch_of_the_release_applies(checkout: str) -> None:
+    """The adaptor's registry finds every target this release's code has, with the checkout's own megatron.core."""
+    probe = ("import megatron_odyssey.megatron_adaptor as a; from megatron_odyssey.megatron_lm import patches as p; "
+             "v = p.installed_version(); assert v.known, v; print(repr(p.missing_patches(v.minor)))")
+    out = subprocess.run([sys.executable, "-c", probe], env=job_env(checkout), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "{}", out.stdout
+
+
+def _stock(checkout: str, references: dict, tmp: pytest.TempPathFactory) -> dict:
+    if checkout not in references:
+        job = run_stock(checkout, tmp.mktemp("stock"), FLAGS, _port(checkout, 0))
+        assert job.returncode == 0, job.logs[-4000:]
+        references[checkout] = job.iterations()
+        assert sorted(references[checkout]) == list(range(1, ITERS + 1))
+    return references[checkout]
+
+
+@pytest.mark.parametrize("policy", ["reroute", "reconfigure"])
+@pytest.mark.parametrize("checkout", CHECKOUTS, ids=[Path(c).name for c in CHECKOUTS])
+def test_release_trains_as_stock_through_a_kill(checkout: str, policy: str, references: dict,
+                                                tmp_path_factory: pytest.TempPathFactory) -> None:
+    assert _minor(checkout) in KNOWN_RELEASES, f"{checkout} is not a release the adaptor knows"
+    stock = _stock(checkout, references, tmp_path_factory)
+    job = run_odyssey(checkout, tmp_path_factory.mktemp(policy), [
+        *FLAGS, "--odyssey-heartbeat-timeout", "10", "--odyssey-policy", policy,
+        "--odyssey-inject-fault", "step=2,rank=1,phase=backward,kind=kill"], _port(checkout, 10 if policy == "reroute" else 20))
+    assert job.returncode == 0, job.logs[-4000:]
+    (failure,) = job.report["failures"]
+    assert failure["ranks"] == [1] and failure["policy"] == policy
+    assert same_training(job.iterations(), stock), (job.iterations(), stock)
