@@ -19,13 +19,23 @@ _INCOMPATIBLE: tuple[tuple[str, str, str], ...] = (
     ("use_distributed_optimizer", "--use-distributed-optimizer",
      "it shards optimizer state over the data-parallel group, but after a failure layers are held by "
      "different rank sets (asymmetric plans) and state moves per layer"),
-    ("overlap_grad_reduce", "--overlap-grad-reduce",
-     "it all-reduces whole DDP buckets over one data-parallel group during backward; Odyssey "
-     "synchronises each layer over the ranks that hold it after backward"),
-    ("overlap_param_gather", "--overlap-param-gather", "it needs the distributed optimizer"),
+    ("overlap_param_gather", "--overlap-param-gather", "it needs the distributed optimizer, which --odyssey does "
+     "not run yet (--overlap-grad-reduce alone works)"),
     ("use_torch_fsdp2", "--use-torch-fsdp2", "FSDP shards parameters over one uniform data-parallel group"),
     ("use_megatron_fsdp", "--use-megatron-fsdp", "FSDP shards parameters over one uniform data-parallel group"),
     ("fp16", "--fp16", "the dynamic loss scaler's skip/scale decisions are not part of the step commit; use --bf16 or fp32"),
+    # Megatron's own resiliency (README, "Megatron's own resiliency"): one recovery system per failure
+    ("inprocess_restart", "--inprocess-restart",
+     "nvidia-resiliency-ext's in-process restart re-runs the whole training function on every rank after a "
+     "fault, tearing down the process groups Odyssey recovers on, so both would act on one failure; Odyssey "
+     "recovers in-process without restarting the survivors"),
+    ("enable_ft_package", "--enable-ft-package",
+     "nvidia-resiliency-ext's fault-tolerance launcher (ft_launcher) restarts the job when a rank's heartbeat "
+     "stops; odyssey-launch replaces it and Odyssey's agent detects the same failures and recovers without a "
+     "restart"),
+    ("log_straggler", "--log-straggler",
+     "the straggler detector gathers every rank's timings over the original world at each log interval, "
+     "which waits forever once a rank is dead"),
 )
 
 
@@ -77,6 +87,61 @@ def add_odyssey_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     return parser
 
 
+def megatron_feature_refusals(args: Any) -> list[str]:
+    """Every Megatron feature in ``args`` that --odyssey cannot run, each with its reason (all of them,
+    so one launch names every flag to change)."""
+    out: list[str] = []
+    for attr, flag, why in _INCOMPATIBLE:
+        if getattr(args, attr, False):
+            out.append(f"--odyssey cannot be combined with {flag}: {why}. Remove {flag}.")
+    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    if vpp not in (None, 1):
+        out.append("--odyssey does not support the interleaved schedule "
+                   "(--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank): "
+                   "its stages are fixed round-robin chunks that an asymmetric plan cannot keep")
+    for attr, flag in (("context_parallel_size", "--context-parallel-size"),
+                       ("expert_model_parallel_size", "--expert-model-parallel-size")):
+        if getattr(args, attr, 1) not in (None, 1):
+            out.append(f"--odyssey supports tensor, pipeline and data parallelism; {flag} "
+                                       f"{getattr(args, attr)} is not supported (set it to 1)")
+    if not getattr(args, "untie_embeddings_and_output_weights", True):
+        out.append("--odyssey needs --untie-embeddings-and-output-weights (as Llama-2 uses): tied "
+                   "weights live on the first and the last stage and are kept equal over Megatron's "
+                   "embedding group, which a re-arranged plan does not have")
+    if getattr(args, "rampup_batch_size", None):
+        out.append("--odyssey keeps the global batch fixed through failures (every plan splits the "
+                   "same micro-batches); --rampup-batch-size is not supported")
+    if getattr(args, "log_num_zeros_in_grad", False):
+        out.append("--odyssey cannot be combined with --log-num-zeros-in-grad: the count is a "
+                   "collective over the uniform model-parallel group after the step's commit")
+    eval_interval, train_iters_ = getattr(args, "eval_interval", None), getattr(args, "train_iters", None)
+    if getattr(args, "eval_iters", 0) and eval_interval and (train_iters_ is None or eval_interval <= train_iters_):
+        out.append(f"--odyssey runs no evaluation during training yet, but --eval-iters "
+                   f"{args.eval_iters} would evaluate every {eval_interval} iterations; set "
+                   f"--eval-iters 0 and evaluate saved checkpoints separately")
+    if getattr(args, "save", None) and getattr(args, "ckpt_format", "torch_dist") != "torch_dist":
+        out.append(f"--odyssey saves checkpoints in the torch_dist format only: --ckpt-format "
+                   f"{args.ckpt_format} writes one file per pipeline rank, which a job re-arranged "
+                   f"after a failure does not have (its checkpoints load at any layout from "
+                   f"torch_dist); remove --ckpt-format or set it to torch_dist")
+    if getattr(args, "async_save", False):
+        out.append("--odyssey cannot be combined with --async-save: a save still being written "
+                   "by Megatron's background worker when a rank fails can be neither finished nor "
+                   "abandoned by the survivors; remove --async-save")
+    if getattr(args, "num_experts", None):
+        out.append("--odyssey plans dense models; --num-experts (MoE) is not supported")
+    if getattr(args, "tensor_parallel_num_weight_shards", 1) not in (None, 1):
+        out.append(f"--odyssey cannot be combined with --tensor-parallel-num-weight-shards "
+                   f"{args.tensor_parallel_num_weight_shards}: its weight-rematerialising groups are laid out for "
+                   f"one uniform grid (set it to 1)")
+    if getattr(args, "dataloader_type", "single") not in (None, "single"):
+        out.append(f"--odyssey reads rerouted micro-batches in the global order of --dataloader-type single; "
+                   f"--dataloader-type {args.dataloader_type} draws each data-parallel rank's samples from its own "
+                   f"shuffled or external stream, keyed to the rank and the data-parallel size, which a survivor "
+                   f"cannot reproduce for a dead peer. Use --dataloader-type single (Megatron's default)")
+    return out
+
+
 def odyssey_flags_given(args: Any) -> list[str]:
     """The ``--odyssey-*`` options set away from their defaults (to reject them without ``--odyssey``)."""
     defaults = vars(add_odyssey_args(argparse.ArgumentParser()).parse_args([]))
@@ -109,45 +174,10 @@ def validate_odyssey_args(args: Any) -> None:
         value = getattr(args, f"odyssey_{link}_bandwidth", None)
         if value is not None and not (math.isfinite(value) and value > 0):
             raise OdysseyArgumentError(f"--odyssey-{link}-bandwidth must be a positive number of GB/s, got {value}")
-    for attr, flag, why in _INCOMPATIBLE:
-        if getattr(args, attr, False):
-            raise OdysseyArgumentError(f"--odyssey cannot be combined with {flag}: {why}. Remove {flag}.")
-    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
-    if vpp not in (None, 1):
-        raise OdysseyArgumentError("--odyssey does not support the interleaved schedule "
-                                   "(--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank): "
-                                   "its stages are fixed round-robin chunks that an asymmetric plan cannot keep")
-    for attr, flag in (("context_parallel_size", "--context-parallel-size"),
-                       ("expert_model_parallel_size", "--expert-model-parallel-size")):
-        if getattr(args, attr, 1) not in (None, 1):
-            raise OdysseyArgumentError(f"--odyssey supports tensor, pipeline and data parallelism; {flag} "
-                                       f"{getattr(args, attr)} is not supported (set it to 1)")
-    if not getattr(args, "untie_embeddings_and_output_weights", True):
-        raise OdysseyArgumentError("--odyssey needs --untie-embeddings-and-output-weights (as Llama-2 uses): tied "
-                                   "weights live on the first and the last stage and are kept equal over Megatron's "
-                                   "embedding group, which a re-arranged plan does not have")
-    if getattr(args, "rampup_batch_size", None):
-        raise OdysseyArgumentError("--odyssey keeps the global batch fixed through failures (every plan splits the "
-                                   "same micro-batches); --rampup-batch-size is not supported")
-    if getattr(args, "log_num_zeros_in_grad", False):
-        raise OdysseyArgumentError("--odyssey cannot be combined with --log-num-zeros-in-grad: the count is a "
-                                   "collective over the uniform model-parallel group after the step's commit")
-    eval_interval, train_iters_ = getattr(args, "eval_interval", None), getattr(args, "train_iters", None)
-    if getattr(args, "eval_iters", 0) and eval_interval and (train_iters_ is None or eval_interval <= train_iters_):
-        raise OdysseyArgumentError(f"--odyssey runs no evaluation during training yet, but --eval-iters "
-                                   f"{args.eval_iters} would evaluate every {eval_interval} iterations; set "
-                                   f"--eval-iters 0 and evaluate saved checkpoints separately")
-    if getattr(args, "save", None) and getattr(args, "ckpt_format", "torch_dist") != "torch_dist":
-        raise OdysseyArgumentError(f"--odyssey saves checkpoints in the torch_dist format only: --ckpt-format "
-                                   f"{args.ckpt_format} writes one file per pipeline rank, which a job re-arranged "
-                                   f"after a failure does not have (its checkpoints load at any layout from "
-                                   f"torch_dist); remove --ckpt-format or set it to torch_dist")
-    if getattr(args, "async_save", False):
-        raise OdysseyArgumentError("--odyssey cannot be combined with --async-save: a save still being written "
-                                   "by Megatron's background worker when a rank fails can be neither finished nor "
-                                   "abandoned by the survivors; remove --async-save")
-    if getattr(args, "num_experts", None):
-        raise OdysseyArgumentError("--odyssey plans dense models; --num-experts (MoE) is not supported")
+    refusals = megatron_feature_refusals(args)
+    if refusals:
+        raise OdysseyArgumentError(refusals[0] if len(refusals) == 1 else
+                                   f"{len(refusals)} flags cannot be used with --odyssey:\n  - " + "\n  - ".join(refusals))
     from .runtime.faults import FailSpec
     from .planning.errors import PlanningError
 

@@ -17,6 +17,7 @@ scheduler carry on unaware.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import json
@@ -25,7 +26,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -333,10 +334,14 @@ class MegatronRank(GenerationRank):
             return captured.model_provider(**kw)
 
         STATE.stage_range = (start, end)
-        if "pg_collection" in inspect.signature(mt.get_model).parameters:
-            chunks = mt.get_model(provider, captured.model_type, pg_collection=plan_process_groups(self.groups))
-        else:  # Megatron-LM <= 0.15: get_model reads the groups from parallel_state (installed above)
-            chunks = mt.get_model(provider, captured.model_type)
+        # Megatron's get_model derives the DDP config from args: from now on each layer is all-reduced over
+        # the ranks holding it (runtime.grad_sync), so the new DDP must not start bucket reductions of its own
+        # during backward (--overlap-grad-reduce, which generation 0 ran as it is)
+        with _overridden(self.args, overlap_grad_reduce=False):
+            if "pg_collection" in inspect.signature(mt.get_model).parameters:
+                chunks = mt.get_model(provider, captured.model_type, pg_collection=plan_process_groups(self.groups))
+            else:  # Megatron-LM <= 0.15: get_model reads the groups from parallel_state (installed above)
+                chunks = mt.get_model(provider, captured.model_type)
         (config, *rest), kwargs = captured.optimizer_call
         fresh = mt.get_megatron_optimizer(config, chunks, *rest, **kwargs)
         self._key_dropout(chunks)
@@ -697,6 +702,21 @@ class MegatronRank(GenerationRank):
         loss_dict = {"lm loss": torch.tensor(loss, device=self.device)}
         base = (loss_dict, 0 if ok else 1, False, False, 0, norm, None)
         return base + (0,) if self.arity == 8 else base
+
+
+@contextlib.contextmanager
+def _overridden(obj: Any, **values: Any) -> Iterator[None]:
+    kept = {name: getattr(obj, name) for name in values if hasattr(obj, name)}
+    for name, value in values.items():
+        setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        for name in values:
+            if name in kept:
+                setattr(obj, name, kept[name])
+            else:
+                delattr(obj, name)
 
 
 def _pg_collection_of(model: Any) -> Any:

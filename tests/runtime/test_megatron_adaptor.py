@@ -115,11 +115,16 @@ def test_bad_policy_is_rejected_by_argparse(capsys: pytest.CaptureFixture) -> No
 
 @pytest.mark.parametrize("argv, megatron, message", [
     (["--odyssey"], {"use_distributed_optimizer": True}, "--use-distributed-optimizer"),
-    (["--odyssey"], {"overlap_grad_reduce": True}, "--overlap-grad-reduce"),
+    (["--odyssey"], {"overlap_param_gather": True}, "--overlap-param-gather"),
     (["--odyssey"], {"fp16": True}, "--fp16"),
     (["--odyssey"], {"virtual_pipeline_model_parallel_size": 2}, "interleaved"),
     (["--odyssey"], {"context_parallel_size": 2}, "--context-parallel-size"),
     (["--odyssey"], {"num_experts": 8}, "MoE"),
+    (["--odyssey"], {"inprocess_restart": True}, "--inprocess-restart: nvidia-resiliency-ext's in-process restart"),
+    (["--odyssey"], {"enable_ft_package": True}, "--enable-ft-package"),
+    (["--odyssey"], {"log_straggler": True}, "--log-straggler"),
+    (["--odyssey"], {"tensor_parallel_num_weight_shards": 2}, "--tensor-parallel-num-weight-shards 2"),
+    (["--odyssey"], {"dataloader_type": "cyclic"}, "--dataloader-type cyclic draws each data-parallel rank's"),
     (["--odyssey"], {"save": "/ckpt", "ckpt_format": "torch"}, "--ckpt-format torch writes one file per pipeline rank"),
     (["--odyssey"], {"async_save": True}, "--async-save"),
     (["--odyssey"], {"untie_embeddings_and_output_weights": False}, "--untie-embeddings-and-output-weights"),
@@ -139,6 +144,18 @@ def test_invalid_combinations_fail_clearly(argv: list[str], megatron: dict, mess
     ns = _megatron_like_args(argv, **megatron)
     with pytest.raises(OdysseyArgumentError, match=message.replace("-", r"\-")):
         validate_odyssey_args(ns)
+
+
+def test_every_refused_flag_is_named_at_once() -> None:
+    """A job with several refused flags learns all of them from one launch, not one per attempt."""
+    ns = _megatron_like_args(["--odyssey"], use_distributed_optimizer=True, overlap_param_gather=True,
+                             dataloader_type="cyclic")
+    with pytest.raises(OdysseyArgumentError) as info:
+        validate_odyssey_args(ns)
+    text = str(info.value)
+    assert text.startswith("3 flags cannot be used with --odyssey")
+    for flag in ("--use-distributed-optimizer", "--overlap-param-gather", "--dataloader-type cyclic"):
+        assert flag in text
 
 
 def test_without_odyssey_nothing_changes() -> None:

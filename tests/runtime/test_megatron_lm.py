@@ -136,6 +136,23 @@ def test_bf16_state_moves_through_main_params(tmp_path_factory: pytest.TempPathF
     assert same_training(job.iterations(), stock.iterations(), rel=1e-5)
 
 
+@pytest.mark.parametrize("phase", ["backward", "grad-sync"])
+def test_overlapped_grad_reduce_hands_off(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path, phase: str) -> None:
+    """--overlap-grad-reduce: generation 0 is Megatron's DDP with bucket all-reduces launched during backward;
+    a kill while they are in flight (backward) or being waited for (grad-sync) is recovered from, the rebuilt
+    stage reduces per layer instead, and every iteration equals stock Megatron-LM with the same flag."""
+    flags = [*TINY_GPT, "--overlap-grad-reduce"]
+    stock = run_stock(MLM, tmp_path_factory.mktemp("stock_overlap"), flags, _port(500))
+    assert stock.returncode == 0, stock.logs[-4000:]
+    job = run_odyssey(MLM, tmp_path, [*flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-inject-fault",
+                                      f"step=2,rank=2,phase={phase},kind=kill"], _port(510 + 10 * (phase == "backward")))
+    assert job.returncode == 0, job.logs[-4000:]
+    (failure,) = job.report["failures"]
+    assert failure["ranks"] == [2] and failure["recovery_s"] < 30, failure
+    assert [s["step"] for s in job.report["steps"]] == list(range(ITERS))
+    assert same_training(job.iterations(), stock.iterations())
+
+
 def test_per_token_loss_after_a_reroute(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
     """--calculate-per-token-loss: after the failure the executor normalises by the global batch's loss
     tokens, which the rank counts from the dataset (GenerationRank.token_count); every logged iteration
