@@ -16,9 +16,6 @@ POLICIES = ("auto", "reroute", "fill", "reconfigure", "normalise")
 # Megatron features whose state or communication is laid out for one uniform grid; each would be
 # silently wrong (or hang) on a rerouted or asymmetric plan. (attribute, flag, why)
 _INCOMPATIBLE: tuple[tuple[str, str, str], ...] = (
-    ("use_distributed_optimizer", "--use-distributed-optimizer",
-     "it shards optimizer state over the data-parallel group, but after a failure layers are held by "
-     "different rank sets (asymmetric plans) and state moves per layer"),
     ("overlap_param_gather", "--overlap-param-gather", "it needs the distributed optimizer, which --odyssey does "
      "not run yet (--overlap-grad-reduce alone works)"),
     ("use_torch_fsdp2", "--use-torch-fsdp2", "FSDP shards parameters over one uniform data-parallel group"),
@@ -91,6 +88,13 @@ def megatron_feature_refusals(args: Any) -> list[str]:
     """Every Megatron feature in ``args`` that --odyssey cannot run, each with its reason (all of them,
     so one launch names every flag to change)."""
     out: list[str] = []
+    instances = int(getattr(args, "num_distributed_optimizer_instances", 1) or 1)
+    if getattr(args, "use_distributed_optimizer", False) and instances < 2:
+        out.append("--odyssey needs --num-distributed-optimizer-instances 2 (or more) with "
+                   "--use-distributed-optimizer: with one instance each rank holds the only copy of its shard of "
+                   "the Adam state, which a failure takes with it; with N instances every shard lives on N ranks "
+                   "(bf16: 6 + 12N/d bytes per parameter over d data-parallel ranks, against 18 without the "
+                   "distributed optimizer)")
     for attr, flag, why in _INCOMPATIBLE:
         if getattr(args, attr, False):
             out.append(f"--odyssey cannot be combined with {flag}: {why}. Remove {flag}.")

@@ -316,6 +316,8 @@ MEGATRON_LM_CPU_PATCHES: Tuple[Patch, ...] = (
     # --- megatron-core modules only the training loop reaches ---
     Patch(f"{_MC}.distributed.param_and_grad_buffer.torch", _CORE_TORCH_VIEW,
           "_ParamAndGradBuffer() allocates the DDP param/grad buffers on current_device()"),
+    Patch(f"{_MC}.distributed.distributed_data_parallel.torch", _CORE_TORCH_VIEW,
+          "--num-distributed-optimizer-instances > 1: DDP makes a torch.cuda.Stream for the inter-instance all-reduce"),
     Patch(f"{_MC}.optimizer.optimizer.torch", _CORE_TORCH_VIEW,
           "FP32Optimizer/MixedPrecisionOptimizer create _scale/found_inf with device='cuda'"),
     Patch(f"{_MC}.optimizer.optimizer.clip_grad_by_total_norm_fp32",
@@ -323,6 +325,8 @@ MEGATRON_LM_CPU_PATCHES: Tuple[Patch, ...] = (
           "optimizer.step()'s clip_grad_by_total_norm_fp32 asserts grads are torch.cuda.FloatTensor"),
     Patch(f"{_MC}.optimizer.optimizer.Float16OptimizerWithFloat16Params.__init__", _WrapOriginal(_cuda_type_names),
           "--bf16: the mixed-precision optimizer accepts only torch.cuda.* parameter type names"),
+    Patch(f"{_MC}.optimizer.distrib_optimizer.DistributedOptimizer.__init__", _WrapOriginal(_cuda_type_names),
+          "--use-distributed-optimizer: its shard groups accept only torch.cuda.* parameter type names"),
     Patch(f"{_MC}.optimizer.clip_grads.torch", _CORE_TORCH_VIEW,
           "get_grad_norm_fp32()/count_zeros_fp32() accumulate into device='cuda' tensors"),
     Patch(f"{_MC}.dist_checkpointing.strategies.filesystem_async.torch", _CORE_TORCH_VIEW,

@@ -18,6 +18,7 @@ scheduler carry on unaware.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import json
@@ -35,6 +36,8 @@ from ..planning.plan import ExecutionPlan, symmetric_plan
 from ..runtime.config import TrainConfig
 from ..runtime.executor import PipelineExecutor
 from ..runtime.grad_sync import GradientSync, all_reduce_flat, params_by_unit, unit_of
+from .distributed_optimizer import (ShardedState, capture_pieces, deferred_param_sync, distributed_optimizers,
+                                    reassemble, stage_holder_groups)
 from .hooks import ORIGINAL_ATTR, STATE
 from ..runtime.errors import GIVEUP_KEY, STARTED_KEY, fail_locally, giveup_reason, is_peer_failure, stop_now
 from ..runtime.generation import GenerationRank, keys, node_stage
@@ -337,12 +340,17 @@ class MegatronRank(GenerationRank):
         # Megatron's get_model derives the DDP config from args: from now on each layer is all-reduced over
         # the ranks holding it (runtime.grad_sync), so the new DDP must not start bucket reductions of its own
         # during backward (--overlap-grad-reduce, which generation 0 ran as it is)
+        # (and generation 0's distributed optimizer gives way to the plain one: see megatron_lm.distributed_optimizer;
+        # args keep saying so, for the checkpoints written from now on)
+        self.args.use_distributed_optimizer, self.args.num_distributed_optimizer_instances = False, 1
         with _overridden(self.args, overlap_grad_reduce=False):
             if "pg_collection" in inspect.signature(mt.get_model).parameters:
                 chunks = mt.get_model(provider, captured.model_type, pg_collection=plan_process_groups(self.groups))
             else:  # Megatron-LM <= 0.15: get_model reads the groups from parallel_state (installed above)
                 chunks = mt.get_model(provider, captured.model_type)
         (config, *rest), kwargs = captured.optimizer_call
+        if getattr(config, "use_distributed_optimizer", False):
+            config = dataclasses.replace(config, use_distributed_optimizer=False)
         fresh = mt.get_megatron_optimizer(config, chunks, *rest, **kwargs)
         self._key_dropout(chunks)
         self.megatron_model[:] = chunks
@@ -416,8 +424,18 @@ class MegatronRank(GenerationRank):
     def _capture(self) -> Any:
         from ..runtime.state import capture
 
+        if distributed_optimizers(self.megatron_optimizer):  # generation 0 only: rebuilt stages run the plain one
+            return capture_pieces(self.named, self.megatron_optimizer)
         view = self.optimizer  # keyed by the fp32 parameters the optimizer steps (main copies under bf16)
         return capture([(n, view.main_param(p)) for n, p in self.named], view)
+
+    def _complete_state(self, saved: Any) -> Any:
+        """Generation 0's distributed-optimizer shares -> each live holder's full stage state."""
+        if not isinstance(saved, ShardedState):
+            return saved
+        groups = stage_holder_groups(self.cfg.pp, self.cfg.dp, self.cfg.tp, set(self.rank_map.live_nodes),
+                                     self.rank_map.rank)
+        return reassemble(saved, groups, dist.get_rank())
 
     def _release(self) -> None:
         self._release_megatron_objects()
@@ -548,10 +566,13 @@ class MegatronRank(GenerationRank):
         self.at(step, "optimizer")
         STATE.grad_norm = self.pending_norm
         try:
-            out = megatron_step()
+            with deferred_param_sync(self.megatron_optimizer) as param_syncs:
+                out = megatron_step()  # local: the distributed optimizer's all-gather is deferred
         finally:
             STATE.grad_norm = None
         self.committed, self.pending, self.saved = step, None, None
+        for param_sync in param_syncs:  # a collective, after the step is this rank's own
+            param_sync()
         return out
 
     def _finish_committed_stock_step(self) -> None:
@@ -682,7 +703,10 @@ class MegatronRank(GenerationRank):
         """The committed step, locally: no collective may run after the commit."""
         STATE.grad_norm = self.pending_norm
         try:
-            ok, norm, _ = self.megatron_optimizer.step()
+            # no collective may run here: generation 0's distributed optimizer updates its shard locally and
+            # its parameter all-gather is dropped (this runs in a recovery, whose capture takes the shards)
+            with deferred_param_sync(self.megatron_optimizer):
+                ok, norm, _ = self.megatron_optimizer.step()
         finally:
             STATE.grad_norm = None
         if ok:

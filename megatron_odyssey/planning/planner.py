@@ -212,7 +212,11 @@ class Planner:
         self.last_search: SearchStatus | None = None
 
     # -- entry point ------------------------------------------------------------------------------
-    def decide(self, current: ExecutionPlan, new_failed: frozenset[int] | set[int]) -> Decision:
+    def decide(self, current: ExecutionPlan, new_failed: frozenset[int] | set[int],
+               lost_units: frozenset[int] = frozenset()) -> Decision:
+        """Eq. 8 over every candidate for ``current`` after ``new_failed``; ``lost_units``: units whose state
+        is gone although live nodes hold them (shards of Megatron's distributed optimizer whose every replica
+        died): only a restart can bring them back."""
         start = time.perf_counter()
         self.last_search = None
         named = set(current.nodes())
@@ -225,8 +229,15 @@ class Planner:
             raise PlanningError("every node has failed: nothing left to plan on")
         dead_view = ExecutionPlan(current.policy, current.num_layers, current.pipelines, failed=failed)
         t_next = self.options.mtbf_hours * 3600.0 / (len(survivors) * self.options.tp)
-        candidates = [*self._reroutes(current, failed), *self._reconfigure_and_restart(dead_view, survivors, t_next),
-                      *self._normalised_reroutes(dead_view)]
+        if lost_units:
+            why = (f"{_describe_units(sorted(lost_units), current.num_layers)} lost their distributed-optimizer "
+                   f"shards with every replica")
+            candidates = [Candidate("reroute", None, reason=why),
+                          *self._reconfigure_and_restart(dead_view, survivors, t_next, lost_units)]
+        else:
+            candidates = [*self._reroutes(current, failed),
+                          *self._reconfigure_and_restart(dead_view, survivors, t_next),
+                          *self._normalised_reroutes(dead_view)]
         search_s = time.perf_counter() - start
         for c in candidates:
             c.transition.search_s = search_s
@@ -296,14 +307,15 @@ class Planner:
                          transfers, reason=reason)
 
     # -- reconfigure / restart --------------------------------------------------------------------
-    def _reconfigure_and_restart(self, current: ExecutionPlan, survivors: list[int], t_next: float) -> list[Candidate]:
+    def _reconfigure_and_restart(self, current: ExecutionPlan, survivors: list[int], t_next: float,
+                                 lost_units: frozenset[int] = frozenset()) -> list[Candidate]:
         shapes = self.search_layouts(len(survivors), len(current.pipelines), _typical_length(current))
         if not shapes:
             why = (f"no layout of {len(survivors)} nodes fits the model in "
                    f"{self.profile.device_memory_bytes / 2**30:.1f} GiB per device")
             return [Candidate("reconfigure", None, reason=why), Candidate("restart", None, reason=why)]
         shape = self._restart_shape(shapes, t_next)
-        lost = [u for u, nodes in current.holders().items() if not nodes]
+        lost = sorted({u for u, nodes in current.holders().items() if not nodes} | set(lost_units))
         out = []
         if lost:
             out.append(Candidate("reconfigure", None, reason=f"{_describe_units(lost, current.num_layers)} "

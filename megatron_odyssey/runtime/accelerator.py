@@ -327,6 +327,10 @@ class CpuCudaView:
         return _CpuStream()
 
     @staticmethod
+    def default_stream(device: Any = None) -> _CpuStream:
+        return _CpuStream()
+
+    @staticmethod
     def stream(stream: Any) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 

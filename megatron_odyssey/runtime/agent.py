@@ -152,6 +152,10 @@ class Agent:
         self.cfg, self.cfg_path, self.workdir, self.echo = cfg, cfg_path, workdir, echo_rank0
         self.plan = cfg.validate()
         self.state_plan = self.plan  # layout of the newest committed state (what survivors hold)
+        # generation 0's state sharded by Megatron's distributed optimizer (until a later generation commits)
+        self.sharded_state = bool(cfg.extra.get("distopt_instances"))
+        self.exiting: dict[int, float] = {}  # rank -> when it was first seen finished but not yet exited
+        self.killed_after_done: set[int] = set()
         self.gen = 0
         self.started_gen = True  # generation 0 needs no join barrier
         self.store = store  # created after the ranks are forked (see run) unless given
@@ -292,7 +296,7 @@ class Agent:
             if all(self.procs[i].exitcode is not None for i in self.members()):
                 break
             time.sleep(0.005)
-        bad = [i for i in self.members() if self.procs[i].exitcode != 0]
+        bad = [i for i in self.members() if self.procs[i].exitcode != 0 and i not in self.killed_after_done]
         for ident in bad:
             if ident not in self.errors:  # (a local error was printed when it happened)
                 self.log_error(f"rank {ident} exited {self.procs[ident].exitcode}:\n" + self._tail(ident))
@@ -318,6 +322,9 @@ class Agent:
                 self.procs[ident].kill()  # leftovers (a launched rank's data-loader workers hold its sockets)
                 out.add(ident)
             elif code is None and self._stale(ident, now):
+                if done and self._said_done(ident):
+                    self._finish_exit(ident, now)  # past its last step and shutting down: not a hang
+                    continue
                 self._fence(ident, f"missed heartbeats for {self.cfg.heartbeat_timeout_s:.1f} s")
                 out.add(ident)
         stalled = None if done else self._stalled(now)
@@ -450,6 +457,30 @@ class Agent:
         if giveup is not None:
             self.store.compare_set(f"odyssey/gen{self.gen + 1}/plan", "", json.dumps({"giveup": giveup}))
 
+    def _said_done(self, ident: int) -> bool:
+        """The rank finished the job (its exit handler said so): its heartbeat thread stops with the
+        interpreter, and tearing down a world of dead peers can take a while."""
+        from .control_plane import DONE_KEY
+
+        if ident in self.exiting:
+            return True
+        try:
+            said = self.store.check([DONE_KEY.format(ident)])
+        except Exception:  # noqa: BLE001 - the store is this agent's: a failure here is not the rank's
+            return False
+        if said:
+            self.exiting[ident] = time.time()
+        return said
+
+    def _finish_exit(self, ident: int, now: float) -> None:
+        """A finished rank still exiting after the hard timeout is killed; its work is done, so it counts as
+        a clean exit."""
+        if now - self.exiting[ident] > self.cfg.hard_timeout_s:
+            self.log(f"rank {ident} finished the job but has not exited for {self.cfg.hard_timeout_s:.0f} s: "
+                     f"killing it")
+            self.procs[ident].kill()
+            self.killed_after_done.add(ident)
+
     def _stale(self, ident: int, now: float) -> bool:
         beat = self.beats.get(ident)
         if beat is None and self.takeover_at:  # its heartbeat thread moves to this agent within seconds
@@ -496,6 +527,7 @@ class Agent:
                   "wall_s": now - self.started, "t": now, "redone": redone, "agent_rss_mb": resident_mb()}
         new_layout = self.state_plan is not self.plan
         self.state_plan = self.plan  # once committed, survivors hold their state in this generation's layout
+        self.sharded_state = self.sharded_state and self.gen == 0
         if self.replica is not None:  # ahead of the commit: whatever a rank sees, the standby knows
             if first_of_generation:
                 self._replicate_state()
@@ -633,11 +665,13 @@ class Agent:
             return True
         t0 = time.perf_counter()
         cache = self.cache
+        lost = self._lost_shards(dead_nodes)
         try:
-            decision = cache.lookup(dead_nodes) if cache is not None and cache.current is base else None
+            decision = (cache.lookup(dead_nodes) if cache is not None and cache.current is base and not lost
+                        else None)
             rec.cached = decision is not None
             if decision is None:
-                decision = self.planner.decide(base, dead_nodes)
+                decision = self.planner.decide(base, dead_nodes, lost_units=lost)
         except PlanningError as exc:
             self.stop_reason = f"cannot continue: {exc}"
             rec.reason = str(exc)
@@ -673,6 +707,16 @@ class Agent:
         self._publish(rec, chosen.plan, {"plan": chosen.plan.to_dict(), "policy": chosen.policy,
                                          "transfers": transfers, "resume_step": resume, "checkpoint_step": ckpt})
         return True
+
+    def _lost_shards(self, dead_nodes: set[int]) -> frozenset[int]:
+        """Units whose generation-0 distributed-optimizer state died with every instance holding it."""
+        if not self.sharded_state:
+            return frozenset()
+        from ..megatron_lm.distributed_optimizer import shards_lost
+
+        base = self.state_plan
+        stages = shards_lost(self.cfg.pp, self.cfg.dp, int(self.cfg.extra["distopt_instances"]), set(dead_nodes))
+        return frozenset(u for s in stages for u in base.stage_units(0, s))
 
     def _publish(self, rec: FailureRecord, plan: ExecutionPlan, msg: dict[str, Any]) -> None:
         """Start the next generation: its state goes to the standby first, then its plan to the ranks."""

@@ -125,4 +125,7 @@ def megatron_job_fields(args: Any) -> dict[str, Any]:
                       "allreduce": getattr(args, "odyssey_allreduce_bandwidth", None),
                       "transfer": getattr(args, "odyssey_transfer_bandwidth", None)},
             "ranks_per_node": int(os.environ.get("LOCAL_WORLD_SIZE") or 0) or None,
-            "save_interval": getattr(args, "save_interval", None) if getattr(args, "save", None) else None}
+            "save_interval": getattr(args, "save_interval", None) if getattr(args, "save", None) else None,
+            # generation 0's distributed optimizer: each shard on this many ranks (megatron_lm.distributed_optimizer)
+            "distopt_instances": (int(getattr(args, "num_distributed_optimizer_instances", 1))
+                                  if getattr(args, "use_distributed_optimizer", False) else None)}

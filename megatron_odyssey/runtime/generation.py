@@ -127,6 +127,12 @@ class GenerationRank(abc.ABC):
     def _capture(self) -> Any:
         """The live stage's state by global name (``state.capture``)."""
 
+    def _complete_state(self, saved: Any) -> Any:
+        """The captured state as the transfers need it (every rank holding all of its stage's state); a host
+        whose capture holds only a share (Megatron's distributed optimizer) completes it here, collectively
+        over the new world, before any transfer."""
+        return saved
+
     def _release(self) -> None:
         """Drop the host's objects that hold the broken generation's groups (called at teardown)."""
 
@@ -178,6 +184,8 @@ class GenerationRank(abc.ABC):
             install_parallel_state(self.groups)
         marks.append(time.perf_counter())
         old = self.saved  # kept until this generation commits a step: a failure before that restarts from it
+        if old is not None and policy != "restart":
+            old = self._complete_state(old)
         self.progress.mark(self.progress.step, "recovery")
         self._build_model(*node_stage(plan, self.node))
         self.progress.mark(self.progress.step, "recovery")
