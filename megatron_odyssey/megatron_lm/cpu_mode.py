@@ -318,6 +318,8 @@ MEGATRON_LM_CPU_PATCHES: Tuple[Patch, ...] = (
           "_ParamAndGradBuffer() allocates the DDP param/grad buffers on current_device()"),
     Patch(f"{_MC}.distributed.distributed_data_parallel.torch", _CORE_TORCH_VIEW,
           "--num-distributed-optimizer-instances > 1: DDP makes a torch.cuda.Stream for the inter-instance all-reduce"),
+    Patch(f"{_MC}.optimizer.distrib_optimizer.torch", _CORE_TORCH_VIEW,
+          "--dist-ckpt-optim-fully-reshardable: the distributed optimizer gathers its shards into current_device() buffers"),
     Patch(f"{_MC}.optimizer.optimizer.torch", _CORE_TORCH_VIEW,
           "FP32Optimizer/MixedPrecisionOptimizer create _scale/found_inf with device='cuda'"),
     Patch(f"{_MC}.optimizer.optimizer.clip_grad_by_total_norm_fp32",

@@ -316,10 +316,10 @@ class Planner:
             return [Candidate("reconfigure", None, reason=why), Candidate("restart", None, reason=why)]
         shape = self._restart_shape(shapes, t_next)
         lost = sorted({u for u, nodes in current.holders().items() if not nodes} | set(lost_units))
+        gone = "lost their distributed-optimizer shards with every replica" if lost_units else "have no live copy"
         out = []
         if lost:
-            out.append(Candidate("reconfigure", None, reason=f"{_describe_units(lost, current.num_layers)} "
-                                 "have no live copy"))
+            out.append(Candidate("reconfigure", None, reason=f"{_describe_units(lost, current.num_layers)} {gone}"))
         else:
             # Eq. 8 per layout: a slightly slower layout that moves far fewer bytes can win
             best = None
@@ -336,7 +336,7 @@ class Planner:
                 if best is None or cand.score > best.score:
                     best = cand
             out.append(best)
-        why = (f"{_describe_units(lost, current.num_layers)} have no live copy: restore the last checkpoint"
+        why = (f"{_describe_units(lost, current.num_layers)} {gone}: restore the last checkpoint"
                if lost else "relaunch from the last checkpoint")
         restart = replace(layout([(p.layer_split(), p.micro_batches) for p in shape.pipelines], survivors,
                                  current.num_layers, policy="restart"), reason=why)

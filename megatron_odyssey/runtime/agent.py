@@ -685,6 +685,13 @@ class Agent:
         resume, ckpt = last + 1, None
         if chosen.policy == "restart" and self.cfg.extra.get("megatron"):  # a Megatron job: its own checkpoint
             ckpt = megatron_checkpoint_iteration(self.cfg.extra.get("save_dir"))
+            if ckpt is not None and lost:
+                self.stop_reason = (f"cannot continue in-process: {chosen.reason}; the checkpoint of iteration {ckpt} "
+                                    f"holds the distributed optimizer's shards, which the plain optimizer of a "
+                                    f"re-arranged job cannot load: relaunch with --load "
+                                    f"{self.cfg.extra.get('save_dir')} on the surviving machines")
+                self.failures.append(rec)
+                return False
             if ckpt is None:
                 self.stop_reason = (f"cannot continue: {chosen.reason}, and there is no Megatron checkpoint to "
                                     f"restore (no --save, or nothing saved yet); relaunch from the start")

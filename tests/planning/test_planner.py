@@ -301,3 +301,16 @@ def test_planner_offers_the_normalised_reroute_with_its_transfer():
         c.plan.validate(num_micro_batches=12)
     assert not [c for c in Planner(prof, 12, 1, PlannerOptions(normalise=False)).decide(
         symmetric_plan(2, 3, 8, 12), {3, 5}).candidates if c.kind == "normalise"]
+
+
+def test_lost_distributed_optimizer_shards_mean_restart_although_nodes_hold_the_layers():
+    """Generation 0 of a --use-distributed-optimizer job: nodes 1 and 3 were the two replicas of one shard of
+    stage 0, so stage 0's state is gone although nodes 0 and 2 still hold its layers: only a restart helps."""
+    prof = builtin_profile(num_layers=8, seq_length=2048)
+    current = symmetric_plan(2, 4, 8, 8)
+    stage0 = current.stage_units(0, 0)
+    decision = Planner(prof, 8, 1).decide(current, {1, 3}, lost_units=stage0)
+    assert decision.policy == "restart"
+    assert "distributed-optimizer shards with every replica" in decision.reason
+    assert not any(c.feasible for c in decision.candidates if c.policy != "restart")
+    assert Planner(prof, 8, 1).decide(current, {1, 3}).policy != "restart"  # the plain optimizer's state survives

@@ -114,8 +114,8 @@ def test_bad_policy_is_rejected_by_argparse(capsys: pytest.CaptureFixture) -> No
 
 
 @pytest.mark.parametrize("argv, megatron, message", [
-    (["--odyssey"], {"use_distributed_optimizer": True}, "--use-distributed-optimizer"),
     (["--odyssey"], {"overlap_param_gather": True}, "--overlap-param-gather"),
+    (["--odyssey"], {"use_distributed_optimizer": True}, "--num-distributed-optimizer-instances 2"),
     (["--odyssey"], {"fp16": True}, "--fp16"),
     (["--odyssey"], {"virtual_pipeline_model_parallel_size": 2}, "interleaved"),
     (["--odyssey"], {"context_parallel_size": 2}, "--context-parallel-size"),
@@ -146,6 +146,11 @@ def test_invalid_combinations_fail_clearly(argv: list[str], megatron: dict, mess
         validate_odyssey_args(ns)
 
 
+def test_distributed_optimizer_with_replicated_shards_is_accepted() -> None:
+    validate_odyssey_args(_megatron_like_args(["--odyssey"], use_distributed_optimizer=True,
+                                              num_distributed_optimizer_instances=2))
+
+
 def test_every_refused_flag_is_named_at_once() -> None:
     """A job with several refused flags learns all of them from one launch, not one per attempt."""
     ns = _megatron_like_args(["--odyssey"], use_distributed_optimizer=True, overlap_param_gather=True,
@@ -154,7 +159,7 @@ def test_every_refused_flag_is_named_at_once() -> None:
         validate_odyssey_args(ns)
     text = str(info.value)
     assert text.startswith("3 flags cannot be used with --odyssey")
-    for flag in ("--use-distributed-optimizer", "--overlap-param-gather", "--dataloader-type cyclic"):
+    for flag in ("--num-distributed-optimizer-instances", "--overlap-param-gather", "--dataloader-type cyclic"):
         assert flag in text
 
 

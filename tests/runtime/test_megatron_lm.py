@@ -153,6 +153,43 @@ def test_overlapped_grad_reduce_hands_off(tmp_path_factory: pytest.TempPathFacto
     assert same_training(job.iterations(), stock.iterations())
 
 
+DISTOPT = ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"]
+
+
+@pytest.fixture(scope="module")
+def stock_distopt(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[str, ...]]:
+    """Eight CPU ranks (PP=2 x DP=4) with Megatron's distributed optimizer in two instances of two ranks."""
+    job = run_stock(MLM, tmp_path_factory.mktemp("stock_distopt"), [*TINY_GPT, *DISTOPT], _port(600), nproc=8)
+    assert job.returncode == 0, job.logs[-4000:]
+    return job.iterations()
+
+
+def test_distributed_optimizer_survives_a_kill(stock_distopt: dict, tmp_path: Path) -> None:
+    """Rank 1 holds one shard of stage 0's Adam state, also held by rank 3 (the other instance): the
+    survivors assemble their stage's full state from the live shards and train on with the plain optimizer,
+    equal to stock Megatron-LM with the distributed optimizer."""
+    job = run_odyssey(MLM, tmp_path, [*ODYSSEY, *DISTOPT, "--odyssey-inject-fault",
+                                      "step=2,rank=1,phase=backward,kind=kill"], _port(610), nproc=8)
+    assert job.returncode == 0, job.logs[-4000:]
+    (failure,) = job.report["failures"]
+    assert failure["ranks"] == [1] and failure["policy"] in ("reroute", "reconfigure")
+    assert [s["step"] for s in job.report["steps"]] == list(range(ITERS))
+    assert same_training(job.iterations(), stock_distopt)
+
+
+def test_distributed_optimizer_shard_lost_with_every_replica_stops_clearly(tmp_path: Path) -> None:
+    """Ranks 1 and 3 are both holders of stage 0's shard 1: the state is gone although ranks 0 and 2 hold
+    the layers. The job stops with the reason and the checkpoint to relaunch from, on the terminal."""
+    job = run_odyssey(MLM, tmp_path, [*ODYSSEY, *DISTOPT, "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
+                                      "--odyssey-inject-fault", "step=3,rank=1,phase=backward,kind=kill",
+                                      "--odyssey-inject-fault", "step=3,rank=3,phase=backward,kind=kill"],
+                      _port(620), nproc=8)
+    assert job.returncode != 0
+    assert "lost their distributed-optimizer shards with every replica" in job.logs
+    assert f"relaunch with --load {tmp_path / 'ckpt'}" in job.logs
+    assert job.report["failures"][0]["policy"] == "restart"
+
+
 def test_per_token_loss_after_a_reroute(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
     """--calculate-per-token-loss: after the failure the executor normalises by the global batch's loss
     tokens, which the rank counts from the dataset (GenerationRank.token_count); every logged iteration
