@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
 # Llama-2-7B pre-training with Odyssey on Ascend 910B NPUs (HCCL) through MindSpeed.
 #
-# Prerequisites: CANN + torch_npu installed; MindSpeed (core) installed next to Megatron-LM
-# core_r0.16.0 as MindSpeed's README describes; patches/pretrain_gpt.core_r0.16.0.patch applied (it imports
-# mindspeed.megatron_adaptor first, then megatron_odyssey.megatron_adaptor).
+# Prerequisites: CANN + torch_npu installed; MindSpeed (core) installed next to the Megatron-LM branch its
+# README names (Odyssey supports core_r0.12.0 to core_r0.19.0 and main); patches/pretrain_gpt.<branch>.patch
+# applied (it imports mindspeed.megatron_adaptor first, then megatron_odyssey.megatron_adaptor).
 #
 #   MEGATRON_LM=/path/to/Megatron-LM DATA_PREFIX=/data/llama2/redpajama_text_document \
 #   TOKENIZER_MODEL=/models/Llama-2-7b-hf/tokenizer.model NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 \
 #   examples/llama2/pretrain_llama2_7b_ascend.sh
 #
-# Default layout: 16 NPUs (2 x 8) as TP=2 x PP=4 x DP=2. Odyssey runs the ranks' new process groups
+# Default layout: 16 NPUs (2 x 8) as TP=2 x PP=2 x DP=4. Odyssey runs the ranks' new process groups
 # on HCCL (torch_npu's backend for the npu device); Megatron's --distributed-backend stays "nccl",
 # which MindSpeed maps to HCCL.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
-: "${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM checkout with patches/pretrain_gpt.core_r0.16.0.patch applied}"
+: "${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM checkout with patches/pretrain_gpt.<branch>.patch applied}"
 : "${DATA_PREFIX:?set DATA_PREFIX to the indexed dataset prefix (see examples/llama2/README.md)}"
 : "${TOKENIZER_MODEL:?set TOKENIZER_MODEL to Llama-2 tokenizer.model}"
 if [[ -f /usr/local/Ascend/ascend-toolkit/set_env.sh ]]; then
@@ -22,7 +22,7 @@ if [[ -f /usr/local/Ascend/ascend-toolkit/set_env.sh ]]; then
   source /usr/local/Ascend/ascend-toolkit/set_env.sh
 fi
 TP=${TP:-2}
-PP=${PP:-4}
+PP=${PP:-2}
 GBS=${GBS:-256}
 MBS=${MBS:-1}
 ITERS=${ITERS:-250000}
@@ -48,6 +48,8 @@ MINDSPEED=(
 TRAINING=(
   --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" --sequence-parallel
   --micro-batch-size "$MBS" --global-batch-size "$GBS" --train-iters "$ITERS"
+  --use-distributed-optimizer --num-distributed-optimizer-instances 2   # every Adam shard on two ranks
+  --overlap-grad-reduce
   --lr 3.0e-4 --min-lr 3.0e-5 --lr-decay-style cosine --lr-warmup-iters 2000
   --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0
   --bf16 --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
