@@ -98,11 +98,6 @@ def megatron_feature_refusals(args: Any) -> list[str]:
     for attr, flag, why in _INCOMPATIBLE:
         if getattr(args, attr, False):
             out.append(f"--odyssey cannot be combined with {flag}: {why}. Remove {flag}.")
-    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
-    if vpp not in (None, 1):
-        out.append("--odyssey does not support the interleaved schedule "
-                   "(--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank): "
-                   "its stages are fixed round-robin chunks that an asymmetric plan cannot keep")
     for attr, flag in (("context_parallel_size", "--context-parallel-size"),
                        ("expert_model_parallel_size", "--expert-model-parallel-size")):
         if getattr(args, attr, 1) not in (None, 1):

@@ -39,6 +39,7 @@ from ..runtime.grad_sync import GradientSync, all_reduce_flat, params_by_unit, u
 from .distributed_optimizer import (ShardedState, capture_pieces, deferred_param_sync, distributed_optimizers,
                                     reassemble, stage_holder_groups)
 from .hooks import ORIGINAL_ATTR, STATE
+from .interleaved import InterleavedCapture, chunk_layer_start, reshuffle_transfers, shapes_for_layers
 from ..runtime.errors import GIVEUP_KEY, STARTED_KEY, fail_locally, giveup_reason, is_peer_failure, stop_now
 from ..runtime.generation import GenerationRank, keys, node_stage
 from ..runtime.liveness import Heartbeat, Progress, StoreThread, track
@@ -240,6 +241,7 @@ class MegatronRank(GenerationRank):
             store.set("odyssey/config", json.dumps(cfg.__dict__))
         self.gen_lock = threading.RLock()  # held while this thread aborts, tears down or builds groups
         plan = symmetric_plan(cfg.pp, cfg.dp, cfg.layers, cfg.num_micro_batches)
+        self.gen0_vpp = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
         self.keyed_dropout = bool(getattr(args, "hidden_dropout", 0) or getattr(args, "attention_dropout", 0))
         self._adopt_generation0(plan)
         from ..runtime.control_plane import ControlPlane
@@ -284,6 +286,9 @@ class MegatronRank(GenerationRank):
         if self.rank_map.rank(self.node, self.tp_rank) != dist.get_rank():
             raise RuntimeError("Megatron's rank order is not tensor-, then data-, then pipeline-parallel")
         self._adopt_chunk(self.megatron_model[0])
+        if len(self.megatron_model) > 1:  # interleaved: every chunk's parameters, by global name
+            self.named = [pair for chunk in self.megatron_model
+                          for pair in megatron_global_names(chunk, chunk_layer_start(chunk))]
         self._key_dropout(self.megatron_model)
         self.owners = unit_owners(self.plan)
         STATE.plan = None  # the dispatcher runs Megatron's own schedule
@@ -343,6 +348,11 @@ class MegatronRank(GenerationRank):
         # (and generation 0's distributed optimizer gives way to the plain one: see megatron_lm.distributed_optimizer;
         # args keep saying so, for the checkpoints written from now on)
         self.args.use_distributed_optimizer, self.args.num_distributed_optimizer_instances = False, 1
+        # (and interleaving ends: a plan's stage is one contiguous layer range)
+        self.args.virtual_pipeline_model_parallel_size = None
+        for name in ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank"):
+            if hasattr(self.args, name):
+                setattr(self.args, name, None)
         with _overridden(self.args, overlap_grad_reduce=False):
             if "pg_collection" in inspect.signature(mt.get_model).parameters:
                 chunks = mt.get_model(provider, captured.model_type, pg_collection=plan_process_groups(self.groups))
@@ -425,17 +435,38 @@ class MegatronRank(GenerationRank):
         from ..runtime.state import capture
 
         if distributed_optimizers(self.megatron_optimizer):  # generation 0 only: rebuilt stages run the plain one
-            return capture_pieces(self.named, self.megatron_optimizer)
-        view = self.optimizer  # keyed by the fp32 parameters the optimizer steps (main copies under bf16)
-        return capture([(n, view.main_param(p)) for n, p in self.named], view)
+            state = capture_pieces(self.named, self.megatron_optimizer)
+        else:
+            view = self.optimizer  # keyed by the fp32 parameters the optimizer steps (main copies under bf16)
+            state = capture([(n, view.main_param(p)) for n, p in self.named], view)
+        # generation 0 interleaved (rebuilt stages have one chunk): to the contiguous layout first
+        return InterleavedCapture(state) if len(self.megatron_model) > 1 else state
 
     def _complete_state(self, saved: Any) -> Any:
-        """Generation 0's distributed-optimizer shares -> each live holder's full stage state."""
-        if not isinstance(saved, ShardedState):
-            return saved
-        groups = stage_holder_groups(self.cfg.pp, self.cfg.dp, self.cfg.tp, set(self.rank_map.live_nodes),
-                                     self.rank_map.rank)
-        return reassemble(saved, groups, dist.get_rank())
+        """Generation 0's state as the planner's base plan describes it: the distributed optimizer's shares
+        -> each live holder's full stage state; interleaved chunks -> the contiguous stage of the same
+        pipeline rank (megatron_lm.interleaved)."""
+        interleaved = isinstance(saved, InterleavedCapture)
+        state = saved.inner if interleaved else saved
+        if isinstance(state, ShardedState):
+            groups = stage_holder_groups(self.cfg.pp, self.cfg.dp, self.cfg.tp, set(self.rank_map.live_nodes),
+                                         self.rank_map.rank)
+            state = reassemble(state, groups, dist.get_rank())
+        if interleaved:
+            state = self._to_contiguous(state)
+        return state
+
+    def _to_contiguous(self, state: dict) -> dict:
+        from ..runtime import state as st
+
+        cfg, live = self.cfg, set(self.rank_map.live_nodes)
+        moves = reshuffle_transfers(cfg.layers, cfg.pp, cfg.dp, self.gen0_vpp, live)
+        incoming = {unit - 1 for unit, _, dst in moves if dst == self.node}
+        received = st.transfer(moves, self.node, self.tp_rank, self.rank_map.rank, cfg.layers, state,
+                               shapes_for_layers(state, incoming), self.device, self.p2p)
+        stage = self.node // cfg.dp  # the contiguous stage of this node's pipeline rank
+        keep = symmetric_plan(cfg.pp, cfg.dp, cfg.layers, cfg.num_micro_batches).stage_units(0, stage)
+        return {n: v for n, v in {**state, **received}.items() if unit_of(n, cfg.layers) in keep}
 
     def _release(self) -> None:
         self._release_megatron_objects()
@@ -621,16 +652,19 @@ class MegatronRank(GenerationRank):
         at = self.at
         from ..runtime.dropout_rng import set_micro_batch
 
-        local = iter(range(self.cfg.num_micro_batches))
+        # one count per model chunk: the interleaved schedule runs each micro-batch once through every chunk
+        local = {id(chunk): iter(range(self.cfg.num_micro_batches)) for chunk in self.megatron_model}
         replica, replicas = self.node % self.cfg.dp, self.cfg.dp
 
         @functools.wraps(forward_step_func)
         def forward_step(*args: Any, **kwargs: Any) -> Any:
             at(step, "data")  # Megatron's forward step begins by fetching its micro-batch (get_batch)
             at(step, "forward")
+            chunk = kwargs.get("model", args[1] if len(args) > 1 else None)
+            counter = local.get(id(chunk)) or next(iter(local.values()))
             # Megatron's sampler gives data-parallel replica d the k-th slice of each global micro-batch group:
             # global micro-batch k * DP + d, as micro_batch() numbers them
-            set_micro_batch(step, next(local) * replicas + replica)
+            set_micro_batch(step, next(counter) * replicas + replica)
             out = forward_step_func(*args, **kwargs)
             tensor = out[0] if isinstance(out, tuple) else None
             if isinstance(tensor, torch.Tensor) and tensor.requires_grad:

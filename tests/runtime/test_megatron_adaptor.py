@@ -117,7 +117,6 @@ def test_bad_policy_is_rejected_by_argparse(capsys: pytest.CaptureFixture) -> No
     (["--odyssey"], {"overlap_param_gather": True}, "--overlap-param-gather"),
     (["--odyssey"], {"use_distributed_optimizer": True}, "--num-distributed-optimizer-instances 2"),
     (["--odyssey"], {"fp16": True}, "--fp16"),
-    (["--odyssey"], {"virtual_pipeline_model_parallel_size": 2}, "interleaved"),
     (["--odyssey"], {"context_parallel_size": 2}, "--context-parallel-size"),
     (["--odyssey"], {"num_experts": 8}, "MoE"),
     (["--odyssey"], {"inprocess_restart": True}, "--inprocess-restart: nvidia-resiliency-ext's in-process restart"),

@@ -153,6 +153,30 @@ def test_overlapped_grad_reduce_hands_off(tmp_path_factory: pytest.TempPathFacto
     assert same_training(job.iterations(), stock.iterations())
 
 
+VPP = ["--num-layers-per-virtual-pipeline-stage", "1"]  # 4 layers, PP=2: two chunks per pipeline rank
+
+
+@pytest.fixture(scope="module")
+def stock_vpp(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[str, ...]]:
+    job = run_stock(MLM, tmp_path_factory.mktemp("stock_vpp"), [*TINY_GPT, *VPP], _port(700))
+    assert job.returncode == 0, job.logs[-4000:]
+    return job.iterations()
+
+
+@pytest.mark.parametrize("policy", ["reroute", "reconfigure"])
+def test_interleaved_stages_hand_off(stock_vpp: dict, tmp_path: Path, policy: str) -> None:
+    """Megatron's interleaved schedule until the failure (pipeline rank 0 holds layers 0 and 2, rank 1
+    layers 1 and 3); then the survivors move layers to the contiguous layout and go on without interleaving.
+    Every iteration equals stock interleaved Megatron-LM."""
+    job = run_odyssey(MLM, tmp_path, [*ODYSSEY, *VPP, "--odyssey-policy", policy, "--odyssey-inject-fault",
+                                      "step=2,rank=1,phase=backward,kind=kill"], _port(710 + 10 * (policy == "reroute")))
+    assert job.returncode == 0, job.logs[-4000:]
+    (failure,) = job.report["failures"]
+    assert failure["ranks"] == [1] and failure["policy"] == policy
+    assert [s["step"] for s in job.report["steps"]] == list(range(ITERS))
+    assert same_training(job.iterations(), stock_vpp)
+
+
 DISTOPT = ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"]
 
 
