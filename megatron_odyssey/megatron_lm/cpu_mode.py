@@ -470,18 +470,18 @@ def describe_megatron_lm_cpu_patches() -> List[dict]:
     return [{"target": p.target, "why": p.why} for p in MEGATRON_LM_CPU_PATCHES]
 
 
-def tiny_gpt_flags(train_iters: int, pipeline_parallel: int = 2) -> List[str]:
+def tiny_gpt_flags(train_iters: int, pipeline_parallel: int = 2, vocab_size: int = 128) -> List[str]:
     """Megatron-LM flags for a tiny Llama-style GPT on mock data that runs on CPU (gloo): the kernels
     this mode cannot run are switched off. Shared by the Megatron-LM tests and benchmarks.
 
-    The vocabulary covers every token of megatron-core 0.12's mock documents (up to 4095, not reduced
-    modulo the vocabulary as from 0.13 on)."""
+    megatron-core 0.12's mock documents hold tokens up to 4095 (not reduced modulo the vocabulary, as from
+    0.13 on): give it ``vocab_size=4096``."""
     return [
         "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "176",
         "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
         "--global-batch-size", "8", "--train-iters", str(train_iters), "--lr", "1e-3", "--min-lr", "1e-4",
         "--lr-decay-style", "cosine", "--clip-grad", "1.0", "--weight-decay", "0.01", "--seed", "1234",
-        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "4096",
+        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab_size),
         "--distributed-backend", "gloo", "--transformer-impl", "local", "--use-cpu-initialization",
         "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
         "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-persist-layer-norm",
