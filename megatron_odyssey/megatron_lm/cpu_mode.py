@@ -115,40 +115,9 @@ class TrainingCpuTorchView(CpuTorchView):
         self.cuda = TrainingCpuCudaView()
 
 
-class _SendCopyDistributed(types.ModuleType):
-    """``torch.distributed`` whose point-to-point sends carry a private copy of the tensor. Megatron's
-    schedules swap a sent output's ``.data`` for a 1-element tensor right after posting the send
-    (``deallocate_output_tensor``): on CUDA the send already holds the old storage in stream order; gloo
-    reads the tensor later, from the new storage (the interleaved schedule's asynchronous sends then
-    delivered garbage and iterations differed run to run)."""
-
-    def __init__(self) -> None:
-        super().__init__("torch.distributed", "megatron-odyssey CPU-mode view of torch.distributed")
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch.distributed, name)
-
-    @staticmethod
-    def isend(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        return torch.distributed.isend(tensor.clone(), *args, **kwargs)
-
-    @staticmethod
-    def P2POp(op: Callable[..., Any], tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:  # noqa: N802
-        if op in (torch.distributed.isend, _SendCopyDistributed.isend):
-            return torch.distributed.P2POp(torch.distributed.isend, tensor.clone(), *args, **kwargs)
-        return torch.distributed.P2POp(op, tensor, *args, **kwargs)
-
-
-class _P2PTorchView(CpuTorchView):
-    def __init__(self) -> None:
-        super().__init__()
-        self.distributed = _SendCopyDistributed()
-
-
 _TRAINING_TORCH_VIEW = TrainingCpuTorchView()
 #: For megatron-core modules: the accelerator's plain view (device_count stays truthful).
 _CORE_TORCH_VIEW = CpuTorchView()
-_P2P_TORCH_VIEW = _P2PTorchView()
 
 
 # --------------------------------------------------------------------------------------------
@@ -338,8 +307,7 @@ MEGATRON_LM_CPU_PATCHES: Tuple[Patch, ...] = (
     Patch(f"{_MT}.utils.torch", _TRAINING_TORCH_VIEW,
           "get_batch_on_this_tp_rank() broadcasts batches into torch.cuda.current_device() buffers"),
     Patch(f"{_MT}.utils.common_utils.torch", _TRAINING_TORCH_VIEW,
-          "0.18+ (utils became a package): get_batch_on_this_tp_rank() and "
-          "logical_and_across_model_parallel_group() use torch.cuda.current_device() tensors"),
+          "0.18+ (utils is a package): get_batch_on_this_tp_rank() etc. use current_device() tensors"),
     Patch(f"{_MT}.models.dist_utils.torch", _TRAINING_TORCH_VIEW,
           "0.19+ wraps models in DDP here (training.get_model's successor): torch.cuda.Stream, current_device()"),
     Patch(f"{_MT}.checkpointing.torch", _TRAINING_TORCH_VIEW,
@@ -348,12 +316,9 @@ MEGATRON_LM_CPU_PATCHES: Tuple[Patch, ...] = (
     Patch(f"{_MC}.distributed.param_and_grad_buffer.torch", _CORE_TORCH_VIEW,
           "_ParamAndGradBuffer() allocates the DDP param/grad buffers on current_device()"),
     Patch(f"{_MC}.distributed.distributed_data_parallel.torch", _CORE_TORCH_VIEW,
-          "--num-distributed-optimizer-instances > 1: DDP makes a torch.cuda.Stream for the inter-instance all-reduce"),
-    Patch(f"{_MC}.pipeline_parallel.p2p_communication.torch", _P2P_TORCH_VIEW,
-          "the schedules swap a sent output's .data for a 1-element tensor while its asynchronous send may "
-          "still read it: safe on CUDA streams, a race with gloo (interleaved iterations differed run to run)"),
+          "--num-distributed-optimizer-instances > 1: DDP makes a cuda Stream for the inter-instance reduce"),
     Patch(f"{_MC}.optimizer.distrib_optimizer.torch", _CORE_TORCH_VIEW,
-          "--dist-ckpt-optim-fully-reshardable: the distributed optimizer gathers its shards into current_device() buffers"),
+          "the distributed optimizer gathers its shards (checkpoints) into current_device() buffers"),
     Patch(f"{_MC}.optimizer.optimizer.torch", _CORE_TORCH_VIEW,
           "FP32Optimizer/MixedPrecisionOptimizer create _scale/found_inf with device='cuda'"),
     Patch(f"{_MC}.optimizer.optimizer.clip_grad_by_total_norm_fp32",

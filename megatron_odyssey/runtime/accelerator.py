@@ -482,7 +482,38 @@ class Patch:
     why: str
 
 
+class _SendCopyDistributed(types.ModuleType):
+    """``torch.distributed`` whose point-to-point sends carry a private copy of the tensor. Megatron's
+    schedules swap a sent output's ``.data`` for a 1-element tensor right after posting the send
+    (``deallocate_output_tensor``): on CUDA the send already holds the old storage in stream order; gloo
+    reads the tensor later, from the new storage (the interleaved schedule's asynchronous sends then
+    delivered garbage and iterations differed run to run)."""
+
+    def __init__(self) -> None:
+        super().__init__("torch.distributed", "megatron-odyssey CPU-mode view of torch.distributed")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.distributed, name)
+
+    @staticmethod
+    def isend(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return torch.distributed.isend(tensor.clone(), *args, **kwargs)
+
+    @staticmethod
+    def P2POp(op: Callable[..., Any], tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:  # noqa: N802
+        if op in (torch.distributed.isend, _SendCopyDistributed.isend):
+            return torch.distributed.P2POp(torch.distributed.isend, tensor.clone(), *args, **kwargs)
+        return torch.distributed.P2POp(op, tensor, *args, **kwargs)
+
+
+class P2PCpuTorchView(CpuTorchView):
+    def __init__(self) -> None:
+        super().__init__()
+        self.distributed = _SendCopyDistributed()
+
+
 _TORCH_VIEW = CpuTorchView()
+_P2P_TORCH_VIEW = P2PCpuTorchView()
 _MCORE = "megatron.core"
 
 #: Every CPU-mode patch. Targets are module globals (or class attributes) inside megatron-core;
@@ -512,8 +543,8 @@ CPU_MODE_PATCHES: Tuple[Patch, ...] = (
     # --- schedules, p2p, timers ---
     Patch(f"{_MCORE}.pipeline_parallel.schedules.torch", _TORCH_VIEW,
           "forward_backward_* count tokens in torch.zeros(..., device='cuda')"),
-    Patch(f"{_MCORE}.pipeline_parallel.p2p_communication.torch", _TORCH_VIEW,
-          "p2p receive buffers / shape exchange use torch.cuda.current_device(); torch.cuda.synchronize()"),
+    Patch(f"{_MCORE}.pipeline_parallel.p2p_communication.torch", _P2P_TORCH_VIEW,
+          "p2p buffers on current_device(); a sent tensor's storage is swapped while gloo reads it: send a copy"),
     Patch(f"{_MCORE}.timers.torch", _TORCH_VIEW,
           "Timer.start/stop call torch.cuda.synchronize(); all-rank timing gathers on current_device()"),
 )

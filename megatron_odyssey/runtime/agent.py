@@ -38,7 +38,7 @@ import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..planning.errors import PlanningError
 from ..planning.plan import ExecutionPlan
@@ -532,8 +532,9 @@ class Agent:
             if first_of_generation:
                 self._replicate_state()
             # (the standby's copy of the record has no store_keys: they are counted after the commit)
-            self.replica.step({"generation": self.gen, "committed": t, "loss": loss, "next_step": t + 1,
-                               "latest_checkpoint": self._latest_checkpoint_if_any()}, record)
+            step_state = {"generation": self.gen, "committed": t, "loss": loss, "next_step": t + 1,
+                          "latest_checkpoint": self._latest_checkpoint_if_any()}
+            self._to_standby(lambda replica: replica.step(step_state, record))
         self.store.set(f"{self.key('commit')}/{t}", repr(loss))  # ranks report the committed loss
         # every rank has applied step t - 1 (it published ready/t): nobody waits on that commit any more
         self.store.delete_key(f"{self.key('commit')}/{t - 1}")
@@ -755,7 +756,33 @@ class Agent:
                 "agent_pid": os.getpid(), "started_any": self.gen > 0 or self.warm}
 
     def _replicate_state(self) -> None:
-        self.replica.state(self.snapshot())
+        snapshot = self.snapshot()
+        self._to_standby(lambda replica: replica.state(snapshot))
+
+    def _to_standby(self, write: Callable[[Replica], None]) -> None:
+        """A write ahead into the standby's store, reconnecting on a store error; a standby that keeps
+        failing costs the failover (said on the terminal), not the job. Deposed goes through."""
+        last: Exception | None = None
+        for attempt in range(3):
+            if self.replica is None:
+                return
+            try:
+                write(self.replica)
+                return
+            except Deposed:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a broken connection to the standby's store
+                last = exc
+                time.sleep(0.2 * (attempt + 1))
+                try:
+                    seq = self.replica.seq
+                    self.replica = Replica(self.replica.address, connect_timeout_s=2.0)
+                    self.replica.seq = seq
+                except Exception as again:  # noqa: BLE001
+                    last = again
+        self.log_error(f"the standby agent's store stopped answering ({type(last).__name__}: {last}); going on "
+                       f"without a standby (losing this machine now ends the job)")
+        self.replica = None
 
     def restore(self, state: dict[str, Any]) -> None:
         """Become the agent whose ``snapshot`` (with its newest commit merged in) this is."""
