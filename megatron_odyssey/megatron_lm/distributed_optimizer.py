@@ -148,13 +148,12 @@ def deferred_param_sync(megatron_optimizer: Any) -> Iterator[list[Callable[[], A
     later: the caller marks the step committed first, so a failure inside the all-gather (a collective)
     never makes a survivor apply the same update twice. Yields the list of deferred calls."""
     deferred: list[Callable[[], Any]] = []
-    # 0.19+ starts it through the optimizer's own start_param_sync_for_bucket_group_subset
-    owners = [(opt, "start_param_sync_for_bucket_group_subset")
-              if hasattr(opt, "start_param_sync_for_bucket_group_subset") else None
-              for opt in distributed_optimizers(megatron_optimizer)]
-    owners = [o for o in owners if o is not None] + [
-        (chunk, "start_param_sync") for opt in distributed_optimizers(megatron_optimizer)
-        if not hasattr(opt, "start_param_sync_for_bucket_group_subset") for chunk in opt.model_chunks]
+    owners: list[tuple[Any, str]] = []
+    for opt in distributed_optimizers(megatron_optimizer):
+        if hasattr(opt, "start_param_sync_for_bucket_group_subset"):  # 0.19+: the optimizer starts it itself
+            owners.append((opt, "start_param_sync_for_bucket_group_subset"))
+        else:
+            owners += [(chunk, "start_param_sync") for chunk in opt.model_chunks]
     for owner, attr in owners:
         real = getattr(owner, attr)
 

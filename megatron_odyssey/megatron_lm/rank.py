@@ -240,7 +240,7 @@ class MegatronRank(GenerationRank):
         if self.ident == 0:
             store.set("odyssey/config", json.dumps(cfg.__dict__))
         self.gen_lock = threading.RLock()  # held while this thread aborts, tears down or builds groups
-        plan = symmetric_plan(cfg.pp, cfg.dp, cfg.layers, cfg.num_micro_batches)
+        plan = self.gen0_plan = symmetric_plan(cfg.pp, cfg.dp, cfg.layers, cfg.num_micro_batches)
         self.gen0_vpp = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
         self.keyed_dropout = bool(getattr(args, "hidden_dropout", 0) or getattr(args, "attention_dropout", 0))
         self._adopt_generation0(plan)
@@ -465,7 +465,7 @@ class MegatronRank(GenerationRank):
         received = st.transfer(moves, self.node, self.tp_rank, self.rank_map.rank, cfg.layers, state,
                                shapes_for_layers(state, incoming), self.device, self.p2p)
         stage = self.node // cfg.dp  # the contiguous stage of this node's pipeline rank
-        keep = symmetric_plan(cfg.pp, cfg.dp, cfg.layers, cfg.num_micro_batches).stage_units(0, stage)
+        keep = self.gen0_plan.stage_units(0, stage)
         return {n: v for n, v in {**state, **received}.items() if unit_of(n, cfg.layers) in keep}
 
     def _release(self) -> None:

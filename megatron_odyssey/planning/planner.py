@@ -128,6 +128,10 @@ class Candidate:
                 "score": self.score, "feasible": self.feasible, "reason": self.reason}
 
 
+#: why units with live holders still cannot continue (Megatron's distributed optimizer, megatron_lm.distributed_optimizer)
+_SHARDS_LOST = "lost their distributed-optimizer shards with every replica"
+
+
 def policy_label(kind: str, fill: bool) -> str:
     """A recovery's name in tables and plots: its kind, with bubble filling told apart (reroute+fill,
     normalise+fill); shared by ``odyssey plan`` and the report view, which reads it from JSON."""
@@ -230,8 +234,7 @@ class Planner:
         dead_view = ExecutionPlan(current.policy, current.num_layers, current.pipelines, failed=failed)
         t_next = self.options.mtbf_hours * 3600.0 / (len(survivors) * self.options.tp)
         if lost_units:
-            why = (f"{_describe_units(sorted(lost_units), current.num_layers)} lost their distributed-optimizer "
-                   f"shards with every replica")
+            why = f"{_describe_units(sorted(lost_units), current.num_layers)} {_SHARDS_LOST}"
             candidates = [Candidate("reroute", None, reason=why),
                           *self._reconfigure_and_restart(dead_view, survivors, t_next, lost_units)]
         else:
@@ -316,7 +319,7 @@ class Planner:
             return [Candidate("reconfigure", None, reason=why), Candidate("restart", None, reason=why)]
         shape = self._restart_shape(shapes, t_next)
         lost = sorted({u for u, nodes in current.holders().items() if not nodes} | set(lost_units))
-        gone = "lost their distributed-optimizer shards with every replica" if lost_units else "have no live copy"
+        gone = _SHARDS_LOST if lost_units else "have no live copy"
         out = []
         if lost:
             out.append(Candidate("reconfigure", None, reason=f"{_describe_units(lost, current.num_layers)} {gone}"))
