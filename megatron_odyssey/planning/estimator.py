@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Mapping
 
 from .plan import ExecutionPlan
 from .profile import LayerCost, ModelProfile
@@ -107,11 +108,15 @@ def _plain_pipeline(costs: tuple[tuple[float, float], ...], m: int, p2p: float) 
     return max(free), tuple(peak)
 
 
-def simulate(plan: ExecutionPlan, profile: ModelProfile, staggered: bool = False) -> Simulation:
+def simulate(plan: ExecutionPlan, profile: ModelProfile, staggered: bool = False,
+             slowdown: Mapping[int, float] | None = None) -> Simulation:
     """Play every node's operation order (Eq. 11) and return each pipeline's time (Eq. 10's t_p).
 
     ``staggered`` models ReCycle's staggered optimizer for a filled plan, which our runtime does not
-    run (see :func:`_simulate_coupled`); the simulator's ReCycle baseline uses it."""
+    run (see :func:`_simulate_coupled`); the simulator's ReCycle baseline uses it. ``slowdown``: node ->
+    factor by which its compute is slower (a fail-slow node, measured by the agent's diagnosis); the
+    operations it runs take that much longer, wherever they come from (its own or adopted work)."""
+    slow = {n: f for n, f in (slowdown or {}).items() if f != 1.0}
     per_units: dict[frozenset[int], tuple[float, float, float]] = {}  # thousands of stages, a few distinct ones
 
     def cost(k: int, i: int) -> tuple[float, float, float]:
@@ -123,6 +128,10 @@ def simulate(plan: ExecutionPlan, profile: ModelProfile, staggered: bool = False
 
     costs = [tuple(cost(k, i) for i in range(pipe.length)) for k, pipe in enumerate(plan.pipelines)]
     coupled = coupled_pipelines(plan)
+    if slow:
+        for k, pipe in enumerate(plan.pipelines):
+            if k not in coupled:  # (coupled pipelines' operations are scaled by the node that runs them)
+                costs[k] = tuple(tuple(x * slow.get(s.node, 1.0) for x in c) for c, s in zip(costs[k], pipe.stages))
     times = [0.0] * len(plan.pipelines)
     peak: dict[int, int] = {}
     for k, pipe in enumerate(plan.pipelines):
@@ -135,7 +144,7 @@ def simulate(plan: ExecutionPlan, profile: ModelProfile, staggered: bool = False
         for i, s in enumerate(pipe.stages):
             peak[s.node] = per_stage[i]
     if coupled:
-        _simulate_coupled(plan, profile.p2p_s, costs, coupled, times, peak, staggered)
+        _simulate_coupled(plan, profile.p2p_s, costs, coupled, times, peak, staggered, slow)
     return Simulation(times, peak)
 
 
@@ -150,7 +159,8 @@ def _filled_pipeline(costs: tuple[tuple[float, float, float], ...], m: int, p2p_
 
 
 def _simulate_coupled(plan: ExecutionPlan, p2p_s: float, costs: list, coupled: frozenset[int],
-                      times: list[float], peak: dict[int, int], staggered: bool = False) -> None:
+                      times: list[float], peak: dict[int, int], staggered: bool = False,
+                      slow: Mapping[int, float] | None = None) -> None:
     """Play the coupled pipelines' nodes in a global order that respects every dependency: the
     fault-free slots (plain reroute) or the unit-cost play's slots (filled reroute).
 
@@ -190,6 +200,8 @@ def _simulate_coupled(plan: ExecutionPlan, p2p_s: float, costs: list, coupled: f
         else:
             in_flight[node] -= 0 if split_here else 1
             dur = b - w if split_here else b
+        if slow:
+            dur *= slow.get(node, 1.0)
         begin = max(free.get(node, 0.0), ready)
         first.setdefault(node, begin)
         end[op] = free[node] = begin + dur
@@ -242,13 +254,21 @@ def node_memory(plan: ExecutionPlan, profile: ModelProfile, peak_in_flight: dict
     return out
 
 
-def estimate_step(plan: ExecutionPlan, profile: ModelProfile, staggered: bool = False) -> StepEstimate:
+def estimate_step(plan: ExecutionPlan, profile: ModelProfile, staggered: bool = False,
+                  slowdown: Mapping[int, float] | None = None) -> StepEstimate:
+    """``slowdown``: node -> compute slowdown factor (see :func:`simulate`); the optimizer waits for the
+    slowest stage's update too."""
     from .restorer import sync_rounds  # restorer depends on the estimator's all-reduce model
 
-    sim = simulate(plan, profile, staggered)
+    sim = simulate(plan, profile, staggered, slowdown)
     rounds = sync_rounds(plan, profile)
     units = profile.units()
-    optimizer = max((sum(units[u].optimizer_s for u in held) for held in set(plan.holdings().values())), default=0.0)
+    if slowdown:
+        optimizer = max((sum(units[u].optimizer_s for u in held) * slowdown.get(node, 1.0)
+                         for node, held in plan.holdings().items()), default=0.0)
+    else:  # (thousands of nodes hold a few distinct unit sets)
+        optimizer = max((sum(units[u].optimizer_s for u in held) for held in set(plan.holdings().values())),
+                        default=0.0)
     return StepEstimate(
         pipeline_times=sim.pipeline_times,
         compute_s=max(sim.pipeline_times),
