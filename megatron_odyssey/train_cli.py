@@ -14,7 +14,7 @@ from pathlib import Path
 from .arguments import POLICIES
 from .cli_args import UsageError, ensure_folder
 from .planning.errors import read_user_file
-from .runtime.config import TrainConfig
+from .runtime.config import SLOW_ACTION_CHOICES, TrainConfig
 
 
 def add_train_arguments(p: argparse.ArgumentParser, defaults: TrainConfig) -> None:
@@ -36,13 +36,19 @@ def add_train_arguments(p: argparse.ArgumentParser, defaults: TrainConfig) -> No
     number("--seed", int, d.seed, "initialisation and data seed")
     p.add_argument("--fail", action="append", default=None, metavar="SPEC",
                    help="inject a fault: step=5,rank=3,phase=forward|backward|grad-sync|optimizer|recovery,"
-                        "kind=kill|hang|slow|error (repeatable; error: the rank raises, as a local bug would)"
+                        "kind=kill|hang|stall|slow|slow-link|error (repeatable; error: the rank raises, as a local bug "
+                        "would; slow,factor=F: its compute F times slower from that step on, steps=N: for N steps; "
+                        "slow-link,factor=F: its messages held back as on a slow link)"
                         + (f"; replaces the built-in faults ({'; '.join(d.fail)}); --fail none: no faults"
                            if d.fail else ""))
     p.add_argument("--policy", choices=POLICIES, default=d.policy,
                    help="auto: the planner chooses by Eq. 8; else force a policy where it is feasible (fill: "
                         "reroute with weight gradients deferred into pipeline bubbles; normalise: a few "
                         "nodes change stage so failures spread, then reroute)")
+    p.add_argument("--slow-action", choices=SLOW_ACTION_CHOICES, default=d.slow_action,
+                   help="what to do about a node the diagnosis names slow: auto (the planner chooses by Eq. 8 between "
+                        "carrying on, rebalancing its pipeline's micro-batches and dropping it), force one of "
+                        "none|rebalance|drop where feasible, or off (no slowness diagnosis)")
     p.add_argument("--save-params", default=d.save_params, help="write the gathered fp32 state dict here")
     p.add_argument("--report", default=d.report, help="write the JSON report here")
     p.add_argument("--plan", default=None, help="run this plan JSON (an execution plan, or `odyssey plan --json` "
@@ -80,6 +86,7 @@ def config_from_args(args: argparse.Namespace, defaults: TrainConfig) -> TrainCo
     return TrainConfig(nproc=args.nproc, tp=args.tp, pp=args.pp, layers=args.layers, hidden=args.hidden,
                        heads=args.heads, seq=args.seq, global_batch=args.global_batch, micro_batch=args.micro_batch,
                        steps=args.steps, seed=args.seed, fail=list(fail), policy=args.policy,
+                       slow_action=args.slow_action,
                        save_params=args.save_params, report=args.report, plan=read_plan(args.plan),
                        data_path=args.data_path, checkpoint_interval=args.checkpoint_interval,
                        heartbeat_timeout_s=args.heartbeat_timeout, soft_timeout_s=args.soft_timeout,

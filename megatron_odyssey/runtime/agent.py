@@ -48,6 +48,8 @@ from .config import TrainConfig
 from .control_plane import Deposed, Replica
 from .plan_message import encode_plan_message
 from .liveness import COMM, IDLE, WORKING, Beat
+from .diagnosis import DiagnosisOptions
+from .slow_nodes import Action, SlowNodes
 from .step_log import StepLog, resident_mb
 from .errors import ABORTED, GIVEUP_KEY, STARTED_KEY, STOP_LINE, ErrorRecord, rank_log_traceback, read_error
 
@@ -141,6 +143,7 @@ class FailureRecord:
     generation: int = 0
     lost_steps: int = 0  # committed steps a restart from a checkpoint trains again
     takeover: dict[str, Any] | None = None  # the standby took over from a lost agent (control_plane)
+    dropped: str = ""  # the agent took these ranks out itself: why (a slow node the planner chose to drop)
 
 
 class Agent:
@@ -193,6 +196,12 @@ class Agent:
         self.replica: Replica | None = None  # the standby's copy of this agent's state (control_plane)
         self.published: dict[str, Any] | None = None  # this generation's plan message, as published
         self.takeover_at = 0.0  # this agent took over from a lost one (its ranks' heartbeats come back now)
+        # the C4D-style diagnosis of the ranks' operation records, and what the planner does about it
+        self.slow_nodes = SlowNodes(cfg.tp, DiagnosisOptions(**cfg.extra.get("diagnosis", {})), cfg.slow_action)
+        self.replans: list[FailureRecord] = []  # generations started to rebalance (not failures): their timings
+        self.pending_action: Action | None = None  # what the diagnosis asks for, done between agent passes
+        self.said_diagnoses = 0  # diagnoses already said on the terminal
+        self.dropping: dict[int, str] = {}  # ranks fenced because the planner dropped their slow node: why
 
     # -- bookkeeping ----------------------------------------------------------------------------------
     def members(self) -> list[int]:
@@ -293,6 +302,13 @@ class Agent:
                 self.write_report(ok=False)
                 return 1
             self.advance()
+            if self.pending_action is not None:
+                action, self.pending_action = self.pending_action, None
+                if not self._act(action):
+                    self.give_up(self.stop_reason or "the re-plan failed")
+                    self.write_report(ok=False)
+                    return 1
+                continue
             if all(self.procs[i].exitcode is not None for i in self.members()):
                 break
             time.sleep(0.005)
@@ -325,14 +341,22 @@ class Agent:
                 if done and self._said_done(ident):
                     self._finish_exit(ident, now)  # past its last step and shutting down: not a hang
                     continue
-                self._fence(ident, f"missed heartbeats for {self.cfg.heartbeat_timeout_s:.1f} s")
+                why = f"missed heartbeats for {self.cfg.heartbeat_timeout_s:.1f} s"
+                self.slow_nodes.hang(self.next_step, [ident], "hang", f"rank {ident} {why}: its process stopped")
+                self._fence(ident, why)
                 out.add(ident)
         stalled = None if done else self._stalled(now)
         if stalled is not None and stalled not in out:
             beat = self.beats[stalled]
-            self._fence(stalled, f"made no progress for {now - max(beat.since, self.judged_from):.1f} s inside "
-                                 f"step {beat.step} (last operation: {beat.phase}) while its heartbeat went on "
-                                 f"(--hard-timeout {self.cfg.hard_timeout_s:g} s)")
+            why = (f"made no progress for {now - max(beat.since, self.judged_from):.1f} s inside step {beat.step} "
+                   f"(last operation: {beat.phase}) while its heartbeat went on")
+            waiting = sorted(i for i in self.members() if i != stalled and i in self.beats and self.beats[i].state == COMM)
+            # C4D: a communication hang when peers wait in a communication it never joined (or it stopped inside
+            # one itself); a hang when it stopped in its own work with nobody waiting on it yet
+            kind = "comm-hang" if beat.state == COMM or waiting else "hang"
+            self.slow_nodes.hang(beat.step, [stalled], kind, f"rank {stalled} {why} ({beat.state})"
+                                 + (f"; ranks {waiting} wait on it in communication" if waiting else ""))
+            self._fence(stalled, why + f" (--hard-timeout {self.cfg.hard_timeout_s:g} s)")
             out.add(stalled)
         return out
 
@@ -515,6 +539,9 @@ class Agent:
                 self.log_error(f"step {t}: ready from ranks {sorted(shares)}, but the members are {members}")
             return
         loss = committed_loss([shares[i] for i in members])  # in rank order, as before: the same float sum
+        # the ranks' operation records of step t: read before the commit (a rank overwrites its record with
+        # step t + 1's once it has it), judged after
+        summaries = SlowNodes.read(self.store, self.key("ops"), members, t) if self.warm and self.slow_nodes.on else {}
         self.store.delete_key(count)
         self.store.delete_key(shares_key)
         now = time.time()
@@ -547,6 +574,11 @@ class Agent:
             self._adopt_device(json.loads(self.store.get(DEVICE_KEY)))
         if not self.warm:
             self.warm, self.judged_from = True, now
+        self._diagnose(t, summaries)
+        factors = self.slow_nodes.diagnoser.last_factors if summaries else {}
+        if factors:  # the diagnosis' view of this step: the node furthest behind its peers
+            node = max(factors, key=factors.get)
+            record["slowest"] = {"node": node, "factor": round(factors[node], 3)}
         self.steps.append(record)
         print(f"step {t:4d}  loss {loss:.6f}  time {now - self.step_started:.3f}s  devices {len(members)}  "
               f"plan {self.plan.plan_id} ({self.plan.policy})", flush=True)
@@ -558,9 +590,37 @@ class Agent:
         if first_of_generation and self.failures and self.failures[-1].generation == self.gen:
             self.write_report(ok=True, final=False)  # the report grows as the job goes, not only at its end
 
+    def _diagnose(self, step: int, summaries: dict[int, dict[str, Any]]) -> None:
+        """Judge the committed step's operation records (``slow_nodes``); an action is taken by the main loop."""
+        def slowed_at(ranks: list[int]) -> float | None:
+            keys = [f"odyssey/slowed/{i}" for i in ranks if self.store.check([f"odyssey/slowed/{i}"])]
+            return min(float(self.store.get(k).split()[0]) for k in keys) if keys else None
+
+        action = self.slow_nodes.after_commit(step, summaries, self.plan, self.planner, self.profile, slowed_at)
+        for rec in self.slow_nodes.records[self.said_diagnoses:]:
+            if rec.kind in ("slow", "comm-slow"):  # (hangs are said where they are fenced)
+                self.log(f"diagnosis at step {step}: {rec.kind} ranks {rec.ranks}: {rec.evidence}; action "
+                         f"{rec.action}" + (f" ({rec.reason})" if rec.reason else ""))
+        self.said_diagnoses = len(self.slow_nodes.records)
+        if action is not None and self.next_step < self.cfg.steps:
+            self.pending_action = action
+
+    def _act(self, action: Action) -> bool:
+        """Drop: fence the slow node's ranks (detected and recovered from like any failure next pass).
+        Re-plan: abort the generation after the step just committed and start the rebalanced plan."""
+        if action.what == "drop":
+            for ident in action.ranks:
+                if ident not in self.dead and self.procs[ident].exitcode is None:
+                    self.dropping[ident] = f"slow ({action.record.factor:g}x): {action.record.reason}"
+                    what = ("its compute is {:g}x slower" if action.record.kind == "slow" else
+                            "its messages arrive {:g}x later than others'").format(action.record.factor)
+                    self._fence(ident, f"is slow ({what}); the planner drops it")
+            return True
+        return self.recover(set(), replan=action)
+
     def _close_failure_records(self, now: float) -> None:
         """The recoveries into this generation end with its first commit: their times are known now."""
-        for rec in self.failures:
+        for rec in self.failures + self.replans:
             if rec.generation == self.gen and rec.recovery_s == 0.0:
                 rec.recovery_s = now - rec.started
                 rec.transfer_s = max((float(v) for v in self._read_all("transfer_s")), default=0.0)
@@ -600,13 +660,16 @@ class Agent:
         return self.latest_checkpoint() if self.checkpoints else None
 
     # -- recovery -------------------------------------------------------------------------------------
-    def recover(self, failed: set[int], takeover: dict[str, Any] | None = None) -> bool:
+    def recover(self, failed: set[int], takeover: dict[str, Any] | None = None, replan: Action | None = None) -> bool:
         """Abort the generation, seal the survivors, decide and publish the next generation. ``takeover``:
         this agent took over from a lost one (no rank needs to have failed; the ranks of a lost machine are
-        found here, by their missing heartbeats)."""
+        found here, by their missing heartbeats). ``replan``: no rank failed; the diagnosis asks for another
+        plan on the same nodes (a rebalance), started once every rank has left the step in flight."""
         detected = time.time()
         gen_failed = set(failed)
-        self.store.set(self.key("abort"), takeover["reason"] if takeover else f"ranks {sorted(failed)} failed")
+        why = (takeover["reason"] if takeover else f"re-plan: {replan.record.action} ({replan.record.reason})"
+               if replan else f"ranks {sorted(failed)} failed")
+        self.store.set(self.key("abort"), why)
         self._wake_waiters()
         self.judged_from = time.time()
         started = min((float(self.store.get(f"odyssey/injected/{i}")) for i in failed
@@ -614,7 +677,10 @@ class Agent:
         if takeover:
             started = detected - takeover["lost_agent_s"]
         self.dead |= failed
-        if not takeover:
+        if replan:
+            self.log(f"generation {self.gen}: {why}; the ranks finish step {self.next_step} and redo it on the new "
+                     f"plan")
+        elif not takeover:
             self.log(f"generation {self.gen}: rank(s) {sorted(failed)} failed at step {self.next_step}; aborting "
                      f"the step")
         # seal membership: every other member registers or is dead/fenced
@@ -657,7 +723,16 @@ class Agent:
         dead_nodes = {i // self.cfg.tp for i in self.dead} & set(base.live_nodes())
         rec = FailureRecord(ranks=sorted(gen_failed), phase=self._phase_of(gen_failed, last + 1),
                             detection_s=max(0.0, detected - started), step=last + 1, started=started,
-                            sealed_at=sealed_at, error=self._error_of(gen_failed), takeover=takeover)
+                            sealed_at=sealed_at, error=self._error_of(gen_failed), takeover=takeover,
+                            dropped="; ".join(sorted({self.dropping[i] for i in gen_failed if i in self.dropping})))
+        self.slow_nodes.left(dead_nodes)
+        if not dead_nodes and replan is not None:
+            rec.policy, rec.reason = replan.record.action, replan.record.reason
+            replan.record.replan = rec
+            self.log(f"{replan.record.action}: {replan.record.reason}; resuming at step {last + 1}")
+            self._publish(rec, replan.plan, {"plan": replan.plan.to_dict(), "policy": "reconfigure", "transfers": [],
+                                             "resume_step": last + 1, "checkpoint_step": None}, failure=False)
+            return True
         if not dead_nodes:  # a takeover that lost no rank: the same layout, new groups on this agent's store
             rec.policy, rec.reason = "resume", "no rank was lost: the same layout on new groups"
             self.log(f"no rank was lost; resuming the same layout at step {last + 1}")
@@ -726,11 +801,11 @@ class Agent:
         stages = shards_lost(self.cfg.pp, self.cfg.dp, int(self.cfg.extra["distopt_instances"]), set(dead_nodes))
         return frozenset(u for s in stages for u in base.stage_units(0, s))
 
-    def _publish(self, rec: FailureRecord, plan: ExecutionPlan, msg: dict[str, Any]) -> None:
+    def _publish(self, rec: FailureRecord, plan: ExecutionPlan, msg: dict[str, Any], failure: bool = True) -> None:
         """Start the next generation: its state goes to the standby first, then its plan to the ranks."""
         self.gen += 1
         rec.generation = self.gen
-        self.failures.append(rec)
+        (self.failures if failure else self.replans).append(rec)
         self.plan = plan
         self.next_step = int(msg["resume_step"])
         self.step_started = time.time()
@@ -946,7 +1021,7 @@ class Agent:
         devices = {i: self.store.get(f"odyssey/device/{i}").decode() for i in sorted(self.procs)
                    if self.store is not None and self.store.check([f"odyssey/device/{i}"])}
         report = {"ok": ok, "running": not final, "steps": self.steps.records(), "failures": failures,
-                  "takeovers": takeovers,
+                  "takeovers": takeovers, "diagnoses": [r.to_json() for r in self.slow_nodes.records],
                   "profile": self.profile.name, "devices": devices, "host": host_summary(),
                   "final_plan": self.plan.to_dict(), "config": {k: v for k, v in vars(self.cfg).items()}}
         path = Path(self.cfg.report)

@@ -9,6 +9,9 @@ from typing import Any
 from ..arguments import POLICIES
 from ..planning.errors import PlanningError
 from ..planning.plan import ExecutionPlan, symmetric_plan
+from ..planning.slow import SLOW_ACTIONS
+
+SLOW_ACTION_CHOICES = ("auto", *SLOW_ACTIONS, "off")
 
 
 @dataclass
@@ -44,6 +47,9 @@ class TrainConfig:
     # fault tolerance
     fail: list[str] = field(default_factory=list)  # --fail specs (runtime.faults.FailSpec text)
     policy: str = "auto"  # auto | reroute | fill | reconfigure | normalise
+    # a slow node the diagnosis names: auto (Eq. 8 between carrying on, rebalancing and dropping it), or force
+    # one of them where feasible; off: no diagnosis of slowness at all (hangs are still caught)
+    slow_action: str = "auto"
     heartbeat_interval_s: float = 0.2
     heartbeat_timeout_s: float = 5.0  # 2-core CI with 8 ranks; use 30-60 s on real clusters
     # progress (not liveness): a rank working inside a step that makes no progress for soft_timeout_s is
@@ -89,6 +95,8 @@ class TrainConfig:
             raise PlanningError(f"--heads {self.heads} and the vocabulary {self.vocab} must be divisible by --tp {self.tp}")
         if self.policy not in POLICIES:
             raise PlanningError(f"--policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.slow_action not in SLOW_ACTION_CHOICES:
+            raise PlanningError(f"--slow-action must be one of {', '.join(SLOW_ACTION_CHOICES)}, got {self.slow_action!r}")
         if not self.heartbeat_timeout_s > self.heartbeat_interval_s:
             raise PlanningError(f"--heartbeat-timeout must be longer than the heartbeat interval "
                                 f"{self.heartbeat_interval_s} s, got {self.heartbeat_timeout_s}")

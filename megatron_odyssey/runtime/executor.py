@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 import functools
+import time
 from typing import Any, Callable, Mapping, Protocol
 
 import torch
@@ -28,6 +29,7 @@ from ..planning.plan import ExecutionPlan
 from ..planning.schedule import BACKWARD, FORWARD, WEIGHT_GRAD, Op, deferred, node_operations, receive_orders
 from .dropout_rng import set_micro_batch
 from .liveness import communicating
+from .op_trace import OpTrace, message_name
 from .transport import Mailbox, P2P
 from .weight_grad import DeferredWeightGrads, input_gradients_only
 from .world import PlanGroups
@@ -70,6 +72,10 @@ class PipelineExecutor:
     per_token_loss: bool = True
     device: torch.device | str = "cpu"  # where activations arrive and batches go (the stage model's device)
     p2p: P2P = field(default_factory=P2P)
+    trace: OpTrace | None = None  # this rank's operation record for the agent's diagnosis (op_trace)
+    # fault injection's sustained slowdowns (faults.Injector.pace): ("compute", s) after an operation's compute
+    # of s seconds, ("send", s) before the send it produced
+    pace: Callable[[str, float], None] | None = None
     _ops: list[Op] = field(init=False)
     _executor: dict[tuple[int, int, int], int] = field(init=False)
 
@@ -78,6 +84,7 @@ class PipelineExecutor:
         self._deferred = deferred(self.plan)
         self._executor = self.plan.executor()
         self._offsets = self.plan.micro_batch_offsets()
+        self._clock = compute_clock(self.device)
         # no closure over self: a reference cycle would keep this executor, and with it the
         # generation's process groups and their sockets, alive after teardown (peers then wait)
         self._inbox = Mailbox(self.p2p, receive_orders(self.plan, self.groups.node),
@@ -85,9 +92,6 @@ class PipelineExecutor:
                               functools.partial(_empty, self.activation_shape, self.dtype, torch.device(self.device)))
 
     # -- addressing -------------------------------------------------------------------------------
-    def _rank_of(self, pipeline: int, stage: int, micro_batch: int) -> int:
-        return self.groups.rank_map.rank(self._node_of(pipeline, stage, micro_batch), self.groups.tp_rank)
-
     def _node_of(self, pipeline: int, stage: int, micro_batch: int) -> int:
         return self._executor.get((pipeline, stage, micro_batch), self.plan.pipelines[pipeline].stages[stage].node)
 
@@ -103,8 +107,6 @@ class PipelineExecutor:
 
         ``token_count()`` (loss tokens in the whole global batch) is asked for only if this rank runs
         last-stage work, so other ranks never read the whole global batch."""
-        import time
-
         result = StepResult()
         tokens: float | None = None
         saved: dict[tuple[int, int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
@@ -112,22 +114,26 @@ class PipelineExecutor:
         pending: list = []
         loss_sum: torch.Tensor | None = None  # on the device: one host sync per step, not per micro-batch
         self._inbox.reset()
+        if self.trace is not None:
+            self.trace.begin(step)
         for op in self._ops:
             key = (op.pipeline, op.stage, op.micro_batch)
             last_stage = op.stage == self.plan.pipelines[op.pipeline].length - 1
             if on_op is not None:
                 on_op(PHASE_OF_OP[op.kind])
             t0 = time.perf_counter()
+            c0 = self._clock()
             if op.kind == WEIGHT_GRAD:
                 weight_grads.pop(key).apply()
+                self._computed(op.kind, self._clock() - c0)
                 result.weight_grad_s += time.perf_counter() - t0
             elif op.kind == FORWARD:
                 inp = None
                 if op.stage > 0:
-                    with communicating():
-                        inp = self._inbox.receive(self._node_of(op.pipeline, op.stage - 1, op.micro_batch),
-                                                  (FORWARD, op.pipeline, op.stage - 1, op.micro_batch))
+                    src = self._node_of(op.pipeline, op.stage - 1, op.micro_batch)
+                    inp = self._receive(src, (FORWARD, op.pipeline, op.stage - 1, op.micro_batch))
                     inp.requires_grad_()
+                    c0 = self._clock()
                 batch = self._batch(step, op.pipeline, op.micro_batch)
                 set_micro_batch(step, self._offsets[op.pipeline] + op.micro_batch)  # keys dropout (dropout_rng)
                 out = self.runner.forward(batch, inp)
@@ -140,30 +146,33 @@ class PipelineExecutor:
                             tokens = token_count()
                         out = (out.float() * mask).sum() / tokens
                     loss_sum = out.detach() if loss_sum is None else loss_sum + out.detach()
+                    self._computed(op.kind, self._clock() - c0)
                 else:
+                    compute_s = self._computed(op.kind, self._clock() - c0)
                     # the wire carries self.dtype: under bf16, Megatron's Float16Module hands every stage's
                     # output back in fp32 (each rank is "the last pipeline stage" of its own parallel_state);
                     # the values are bf16's, so the cast is exact
-                    pending.append(self.p2p.isend(out.detach().to(self.dtype),
-                                                  self._rank_of(op.pipeline, op.stage + 1, op.micro_batch)))
+                    pending.append(self._send(out.detach().to(self.dtype), (FORWARD, op.pipeline, op.stage,
+                                                                           op.micro_batch), +1, compute_s))
                 saved[key] = (inp, out)
                 result.forward_s += time.perf_counter() - t0
             else:
                 inp, out = saved.pop(key)
                 grad = None
                 if not last_stage:
-                    with communicating():
-                        grad = self._inbox.receive(self._node_of(op.pipeline, op.stage + 1, op.micro_batch),
-                                                   (BACKWARD, op.pipeline, op.stage + 1, op.micro_batch))
+                    src = self._node_of(op.pipeline, op.stage + 1, op.micro_batch)
+                    grad = self._receive(src, (BACKWARD, op.pipeline, op.stage + 1, op.micro_batch))
+                    c0 = self._clock()
                 grad = grad if grad is None else grad.to(out.dtype)
                 if (op.pipeline, op.stage) in self._deferred:
                     with input_gradients_only() as weight_grads[key]:
                         torch.autograd.backward(out, grad)
                 else:
                     torch.autograd.backward(out, grad)
+                compute_s = self._computed(op.kind, self._clock() - c0)
                 if inp is not None:
-                    pending.append(self.p2p.isend(inp.grad.to(self.dtype),
-                                                  self._rank_of(op.pipeline, op.stage - 1, op.micro_batch)))
+                    pending.append(self._send(inp.grad.to(self.dtype), (BACKWARD, op.pipeline, op.stage,
+                                                                       op.micro_batch), -1, compute_s))
                 result.backward_s += time.perf_counter() - t0
             result.ops += 1
         with communicating():
@@ -171,6 +180,49 @@ class PipelineExecutor:
                 work.wait()
         result.loss_sum = float(loss_sum) if loss_sum is not None else 0.0
         return result
+
+
+    # -- one operation's parts, timed for the diagnosis (op_trace) --------------------------------------------
+    def _computed(self, kind: str, seconds: float) -> float:
+        """An operation's compute took ``seconds`` (of ``compute_clock``); a sustained injected slowdown
+        stretches it here (and the record says how long it really took)."""
+        if self.pace is not None:
+            c0 = self._clock()
+            self.pace("compute", seconds)
+            seconds += self._clock() - c0
+        if self.trace is not None:
+            self.trace.computed(PHASE_OF_OP[kind], seconds)
+        return seconds
+
+    def _receive(self, src: int, key: tuple[str, int, int, int]) -> torch.Tensor:
+        """The message ``key`` from node ``src`` (when the wait began and ended go to the trace)."""
+        entered = time.time()
+        with communicating():
+            tensor = self._inbox.receive(src, key)
+        done = time.time()
+        if self.trace is not None:
+            self.trace.received(src, message_name(*key), entered, done)
+        return tensor
+
+    def _send(self, tensor: torch.Tensor, key: tuple[str, int, int, int], direction: int, compute_s: float) -> Any:
+        """Post ``tensor`` (what ``key`` names) to the node of the next (+1) or previous (-1) stage."""
+        pipeline, stage, micro_batch = key[1:]
+        dst = self._node_of(pipeline, stage + direction, micro_batch)
+        if self.trace is not None:
+            self.trace.sent(dst, message_name(*key), time.time())
+        if self.pace is not None:  # an injected slow link holds the message back after it was handed over
+            with communicating():
+                self.pace("send", compute_s)
+        return self.p2p.isend(tensor, self.groups.rank_map.rank(dst, self.groups.tp_rank))
+
+
+def compute_clock(device: torch.device | str) -> Callable[[], float]:
+    """What an operation's compute time is measured with. On the CPU the thread's CPU time: several ranks
+    share few cores, and wall time would mostly measure whose turn it was (a rank descheduled mid-operation
+    looks 3x slower; see docs/benchmarks.md, diagnosis); compute runs on the calling thread there
+    (OMP_NUM_THREADS=1). On an accelerator kernels run asynchronously, so wall time between the host's
+    calls measures the launches, not the kernels: a known gap (device events would close it)."""
+    return time.thread_time if torch.device(device).type == "cpu" else time.perf_counter
 
 
 def _rank_of_node(rank_map: Any, tp_rank: int, node: int) -> int:

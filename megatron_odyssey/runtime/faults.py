@@ -3,7 +3,11 @@
 ``kill`` sends SIGKILL to the rank's own (real) process, ``hang`` SIGSTOP (the agent's heartbeat
 check must catch and fence it), ``stall`` stops the main thread inside a collective no peer joins (as a
 hung kernel or a lost message would: the process and its heartbeat thread live on, so only the agent's
-progress check can catch it), ``slow`` sleeps (a straggler that must *not* be declared dead),
+progress check can catch it), ``slow`` sleeps 2 s once (a straggler that must *not* be declared dead), or,
+with ``factor=F``, makes every compute operation of the rank take F times as long from that step on (a
+sustained fail-slow node, which the agent's diagnosis must name and the planner handle); ``slow-link`` with
+``factor=F`` holds each message the rank sends back for (F - 1) times the compute that produced it (a slow
+link: its compute is normal, its receivers wait),
 ``error`` raises :class:`InjectedError` from the injection point: a local bug of the rank (as an
 out-of-memory or a shape error would be), which it must report and leave the job for, not take
 for a peer's failure. ``kill-agent`` SIGKILLs the rank's agent (its parent: the agent of ``odyssey
@@ -18,7 +22,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..planning.errors import PlanningError
 
@@ -26,7 +30,8 @@ from ..planning.errors import PlanningError
 #: optimizer, data: fetching a micro-batch), while recovering, and between steps (log: Megatron's
 #: training_log; save: a checkpoint save; between: just after a step, before anything else)
 PHASES = ("forward", "backward", "weight-grad", "grad-sync", "optimizer", "data", "recovery", "log", "save", "between")
-KINDS = ("kill", "hang", "stall", "slow", "error", "kill-agent", "kill-with-agent", "kill-machine")
+KINDS = ("kill", "hang", "stall", "slow", "slow-link", "error", "kill-agent", "kill-with-agent", "kill-machine")
+SUSTAINED = ("slow", "slow-link")  # kinds that take factor=F and last from their step on
 SLOW_S = 2.0
 
 
@@ -40,6 +45,8 @@ class FailSpec:
     rank: int  # launch-time global rank (node * TP + tp_rank)
     phase: str = "forward"
     kind: str = "kill"
+    factor: float = 0.0  # slow, slow-link: the sustained slowdown (0: slow is a one-off 2 s sleep)
+    steps: int = 0  # slow, slow-link with factor: how many steps it lasts (0: to the end of the job)
 
     @classmethod
     def parse(cls, text: str) -> "FailSpec":
@@ -49,15 +56,36 @@ class FailSpec:
                 raise PlanningError(f"--fail {text!r}: expected key=value pairs like step=5,rank=3,phase=backward,kind=kill")
             key, value = (x.strip() for x in part.split("=", 1))
             fields[key] = value
-        unknown = set(fields) - {"step", "rank", "phase", "kind"}
+        unknown = set(fields) - {"step", "rank", "phase", "kind", "factor", "steps"}
         if unknown:
-            raise PlanningError(f"--fail {text!r}: unknown key(s) {sorted(unknown)}; use step, rank, phase, kind")
+            raise PlanningError(f"--fail {text!r}: unknown key(s) {sorted(unknown)}; use step, rank, phase, kind, "
+                                f"factor, steps")
         try:
             spec = cls(int(fields["step"]), int(fields["rank"]), fields.get("phase", "forward"), fields.get("kind", "kill"))
         except KeyError as missing:
             raise PlanningError(f"--fail {text!r}: missing {missing.args[0]}") from None
         except ValueError:
             raise PlanningError(f"--fail {text!r}: step and rank must be integers") from None
+        if "factor" in fields:
+            if spec.kind not in SUSTAINED:
+                raise PlanningError(f"--fail {text!r}: factor= applies to kind {' or '.join(SUSTAINED)} only")
+            try:
+                factor = float(fields["factor"])
+            except ValueError:
+                raise PlanningError(f"--fail {text!r}: factor must be a number > 1, got {fields['factor']!r}") from None
+            if not factor > 1.0 or factor != factor or factor == float("inf"):
+                raise PlanningError(f"--fail {text!r}: factor must be a number > 1 (how many times slower), "
+                                    f"got {fields['factor']}")
+            spec = replace(spec, factor=factor)
+        elif spec.kind == "slow-link":
+            raise PlanningError(f"--fail {text!r}: kind=slow-link needs factor=F (F > 1)")
+        if "steps" in fields:
+            if not spec.factor:
+                raise PlanningError(f"--fail {text!r}: steps= applies to a sustained slowdown (kind=slow or "
+                                    f"slow-link with factor=F) only")
+            if not fields["steps"].isdigit() or int(fields["steps"]) < 1:
+                raise PlanningError(f"--fail {text!r}: steps must be an integer >= 1, got {fields['steps']!r}")
+            spec = replace(spec, steps=int(fields["steps"]))
         if spec.phase not in PHASES:
             raise PlanningError(f"--fail {text!r}: phase must be one of {PHASES}")
         if spec.kind not in KINDS:
@@ -75,10 +103,42 @@ class Injector:
         self.ident = ident
         self.store = store
         self.fired: set[FailSpec] = set()
+        self.compute_factor = self.link_factor = 1.0  # sustained slowdowns in force (see pace)
+        self.slow_until: dict[str, int] = {}  # kind -> first step it no longer applies (steps=N)
+
+    def pace(self, what: str, seconds: float) -> None:
+        """The executor's hook (``PipelineExecutor.pace``): stretch a compute operation of ``seconds`` to
+        ``compute_factor`` times its length (busy: a slow device computes longer, it does not sleep), or hold
+        a message back as a link ``link_factor`` times slower would (idle: the wire is slow, not the rank)."""
+        factor = self.compute_factor if what == "compute" else self.link_factor
+        if factor <= 1.0 or seconds <= 0:
+            return
+        if what == "compute":
+            _busy((factor - 1.0) * seconds)
+        else:
+            time.sleep((factor - 1.0) * seconds)
 
     def __call__(self, step: int, phase: str) -> None:
+        for kind, until in list(self.slow_until.items()):
+            if step >= until:  # a sustained slowdown of steps=N is over
+                del self.slow_until[kind]
+                if kind == "slow":
+                    self.compute_factor = 1.0
+                else:
+                    self.link_factor = 1.0
         for spec in self.specs:
             if spec in self.fired or spec.step != step or spec.phase != phase:
+                continue
+            if spec.kind in SUSTAINED and spec.factor:  # from here on, every operation (see pace)
+                self.fired.add(spec)
+                if spec.kind == "slow":
+                    self.compute_factor = spec.factor
+                else:
+                    self.link_factor = spec.factor
+                if spec.steps:
+                    self.slow_until[spec.kind] = spec.step + spec.steps
+                if self.store is not None:
+                    self.store.set(f"odyssey/slowed/{self.ident}", f"{time.time()!r} {spec.kind} {spec.factor!r}")
                 continue
             self.fired.add(spec)
             if self.store is not None:
@@ -99,6 +159,15 @@ class Injector:
                 raise InjectedError(f"injected error (--fail step={step},rank={self.ident},phase={phase},kind=error)")
             elif spec.kind == "slow":
                 time.sleep(SLOW_S)
+
+
+def _busy(cpu_seconds: float) -> None:
+    """Spend ``cpu_seconds`` of this thread's CPU time (what the executor's compute clock counts on the CPU)."""
+    end = time.thread_time() + cpu_seconds
+    x = 0
+    while time.thread_time() < end:
+        for _ in range(200):
+            x += 1
 
 
 def _kill_machine() -> None:

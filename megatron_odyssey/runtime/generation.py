@@ -34,6 +34,7 @@ from .config import TrainConfig
 from .errors import ABORTED, exit_if_stopped, fail_locally, is_peer_failure, stop_now
 from .executor import PipelineExecutor
 from .grad_sync import GradientSync, params_by_unit
+from .op_trace import OpTrace
 from .liveness import IDLE, WAITING, Progress
 from .plan_message import decode_plan_message
 from .transport import P2P
@@ -70,7 +71,7 @@ def keys(gen: int) -> dict[str, str]:
     """The store keys of generation ``gen``'s protocol (shared with the agent)."""
     g = f"odyssey/gen{gen}"
     return {"plan": f"{g}/plan", "abort": f"{g}/abort", "ready": f"{g}/ready", "commit": f"{g}/commit",
-            "recover": f"{g}/recover", "transfer": f"{g}/transfer_s", "ckpt": f"{g}/ckpt", "go": f"{g}/go"}
+            "ops": f"{g}/ops", "recover": f"{g}/recover", "transfer": f"{g}/transfer_s", "ckpt": f"{g}/ckpt", "go": f"{g}/go"}
 
 
 def node_stage(plan: ExecutionPlan, node: int) -> tuple[int, int]:
@@ -107,6 +108,7 @@ class GenerationRank(abc.ABC):
     sync: GradientSync | None = None
     groups: Any = None
     control: Any = None  # control_plane.ControlPlane when a standby agent can take over
+    trace: OpTrace | None = None  # this rank's operations per step, for the agent's diagnosis
     uses_parallel_state = True  # point megatron-core's parallel_state at each generation's groups
 
     # -- what a host provides ----------------------------------------------------------------------
@@ -155,9 +157,12 @@ class GenerationRank(abc.ABC):
 
     def _attach_stage(self) -> None:
         """Executor and gradient sync over the stage just built (hosts may add their own settings)."""
+        if self.trace is None:
+            self.trace = OpTrace(self.ident, self.node)
         self.executor = PipelineExecutor(self.plan, self.groups, self.runner, self.micro_batch,
                                          (self.cfg.seq, self.cfg.micro_batch, self.cfg.hidden),
-                                         device=self.device, p2p=self.p2p)
+                                         device=self.device, p2p=self.p2p, trace=self.trace,
+                                         pace=getattr(self.injector, "pace", None))
         self.sync = GradientSync(self.plan, self.groups, params_by_unit(self.named, self.cfg.layers),
                                  staged=self.p2p.staged)
 
@@ -227,6 +232,9 @@ class GenerationRank(abc.ABC):
         """Gradients of ``step`` are synchronised here; ``loss_share`` is this rank's part of its loss (a sum
         over ``tokens`` loss tokens when given: the agent then divides the totals, as Megatron does)."""
         value = repr(loss_share) if tokens is None else f"{loss_share!r} {tokens!r}"
+        summary = self.trace.summary() if self.trace is not None and self.trace.step == step else None
+        if summary is not None:  # the agent reads it when it commits the step (diagnosis)
+            self.store.set(f"{self.k['ops']}/{self.ident}", summary)
         # one key per step for every rank (appended atomically by the store) and one counter the agent polls:
         # the agent's commit reads two keys however many ranks there are
         self.store.append(f"{self.k['ready']}/{step}/shares", f"{self.ident}={value};")
@@ -235,7 +243,10 @@ class GenerationRank(abc.ABC):
     def _wait_commit(self, step: int) -> float:
         """Block until the agent commits ``step`` (returns the step's loss) or aborts the generation."""
         self.progress.set_state(WAITING)
+        t0 = time.perf_counter()
         value = wait_key(self.store, f"{self.k['commit']}/{step}", f"the commit of step {step}", self.cfg.timeout_s)
+        if self.trace is not None:
+            self.trace.commit_wait_s = time.perf_counter() - t0
         if value == ABORTED:
             self._aborted(self.gen)
         return float(value)

@@ -36,6 +36,9 @@ def test_stall_inside_a_collective_is_fenced_by_progress(reference, tmp_path, ph
     (failure,) = report["failures"]
     assert failure["ranks"] == [rank]
     assert 8.0 <= failure["detection_s"] < 25, failure
+    # C4D: it stopped inside a collective its peers never entered (and they wait on it)
+    (diagnosis,) = report["diagnoses"]
+    assert (diagnosis["kind"], diagnosis["ranks"], diagnosis["action"]) == ("comm-hang", [rank], "drop")
 
 
 def test_hang_is_fenced_and_training_goes_on(reference, tmp_path):
@@ -44,6 +47,8 @@ def test_hang_is_fenced_and_training_goes_on(reference, tmp_path):
     (failure,) = report["failures"]
     assert failure["ranks"] == [2]
     assert failure["detection_s"] >= 4.0  # caught by the heartbeat timeout (5 s), not by an error
+    (diagnosis,) = report["diagnoses"]
+    assert (diagnosis["kind"], diagnosis["ranks"], diagnosis["action"]) == ("hang", [2], "drop")
 
 
 def test_two_nodes_of_different_stages_at_once(reference, tmp_path):

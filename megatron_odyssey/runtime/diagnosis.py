@@ -1,0 +1,201 @@
+"""Who is slow, from what the ranks recorded (C4D, ``shared/papers/c4.txt``): the agent's half of ``op_trace``.
+
+Synchronous training repeats the same operations every step, so an anomaly can be attributed:
+
+- **slow** (non-communication slow): a rank's own compute (or data loading) takes longer than its peers'
+  for the same work, and its receivers wait. Each rank's compute per micro-batch (forward, backward and
+  weight gradients, without waiting) is divided by what the profile expects for the layers it holds, and
+  compared with the ranks holding the same layers (its data-parallel twins), or, where it has none, with
+  every other rank: the ratio is its *slowdown factor* in that step.
+- **comm-slow** (communication slow): a message handed to the transport on time arrives late. Matching each
+  receive with its send gives the delay of every link (source node -> destination node); a link much slower
+  than the others is named, and a node all of whose outgoing links are slow is named as the slow one.
+- **hang** / **comm-hang** are judged by the agent from progress (``agent.Agent._stalled``): a rank stopped
+  in its own work (or whose process stopped) vs one stopped inside a communication its peers never entered.
+
+One slow step proves nothing on a loaded machine, so a suspect is named when the median of its last ``window``
+steps' factors (at least ``needed`` of them) passes the threshold, and is named once; it is named again only
+when it has recovered (``recoveries``) and slows down again, or (a slow node) when its factor changes by half.
+Pure Python: the agent runs it between commits.
+"""
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ..planning.plan import ExecutionPlan
+from ..planning.profile import ModelProfile
+
+KINDS = ("slow", "comm-slow", "hang", "comm-hang")
+
+
+@dataclass
+class Finding:
+    step: int
+    kind: str  # one of KINDS
+    nodes: list[int]
+    evidence: str
+    factor: float = 1.0  # how many times slower (slow: compute; comm-slow: the link's delay over the others')
+    link: tuple[int, int] | None = None  # comm-slow of one link: (source node, destination node)
+    delay_s: float = 0.0  # comm-slow: the slow link's median delay per message
+
+
+@dataclass
+class DiagnosisOptions:
+    slow_factor: float = 1.5  # a rank whose median factor is this many times its peers' is slow
+    link_ratio: float = 4.0  # a link whose messages take this many times longer than the others' ...
+    link_floor_s: float = 0.05  # ... and at least this long (scheduling on a loaded host delays any message)
+    window: int = 5  # steps whose median factor is judged
+    needed: int = 3  # the fewest steps judged (a new suspect, or one that just came back)
+
+
+@dataclass
+class _Track:
+    """One suspect's factors in its recent steps, and whether (with which factor) it was named."""
+
+    seen: deque = field(default_factory=lambda: deque(maxlen=16))  # (step, factor)
+    named: float | None = None
+
+    def median(self, window: int) -> float:
+        return statistics.median(f for _, f in list(self.seen)[-window:])
+
+
+class Diagnoser:
+    def __init__(self, options: DiagnosisOptions | None = None):
+        self.options = options or DiagnosisOptions()
+        self.tracks: dict[tuple[str, Any], _Track] = defaultdict(_Track)
+        self.last_factors: dict[int, float] = {}  # node -> its compute factor in the newest step
+
+    # -- per step ---------------------------------------------------------------------------------------
+    def observe(self, step: int, summaries: Mapping[int, dict[str, Any]], plan: ExecutionPlan,
+                profile: ModelProfile) -> list[Finding]:
+        """Take one committed step's summaries (rank -> ``OpTrace.summary`` parsed); returns what is newly
+        found (or found again with a factor changed by more than half)."""
+        found: list[Finding] = []
+        factors, waits = self.compute_factors(summaries, plan, profile)
+        self.last_factors = factors
+        for node, factor in factors.items():
+            found += self._update(("slow", node), step, factor, self.options.slow_factor, lambda m, n=node: Finding(
+                step, "slow", [n], _slow_evidence(n, m, waits.get(n)), m))
+        links = self.link_delays(summaries)
+        for (src, dst), ratio in self.link_ratios(links).items():
+            found += self._update(("comm-slow", (src, dst)), step, ratio, self.options.link_ratio,
+                                  lambda m, s=src, d=dst: Finding(step, "comm-slow", [s], _link_evidence(s, d, links), m,
+                                                                  (s, d), links[(s, d)]))
+        return _merge_links(found)
+
+    def recoveries(self) -> list[tuple[str, Any]]:
+        """Suspects named before whose last ``needed`` steps all looked normal: (kind, node or link) each,
+        once (they may be named again if they slow down again)."""
+        out = []
+        for key, track in self.tracks.items():
+            limit = self.options.slow_factor if key[0] == "slow" else self.options.link_ratio
+            if track.named is not None and len(track.seen) >= self.options.needed and \
+                    track.median(self.options.needed) < limit:
+                track.named = None
+                out.append(key)
+        return out
+
+    def forget(self, node: int) -> None:
+        """The node left the job (dropped, failed): its tracks go."""
+        for key in [k for k in self.tracks if k[1] == node or (isinstance(k[1], tuple) and node in k[1])]:
+            del self.tracks[key]
+
+    def _update(self, key: tuple[str, Any], step: int, factor: float, limit: float, make) -> list[Finding]:
+        track = self.tracks[key]
+        track.seen.append((step, factor))
+        if len(track.seen) < self.options.needed:
+            return []
+        median = track.median(self.options.window)
+        # named again while still slow only when a node's compute factor changed by half (a new decision);
+        # a link's ratio over sub-millisecond delays swings widely, so a slow link is named once per episode
+        again = key[0] == "slow" and track.named is not None and abs(median - track.named) > track.named / 2
+        if median < limit or (track.named is not None and not again):
+            return []
+        track.named = median
+        return [make(median)]
+
+    # -- the measurements ------------------------------------------------------------------------------
+    @staticmethod
+    def compute_factors(summaries: Mapping[int, dict[str, Any]], plan: ExecutionPlan,
+                        profile: ModelProfile) -> tuple[dict[int, float], dict[int, float]]:
+        """Per node: its median forward time over what its layers should take, relative to its twins' (or,
+        without twins, every other node's); and how long receivers waited on its messages this step."""
+        units = profile.units()
+        holdings = plan.holdings()
+        speed: dict[int, float] = {}  # node -> measured / expected compute (the slowest of its TP ranks)
+        waits: dict[int, float] = defaultdict(float)
+        for s in summaries.values():
+            node = int(s["node"])
+            expected = sum(units[u].forward_s + units[u].backward_s for u in holdings.get(node, ()))
+            if s["f"][0] and expected > 0:
+                speed[node] = max(speed.get(node, 0.0), s["c"] / expected)
+            for src, _, entered, done in s["rx"]:
+                waits[int(src)] += done - entered
+        factors = {}
+        for node, x in speed.items():
+            twins = [speed[n] for n in speed if n != node and holdings.get(n) == holdings.get(node)]
+            others = twins or [speed[n] for n in speed if n != node]
+            if others:
+                ref = statistics.median(others)
+                factors[node] = x / ref if ref > 0 else 1.0
+        return factors, dict(waits)
+
+    @staticmethod
+    def link_delays(summaries: Mapping[int, dict[str, Any]]) -> dict[tuple[int, int], float]:
+        """Median delay of each link (source node -> destination node) this step: from the send being handed
+        over (or the receiver starting to wait, whichever is later) to the data being there."""
+        sent = {}
+        for s in summaries.values():
+            for dst, name, t in s["tx"]:
+                sent[(int(s["node"]), int(dst), name)] = t
+        delays: dict[tuple[int, int], list[float]] = defaultdict(list)
+        for s in summaries.values():
+            dst = int(s["node"])
+            for src, name, entered, done in s["rx"]:
+                t = sent.get((int(src), dst, name))
+                if t is not None:
+                    delays[(int(src), dst)].append(max(0.0, done - max(t, entered)))
+        return {link: statistics.median(d) for link, d in delays.items()}
+
+    def link_ratios(self, delays: Mapping[tuple[int, int], float]) -> dict[tuple[int, int], float]:
+        """Each link's delay over the median of the other sources' links (1 for links faster than the floor:
+        any message can be held up that long on a loaded host)."""
+        out = {}
+        for (src, dst), d in delays.items():
+            others = [v for (s, _), v in delays.items() if s != src]
+            ref = statistics.median(others) if others else 0.0
+            out[(src, dst)] = 1.0 if d < self.options.link_floor_s else (d / ref if ref > 0 else 1e9)
+        return out
+
+
+def _slow_evidence(node: int, factor: float, waited: float | None) -> str:
+    text = f"node {node}'s compute per micro-batch takes {factor:.1f}x as long as its peers' for the same work"
+    if waited:
+        text += f"; its receivers waited {waited * 1e3:.0f} ms for its messages in the last step"
+    return text
+
+
+def _link_evidence(src: int, dst: int, delays: Mapping[tuple[int, int], float]) -> str:
+    others = [v for (s, _), v in delays.items() if s != src]
+    ref = f"{statistics.median(others) * 1e3:.1f} ms on other links" if others else "no other link to compare"
+    return (f"messages from node {src} to node {dst} arrive {delays[(src, dst)] * 1e3:.1f} ms after being sent "
+            f"(median), {ref}; node {src}'s compute is normal")
+
+
+def _merge_links(found: list[Finding]) -> list[Finding]:
+    """Several slow links from one source in the same step: that source's links are slow (one finding)."""
+    by_src: dict[int, list[Finding]] = defaultdict(list)
+    out = []
+    for f in found:
+        (by_src[f.nodes[0]] if f.kind == "comm-slow" else out).append(f)
+    for src, fs in by_src.items():
+        if len(fs) == 1:
+            out.append(fs[0])
+        else:
+            out.append(Finding(fs[0].step, "comm-slow", [src], f"every link out of node {src} is slow: "
+                               + "; ".join(f.evidence for f in fs), max(f.factor for f in fs),
+                               delay_s=statistics.median(f.delay_s for f in fs)))
+    return out

@@ -1,0 +1,82 @@
+"""A rank's record of its operations in one step, for the agent's C4D-style diagnosis (``diagnosis``).
+
+Per step the executor notes how long each compute operation took (without the time it waited for its
+input), and for each point-to-point message when it was handed to the transport (send) or when the rank
+started waiting for it and when it arrived (receive); the gradient sync and the commit wait are timed as a
+whole. Nothing here synchronises or talks to anyone: plain appends on the rank's own thread, bounded per
+step, and one compact JSON value the rank writes to the store with its ready share.
+
+Times of messages are wall-clock (``time.time()``), so the agent can match a send on one rank with its
+receive on another: ranks on one machine share the clock; across machines NTP keeps them within a
+millisecond or so, which is what C4D relies on too.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_MESSAGES = 256  # per step and direction: the summary stays small however many micro-batches run
+
+
+@dataclass
+class OpTrace:
+    ident: int
+    node: int
+    step: int = -1
+    forward_s: list[float] = field(default_factory=list)
+    backward_s: list[float] = field(default_factory=list)  # backward and (filled reroutes) weight-gradient ops
+    sends: list[tuple[int, str, float]] = field(default_factory=list)  # (destination node, message, entered)
+    recvs: list[tuple[int, str, float, float]] = field(default_factory=list)  # (source node, message, entered, done)
+    sync_s: float = 0.0
+    commit_wait_s: float = 0.0  # the previous step's commit (it comes after that step's summary left)
+
+    def begin(self, step: int) -> None:
+        self.step = step
+        self.forward_s.clear()
+        self.backward_s.clear()
+        self.sends.clear()
+        self.recvs.clear()
+        self.sync_s = 0.0
+
+    def computed(self, kind: str, seconds: float) -> None:
+        (self.forward_s if kind == "forward" else self.backward_s).append(seconds)
+
+    def sent(self, node: int, message: str, entered: float) -> None:
+        if len(self.sends) < MAX_MESSAGES:
+            self.sends.append((node, message, entered))
+
+    def received(self, node: int, message: str, entered: float, done: float) -> None:
+        if len(self.recvs) < MAX_MESSAGES:
+            self.recvs.append((node, message, entered, done))
+
+    def summary(self) -> str | None:
+        """This step's record as compact JSON; None when the step ran none of our operations (a Megatron-LM
+        step before the first failure runs Megatron's own schedule)."""
+        if not self.forward_s and not self.backward_s:
+            return None
+        out: dict[str, Any] = {
+            "step": self.step, "node": self.node,
+            # compute per micro-batch (what the diagnosis compares), and the forward and backward operations
+            "c": round((sum(self.forward_s) + sum(self.backward_s)) / max(1, len(self.forward_s)), 7),
+            "f": _stats(self.forward_s), "b": _stats(self.backward_s),
+            "sync": round(self.sync_s, 6), "commit": round(self.commit_wait_s, 6),
+            "tx": [[n, m, round(t, 6)] for n, m, t in self.sends],
+            "rx": [[n, m, round(a, 6), round(b, 6)] for n, m, a, b in self.recvs],
+        }
+        return json.dumps(out, separators=(",", ":"))
+
+
+def _stats(seconds: list[float]) -> list[Any]:
+    """[count, median, minimum]: scheduling on a loaded host only ever lengthens an operation, so the shortest
+    one of a step is the rank's speed; the median says how the step went."""
+    if not seconds:
+        return [0, None, None]
+    return [len(seconds), round(statistics.median(seconds), 7), round(min(seconds), 7)]
+
+
+def message_name(kind: str, pipeline: int, stage: int, micro_batch: int) -> str:
+    """The same name on both ends of a message: what the sender produced (``F``: the activation of
+    ``stage``, ``B``: the input gradient of ``stage``) for which micro-batch of which pipeline."""
+    return f"{kind[0].upper()}{pipeline}.{stage}.{micro_batch}"

@@ -1,0 +1,70 @@
+"""Fail-slow and hang diagnosis on real ranks (issue 15): a rank slowed for real is named within 5 steps,
+the planner's reaction is the one Eq. 8 prefers and runs, training stays exact; a clean run names nobody."""
+from __future__ import annotations
+
+import pytest
+
+from megatron_odyssey.runtime.config import TrainConfig
+from megatron_odyssey.testing.reference import reference_in_subprocess
+from recovery_job import MODEL, assert_exact, run
+
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return reference_in_subprocess(TrainConfig(nproc=1, tp=1, pp=1, **{**MODEL, "steps": STEPS}),
+                                   tmp_path_factory.mktemp("ref"))
+
+
+def _eq8_best(record: dict) -> str:
+    feasible = [o for o in record["options"] if o["feasible"]]
+    return max(feasible, key=lambda o: o["score"])["action"]
+
+
+def test_a_slow_rank_is_named_within_5_steps_and_handled_as_eq8_prefers(reference, tmp_path):
+    params, report = run(tmp_path, ["step=2,rank=3,kind=slow,factor=4"], steps=STEPS)
+    assert_exact(reference, params, report)
+    slow = [d for d in report["diagnoses"] if d["kind"] == "slow"]
+    assert slow, report["diagnoses"]
+    first = slow[0]
+    assert first["ranks"] == [3] and first["step"] <= 2 + 5
+    assert first["factor"] > 2.0 and first["detection_s"] is not None
+    assert {o["action"] for o in first["options"]} >= {"none", "drop"}
+    assert first["action"] == _eq8_best(first)
+    if first["action"] == "drop":
+        assert [f["ranks"] for f in report["failures"]] == [[3]] and report["failures"][0]["dropped"]
+    assert all(d["ranks"] == [3] for d in report["diagnoses"]), report["diagnoses"]
+
+
+def test_rebalance_then_readmit_trains_exactly(reference, tmp_path):
+    """Forced rebalance (--slow-action rebalance) of a rank slow for 4 steps: its pipeline gets fewer
+    micro-batches at a step boundary, and once it runs at full speed again the balanced plan comes back."""
+    params, report = run(tmp_path, ["step=2,rank=3,kind=slow,factor=4,steps=4"], steps=STEPS,
+                         slow_action="rebalance")
+    assert_exact(reference, params, report)
+    actions = [(d["kind"], d["action"]) for d in report["diagnoses"]]
+    assert actions[:1] == [("slow", "rebalance")] and ("slow", "readmit") in actions, actions
+    first, back = report["diagnoses"][0], next(d for d in report["diagnoses"] if d["action"] == "readmit")
+    assert first["ranks"] == [3] and first["generation"] == 1 and first["recovery_s"] is not None
+    assert back["generation"] == 2 and back["step"] > first["step"]
+    assert report["failures"] == []  # nobody died: two re-plans
+    plans = [s["plan_id"] for s in report["steps"]]
+    assert len(set(plans)) == 3 and plans[first["step"] + 2] != plans[0]
+    assert [p["micro_batches"] for p in report["final_plan"]["pipelines"]] == [4, 4, 4]  # balanced again
+    assert all(s["alive"] == 6 for s in report["steps"])
+
+
+def test_a_slow_link_is_named_as_communication_slow(reference, tmp_path):
+    params, report = run(tmp_path, ["step=2,rank=2,kind=slow-link,factor=30"], steps=STEPS, slow_action="none")
+    assert_exact(reference, params, report)
+    (link,) = [d for d in report["diagnoses"] if d["kind"] == "comm-slow"]
+    assert link["ranks"] == [2] and link["step"] <= 2 + 5 and link["action"] == "none"
+    assert "compute is normal" in link["evidence"]
+    assert not [d for d in report["diagnoses"] if d["kind"] == "slow"], report["diagnoses"]
+
+
+def test_no_rank_of_a_clean_50_step_run_is_named(tmp_path):
+    _, report = run(tmp_path, [], steps=50)
+    assert report["diagnoses"] == []
+    assert sum("slowest" in s for s in report["steps"]) >= 45  # every warm step was judged

@@ -1,0 +1,135 @@
+"""The C4D-style diagnosis without processes: the rank's record, the agent's judgement of synthetic records,
+the fault spec of sustained slowdowns."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from megatron_odyssey.planning.errors import PlanningError
+from megatron_odyssey.planning.plan import layout
+from megatron_odyssey.planning.profile import uniform_profile
+from megatron_odyssey.runtime.diagnosis import Diagnoser, DiagnosisOptions
+from megatron_odyssey.runtime.faults import FailSpec, Injector
+from megatron_odyssey.runtime.op_trace import OpTrace, message_name
+
+PLAN = layout([((2, 2), 2)] * 3, num_layers=4, policy="initial")  # nodes 0,1 | 2,3 | 4,5; stage 1: 1, 3, 5
+PROFILE = uniform_profile(4)  # a stage of 2 layers: 6 s of compute per micro-batch (forward 1 + backward 2 each)
+
+
+def summary(node: int, per_micro_batch: float, step: int, tx=(), rx=()) -> dict:
+    return {"step": step, "node": node, "c": per_micro_batch, "f": [2, per_micro_batch / 3, per_micro_batch / 3],
+            "b": [2, 0, 0], "sync": 0.0, "commit": 0.0, "tx": list(tx), "rx": list(rx)}
+
+
+def step_summaries(step: int, slow: dict[int, float] | None = None, jitter: float = 0.0) -> dict[int, dict]:
+    slow = slow or {}
+    out = {}
+    for node in range(6):
+        noise = 1.0 + (jitter if (node + step) % 2 else -jitter)
+        out[node] = summary(node, 6.0 * slow.get(node, 1.0) * noise, step)
+    return out
+
+
+def test_the_rank_record_is_compact_json_with_both_ends_of_each_message():
+    trace = OpTrace(ident=3, node=3)
+    trace.begin(7)
+    trace.computed("forward", 0.010)
+    trace.computed("forward", 0.030)
+    trace.computed("backward", 0.020)
+    trace.sent(5, message_name("forward", 1, 0, 2), 100.0)
+    trace.received(1, message_name("backward", 1, 1, 2), 99.0, 99.5)
+    s = json.loads(trace.summary())
+    assert s["step"] == 7 and s["node"] == 3
+    assert s["c"] == pytest.approx(0.030)  # (10 + 30 + 20) ms over 2 micro-batches
+    assert s["f"] == [2, pytest.approx(0.020), pytest.approx(0.010)]
+    assert s["tx"] == [[5, "F1.0.2", 100.0]] and s["rx"] == [[1, "B1.1.2", 99.0, 99.5]]
+    trace.begin(8)
+    assert trace.summary() is None  # a step that ran none of our operations (Megatron's own schedule)
+
+
+def test_a_slow_node_is_named_once_with_its_factor_after_enough_steps():
+    d = Diagnoser()
+    named = []
+    for step in range(12):
+        named += d.observe(step, step_summaries(step, {3: 3.0} if step >= 4 else {}, jitter=0.1), PLAN, PROFILE)
+    (finding,) = named
+    assert finding.kind == "slow" and finding.nodes == [3]
+    assert 4 <= finding.step <= 6  # 3 of its 5-step window slow: the median passes
+    assert finding.factor == pytest.approx(3.0, rel=0.25)
+
+
+def test_noise_below_the_threshold_is_never_named_and_twins_set_the_reference():
+    d = Diagnoser()
+    for step in range(50):
+        assert d.observe(step, step_summaries(step, jitter=0.2), PLAN, PROFILE) == []
+    # a stage whose layers cost twice as much is not slow: each node is compared with its twins
+    heavy = {n: s for n, s in step_summaries(0).items()}
+    for n in (1, 3, 5):
+        heavy[n]["c"] *= 2
+    factors, _ = Diagnoser.compute_factors(heavy, PLAN, PROFILE)
+    assert all(f == pytest.approx(1.0) for f in factors.values())
+
+
+def test_a_recovered_node_is_reported_once_and_can_be_named_again():
+    d = Diagnoser()
+    for step in range(8):
+        d.observe(step, step_summaries(step, {1: 4.0}), PLAN, PROFILE)
+    assert d.recoveries() == []
+    for step in range(8, 12):
+        d.observe(step, step_summaries(step), PLAN, PROFILE)
+    assert d.recoveries() == [("slow", 1)]
+    assert d.recoveries() == []
+    again = []
+    for step in range(12, 20):
+        again += d.observe(step, step_summaries(step, {1: 4.0}), PLAN, PROFILE)
+    assert [f.nodes for f in again] == [[1]]
+
+
+def test_a_slow_link_is_told_from_a_slow_node_by_matching_sends_and_receives():
+    d = Diagnoser(DiagnosisOptions(link_floor_s=0.05))
+    found = []
+    for step in range(6):
+        t = 1000.0 + step
+        s = step_summaries(step)
+        # node 0 -> 1 (slow link: 200 ms after the send), node 2 -> 3 and 4 -> 5 (2 ms)
+        for src, dst, delay in ((0, 1, 0.2), (2, 3, 0.002), (4, 5, 0.002)):
+            name = message_name("forward", src // 2, 0, 0)
+            s[src]["tx"].append([dst, name, t])
+            s[dst]["rx"].append([src, name, t - 0.01, t + delay])
+        found += d.observe(step, s, PLAN, PROFILE)
+    (finding,) = found
+    assert finding.kind == "comm-slow" and finding.nodes == [0] and finding.link == (0, 1)
+    assert finding.delay_s == pytest.approx(0.2)
+    assert "node 0's compute is normal" in finding.evidence
+
+
+def test_sustained_slowdown_specs_and_their_errors():
+    spec = FailSpec.parse("step=3,rank=5,kind=slow,factor=3")
+    assert (spec.kind, spec.factor, spec.steps) == ("slow", 3.0, 0)
+    assert FailSpec.parse("step=3,rank=5,kind=slow-link,factor=10,steps=4").steps == 4
+    assert FailSpec.parse("step=3,rank=5,kind=slow").factor == 0  # the one-off 2 s straggler
+    for bad, words in [("step=1,rank=0,kind=slow,factor=1", "factor must be a number > 1"),
+                       ("step=1,rank=0,kind=slow,factor=x", "factor must be a number > 1"),
+                       ("step=1,rank=0,kind=kill,factor=2", "factor= applies to kind slow or slow-link"),
+                       ("step=1,rank=0,kind=slow-link", "needs factor=F"),
+                       ("step=1,rank=0,kind=slow,factor=2,steps=0", "steps must be an integer >= 1"),
+                       ("step=1,rank=0,kind=slow,steps=2", "steps= applies to a sustained slowdown")]:
+        with pytest.raises(PlanningError, match=words):
+            FailSpec.parse(bad)
+
+
+def test_the_injected_slowdown_burns_cpu_for_its_steps_and_then_stops():
+    inj = Injector([FailSpec.parse("step=2,rank=0,kind=slow,factor=3,steps=2")], ident=0)
+    inj(1, "forward")
+    assert inj.compute_factor == 1.0
+    inj(2, "forward")
+    assert inj.compute_factor == 3.0
+    t0 = time.thread_time()
+    inj.pace("compute", 0.02)
+    assert time.thread_time() - t0 >= 0.04  # (3 - 1) x 20 ms of this thread's CPU
+    inj(3, "forward")
+    assert inj.compute_factor == 3.0
+    inj(4, "forward")
+    assert inj.compute_factor == 1.0
