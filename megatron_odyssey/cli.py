@@ -114,7 +114,7 @@ def _check_plan_fits(args: argparse.Namespace, profile, num_micro_batches: int) 
 # -- simulate -------------------------------------------------------------------------------------
 
 def _add_simulate(sub: argparse._SubParsersAction) -> None:
-    from .sim import DEFAULT_POLICIES, POLICY_NAMES
+    from .sim import DEFAULT_POLICIES, FAIL_SLOW_PRESETS, POLICY_NAMES
 
     p = sub.add_parser("simulate", help="compare Odyssey, ReCycle, Oobleck, checkpoint restart under failures",
                        description="Event-driven simulation of one training job under a failure process or a trace. "
@@ -131,6 +131,9 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     failures.add_argument("--trace", default=None, metavar="FILE",
                           help="replay a spot trace instead: lines 'time_ms,add|remove,nodeNAME'; "
                                "the events at time 0 build the cluster")
+    p.add_argument("--fail-slow", default="none", choices=tuple(FAIL_SLOW_PRESETS), metavar="PRESET",
+                   help="fail-slow (straggler) episodes laid over the failures: "
+                        f"{', '.join(FAIL_SLOW_PRESETS)} (default none; see docs/simulation.md)")
     p.add_argument("--hours", type=positive_float, required=True, metavar="H", help="simulated time per seed")
     p.add_argument("--seeds", type=positive_int, default=1, metavar="K",
                    help="independent runs (seeds 0..K-1); results are means over them (default 1)")
@@ -172,7 +175,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                                trace=args.trace, hours=args.hours, seeds=args.seeds, policies=policies,
                                model=args.model or DEFAULT_MODEL, profile=args.profile,
                                global_batch=args.global_batch, micro_batch=args.micro_batch,
-                               progress=not args.json)
+                               fail_slow=args.fail_slow, progress=not args.json)
         result = run_simulation(cfg, trace=trace)
     except SimulationError as exc:
         raise UsageError(str(exc)) from None

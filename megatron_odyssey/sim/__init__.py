@@ -13,12 +13,13 @@ Never imports torch.
 """
 from .config import DEFAULT_POLICIES, POLICY_NAMES, SimulationConfig, parse_policies
 from .errors import SimulationError, TraceFormatError
+from .failslow import FAIL_SLOW_PRESETS, SlowClass
 from .report import print_summary, summary_table, write_outputs
 from .result import SimulationResult
 from .runner import run_simulation
 from .traces import load_trace
 
 __all__ = [
-    "DEFAULT_POLICIES", "POLICY_NAMES", "SimulationConfig", "SimulationError", "SimulationResult",
-    "TraceFormatError", "load_trace", "parse_policies", "print_summary", "run_simulation", "summary_table", "write_outputs",
+    "DEFAULT_POLICIES", "FAIL_SLOW_PRESETS", "POLICY_NAMES", "SimulationConfig", "SimulationError", "SimulationResult",
+    "SlowClass", "TraceFormatError", "load_trace", "parse_policies", "print_summary", "run_simulation", "summary_table", "write_outputs",
 ]

@@ -13,10 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from .errors import SimulationError
+from .failslow import SlowClass, resolve_fail_slow
 from .profiles import MODEL_NAMES
 
 DEFAULT_POLICIES = ("odyssey", "oobleck", "recycle", "checkpoint", "fault-scaled")
-EXTRA_POLICIES = ("odyssey-f1", "odyssey-nofill", "recycle-nofill", "recycle-nostagger", "ideal")
+EXTRA_POLICIES = ("odyssey-f1", "odyssey-nofill", "odyssey-ignore-slow", "odyssey-slow-as-failure", "recycle-nofill",
+                  "recycle-nostagger", "ideal")
 POLICY_NAMES = DEFAULT_POLICIES + EXTRA_POLICIES
 
 
@@ -67,6 +69,8 @@ class SimulationConfig:
     failure_rate: float | None = 0.1  # failures per device-hour (Poisson per device)
     failure_interval_h: float | None = None  # one failure per interval for the whole cluster
     trace: str | None = None  # replay a spot trace instead (failure_rate is then ignored)
+    # -- fail-slow: laid over the failure process (failslow.py); a preset name or SlowClass objects ----------
+    fail_slow: str | tuple[SlowClass, ...] | None = None
     hours: float = 9.0
     seeds: int = 20
     first_seed: int = 0
@@ -128,6 +132,7 @@ class SimulationConfig:
         for name in ("checkpoint_save_s", "checkpoint_load_s", "relaunch_s"):
             if getattr(self, name) < 0:
                 raise SimulationError(f"{name} must be >= 0, got {getattr(self, name)}")
+        object.__setattr__(self, "fail_slow", resolve_fail_slow(self.fail_slow))
         if self.trace is not None:
             object.__setattr__(self, "failure_rate", None)
         object.__setattr__(self, "policies", tuple(self.policies))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 from ..planning.errors import PlanningError
 from ..planning.estimator import estimate_step
@@ -63,10 +63,20 @@ class CostModel:
         self._min_nodes: int | None | bool = False
 
     # -- step times --------------------------------------------------------------------------------
-    def estimate(self, plan: ExecutionPlan, staggered: bool = False) -> Estimate:
+    def estimate(self, plan: ExecutionPlan, staggered: bool = False,
+                 slowdown: Mapping[int, float] | None = None) -> Estimate:
         """The planning estimator's step time (Eq. 10/11 + sync rounds + optimizer), memoised by
         layout shape for plain plans and by the whole plan for rerouted ones; ``staggered``: with
-        ReCycle's staggered optimizer (filled plans; the ReCycle baseline only)."""
+        ReCycle's staggered optimizer (filled plans; the ReCycle baseline only); ``slowdown``: node ->
+        factor of fail-slow nodes (those the plan does not run on are ignored)."""
+        slow = plan_slowdown(plan, slowdown)
+        if slow:
+            key = ("slow", staggered, plan, slow)
+            hit = self._by_plan.get(key)
+            if hit is None:
+                e = estimate_step(plan, self.profile, staggered, dict(slow))
+                hit = self._by_plan[key] = Estimate(e.step_time_s, e.fits_memory)
+            return hit
         if not staggered and not plan.failed and not plan.reroutes:
             key = plan_shape(plan)
             hit = self._by_shape.get(key)
@@ -81,14 +91,15 @@ class CostModel:
             hit = self._by_plan[key] = Estimate(e.step_time_s, e.fits_memory)
         return hit
 
-    def step_time(self, plan: ExecutionPlan, staggered: bool = False) -> float:
-        return self.estimate(plan, staggered).step_time_s
+    def step_time(self, plan: ExecutionPlan, staggered: bool = False,
+                  slowdown: Mapping[int, float] | None = None) -> float:
+        return self.estimate(plan, staggered, slowdown).step_time_s
 
-    def throughput(self, plan: ExecutionPlan | None) -> float:
-        """Samples per second of ``plan`` (0 for no plan)."""
+    def throughput(self, plan: ExecutionPlan | None, slowdown: Mapping[int, float] | None = None) -> float:
+        """Samples per second of ``plan`` (0 for no plan), with its fail-slow nodes' ``slowdown``."""
         if plan is None:
             return 0.0
-        t = self.step_time(plan)
+        t = self.step_time(plan, slowdown=slowdown)
         return self.samples_per_step / t if math.isfinite(t) and t > 0 else 0.0
 
     def ideal_throughput(self, num_nodes: int) -> float:
@@ -196,6 +207,14 @@ class CostModel:
         plan = ExecutionPlan(target.policy, target.num_layers, pipes, reason=target.reason)
         targets = {node_at[pos]: units for pos, units in zip(positions, new_units)}
         return plan, self.transfer_time(holdings, targets)
+
+
+def plan_slowdown(plan: ExecutionPlan, slowdown: Mapping[int, float] | None) -> tuple[tuple[int, float], ...]:
+    """The factors (> 1) of the slow nodes ``plan`` runs on, sorted: what its step time depends on."""
+    if not slowdown:
+        return ()
+    live = set(plan.live_nodes())
+    return tuple(sorted((n, float(f)) for n, f in slowdown.items() if f > 1.0 and n in live))
 
 
 def holdings_of(plan: ExecutionPlan | None) -> dict[int, frozenset[int]]:

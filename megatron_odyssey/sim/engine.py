@@ -8,7 +8,10 @@ The engine owns what is common to every policy, so that all are charged alike:
 * a failure that hits a node while the job trains loses the step in flight (half a step of samples
   on average), unless the reaction already throws away everything since the last checkpoint;
 * a reaction during another reaction's transition waits for it (their times add), except a restart,
-  which relaunches from scratch.
+  which relaunches from scratch;
+* fail-slow: the cluster's true per-node slowdown is the engine's to keep (``Policy.slowdown``, which every
+  policy's throughput plays), whether or not the policy notices; ``Policy.on_slow`` is its reaction. A slow
+  node that is dropped is not lost work: the runtime re-plans at a step boundary.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ class _Run:
         self.step_samples = ctx.cost.samples_per_step
         self.out = PolicyRun(policy.name, seed, stream.horizon_s)
         self.alive: set[int] = set(stream.initial)
+        self.slow: dict[int, float] = {}  # live nodes' slowdown factors (> 1)
         self.t = 0.0
         self.busy_until = 0.0
         self.busy_state = START
@@ -93,6 +97,18 @@ class _Run:
             self.started = True
         self.out.reactions.append(LoggedReaction(self.t, r.kind, r.transition_s, lost, r.note))
 
+    def _update_slowdown(self, ev) -> None:
+        """The nodes' true speeds after ``ev`` (dead nodes are not slow), told to the policy first: its
+        throughput from now on plays them, whatever it decides to do about them."""
+        for n in ev.removed:
+            self.slow.pop(n, None)
+        for n, f in ev.slowdown:
+            if f > 1.0:
+                self.slow[n] = f
+            else:
+                self.slow.pop(n, None)
+        self.policy.slowdown = dict(self.slow)
+
     def run(self) -> PolicyRun:
         p = self.policy
         self.apply(p.start(frozenset(self.alive), len(self.alive) >= self.ctx.job_nodes))
@@ -102,6 +118,7 @@ class _Run:
             self.alive -= ev.removed
             self.alive |= ev.added
             alive = frozenset(self.alive)
+            self._update_slowdown(ev)
             if p.running:
                 hit = bool(ev.removed & p.nodes_in_use())
                 if ev.removed:
@@ -110,6 +127,8 @@ class _Run:
                     self.apply(p.on_add(ev.added, alive))
                 elif ev.added:
                     self.apply(p.start(alive, False))
+                if ev.slowdown and p.running:
+                    self.apply(p.on_slow(dict(self.slow), alive))
             elif ev.added:
                 self.apply(p.start(alive, False))
             self.rate = p.throughput()

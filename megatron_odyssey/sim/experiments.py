@@ -1,6 +1,6 @@
 """The experiments behind ``docs/simulation.md``, reproducible with one command:
 
-    python -m megatron_odyssey.sim.experiments [--seeds 20] [--quick] [--write-docs]
+    python -m megatron_odyssey.sim.experiments [--seeds 20] [--write-docs] [--only PART]
 
 1. the Odyssey paper's simulation (§V-B: 32 NPUs, Llama-2-7B, 10% failures per NPU-hour, 9 h):
    mean and spread over seeds of odyssey/oobleck and odyssey/recycle next to the paper's 1.229 / 1.355;
@@ -11,8 +11,14 @@
    19.47 samples/s against 27.58 fault-free), plus the same with other batches and with a larger
    Oobleck reconfiguration overhead (sensitivity).
 
+4. fail-slow (issue 15): the paper setting with fail-slow episodes (``failslow.py``: Greyhound's rates,
+   durations and factors) added, Odyssey's three ways of handling a slow node (Eq. 8 via ``decide_slow``,
+   ignore, treat as failed) next to ReCycle and Oobleck (which do not detect fail-slow); plot
+   docs/fail_slow.png.
+
 ``--write-docs`` replaces the text between ``<!-- results:start -->`` and ``<!-- results:end -->`` in
-docs/simulation.md with the tables.
+docs/simulation.md with the tables of parts 1-3, and between ``<!-- fail-slow:start -->`` and
+``<!-- fail-slow:end -->`` with part 4 (``--only fail-slow --write-docs`` rewrites that block alone).
 """
 from __future__ import annotations
 
@@ -22,7 +28,10 @@ import time
 from pathlib import Path
 
 from .config import SimulationConfig
-from .runner import run_simulation
+from .events import EventStream
+from .failslow import FAIL_SLOW_PRESETS, describe
+from .result import SimulationResult
+from .runner import event_stream, run_simulation
 
 PAPER_RATIOS = {"odyssey/oobleck": 1.229, "odyssey/recycle": 1.355}
 RECYCLE_TABLE = {  # % of fault-free (27.58 samples/s), from papers/recycle-slides.txt Table 1, GPT-3 Medium
@@ -125,20 +134,157 @@ def oobleck_rebuild_sensitivity(seeds: int, rebuilds=(60.0, 120.0, 180.0, 240.0)
     return "\n".join(rows)
 
 
+FAIL_SLOW_POLICIES = ("odyssey", "odyssey-ignore-slow", "odyssey-slow-as-failure", "recycle", "oobleck")
+FAIL_SLOW_SETTINGS = {  # preset -> what it is
+    "greyhound": "Greyhound's published rates, durations and factors",
+    "greyhound-x10": "the same, rates x10 (stress; our assumption)",
+    "greyhound-severe": "at-scale factors 5-10x, mean 72 min, at the communication rate",
+}
+SLOW_LABELS = {"odyssey": "odyssey (Eq. 8)", "odyssey-ignore-slow": "odyssey-ignore-slow",
+               "odyssey-slow-as-failure": "odyssey-slow-as-failure", "recycle": "recycle (ignores)",
+               "oobleck": "oobleck (ignores)"}
+
+
+def slow_spans(stream: EventStream) -> list[tuple[float, float, int]]:
+    """``(start_s, end_s, slow live nodes)`` wherever at least one live node is slow."""
+    slow: dict[int, float] = {}
+    out: list[tuple[float, float, int]] = []
+    t_prev = 0.0
+    for e in list(stream.events) + [None]:
+        t = stream.horizon_s if e is None else e.time_s
+        if slow and t > t_prev:
+            out.append((t_prev, t, len(slow)))
+        if e is None:
+            break
+        for n in e.removed:
+            slow.pop(n, None)
+        for n, f in e.slowdown:
+            (slow.__setitem__(n, f) if f > 1.0 else slow.pop(n, None))
+        t_prev = t
+    return out
+
+
+def slow_onsets(stream: EventStream) -> int:
+    """Episodes that start on a live node (a factor rising from 1)."""
+    slow: set[int] = set()
+    count = 0
+    for e in stream.events:
+        slow -= e.removed
+        for n, f in e.slowdown:
+            if f > 1.0 and n not in slow:
+                count += 1
+            (slow.add if f > 1.0 else slow.discard)(n)
+    return count
+
+
+def _slow_actions(res: SimulationResult, policy: str) -> tuple[float, float]:
+    """Mean per seed of the slow-node rebalances and drops ``policy`` made (readmissions not counted)."""
+    runs = res.policies[policy].runs
+    reb = sum(1 for r in runs for x in r.reactions if x.kind == "rebalance" and not x.note.startswith("readmit"))
+    drop = sum(1 for r in runs for x in r.reactions if x.note.startswith("drop slow"))
+    return reb / len(runs), drop / len(runs)
+
+
+def fail_slow_comparison(seeds: int, plot_path: Path | None = None) -> str:
+    """The paper setting (32 NPUs, (4,8,1), 10%/NPU-h failures, 9 h, batch 64) with fail-slow episodes added."""
+    results: dict[str, SimulationResult] = {}
+    onsets: dict[str, list[int]] = {}
+    for preset in FAIL_SLOW_SETTINGS:
+        cfg = SimulationConfig(seeds=seeds, progress=False, policies=FAIL_SLOW_POLICIES, fail_slow=preset)
+        results[preset] = run_simulation(cfg)
+        onsets[preset] = [slow_onsets(event_stream(cfg, s)) for s in results[preset].seeds]
+    reference = run_simulation(SimulationConfig(seeds=seeds, progress=False, policies=("odyssey",)))
+    classes = "; ".join(f"**{p}**: {describe(FAIL_SLOW_PRESETS[p])}" for p in FAIL_SLOW_SETTINGS)
+    parts = [f"Fail-slow classes: {classes}",
+             "Average throughput in % of fault-free (mean over seeds), and the per-seed ratios of Odyssey's "
+             "Eq. 8 choice to the other two ways (mean ± std):\n\n" + _fail_slow_summary(results, onsets, reference),
+             f"Average samples/s per seed (fault-free: {reference.fault_free_throughput:.3f}):\n\n"
+             + _fail_slow_seeds(results, reference)]
+    if plot_path is not None:
+        from .plots import plot_fail_slow
+
+        shown = "greyhound-severe"
+        cfg = SimulationConfig(seeds=1, progress=False, policies=FAIL_SLOW_POLICIES, fail_slow=shown)
+        spans = slow_spans(event_stream(cfg, results[shown].seeds[0]))
+        plot_fail_slow(results, reference, shown, spans, plot_path)
+    return "\n\n".join(parts)
+
+
+def _fail_slow_summary(results: dict[str, SimulationResult], onsets: dict[str, list[int]],
+                       reference: SimulationResult) -> str:
+    """One row per setting: episodes, % of fault-free per policy, Eq. 8's ratios and actions."""
+    ff = reference.fault_free_throughput
+    n = len(FAIL_SLOW_POLICIES)
+    rows = ["| fail-slow | episodes / seed | " + " | ".join(SLOW_LABELS[p] for p in FAIL_SLOW_POLICIES)
+            + " | Eq. 8 / ignore | Eq. 8 / as-failure | Eq. 8 rebalances, drops / seed |", "|---" * (n + 5) + "|"]
+    ref = 100 * reference.policies["odyssey"].avg_throughput / ff
+    rows.append(f"| none (failures only) | 0 | {ref:.1f} |" + " |" * (n + 2))
+    for preset, res in results.items():
+        cells = " | ".join(f"{100 * res.policies[p].avg_throughput / ff:.1f}" for p in FAIL_SLOW_POLICIES)
+        reb, drop = _slow_actions(res, "odyssey")
+        rows.append(f"| {preset} | {statistics.fmean(onsets[preset]):.1f} | {cells} | "
+                    f"{_ms(res.seed_ratios('odyssey', 'odyssey-ignore-slow'))} | "
+                    f"{_ms(res.seed_ratios('odyssey', 'odyssey-slow-as-failure'))} | {reb:.1f}, {drop:.1f} |")
+    return "\n".join(rows)
+
+
+def _fail_slow_seeds(results: dict[str, SimulationResult], reference: SimulationResult) -> str:
+    """Every policy's average samples/s on every seed."""
+    rows = ["| fail-slow | policy | " + " | ".join(f"seed {s}" for s in reference.seeds) + " | mean |",
+            "|---" * (len(reference.seeds) + 3) + "|"]
+    runs = [("none", "odyssey", reference)] + [(k, p, r) for k, r in results.items() for p in FAIL_SLOW_POLICIES]
+    for preset, p, res in runs:
+        xs = [r.avg_throughput for r in res.policies[p].runs]
+        rows.append(f"| {preset} | {p} | " + " | ".join(f"{x:.3f}" for x in xs) + f" | {statistics.fmean(xs):.3f} |")
+    return "\n".join(rows)
+
+
+def _write_block(doc: Path, name: str, body: str) -> None:
+    """Replace the text between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` in ``doc``."""
+    text = doc.read_text()
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    doc.write_text(head + start + "\n" + body + "\n" + end + tail)
+
+
+def fail_slow_part(seeds: int, doc: Path | None) -> None:
+    """Print part 4; with ``doc``, write it into its block there and the plot beside it."""
+    t0 = time.time()
+    plot = doc.parent / "fail_slow.png" if doc is not None else None
+    body = (f"### Fail-slow (32 NPUs, Llama-2-7B, (4,8,1), 10%/NPU-h failures, 9 h, batch 64, {seeds} seeds)\n\n"
+            + fail_slow_comparison(seeds, plot)
+            + f"\n\n(generated by `python -m megatron_odyssey.sim.experiments --only fail-slow --fail-slow-seeds "
+            f"{seeds} --write-docs`, {time.time() - t0:.0f} s)")
+    print(body, flush=True)
+    if doc is not None:
+        _write_block(doc, "fail-slow", body)
+        print(f"wrote {doc} and {plot}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Run the simulator experiments of docs/simulation.md")
     ap.add_argument("--seeds", type=int, default=20)
     ap.add_argument("--trace-seeds", type=int, default=5)
-    ap.add_argument("--write-docs", action="store_true", help="replace the results section (needs every part)")
+    ap.add_argument("--fail-slow-seeds", type=int, default=5)
+    ap.add_argument("--write-docs", action="store_true",
+                    help="replace the results section (needs every part) and the fail-slow section")
     ap.add_argument("--traces-dir", default="/work/shared/traces")
-    ap.add_argument("--only", choices=("paper", "traces", "recycle", "recycle-batch", "oobleck-rebuild"),
+    ap.add_argument("--only", choices=("paper", "traces", "recycle", "recycle-batch", "oobleck-rebuild", "fail-slow"),
                     action="append")
     args = ap.parse_args(argv)
-    if args.write_docs and args.only:
-        ap.error("--write-docs rewrites the whole results section: run it without --only")
+    if args.write_docs and args.only and args.only != ["fail-slow"]:
+        ap.error("--write-docs rewrites the whole results section: run it without --only (or with --only fail-slow)")
+    doc = Path(__file__).resolve().parents[2] / "docs" / "simulation.md"
     parts = []
     t0 = time.time()
-    only = set(args.only or ("paper", "traces", "recycle", "recycle-batch", "oobleck-rebuild"))
+    only = set(args.only or ("paper", "traces", "recycle", "recycle-batch", "oobleck-rebuild", "fail-slow"))
+    if "fail-slow" in only:
+        fail_slow_part(args.fail_slow_seeds, doc if args.write_docs else None)
+        only.discard("fail-slow")
+        if not only:
+            return 0
+        t0 = time.time()
     if "paper" in only:
         parts.append("### Odyssey paper §V-B (32 NPUs, Llama-2-7B, (PP,DP,TP) = (4,8,1), 10%/NPU-h, 9 h, "
                      f"{args.seeds} seeds)\n\n" + paper_reproduction(args.seeds))
@@ -164,12 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         print(parts[-1], flush=True)
     body = "\n\n".join(parts) + f"\n\n(generated by `python -m megatron_odyssey.sim.experiments`, {time.time() - t0:.0f} s)"
     if args.write_docs:
-        doc = Path(__file__).resolve().parents[2] / "docs" / "simulation.md"
-        text = doc.read_text()
-        start, end = "<!-- results:start -->", "<!-- results:end -->"
-        head, rest = text.split(start, 1)
-        _, tail = rest.split(end, 1)
-        doc.write_text(head + start + "\n" + body + "\n" + end + tail)
+        _write_block(doc, "results", body)
         print(f"wrote {doc}")
     return 0
 

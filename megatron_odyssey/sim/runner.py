@@ -16,7 +16,7 @@ from ..planning.profile import ModelProfile
 from .config import SimulationConfig
 from .errors import SimulationError
 from .engine import simulate_policy
-from .events import EventStream, interval_events, poisson_events, trace_events
+from .events import EventStream, add_fail_slow, interval_events, poisson_events, trace_events
 from .policies import make_policy
 from .policies.base import SimContext
 from .profiles import resolve_model
@@ -27,6 +27,11 @@ NO_FAILURE_MTBF_HOURS = 1e9
 
 
 def event_stream(config: SimulationConfig, seed: int, trace: Trace | None = None) -> EventStream:
+    """The seed's failures (and returns), with its fail-slow episodes laid over them."""
+    return add_fail_slow(failure_stream(config, seed, trace), config.fail_slow, config.tp, seed)
+
+
+def failure_stream(config: SimulationConfig, seed: int, trace: Trace | None = None) -> EventStream:
     if config.process == "trace":
         assert trace is not None
         return trace_events(trace, config.horizon_s, seed)

@@ -14,6 +14,8 @@ FACTORIES: dict[str, Callable[[SimContext], Policy]] = {
     "odyssey": OdysseyPolicy,
     "odyssey-f1": lambda ctx: OdysseyPolicy(ctx, "odyssey-f1", price_restart_risk=False, min_pipelines=2),
     "odyssey-nofill": lambda ctx: OdysseyPolicy(ctx, "odyssey-nofill", fill=False),
+    "odyssey-ignore-slow": lambda ctx: OdysseyPolicy(ctx, "odyssey-ignore-slow", slow="ignore"),
+    "odyssey-slow-as-failure": lambda ctx: OdysseyPolicy(ctx, "odyssey-slow-as-failure", slow="as-failure"),
     "oobleck": OobleckPolicy,
     "recycle": RecyclePolicy,
     "recycle-nofill": lambda ctx: RecyclePolicy(ctx, bubble_filling=False),

@@ -1,9 +1,11 @@
 """What a policy is to the engine: a plan-keeping object that reacts to cluster changes.
 
-The engine owns time, checkpoints and accounting; a policy owns its plan and answers three
+The engine owns time, checkpoints and accounting; a policy owns its plan and answers four
 questions: can I start on these nodes, what do I do when nodes I use die, what do I do when nodes
-join. Each answer is a :class:`Reaction`: how long training stops and whether progress since the
-last checkpoint is lost. The policy's throughput afterwards is read from :meth:`Policy.throughput`.
+join, what do I do when nodes get slow or recover (fail-slow; by default nothing: ReCycle, Oobleck
+and checkpoint-restart do not detect fail-slow, so their steps just get slower). Each answer is a
+:class:`Reaction`: how long training stops and whether progress since the last checkpoint is lost.
+The policy's throughput afterwards is read from :meth:`Policy.throughput`.
 """
 from __future__ import annotations
 
@@ -19,8 +21,8 @@ from ..config import SimulationConfig
 from ..costmodel import CostModel
 from ..errors import SimulationError
 
-NONE, START, REROUTE, RECONFIGURE, FILL, RESTART, STOP = (
-    "none", "start", "reroute", "reconfigure", "fill", "restart", "stop")
+NONE, START, REROUTE, RECONFIGURE, FILL, RESTART, STOP, REBALANCE = (
+    "none", "start", "reroute", "reconfigure", "fill", "restart", "stop", "rebalance")
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,8 @@ class Policy(ABC):
     def __init__(self, ctx: SimContext):
         self.ctx = ctx
         self.cost = ctx.cost
+        self.slowdown: dict[int, float] = {}  # the cluster's true slow nodes (set by the engine); throughput plays them
+        self.benched: set[int] = set()  # live nodes the policy knows are slow and will not use until they recover
 
     # -- state the engine reads --------------------------------------------------------------------
     @abstractmethod
@@ -185,12 +189,17 @@ class Policy(ABC):
     def on_add(self, added: frozenset[int], alive: frozenset[int]) -> Reaction:
         """``added`` nodes joined; ``alive`` is the cluster afterwards."""
 
+    def on_slow(self, slow: dict[int, float], alive: frozenset[int]) -> Reaction:
+        """Nodes got slow or recovered; ``slow`` is every live node's slowdown factor (> 1) now. By default
+        the policy does not notice (no fail-slow detection): it carries on and ``throughput`` gets slower."""
+        return KEEP
+
     # -- helpers -----------------------------------------------------------------------------------
     def spare(self, alive: frozenset[int]) -> list[int]:
-        """Live nodes the job could still take, lowest ids first, up to the job's size."""
+        """Live nodes the job could still take (not benched as slow), lowest ids first, up to the job's size."""
         used = self.nodes_in_use()
         room = self.ctx.job_nodes - len(used)
-        return sorted(alive - used)[:max(0, room)]
+        return sorted(alive - used - self.benched)[:max(0, room)]
 
     def pick(self, alive: frozenset[int]) -> list[int]:
-        return sorted(alive)[: self.ctx.job_nodes]
+        return sorted(alive - self.benched)[: self.ctx.job_nodes]

@@ -1,7 +1,7 @@
 """Checkpoint-restart (Varuna-style job morphing): every failure of a node in use restarts the job
 from the last checkpoint into the best symmetric (PP x DP) configuration of the survivors; when
 nodes join and a larger grid pays back its restart before the expected next failure, it saves,
-relaunches and loads (nothing lost).
+relaunches and loads (nothing lost). It does not detect fail-slow: a slow node slows its steps.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ class CheckpointPolicy(Policy):
         self.stopped = False
 
     def throughput(self) -> float:
-        return self.cost.throughput(self.plan)
+        return self.cost.throughput(self.plan, self.slowdown)
 
     def nodes_in_use(self) -> frozenset[int]:
         return frozenset(self.plan.nodes()) if self.plan else frozenset()
@@ -57,7 +57,7 @@ class CheckpointPolicy(Policy):
             return KEEP
         nodes = self.pick(alive)
         bigger = self._grid(nodes)
-        if bigger is None or not self.ctx.worth_growing(self.throughput(), self.cost.throughput(bigger),
+        if bigger is None or not self.ctx.worth_growing(self.cost.throughput(self.plan), self.cost.throughput(bigger),
                                                          self.ctx.voluntary_restart_s, len(nodes)):
             return KEEP
         self.plan = bigger

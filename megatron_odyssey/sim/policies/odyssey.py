@@ -7,9 +7,17 @@ because the job was full), we apply the same rule to three candidates: keep the 
 nodes take the places of dead nodes of a rerouted plan (they fetch their layers from a live twin
 while training goes on, as a rejoining ReCycle worker does), or reconfigure onto every node.
 
+Fail-slow (issue 15; beyond the paper): a node that gets slow is scored by Eq. 8 over carrying on,
+rebalancing micro-batches off its pipeline and dropping it as if failed (``planning.slow.decide_slow``); a
+dropped node is benched until it recovers, then readmitted by the join rule above, and a rebalanced plan is
+rebalanced back once its slow nodes recovered. Like failures, the options are re-scored without the measured
+search time, so runs are deterministic.
+
 Variants (same policy, other planner options): ``odyssey-f1`` never chooses fewer than two pipelines
 when the survivors allow (Oobleck's f = 1) instead of pricing the restart risk in Eq. 8 (the product's
-rule before the risk was priced); ``odyssey-nofill`` has no bubble-filling reroute candidate.
+rule before the risk was priced); ``odyssey-nofill`` has no bubble-filling reroute candidate;
+``odyssey-ignore-slow`` does not react to slow nodes (its steps get slower); ``odyssey-slow-as-failure``
+drops every slow node as if it had failed and readmits it as a join when it recovers.
 """
 from __future__ import annotations
 
@@ -20,31 +28,49 @@ from ...planning.errors import PlanningError
 from ...planning.estimator import score
 from ...planning.plan import ExecutionPlan
 from ...planning.planner import reroute_plan
-from ..costmodel import lost_units, relabel
-from .base import FILL, KEEP, RECONFIGURE, REROUTE, RESTART, START, STOP, Policy, Reaction, then
+from ...planning.slow import SLOW_ACTIONS, decide_slow
+from ..costmodel import lost_units, plan_slowdown, relabel
+from .base import FILL, KEEP, REBALANCE, RECONFIGURE, REROUTE, RESTART, START, STOP, Policy, Reaction, then
+
+EQ8, IGNORE, AS_FAILURE = "eq8", "ignore", "as-failure"  # how a variant treats slow nodes
+SLOW_MODES = (EQ8, IGNORE, AS_FAILURE)
 
 
 @dataclass(frozen=True)
 class _Outcome:
     plan: ExecutionPlan | None
     reaction: Reaction
+    score: float = 0.0  # Eq. 8 without the search time (what the choice was made on)
+
+
+@dataclass(frozen=True)
+class _SlowOutcome:
+    action: str  # one of planning.slow.SLOW_ACTIONS
+    plan: ExecutionPlan
+    reaction: Reaction
 
 
 class OdysseyPolicy(Policy):
     name = "odyssey"
 
-    def __init__(self, ctx, name: str = "odyssey", **planner_options: Any):
+    def __init__(self, ctx, name: str = "odyssey", slow: str = EQ8, **planner_options: Any):
         super().__init__(ctx)
+        if slow not in SLOW_MODES:
+            raise ValueError(f"slow must be one of {SLOW_MODES}, got {slow!r}")
         self.name = name
+        self.slow_mode = slow
         self.planner = ctx.planner_with(**planner_options)
         self.plan: ExecutionPlan | None = None
         self.stopped = False
-        self._fail_memo = ctx.memo_of(f"{self.name}.failure")
-        self._grow_memo = ctx.memo_of(f"{self.name}.grow")
+        self.skewed = False  # the plan's micro-batches were moved off slow nodes (rebalance back on recovery)
+        memo = name if planner_options else "odyssey"  # variants with the same planner share its decisions
+        self._fail_memo = ctx.memo_of(f"{memo}.failure")
+        self._grow_memo = ctx.memo_of(f"{memo}.grow")
+        self._slow_memo = ctx.memo_of(f"{memo}.slow")
 
     # -- engine view -------------------------------------------------------------------------------
     def throughput(self) -> float:
-        return self.cost.throughput(self.plan)
+        return self.cost.throughput(self.plan, self.slowdown)
 
     def nodes_in_use(self) -> frozenset[int]:
         return frozenset(self.plan.live_nodes()) if self.plan else frozenset()
@@ -65,12 +91,14 @@ class OdysseyPolicy(Policy):
                 return None
             plan = relabel(shape, nodes)
         self.plan = plan
+        self.skewed = False
         kind, cost = (RESTART, self.ctx.restart_s) if self.stopped else (START, 0.0)
         self.stopped = False
         return Reaction(kind, cost, note=f"start on {len(nodes)} nodes")
 
     def on_failure(self, removed, alive):
         assert self.plan is not None
+        self.benched -= removed
         hit = frozenset(removed) & frozenset(self.plan.live_nodes())
         if not hit:
             return KEEP
@@ -102,16 +130,22 @@ class OdysseyPolicy(Policy):
             key = (score(self.ctx.config.global_batch, c.step_time_s, t, t_next, c.restart_risk_s), -c.step_time_s)
             if best_key is None or key > best_key:
                 best, best_key = c, key
-        assert best is not None  # decide() raises when no candidate is feasible
+        assert best is not None and best_key is not None  # decide() raises when no candidate is feasible
         if best.policy == "restart":
-            return _Outcome(best.plan, Reaction(RESTART, self.ctx.restart_s, lose_since_checkpoint=True, note=best.reason))
+            return _Outcome(best.plan, Reaction(RESTART, self.ctx.restart_s, lose_since_checkpoint=True, note=best.reason),
+                            best_key[0])
         kind = REROUTE if best.policy == "reroute" else RECONFIGURE
         return _Outcome(best.plan, Reaction(kind, best.transition.transfer_s + best.transition.overhead_s,
-                                            note=best.reason))
+                                            note=best.reason), best_key[0])
 
     def on_add(self, added, alive):
+        """Use spare nodes if Eq. 8 says so, then see to slow nodes the (new) plan runs on."""
         if self.plan is None:
             return self.start(alive, False) or KEEP
+        return then(self._use_spare(alive), self._handle_slow())
+
+    def _use_spare(self, alive: frozenset[int]) -> Reaction:
+        assert self.plan is not None
         spare = self.spare(alive)
         if not spare:
             return KEEP
@@ -158,6 +192,92 @@ class OdysseyPolicy(Policy):
                 pass
         best = max(options, key=lambda o: (o[0], o[1]))
         return _Outcome(best[2], best[3])
+
+
+    # -- fail-slow -----------------------------------------------------------------------------------
+    def on_slow(self, slow, alive):
+        """Bench known-slow nodes the plan does not use, react to the slow nodes it uses, and readmit benched
+        nodes that recovered (Eq. 8 over keep / fill dead places / reconfigure, as for any join)."""
+        if self.slow_mode == IGNORE or self.plan is None:
+            return KEEP
+        recovered = {n for n in self.benched if n not in slow}
+        self.benched = {n for n in self.benched if n in slow and n in alive}
+        self.benched |= set(slow) - set(self.plan.live_nodes())
+        reaction = self._handle_slow()
+        if recovered and self.plan is not None:
+            reaction = then(reaction, self.on_add(frozenset(), alive))
+        return reaction
+
+    def _handle_slow(self) -> Reaction:
+        """React to the slow nodes the plan uses (and, after a rebalance, to their recovery)."""
+        if self.slow_mode == IGNORE or self.plan is None:
+            return KEEP
+        slow = dict(plan_slowdown(self.plan, self.slowdown))
+        if self.slow_mode == AS_FAILURE:
+            return self._drop(frozenset(slow)) if slow else KEEP
+        if not slow and not self.skewed:
+            return KEEP
+        key = (self.plan, tuple(sorted(slow.items())))
+        out = self._slow_memo.get(key)
+        if out is None:
+            out = self._slow_memo[key] = self._decide_slow(self.plan, slow)
+        if out.action == "none":
+            if not slow:
+                self.skewed = False
+            return KEEP
+        self.plan = out.plan
+        if out.action == "drop":
+            self.benched |= set(slow)
+            self.skewed = False
+        else:
+            self.skewed = bool(slow)
+        return out.reaction
+
+    def _drop(self, nodes: frozenset[int]) -> Reaction:
+        """Take slow ``nodes`` out as if failed (the failure decision); they are benched until they recover."""
+        assert self.plan is not None
+        out = self._dropped(self.plan, nodes)
+        if out.plan is None:  # nothing runs without them: carry on slowed
+            return KEEP
+        self.plan = out.plan
+        self.benched |= set(nodes)
+        self.skewed = False
+        return out.reaction
+
+    def _dropped(self, plan: ExecutionPlan, nodes: frozenset[int]) -> _Outcome:
+        """The failure decision for slow ``nodes``; a slow node still holds its state, so a restart saves first
+        and loses nothing (a voluntary restart), and no step in flight is lost."""
+        key = (plan, nodes)
+        out = self._fail_memo.get(key)
+        if out is None:
+            out = self._fail_memo[key] = self._decide(plan, nodes)
+        if out.plan is None:
+            return out
+        r = out.reaction
+        if r.kind == RESTART:
+            r = Reaction(RESTART, self.ctx.voluntary_restart_s, saves_checkpoint=True, note=r.note)
+        return _Outcome(out.plan, Reaction(r.kind, r.transition_s, r.lose_since_checkpoint, r.saves_checkpoint,
+                                           f"drop slow node(s) {sorted(nodes)}: {r.note}"), out.score)
+
+    def _decide_slow(self, plan: ExecutionPlan, slow: dict[int, float]) -> _SlowOutcome:
+        """Eq. 8 over carry on / rebalance (``decide_slow``'s options) / drop (the failure decision, as
+        ``decide_slow`` takes it, re-scored without the measured search time like every failure)."""
+        decision = decide_slow(self.planner, plan, slow)
+        options: list[tuple[float, str, ExecutionPlan, Reaction]] = []
+        for o in decision.options:
+            c = o.candidate
+            if o.action == "none":
+                options.append((c.score, "none", plan, KEEP))
+            elif o.action == "rebalance" and c.feasible:
+                t = c.transition.transfer_s + c.transition.overhead_s
+                why = "readmit: " if not slow else ""
+                options.append((c.score, "rebalance", c.plan, Reaction(REBALANCE, t, note=why + c.reason)))
+            elif o.action == "drop" and c.feasible:
+                out = self._dropped(plan, frozenset(slow))
+                if out.plan is not None:
+                    options.append((out.score, "drop", out.plan, out.reaction))
+        best = max(options, key=lambda o: (o[0], -SLOW_ACTIONS.index(o[1])))
+        return _SlowOutcome(best[1], best[2], best[3])
 
 
 def _fill(plan: ExecutionPlan, spare: list[int]) -> ExecutionPlan | None:

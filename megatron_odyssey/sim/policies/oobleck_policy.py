@@ -68,7 +68,8 @@ class OobleckPolicy(Policy):
 
     # -- engine view -------------------------------------------------------------------------------
     def throughput(self) -> float:
-        return self.cost.throughput(self.plan)
+        """Oobleck does not detect fail-slow: its plan is played with the cluster's slow nodes."""
+        return self.cost.throughput(self.plan, self.slowdown)
 
     def nodes_in_use(self) -> frozenset[int]:
         return frozenset(self.inst.active_nodes) if self.inst else frozenset()

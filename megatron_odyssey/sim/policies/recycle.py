@@ -13,6 +13,8 @@
   parameters from a peer while training continues, then the groups are rebuilt). With no place left
   to fill, extra nodes can only be used by a restart into a larger grid, which we do (after saving)
   when that pays back before the expected next failure (``SimContext.worth_growing``).
+* ReCycle does not detect fail-slow: a slow node slows the steps it takes part in (its throughput is the
+  play with the slow nodes' factors; its decisions see nominal speeds).
 """
 from __future__ import annotations
 
@@ -60,9 +62,12 @@ class RecyclePolicy(Policy):
 
     # -- engine view -------------------------------------------------------------------------------
     def throughput(self) -> float:
+        return self._throughput(self.slowdown)
+
+    def _throughput(self, slowdown: dict[int, float] | None = None) -> float:
         if self.grid is None:
             return 0.0
-        t = self._step(self.grid, self.failed)
+        t = self._step(self.grid, self.failed, slowdown)
         return self.cost.samples_per_step / t if math.isfinite(t) and t > 0 else 0.0
 
     def nodes_in_use(self) -> frozenset[int]:
@@ -74,15 +79,17 @@ class RecyclePolicy(Policy):
     def running(self) -> bool:
         return self.grid is not None
 
-    def _step(self, grid: ExecutionPlan, failed: frozenset[int]) -> float:
+    def _step(self, grid: ExecutionPlan, failed: frozenset[int], slowdown: dict[int, float] | None = None) -> float:
+        """Step time of ``grid`` with ``failed`` nodes rerouted; ``slowdown``: fail-slow nodes' factors (the
+        closed-form model has no per-node speeds, so with slow nodes the play is used)."""
         plain = ExecutionPlan(grid.policy, grid.num_layers, grid.pipelines)
         if not failed:
-            return self.cost.step_time(plain)
-        if self.bubble_filling and self.ctx.config.recycle_model == "play":
+            return self.cost.step_time(plain, slowdown=slowdown)
+        if self.bubble_filling and (self.ctx.config.recycle_model == "play" or slowdown):
             rerouted = reroute_plan(plain, failed)
             if not isinstance(rerouted, ExecutionPlan):
                 return math.inf
-            return self.cost.step_time(replace(rerouted, fill=True), staggered=self.staggered)
+            return self.cost.step_time(replace(rerouted, fill=True), staggered=self.staggered, slowdown=slowdown)
         if self.bubble_filling:
             counts = tuple(self._counts(grid, failed))
             split, mb = grid.pipelines[0].layer_split(), grid.pipelines[0].micro_batches
@@ -97,7 +104,7 @@ class RecyclePolicy(Policy):
                 hit = self._step_memo[key] = compute + overhead
             return hit
         rerouted = reroute_plan(plain, failed)
-        return self.cost.step_time(rerouted) if isinstance(rerouted, ExecutionPlan) else math.inf
+        return self.cost.step_time(rerouted, slowdown=slowdown) if isinstance(rerouted, ExecutionPlan) else math.inf
 
     # -- reactions ---------------------------------------------------------------------------------
     def start(self, alive, full_launch):
@@ -175,7 +182,7 @@ class RecyclePolicy(Policy):
             n = len(self.nodes_in_use()) + len(spare)
             bigger = self.cost.best_symmetric_plan(list(range(n)))
             if bigger is not None:
-                if self.ctx.worth_growing(self.throughput(), self.cost.throughput(bigger),
+                if self.ctx.worth_growing(self._throughput(), self.cost.throughput(bigger),
                                                                  self.ctx.voluntary_restart_s, n):
                     return then(reaction, self._restart(alive, lose=False, why="grow", voluntary=True))
         return reaction
