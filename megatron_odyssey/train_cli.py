@@ -49,6 +49,11 @@ def add_train_arguments(p: argparse.ArgumentParser, defaults: TrainConfig) -> No
                    help="what to do about a node the diagnosis names slow: auto (the planner chooses by Eq. 8 between "
                         "carrying on, rebalancing its pipeline's micro-batches and dropping it), force one of "
                         "none|rebalance|drop where feasible, or off (no slowness diagnosis)")
+    p.add_argument("--rejoin", action="append", default=None, metavar="RANK@STEP",
+                   help="once STEP is committed, start a replacement for dead rank RANK (a repaired machine coming "
+                        "back): a fresh process given only the job's address, which joins the running job as "
+                        "`python -m megatron_odyssey.runtime.joining --address HOST:PORT --rank R` would; the planner "
+                        "decides by Eq. 8 whether to use it now or hold it as a standby (repeatable)")
     p.add_argument("--save-params", default=d.save_params, help="write the gathered fp32 state dict here")
     p.add_argument("--report", default=d.report, help="write the JSON report here")
     p.add_argument("--plan", default=None, help="run this plan JSON (an execution plan, or `odyssey plan --json` "
@@ -93,7 +98,19 @@ def config_from_args(args: argparse.Namespace, defaults: TrainConfig) -> TrainCo
                        hard_timeout_s=args.hard_timeout, mtbf_hours=args.mtbf_hours, workdir=args.workdir,
                        profile_out=args.profile_out, shared_device=args.shared_device,
                        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-                       extra={"control": {}} if getattr(args, "standby_agent", False) else {})
+                       extra={**({"control": {}} if getattr(args, "standby_agent", False) else {}),
+                              **({"rejoin": parse_rejoin(args.rejoin)} if getattr(args, "rejoin", None) else {})})
+
+
+def parse_rejoin(specs: list[str]) -> list[dict[str, int]]:
+    """``--rejoin R@S`` -> [{"rank": R, "after_step": S}]."""
+    out = []
+    for spec in specs:
+        rank, _, step = spec.partition("@")
+        if not (rank.strip().isdigit() and step.strip().isdigit()):
+            raise UsageError(f"--rejoin {spec!r}: expected RANK@STEP, e.g. --rejoin 5@6")
+        out.append({"rank": int(rank), "after_step": int(step)})
+    return out
 
 
 def read_plan(path: str | None) -> dict | None:

@@ -204,10 +204,11 @@ def schedule_transfers(holdings: dict[int, frozenset[int]], targets: dict[int, f
     return out
 
 
-def assign_nodes(current: ExecutionPlan, layout: ExecutionPlan, profile: ModelProfile) -> tuple[ExecutionPlan, TransferSchedule]:
-    """Put the survivors of ``current`` onto the positions of ``layout`` (whose node ids are
-    placeholders) with the fewest bytes to move, and schedule the moves."""
-    holdings = current.holdings()
+def assign_nodes(current: ExecutionPlan, layout: ExecutionPlan, profile: ModelProfile,
+                 joining: tuple[int, ...] = ()) -> tuple[ExecutionPlan, TransferSchedule]:
+    """Put the survivors of ``current`` (and ``joining`` nodes, which hold nothing yet) onto the positions of
+    ``layout`` (whose node ids are placeholders) with the fewest bytes to move, and schedule the moves."""
+    holdings = {**current.holdings(), **{n: frozenset() for n in joining}}
     survivors = sorted(holdings)
     positions = [(k, i) for k, p in enumerate(layout.pipelines) for i in range(p.length)]
     new_units = [layout.stage_units(k, i) for k, i in positions]

@@ -50,6 +50,7 @@ from .plan_message import encode_plan_message
 from .liveness import COMM, IDLE, WORKING, Beat
 from .diagnosis import DiagnosisOptions
 from .slow_nodes import Action, SlowNodes
+from .joining import ADMIT_KEY, JoinRecord, JoinRequests, publish_job
 from .step_log import StepLog, resident_mb
 from .errors import ABORTED, GIVEUP_KEY, STARTED_KEY, STOP_LINE, ErrorRecord, rank_log_traceback, read_error
 
@@ -201,6 +202,11 @@ class Agent:
         self.replans: list[FailureRecord] = []  # generations started to rebalance (not failures): their timings
         self.pending_action: Action | None = None  # what the diagnosis asks for, done between agent passes
         self.said_diagnoses = 0  # diagnoses already said on the terminal
+        self.join_requests = JoinRequests()  # ranks that asked to join the running job (runtime.joining)
+        self.joins: list[JoinRecord] = []
+        self.join_polled = 0.0
+        self.held: set[int] = set()  # joining ranks the planner holds as standbys (for the current plan)
+        self.rejoin = [dict(r) for r in cfg.extra.get("rejoin", [])]  # --rejoin R@S: the agent starts them
         self.dropping: dict[int, str] = {}  # ranks fenced because the planner dropped their slow node: why
 
     # -- bookkeeping ----------------------------------------------------------------------------------
@@ -256,6 +262,8 @@ class Agent:
             self.procs[ident] = p
         self.store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=self.cfg.timeout_s))
+        self.port = port
+        publish_job(self.store, Path(self.cfg_path).read_text(), self.workdir, port)  # for ranks that join later
 
     def supervise(self) -> int:
         """Detect, commit, recover until every rank has exited; returns the job's exit code."""
@@ -302,6 +310,7 @@ class Agent:
                 self.write_report(ok=False)
                 return 1
             self.advance()
+            self._poll_joins()
             if self.pending_action is not None:
                 action, self.pending_action = self.pending_action, None
                 if not self._act(action):
@@ -575,6 +584,7 @@ class Agent:
         if not self.warm:
             self.warm, self.judged_from = True, now
         self._diagnose(t, summaries)
+        self._consider_joins(t)
         factors = self.slow_nodes.diagnoser.last_factors if summaries else {}
         if factors:  # the diagnosis' view of this step: the node furthest behind its peers
             node = max(factors, key=factors.get)
@@ -605,9 +615,90 @@ class Agent:
         if action is not None and self.next_step < self.cfg.steps:
             self.pending_action = action
 
+    # -- ranks joining the running job (runtime.joining) ------------------------------------------------------
+    def _poll_joins(self) -> None:
+        """Read new join requests (at most every half heartbeat interval); refuse ranks that are alive here."""
+        now = time.time()
+        if now - self.join_polled < self.cfg.heartbeat_interval_s / 2:
+            return
+        self.join_polled = now
+        for ident, pid in self.join_requests.poll(self.store).items():
+            if ident in self.procs and ident not in self.dead and self.procs[ident].exitcode is None:
+                self.join_requests.pending.pop(ident, None)
+                self.store.set(ADMIT_KEY.format(ident), f"refused: rank {ident} is alive in the job")
+                self.log_error(f"rank {ident} (pid {pid}) asked to join, but rank {ident} is alive: refused")
+            else:
+                self.log(f"rank {ident} (pid {pid}) asks to join; the planner decides after the next commit")
+
+    def _consider_joins(self, step: int) -> None:
+        """After a commit: start the --rejoin ranks due, and let the planner decide on the joining nodes whose
+        every tensor-parallel rank has asked (Eq. 8: standby, fill dead places, reconfigure)."""
+        from ..planning.join import decide_join
+
+        for spec in self.rejoin:
+            if not spec.get("started") and step >= int(spec["after_step"]) and int(spec["rank"]) in self.dead:
+                spec["started"] = True
+                self._start_joiner(int(spec["rank"]))
+        if self.pending_action is not None or step + 1 >= self.cfg.steps:
+            return
+        pending = self.join_requests.pending
+        tp = self.cfg.tp
+        nodes = sorted({i // tp for i in pending if all(n * tp + t in pending for n in [i // tp] for t in range(tp))})
+        nodes = [n for n in nodes if n * tp not in self.held]
+        if not nodes:
+            return
+        ranks = [n * tp + t for n in nodes for t in range(tp)]
+        try:
+            decision = decide_join(self.planner, self.state_plan, nodes)
+        except PlanningError as exc:
+            for ident in ranks:
+                pending.pop(ident, None)
+                self.store.set(ADMIT_KEY.format(ident), f"refused: {exc}")
+            self.log_error(f"cannot admit rank(s) {ranks}: {exc}")
+            return
+        record = JoinRecord(ranks, step, decision.action, decision.chosen.candidate.reason,
+                            [o.summary() for o in decision.options])
+        self.joins.append(record)
+        for o in decision.options:
+            c = o.candidate
+            self.log(f"  join option {o.action:<11} step {c.step_time_s:.4g}s transition "
+                     f"{c.transition.total_s if c.feasible else float('nan'):.4g}s score {c.score:.4g}  {c.reason}")
+        if decision.action == "standby":
+            self.held |= set(ranks)
+            self.log(f"rank(s) {ranks} held as standby: {record.reason}")
+            return
+        transfers = [(t.unit, t.src, t.dst) for t in decision.chosen.candidate.transfers.transfers]
+        self.pending_action = Action("join", record, ranks=ranks, plan=decision.plan, transfers=transfers)
+
+    def _start_joiner(self, ident: int) -> None:
+        """--rejoin: a replacement for dead rank ``ident`` (a repaired machine), started as any joining rank is:
+        a fresh process given only the job's address."""
+        import subprocess
+
+        log = open(self.workdir / f"rank{ident}.join.log", "w")
+        proc = subprocess.Popen([sys.executable, "-m", "megatron_odyssey.runtime.joining", "--address",
+                                 f"127.0.0.1:{self.port}", "--rank", str(ident)], stdout=log, stderr=log,
+                                start_new_session=True)
+        self.log(f"starting a replacement for rank {ident} (pid {proc.pid}): it joins the running job")
+
+    def _admit(self, action: Action) -> None:
+        """The joining ranks become members: supervised by pid (the agent did not fork them)."""
+        from .control_plane import PidRank
+
+        for ident in action.ranks:
+            pid = self.join_requests.pending.pop(ident)
+            self.procs[ident] = PidRank(pid, self.store, ident)
+            self.dead.discard(ident)
+            self.fenced.discard(ident)
+            self.beats.pop(ident, None)
+            self.exiting.pop(ident, None)
+        self.held -= set(action.ranks)
+
     def _act(self, action: Action) -> bool:
         """Drop: fence the slow node's ranks (detected and recovered from like any failure next pass).
         Re-plan: abort the generation after the step just committed and start the rebalanced plan."""
+        if action.what == "join" and any(self.procs[i].exitcode is not None for i in self.members()):
+            return True  # a member left meanwhile: that failure is recovered first; the join is decided again
         if action.what == "drop":
             for ident in action.ranks:
                 if ident not in self.dead and self.procs[ident].exitcode is None:
@@ -730,8 +821,13 @@ class Agent:
             rec.policy, rec.reason = replan.record.action, replan.record.reason
             replan.record.replan = rec
             self.log(f"{replan.record.action}: {replan.record.reason}; resuming at step {last + 1}")
-            self._publish(rec, replan.plan, {"plan": replan.plan.to_dict(), "policy": "reconfigure", "transfers": [],
+            if replan.what == "join":
+                self._admit(replan)
+            self._publish(rec, replan.plan, {"plan": replan.plan.to_dict(), "policy": "reconfigure",
+                                             "transfers": [list(t) for t in replan.transfers],
                                              "resume_step": last + 1, "checkpoint_step": None}, failure=False)
+            for ident in replan.ranks if replan.what == "join" else ():
+                self.store.set(ADMIT_KEY.format(ident), str(self.gen))
             return True
         if not dead_nodes:  # a takeover that lost no rank: the same layout, new groups on this agent's store
             rec.policy, rec.reason = "resume", "no rank was lost: the same layout on new groups"
@@ -811,6 +907,7 @@ class Agent:
         self.step_started = time.time()
         self.started_gen = False
         self.judged_from, self.warm = time.time(), False
+        self.held = set()  # standbys are considered again on the new plan
         self.published = msg
         if self.replica is not None:
             self._replicate_state()
@@ -1022,6 +1119,7 @@ class Agent:
                    if self.store is not None and self.store.check([f"odyssey/device/{i}"])}
         report = {"ok": ok, "running": not final, "steps": self.steps.records(), "failures": failures,
                   "takeovers": takeovers, "diagnoses": [r.to_json() for r in self.slow_nodes.records],
+                  "joins": [j.to_json() for j in self.joins],
                   "profile": self.profile.name, "devices": devices, "host": host_summary(),
                   "final_plan": self.plan.to_dict(), "config": {k: v for k, v in vars(self.cfg).items()}}
         path = Path(self.cfg.report)

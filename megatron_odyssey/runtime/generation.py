@@ -200,7 +200,8 @@ class GenerationRank(abc.ABC):
             if checkpoint_step is not None and checkpoint_step >= 0:
                 st.restore(self.named, self.optimizer, st.load_checkpoint(self._ckpt_root(), checkpoint_step,
                                                                           self.tp_rank, dict(self.named), self.device))
-        elif old is not None:
+        elif old is not None or any(dst == self.node for _, _, dst in transfers):  # (a joining rank holds nothing)
+            old = old or {}
             received = st.transfer(transfers, self.node, self.tp_rank, self.rank_map.rank, cfg.layers, old,
                                    {n: p.shape for n, p in self.named}, self.device, self.p2p)
             st.restore(self.named, self.optimizer, {**old, **received})

@@ -45,10 +45,12 @@ class DiagnosisRecord:
 
 @dataclass
 class Action:
-    what: str  # "drop" (fence ``ranks``) or "replan" (go to ``plan`` at the next step boundary)
-    record: DiagnosisRecord
+    what: str  # "drop" (fence ``ranks``), "replan" (go to ``plan`` at the next step boundary) or "join" (admit
+    #            the joining ``ranks`` into ``plan``, with ``transfers`` bringing them their state)
+    record: Any  # the report entry it came from (DiagnosisRecord, joining.JoinRecord)
     ranks: list[int] = field(default_factory=list)
     plan: ExecutionPlan | None = None
+    transfers: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 class SlowNodes:

@@ -22,11 +22,12 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
+from ..planning.plan import ExecutionPlan
 from ..runtime import weight_grad
 from ..runtime.config import TrainConfig
 from ..runtime.errors import STARTED_KEY, fail_locally, is_peer_failure, stop_now
 from ..runtime.generation import GenerationRank
-from ..runtime.liveness import Heartbeat, Progress, track
+from ..runtime.liveness import WAITING, Heartbeat, Progress, track
 from ..runtime.transport import P2P
 from ..runtime.world import abort_all_groups, plan_process_groups
 
@@ -216,7 +217,31 @@ class StandaloneRank(GenerationRank):
         Heartbeat(*self.store_addr, self.ident, self.cfg.heartbeat_interval_s, self.progress, self.control).start()
         self.store.set(STARTED_KEY.format(self.ident), "1")  # from now on a failure is recovered from
         self.store.check([STARTED_KEY.format(self.ident)])  # a round trip: in the store before any fault fires
-        step = 0
+        self.train_from(0)
+
+    def join_job(self) -> None:
+        """A rank started after the job (a repaired or returning machine): announce itself, wait until the agent
+        admits it into a generation (``runtime.joining``), receive its stage's state from live replicas, train on."""
+        from ..runtime.joining import announce, wait_for_admission
+
+        Heartbeat(*self.store_addr, self.ident, self.cfg.heartbeat_interval_s, self.progress, self.control).start()
+        announce(self.store, self.ident)
+        self.progress.set_state(WAITING)
+        gen, msg = wait_for_admission(self.store, self.ident)
+        self.committed = int(msg["resume_step"]) - 1
+        try:
+            self.enter(gen, ExecutionPlan.from_dict(msg["plan"]), msg["policy"], [tuple(t) for t in msg["transfers"]],
+                       msg.get("checkpoint_step"))
+        except Exception as exc:  # it holds no state yet: it leaves, and the others recover without it
+            if not is_peer_failure(exc, self.store, gen):
+                fail_locally(self.store, self.ident, exc, f"joining generation {gen}")
+            stop_now(self.ident, f"joining generation {gen} failed ({type(exc).__name__}: {str(exc)[:200]}); this rank "
+                                 f"holds no state, so it leaves", 1)
+        self.store.set(STARTED_KEY.format(self.ident), "1")
+        self.train_from(int(msg["resume_step"]))
+
+    def train_from(self, step: int) -> None:
+        """Train until the last step, recovering in-process from peers' failures."""
         while step < self.cfg.steps:
             failed = False
             try:

@@ -1,0 +1,147 @@
+"""Ranks that join a running job: a repaired machine, or spot capacity coming back.
+
+A joining rank needs only the job's address (the agent's store, ``HOST:PORT``; ``odyssey train`` writes it to
+``<workdir>/agent.address``): it reads the job's config from the store, announces itself (``JOINING_KEY``,
+appended ``rank:pid;``), beats like any rank, and waits. The agent admits it at a step boundary when the
+planner (``planning.join``, Eq. 8) prefers filling a dead place or reconfiguring onto every node to holding it
+as a standby: it re-plans like a rebalance, with the joining rank in the next generation's plan and the
+transfers that bring it its stage's weights and Adam state from live replicas, and tells it which generation
+(``ADMIT_KEY``). From there it is a rank like the others.
+
+``python -m megatron_odyssey.runtime.joining --address HOST:PORT --rank R`` starts one (the agent itself
+starts one for ``odyssey train --rejoin R@S``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from .errors import GIVEUP_KEY, stop_now
+
+JOINING_KEY = "odyssey/joining"  # appended "rank:pid;" by every rank that asks to join
+ADMIT_KEY = "odyssey/admit/{}"  # the generation the rank is admitted into (or "refused: why")
+CONFIG_KEY = "odyssey/config"  # the job's TrainConfig as JSON (what a joining rank runs)
+ADDRESS_FILE = "agent.address"  # in the job's workdir: HOST:PORT of the agent's store
+
+
+def announce(store: Any, ident: int) -> None:
+    store.append(JOINING_KEY, f"{ident}:{os.getpid()};")
+
+
+def wait_for_admission(store: Any, ident: int, poll_s: float = 0.05) -> tuple[int, dict[str, Any]]:
+    """Block until the agent admits this rank; returns the generation and its plan message. Leaves when the
+    agent refuses it, gives up on the job, or is gone (the job ended without needing it)."""
+    from .generation import keys
+    from .plan_message import decode_plan_message
+
+    key = ADMIT_KEY.format(ident)
+    while True:
+        try:
+            if store.check([key]):
+                value = store.get(key).decode()
+                if value.startswith("refused"):
+                    stop_now(ident, f"the agent did not admit this rank: {value}", 1)
+                gen = int(value)
+                return gen, decode_plan_message(store.get(keys(gen)["plan"]))
+            if store.check([GIVEUP_KEY]):
+                stop_now(ident, f"the job stopped before this rank was admitted: {store.get(GIVEUP_KEY).decode()}", 1)
+        except (RuntimeError, ConnectionError) as exc:  # the agent's store is gone: the job is over
+            stop_now(ident, f"the job ended before this rank was admitted ({type(exc).__name__})", 0)
+        time.sleep(poll_s)
+
+
+@dataclass
+class JoinRecord:
+    """One entry of the report's ``"joins"``."""
+
+    ranks: list[int]
+    step: int  # the step after which the planner decided
+    policy: str  # planning.join.JOIN_ACTIONS
+    reason: str = ""
+    options: list[dict[str, Any]] = field(default_factory=list)
+    replan: Any = None  # the agent's record of the generation that admitted them (its timings)
+
+    @property
+    def action(self) -> str:  # (how the agent's re-plan names what it does)
+        return f"join ({self.policy})"
+
+    def to_json(self) -> dict[str, Any]:
+        out = {k: v for k, v in vars(self).items() if k != "replan"}
+        if self.replan is not None:
+            out.update(step=self.replan.step, generation=self.replan.generation,
+                       transfer_s=self.replan.transfer_s, recovery_s=self.replan.recovery_s or None)
+        else:
+            out.update(transfer_s=0.0, recovery_s=0.0)
+        return out
+
+
+class JoinRequests:
+    """The agent's view of ``JOINING_KEY``: who asked to join (rank -> pid), read incrementally."""
+
+    def __init__(self) -> None:
+        self.seen = 0  # bytes of the key already parsed
+        self.pending: dict[int, int] = {}
+
+    def poll(self, store: Any) -> dict[int, int]:
+        """New requests since the last poll (two cheap round trips when there are none)."""
+        if not store.check([JOINING_KEY]):
+            return {}
+        value = store.get(JOINING_KEY).decode()
+        new, self.seen = value[self.seen:], len(value)
+        out = {}
+        for item in filter(None, new.split(";")):
+            rank, pid = item.split(":")
+            out[int(rank)] = int(pid)
+        self.pending.update(out)
+        return out
+
+
+def publish_job(store: Any, cfg_json: str, workdir: str | os.PathLike, port: int) -> None:
+    """What a joining rank needs: the config in the store, the address beside the logs."""
+    store.set(CONFIG_KEY, cfg_json)
+    with open(os.path.join(workdir, ADDRESS_FILE), "w") as f:
+        f.write(f"127.0.0.1:{port}\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="join a running odyssey job as rank R (a machine that came back)")
+    parser.add_argument("--address", required=True, help="HOST:PORT of the job's agent (<workdir>/agent.address)")
+    parser.add_argument("--rank", type=int, required=True, help="the rank to join as (a dead rank's, or a new one)")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # as the agent's own ranks (several share the cores)
+    import faulthandler
+    import signal
+
+    import torch.distributed as dist
+
+    from .config import TrainConfig
+    from .control_plane import parse_address
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    host, port = parse_address(args.address)
+    try:
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
+        cfg = TrainConfig(**json.loads(store.get(CONFIG_KEY)))
+    except Exception as exc:  # noqa: BLE001 - say what went wrong on the terminal, not a traceback
+        print(f"odyssey join: cannot reach the job at {args.address}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        sys.exit(2)
+    if args.rank < 0:
+        parser.error(f"--rank must be >= 0, got {args.rank}")
+    store.set_timeout(timedelta(seconds=cfg.timeout_s))
+    from ..standalone.trainer import StandaloneRank
+
+    try:
+        rank = StandaloneRank(cfg, args.rank, store, (host, port))
+    except Exception as exc:  # noqa: BLE001
+        stop_now(args.rank, f"start-up failed: {type(exc).__name__}: {exc}", 1)
+    rank.join_job()
+
+
+if __name__ == "__main__":
+    main()
