@@ -53,7 +53,8 @@ def add_train_arguments(p: argparse.ArgumentParser, defaults: TrainConfig) -> No
                    help="once STEP is committed, start a replacement for dead rank RANK (a repaired machine coming "
                         "back): a fresh process given only the job's address, which joins the running job as "
                         "`python -m megatron_odyssey.runtime.joining --address HOST:PORT --rank R` would; the planner "
-                        "decides by Eq. 8 whether to use it now or hold it as a standby (repeatable)")
+                        "decides by Eq. 8 whether to use it now or hold it as a standby (repeatable; none: no rejoin)"
+                        + (f"; default {', '.join(rejoin_text(d.extra['rejoin']))}" if d.extra.get("rejoin") else ""))
     p.add_argument("--save-params", default=d.save_params, help="write the gathered fp32 state dict here")
     p.add_argument("--report", default=d.report, help="write the JSON report here")
     p.add_argument("--plan", default=None, help="run this plan JSON (an execution plan, or `odyssey plan --json` "
@@ -88,6 +89,8 @@ def add_train_arguments(p: argparse.ArgumentParser, defaults: TrainConfig) -> No
 def config_from_args(args: argparse.Namespace, defaults: TrainConfig) -> TrainConfig:
     """The job the flags describe; the flags' own errors (files that cannot be read) name the flag."""
     fail = defaults.fail if args.fail is None else [f for f in args.fail if f.strip().lower() != "none"]
+    rejoin = defaults.extra.get("rejoin", []) if args.rejoin is None else \
+        parse_rejoin([r for r in args.rejoin if r.strip().lower() != "none"])
     return TrainConfig(nproc=args.nproc, tp=args.tp, pp=args.pp, layers=args.layers, hidden=args.hidden,
                        heads=args.heads, seq=args.seq, global_batch=args.global_batch, micro_batch=args.micro_batch,
                        steps=args.steps, seed=args.seed, fail=list(fail), policy=args.policy,
@@ -99,7 +102,11 @@ def config_from_args(args: argparse.Namespace, defaults: TrainConfig) -> TrainCo
                        profile_out=args.profile_out, shared_device=args.shared_device,
                        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
                        extra={**({"control": {}} if getattr(args, "standby_agent", False) else {}),
-                              **({"rejoin": parse_rejoin(args.rejoin)} if getattr(args, "rejoin", None) else {})})
+                              **({"rejoin": rejoin} if rejoin else {})})
+
+
+def rejoin_text(rejoin: list[dict[str, int]]) -> list[str]:
+    return [f"{r['rank']}@{r['after_step']}" for r in rejoin]
 
 
 def parse_rejoin(specs: list[str]) -> list[dict[str, int]]:
@@ -163,8 +170,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 # -- demo -------------------------------------------------------------------------------------------
 
 DEMO = TrainConfig(nproc=8, tp=1, pp=2, layers=8, hidden=64, heads=4, seq=32, global_batch=16, micro_batch=1,
-                   steps=12, seed=1234, checkpoint_interval=4, mtbf_hours=0.0035,
-                   fail=["step=3,rank=5,phase=backward,kind=kill", "step=7,rank=7,phase=forward,kind=kill"])
+                   steps=30, seed=1234, checkpoint_interval=4, mtbf_hours=0.0035,
+                   fail=["step=3,rank=5,phase=backward,kind=kill", "step=7,rank=7,phase=forward,kind=kill",
+                         "step=12,rank=2,kind=slow,factor=4"],
+                   extra={"rejoin": [{"rank": 5, "after_step": 4}]})
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -219,7 +228,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     train = sub.add_parser("train", help="train on N local ranks, surviving failures")
     add_train_arguments(train, TrainConfig())
     train.set_defaults(func=cmd_train)
-    demo = sub.add_parser("demo", help="the main job: train, kill a rank (reroute), kill another (reconfigure)")
+    demo = sub.add_parser("demo", help="the main job: train, kill a rank (reroute), kill another (reconfigure), slow "
+                                       "a third (diagnosed and handled), and bring the first back")
     add_train_arguments(demo, DEMO)
     demo.add_argument("--out", default="odyssey-demo",
                       help="output folder: dataset, rank logs, report.json, report.png, params.pt (default odyssey-demo)")

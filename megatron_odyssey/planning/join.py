@@ -89,6 +89,14 @@ def decide_join(planner: Planner, current: ExecutionPlan, joining: list[int] | t
                         planner.options.mtbf_hours * 3600.0 / (nodes * tp), c.restart_risk_s)
     feasible = [o for o in options if o.candidate.feasible]
     chosen = max(feasible, key=lambda o: (o.candidate.score, -JOIN_ACTIONS.index(o.action)))
+    others = [o for o in feasible if o is not chosen]
+    if chosen.action == "standby" and others:
+        best = max(others, key=lambda o: o.candidate.score).candidate
+        t_next = planner.options.mtbf_hours * 3600.0 / (len(live) * tp)
+        chosen.candidate.reason = (
+            f"node(s) {list(joining)} held as standby: {best.kind} onto them would run {best.step_time_s:.3g} s steps "
+            f"instead of {chosen.candidate.step_time_s:.3g} s, which does not repay its {best.transition.total_s:.3g} s "
+            f"transition in the {t_next:.3g} s to the next expected failure")
     return JoinDecision(chosen.action, chosen, options, joining)
 
 

@@ -370,6 +370,9 @@ class Agent:
         return out
 
     def _fence(self, ident: int, why: str) -> None:
+        for rec in self.slow_nodes.records:
+            if rec.wall_s is None:
+                rec.wall_s = time.time() - self.started
         self.log(f"rank {ident} {why}: fencing it (SIGKILL)")
         self.procs[ident].kill()
         self.procs[ident].join(5)
@@ -608,6 +611,7 @@ class Agent:
 
         action = self.slow_nodes.after_commit(step, summaries, self.plan, self.planner, self.profile, slowed_at)
         for rec in self.slow_nodes.records[self.said_diagnoses:]:
+            rec.wall_s = rec.wall_s if rec.wall_s is not None else time.time() - self.started
             if rec.kind in ("slow", "comm-slow"):  # (hangs are said where they are fenced)
                 self.log(f"diagnosis at step {step}: {rec.kind} ranks {rec.ranks}: {rec.evidence}; action "
                          f"{rec.action}" + (f" ({rec.reason})" if rec.reason else ""))
@@ -657,7 +661,7 @@ class Agent:
             self.log_error(f"cannot admit rank(s) {ranks}: {exc}")
             return
         record = JoinRecord(ranks, step, decision.action, decision.chosen.candidate.reason,
-                            [o.summary() for o in decision.options])
+                            [o.summary() for o in decision.options], wall_s=time.time() - self.started)
         self.joins.append(record)
         for o in decision.options:
             c = o.candidate
@@ -665,7 +669,7 @@ class Agent:
                      f"{c.transition.total_s if c.feasible else float('nan'):.4g}s score {c.score:.4g}  {c.reason}")
         if decision.action == "standby":
             self.held |= set(ranks)
-            self.log(f"rank(s) {ranks} held as standby: {record.reason}")
+            self.log(f"rank(s) {ranks}: {record.reason}")
             return
         transfers = [(t.unit, t.src, t.dst) for t in decision.chosen.candidate.transfers.transfers]
         self.pending_action = Action("join", record, ranks=ranks, plan=decision.plan, transfers=transfers)
@@ -816,6 +820,8 @@ class Agent:
                             detection_s=max(0.0, detected - started), step=last + 1, started=started,
                             sealed_at=sealed_at, error=self._error_of(gen_failed), takeover=takeover,
                             dropped="; ".join(sorted({self.dropping[i] for i in gen_failed if i in self.dropping})))
+        if rec.dropped:
+            rec.phase = "(slow)"  # taken out by the agent between operations, not hit in a phase
         self.slow_nodes.left(dead_nodes)
         if not dead_nodes and replan is not None:
             rec.policy, rec.reason = replan.record.action, replan.record.reason

@@ -65,6 +65,7 @@ class JoinRecord:
     policy: str  # planning.join.JOIN_ACTIONS
     reason: str = ""
     options: list[dict[str, Any]] = field(default_factory=list)
+    wall_s: float | None = None  # when the planner decided, on the report's clock
     replan: Any = None  # the agent's record of the generation that admitted them (its timings)
 
     @property

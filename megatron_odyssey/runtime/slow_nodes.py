@@ -33,6 +33,7 @@ class DiagnosisRecord:
     detection_s: float | None = None  # from the injected slowdown (tests, demo) to this finding
     options: list[dict[str, Any]] = field(default_factory=list)  # decide_slow's options and their Eq. 8 scores
     reason: str = ""  # why that action (the chosen option)
+    wall_s: float | None = None  # when it was named, on the report's clock (seconds since the ranks started)
     replan: Any = None  # the agent's record of the re-plan this action started (its timings)
 
     def to_json(self) -> dict[str, Any]:

@@ -111,6 +111,7 @@ def print_summary(console, report: dict[str, Any], global_batch: int, wall_s: fl
         console.print("  " + note)
     if any(f.get("cached") for f in report["failures"]):
         console.print("  " + CACHE_NOTE)
+    _print_diagnoses_and_joins(console, report)
     steps = Table(title="Steps")
     for col in ("step", "devices", "policy", "loss", "fault-free loss", "time (s)"):
         steps.add_column(col)
@@ -124,6 +125,40 @@ def print_summary(console, report: dict[str, Any], global_batch: int, wall_s: fl
     if worst is not None:
         console.print(f"final parameters vs fault-free training: max |diff| = {worst:.2e} "
                       f"({'identical within 1e-5' if worst < 1e-5 else 'DIFFERENT'}); wall time {wall_s:.0f} s")
+
+
+def _options(entry: dict[str, Any]) -> str:
+    """Every option the planner weighed, as ``action: step s / transition s / Eq. 8 score``."""
+    return "; ".join(f"{o['action']}: {_num(o['step_time_s'])}/{_num(o['transition_time_s'])}/{o['score']:.0f}"
+                     for o in entry.get("options", []) if o.get("feasible"))
+
+
+def _print_diagnoses_and_joins(console, report: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    if report.get("diagnoses"):
+        table = Table(title="Diagnoses (slow, comm-slow, hang, comm-hang)")
+        for col in ("step", "ranks", "kind", "factor", "named after (s)", "action", "options (step s / transition s "
+                    "/ score)"):
+            table.add_column(col)
+        for d in report["diagnoses"]:
+            table.add_row(str(d["step"]), str(d["ranks"]), d["kind"], f"{d['factor']:.2f}" if d["factor"] != 1 else "-",
+                          _num(d.get("detection_s")), f"[bold]{d['action']}", _options(d) or "-")
+        console.print(table)
+        for d in report["diagnoses"]:
+            console.print(f"  step {d['step']}, ranks {d['ranks']}: {d['evidence']}"
+                          + (f"; {d['action']}: {d['reason']}" if d.get("reason") else ""))
+    if report.get("joins"):
+        table = Table(title="Nodes that came back")
+        for col in ("step", "ranks", "decision", "transfer (s)", "recovery (s)", "options (step s / transition s / "
+                    "score)"):
+            table.add_column(col)
+        for j in report["joins"]:
+            table.add_row(str(j["step"]), str(j["ranks"]), f"[bold]{j['policy']}", _num(j.get("transfer_s")),
+                          _num(j.get("recovery_s")), _options(j))
+        console.print(table)
+        for j in report["joins"]:
+            console.print(f"  ranks {j['ranks']} came back: {j['policy']} ({j['reason']})")
 
 
 def _num(x: float | None) -> str:
@@ -153,7 +188,24 @@ def run_description(report: dict[str, Any]) -> tuple[str, str | None]:
 
 def failure_label(f: dict[str, Any]) -> str:
     ranks = ", ".join(str(r) for r in f["ranks"])
-    return f"rank {ranks} fails (step {f['step']}) -> {policy_name(f) or 'stop'}"
+    what = "dropped (slow)" if f.get("dropped") else "fails"
+    return f"rank {ranks} {what} (step {f['step']}) -> {policy_name(f) or 'stop'}"
+
+
+def _events(report: dict[str, Any]) -> list[tuple[float, str, int]]:
+    """Diagnoses and joins on the report's clock: (wall s, label, change in live devices)."""
+    out = []
+    for d in report.get("diagnoses", []):
+        if d.get("wall_s") is not None and d["kind"] in ("slow", "comm-slow"):
+            factor = f" x{d['factor']:.1f}" if d["kind"] == "slow" else ""
+            out.append((d["wall_s"], f"rank {', '.join(map(str, d['ranks']))} {d['kind']}{factor} (step {d['step']}) "
+                                     f"-> {d['action']}", 0))
+    for j in report.get("joins", []):
+        if j.get("wall_s") is not None:
+            used = j["policy"] != "standby"
+            out.append((j["wall_s"], f"rank {', '.join(map(str, j['ranks']))} back (step {j['step']}) -> {j['policy']}",
+                        len(j["ranks"]) if used else 0))
+    return sorted(out)
 
 
 def plot_report(report: dict[str, Any], path: str | Path, keep: bool = False):
@@ -170,7 +222,7 @@ def plot_report(report: dict[str, Any], path: str | Path, keep: bool = False):
     cfg = report.get("config", {})
     batch = cfg.get("global_batch", 1)
     nproc = cfg.get("nproc", steps[0]["alive"] if steps else 0)
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 6))
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"][1:]
 
     # Throughput over each interval between two commits (step 0 is left out: it includes start-up).
@@ -190,12 +242,12 @@ def plot_report(report: dict[str, Any], path: str | Path, keep: bool = False):
     # Devices alive: a step down when each failure happened.
     ax = axes[1]
     alive, xs, ys = nproc, [0.0], [nproc]
-    for f in sorted(report["failures"], key=lambda f: f.get("wall_s") or 0.0):
-        if f.get("wall_s") is None:
-            continue
-        xs += [f["wall_s"], f["wall_s"]]
-        ys += [alive, alive - len(f["ranks"])]
-        alive -= len(f["ranks"])
+    changes = [(f["wall_s"], -len(f["ranks"])) for f in report["failures"] if f.get("wall_s") is not None]
+    changes += [(t, n) for t, _, n in _events(report) if n]
+    for t, n in sorted(changes):
+        xs += [t, t]
+        ys += [alive, alive + n]
+        alive += n
     end = steps[-1]["wall_s"] if steps else 0.0
     xs.append(end)
     ys.append(alive)
@@ -212,7 +264,13 @@ def plot_report(report: dict[str, Any], path: str | Path, keep: bool = False):
             ax.axvline(f["wall_s"], ls="--", color=colour, label=failure_label(f) if k == 0 else None)
             ax.axvspan(f["wall_s"], f["wall_s"] + f["recovery_s"], color=colour, alpha=0.15,
                        label=f"recovery ({f['recovery_s']:.2f} s)" if k == 0 else None)
-    axes[0].legend(fontsize=8, loc="lower right")
+    for (t, label, _), marker in zip(_events(report), ("v", "^", "s", "D", "P", "X")):
+        for k, ax in enumerate(axes[:2]):
+            ax.axvline(t, ls=":", color="0.3", lw=1.2)
+            ax.plot([t], [ax.get_ylim()[1] * 0.97 if k else 0], marker=marker, color="0.3", ms=8, ls="none",
+                    label=label if k == 0 else None, clip_on=False)
+    # below the time plots: failures, recoveries, diagnoses and joins do not hide the curves
+    axes[0].legend(fontsize=8, loc="upper left", bbox_to_anchor=(0.0, -0.14), ncol=3)
 
     ax = axes[2]
     ax.plot([s["step"] for s in steps], [s["loss"] for s in steps], "o-", label="with failures")
@@ -227,13 +285,13 @@ def plot_report(report: dict[str, Any], path: str | Path, keep: bool = False):
         title += f"\nfinal parameters differ by at most {worst:.1e}"
     ax.set(xlabel="step", ylabel="loss", title=title)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
 
     subtitle, note = run_description(report)
     fig.suptitle(subtitle)
     if note:
         fig.text(0.5, 0.01, note, ha="center", fontsize=9, style="italic")
-    fig.tight_layout(rect=(0, 0.05 if note else 0, 1, 1))
+    fig.subplots_adjust(left=0.05, right=0.99, top=0.86, bottom=0.36 if note else 0.32, wspace=0.22)
     fig.savefig(path, dpi=100)
     if keep:
         return fig

@@ -1,0 +1,65 @@
+"""Nodes joining a running job: Eq. 8 over standby, filling dead places and reconfiguring onto every node."""
+import pytest
+
+from megatron_odyssey.planning.errors import PlanningError
+from megatron_odyssey.planning.estimator import estimate_step
+from megatron_odyssey.planning.join import decide_join, fill_dead_places
+from megatron_odyssey.planning.plan import layout
+from megatron_odyssey.planning.planner import Planner, PlannerOptions, reroute_plan
+from megatron_odyssey.planning.profile import uniform_profile
+
+PROFILE = uniform_profile(8)
+GRID = layout([((4, 4), 4)] * 4, num_layers=8, policy="initial")  # nodes 2k, 2k+1 are pipeline k
+
+
+def _planner(mtbf_hours=1000.0):
+    return Planner(PROFILE, 16, 1, PlannerOptions(mtbf_hours=mtbf_hours))
+
+
+def test_a_returning_node_fills_its_own_place_and_gets_its_stage_from_a_twin():
+    rerouted = reroute_plan(GRID, frozenset({5, 6}))
+    plan, moved = fill_dead_places(rerouted, (5,))
+    assert moved == {5: 5}
+    assert plan.failed == {6} and all(r.pipeline == 3 for r in plan.reroutes)  # 6's work stays rerouted
+    d = decide_join(_planner(), rerouted, [5])
+    fill = next(o.candidate for o in d.options if o.action == "fill")
+    assert {t.dst for t in fill.transfers.transfers} == {5}
+    assert {t.unit for t in fill.transfers.transfers} == set(GRID.stage_units(2, 1))
+    assert all(t.src in (1, 3, 7) for t in fill.transfers.transfers)  # live twins of stage 1
+
+
+def test_new_nodes_take_the_places_of_the_most_crowded_stage_first():
+    rerouted = reroute_plan(GRID, frozenset({1, 3, 4}))  # stage 1 lost two twins, stage 0 one
+    plan, moved = fill_dead_places(rerouted, (9,))
+    assert moved == {1: 9}
+
+
+def test_eq8_picks_the_best_scoring_option_and_says_why():
+    rerouted = reroute_plan(GRID, frozenset({5}))
+    d = decide_join(_planner(), rerouted, [5])
+    scores = {o.action: o.candidate.score for o in d.options}
+    assert set(scores) == {"standby", "fill", "reconfigure"}
+    assert d.chosen.candidate.score == max(scores.values())
+    by = {o.action: o.candidate for o in d.options}
+    # the plain grid again: (4 + 1) x 12 = 60 s, the rerouted one 84 s
+    assert by["fill"].step_time_s == 60.0 and by["standby"].step_time_s == estimate_step(rerouted, PROFILE).step_time_s
+    assert by["fill"].transition.overhead_s == PROFILE.rebuild_overhead_s + by["standby"].step_time_s
+
+
+def test_with_failures_every_few_seconds_a_transition_never_pays_off():
+    rerouted = reroute_plan(GRID, frozenset({5}))
+    d = decide_join(_planner(mtbf_hours=0.01), rerouted, [5])  # 36 s per device: 4.5 s between failures
+    assert d.action == "standby"
+
+
+def test_a_new_node_on_a_full_grid_is_a_standby_or_a_reconfiguration():
+    d = decide_join(_planner(), GRID, [8])
+    assert {o.action for o in d.options} == {"standby", "reconfigure"}
+    reconf = next(o.candidate for o in d.options if o.action == "reconfigure")
+    assert 8 in reconf.plan.live_nodes() and len(reconf.plan.live_nodes()) == 9
+    assert all(t.dst in reconf.plan.live_nodes() for t in reconf.transfers.transfers)
+
+
+def test_live_nodes_cannot_join():
+    with pytest.raises(PlanningError, match="must be new or dead nodes"):
+        decide_join(_planner(), GRID, [3])

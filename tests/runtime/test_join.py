@@ -1,0 +1,28 @@
+"""A killed rank's replacement joins the running job (issue 15, part 3): a fresh process given only the job's
+address; the planner admits it at a step boundary, live replicas send it its state, and training ends with
+the parameters of a fault-free run."""
+from __future__ import annotations
+
+from megatron_odyssey.runtime.config import TrainConfig
+from megatron_odyssey.testing.reference import reference_in_subprocess
+from recovery_job import MODEL, assert_exact, run
+
+# long enough for the replacement to start (imports torch and megatron-core: seconds on a loaded machine)
+STEPS = 60
+
+
+def test_a_killed_ranks_replacement_rejoins_and_training_stays_exact(tmp_path):
+    reference = reference_in_subprocess(TrainConfig(nproc=1, tp=1, pp=1, **{**MODEL, "steps": STEPS}),
+                                        tmp_path / "ref")
+    params, report = run(tmp_path, ["step=2,rank=4,kind=kill"], steps=STEPS,
+                         extra={"rejoin": [{"rank": 4, "after_step": 2}]})
+    assert_exact(reference, params, report)
+    (failure,) = report["failures"]
+    assert failure["ranks"] == [4]
+    (join,) = report["joins"]
+    assert join["ranks"] == [4] and join["policy"] in ("fill", "reconfigure"), join
+    best = max((o for o in join["options"] if o["feasible"]), key=lambda o: o["score"])
+    assert join["policy"] == best["action"]
+    assert join["recovery_s"] is not None and join["transfer_s"] >= 0
+    assert report["steps"][-1]["alive"] == 6
+    assert [s["alive"] for s in report["steps"]].count(5) >= 1
