@@ -15,31 +15,21 @@ plan), so their transition also counts one step of the current plan and the grou
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from .errors import PlanningError
 from .estimator import estimate_step, score
 from .plan import ExecutionPlan, Pipeline, Stage
-from .planner import Candidate, Planner, Transition, reroute_plan
+from .planner import ActionOption, Candidate, Planner, Transition, reroute_plan
 from .restorer import assign_nodes, schedule_transfers
 
 JOIN_ACTIONS = ("standby", "fill", "reconfigure")
 
 
 @dataclass
-class JoinOption:
-    action: str  # one of JOIN_ACTIONS
-    candidate: Candidate
-
-    def summary(self) -> dict[str, Any]:
-        return {"action": self.action, **self.candidate.summary()}
-
-
-@dataclass
 class JoinDecision:
     action: str
-    chosen: JoinOption
-    options: list[JoinOption]
+    chosen: ActionOption
+    options: list[ActionOption]
     joining: tuple[int, ...]
 
     @property
@@ -58,14 +48,14 @@ def decide_join(planner: Planner, current: ExecutionPlan, joining: list[int] | t
     profile, tp = planner.profile, planner.options.tp
     now = estimate_step(current, profile)
     redo = profile.rebuild_overhead_s + now.step_time_s  # rebuilt groups, and the step in flight redone
-    options = [JoinOption("standby", Candidate(current.policy, current, now, reason=f"node(s) {list(joining)} wait"))]
+    options = [ActionOption("standby", Candidate(current.policy, current, now, reason=f"node(s) {list(joining)} wait"))]
     if current.failed:
         filled = fill_dead_places(current, joining)
         if filled is not None:
             plan, moved = filled
             transfers = schedule_transfers(current.holdings(), {n: plan.holdings()[n] for n in moved.values()},
                                            [u.state_bytes for u in profile.units()])
-            options.append(JoinOption("fill", Candidate("reconfigure", plan, estimate_step(plan, profile), Transition(
+            options.append(ActionOption("fill", Candidate("reconfigure", plan, estimate_step(plan, profile), Transition(
                 transfer_s=transfers.time_s(profile.transfer_bandwidth_Bps), overhead_s=redo), transfers,
                 reason=f"node(s) {sorted(moved.values())} take the places of dead node(s) {sorted(moved)}")))
     total = len(live) + len(joining)
@@ -74,7 +64,7 @@ def decide_join(planner: Planner, current: ExecutionPlan, joining: list[int] | t
         plan, transfers = assign_nodes(current, shape, profile, joining)
         plan = ExecutionPlan("reconfigure", plan.num_layers, plan.pipelines,
                              reason=f"{len(plan.pipelines)} pipelines of lengths {[p.length for p in plan.pipelines]}")
-        options.append(JoinOption("reconfigure", Candidate("reconfigure", plan, estimate_step(plan, profile), Transition(
+        options.append(ActionOption("reconfigure", Candidate("reconfigure", plan, estimate_step(plan, profile), Transition(
             transfer_s=transfers.time_s(profile.transfer_bandwidth_Bps), overhead_s=redo), transfers,
             reason=f"reconfigure onto all {total} nodes: {plan.reason}")))
     for o in options:

@@ -132,6 +132,18 @@ class Candidate:
 _SHARDS_LOST = "lost their distributed-optimizer shards with every replica"
 
 
+@dataclass
+class ActionOption:
+    """One option of a decision that is not a failure's (a slow node's, a joining node's): what the agent
+    would do, and the candidate plan with its estimates and Eq. 8 score."""
+
+    action: str
+    candidate: Candidate
+
+    def summary(self) -> dict[str, Any]:
+        return {"action": self.action, **self.candidate.summary()}
+
+
 def policy_label(kind: str, fill: bool) -> str:
     """A recovery's name in tables and plots: its kind, with bubble filling told apart (reroute+fill,
     normalise+fill); shared by ``odyssey plan`` and the report view, which reads it from JSON."""

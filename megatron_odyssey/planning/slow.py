@@ -23,25 +23,16 @@ from typing import Any, Mapping
 from .errors import PlanningError
 from .estimator import estimate_step, score, simulate
 from .plan import ExecutionPlan, Pipeline
-from .planner import Candidate, Planner, Transition, reroute_plan
+from .planner import ActionOption, Candidate, Planner, Transition, reroute_plan
 
 SLOW_ACTIONS = ("none", "rebalance", "drop")
 
 
 @dataclass
-class SlowOption:
-    action: str  # one of SLOW_ACTIONS
-    candidate: Candidate
-
-    def summary(self) -> dict[str, Any]:
-        return {"action": self.action, **self.candidate.summary()}
-
-
-@dataclass
 class SlowDecision:
     action: str
-    chosen: SlowOption
-    options: list[SlowOption]
+    chosen: ActionOption
+    options: list[ActionOption]
     slowdown: dict[int, float]
     time_to_next_failure_s: float
 
@@ -67,24 +58,24 @@ def decide_slow(planner: Planner, current: ExecutionPlan, slowdown: Mapping[int,
     t_next = planner.options.mtbf_hours * 3600.0 / (len(live) * tp)
     carry = Candidate(current.policy, current, estimate_step(current, profile, slowdown=slow),
                       reason=_carry_reason(slow))
-    options = [SlowOption("none", carry)]
+    options = [ActionOption("none", carry)]
     balanced = rebalanced(current, planner, slow)
     if balanced is not None:
         step = estimate_step(balanced, profile, slowdown=slow)
         # the runtime re-plans at a step boundary: the groups are rebuilt and the step in flight is redone
         transition = Transition(overhead_s=profile.rebuild_overhead_s + carry.step_time_s)
         counts = [p.micro_batches for p in balanced.pipelines]
-        options.append(SlowOption("rebalance", Candidate("reconfigure", balanced, step, transition, reason=(
+        options.append(ActionOption("rebalance", Candidate("reconfigure", balanced, step, transition, reason=(
             f"micro-batches per pipeline {[p.micro_batches for p in current.pipelines]} -> {counts}"
             + (f" so that slow node(s) {sorted(slow)} do less" if slow else ": every node at full speed again")))))
     if slow and len(slow) < len(live):
         try:
             dropped = planner.decide(current, frozenset(slow))
             c = dropped.chosen
-            options.append(SlowOption("drop", replace(c, reason=f"drop slow node(s) {sorted(slow)} as failed: "
+            options.append(ActionOption("drop", replace(c, reason=f"drop slow node(s) {sorted(slow)} as failed: "
                                                                f"{c.kind}, {c.reason}")))
         except PlanningError as exc:
-            options.append(SlowOption("drop", Candidate("reroute", None, reason=f"cannot drop: {exc}")))
+            options.append(ActionOption("drop", Candidate("reroute", None, reason=f"cannot drop: {exc}")))
     for o in options:
         c = o.candidate
         if c.feasible and o.action != "drop":  # (the drop's score is the failure decision's own)

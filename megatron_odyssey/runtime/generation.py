@@ -157,7 +157,7 @@ class GenerationRank(abc.ABC):
 
     def _attach_stage(self) -> None:
         """Executor and gradient sync over the stage just built (hosts may add their own settings)."""
-        if self.trace is None:
+        if self.trace is None and self.cfg.slow_action != "off":  # (off: nothing recorded, nothing judged)
             self.trace = OpTrace(self.ident, self.node)
         self.executor = PipelineExecutor(self.plan, self.groups, self.runner, self.micro_batch,
                                          (self.cfg.seq, self.cfg.micro_batch, self.cfg.hidden),

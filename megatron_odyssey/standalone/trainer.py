@@ -182,7 +182,8 @@ class StandaloneRank(GenerationRank):
         self.at(step, "grad-sync")
         t0 = time.perf_counter()
         self.sync()
-        self.trace.sync_s = time.perf_counter() - t0
+        if self.trace is not None:
+            self.trace.sync_s = time.perf_counter() - t0
         self._publish_ready(step, result.loss_sum if self.tp_rank == 0 else 0.0)
         self._wait_commit(step)
         self.at(step, "optimizer")
