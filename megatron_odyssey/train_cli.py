@@ -50,10 +50,10 @@ def add_train_arguments(p: argparse.ArgumentParser, defaults: TrainConfig) -> No
                         "carrying on, rebalancing its pipeline's micro-batches and dropping it), force one of "
                         "none|rebalance|drop where feasible, or off (no slowness diagnosis)")
     p.add_argument("--rejoin", action="append", default=None, metavar="RANK@STEP",
-                   help="once STEP is committed, start a replacement for dead rank RANK (a repaired machine coming "
-                        "back): a fresh process given only the job's address, which joins the running job as "
-                        "`python -m megatron_odyssey.runtime.joining --address HOST:PORT --rank R` would; the planner "
-                        "decides by Eq. 8 whether to use it now or hold it as a standby (repeatable; none: no rejoin)"
+                   help="a replacement for rank RANK (a repaired machine) comes back once STEP is committed and RANK "
+                        "is dead: a fresh process given only the job's address (as `odyssey join` starts one), set up "
+                        "when the job starts, asks to join then; the planner decides by Eq. 8 whether to use it now "
+                        "or hold it as a standby (repeatable; none: no rejoin)"
                         + (f"; default {', '.join(rejoin_text(d.extra['rejoin']))}" if d.extra.get("rejoin") else ""))
     p.add_argument("--save-params", default=d.save_params, help="write the gathered fp32 state dict here")
     p.add_argument("--report", default=d.report, help="write the JSON report here")
@@ -172,8 +172,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 DEMO = TrainConfig(nproc=8, tp=1, pp=2, layers=8, hidden=64, heads=4, seq=32, global_batch=16, micro_batch=1,
                    steps=30, seed=1234, checkpoint_interval=4, mtbf_hours=0.0035,
                    fail=["step=3,rank=5,phase=backward,kind=kill", "step=7,rank=7,phase=forward,kind=kill",
-                         "step=12,rank=2,kind=slow,factor=4"],
-                   extra={"rejoin": [{"rank": 5, "after_step": 4}]})
+                         "step=14,rank=2,kind=slow,factor=4"],
+                   extra={"rejoin": [{"rank": 5, "after_step": 5}]})
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -224,6 +224,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_join(args: argparse.Namespace) -> int:
+    from .runtime.joining import ADDRESS_FILE, main as join_main
+
+    address = args.address
+    if address is None:
+        path = Path(args.workdir) / ADDRESS_FILE
+        try:
+            address = path.read_text().strip()
+        except OSError as exc:
+            raise UsageError(f"--workdir {args.workdir}: no job address in {path} ({exc.strerror}); is the job "
+                             f"running with this --workdir?") from None
+    join_main(["--address", address, "--rank", str(args.rank)])
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     train = sub.add_parser("train", help="train on N local ranks, surviving failures")
     add_train_arguments(train, TrainConfig())
@@ -234,3 +249,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("--out", default="odyssey-demo",
                       help="output folder: dataset, rank logs, report.json, report.png, params.pt (default odyssey-demo)")
     demo.set_defaults(func=cmd_demo)
+    join = sub.add_parser("join", help="join a running `odyssey train` job as rank R (a machine that came back)")
+    where = join.add_mutually_exclusive_group(required=True)
+    where.add_argument("--address", help="HOST:PORT of the job's agent (written to <workdir>/agent.address)")
+    where.add_argument("--workdir", help="the job's --workdir (its agent.address is read)")
+    join.add_argument("--rank", type=int, required=True, help="the rank to join as (a dead rank's, or a new one)")
+    join.set_defaults(func=cmd_join)

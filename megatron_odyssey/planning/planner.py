@@ -91,6 +91,7 @@ class Candidate:
     reason: str = ""
     score: float = 0.0
     restart_risk_s: float = 0.0  # expected cost of the restart the next failure may force (Eq. 8 extension)
+    tag: str = ""  # a kind of its own (``standby-fill``, ``standby-reconfigure``: standby nodes put to work)
 
     @property
     def feasible(self) -> bool:
@@ -110,6 +111,8 @@ class Candidate:
         """The policy, with the filled reroute ('fill') and the normalised reroute ('normalise': a
         reconfiguration that keeps dead nodes' places and reroutes their work) told apart: what
         --policy forces."""
+        if self.tag:
+            return self.tag
         if self.policy == "reroute":
             return "fill" if self.fill else "reroute"
         if self.policy == "reconfigure" and self.plan is not None and self.plan.reroutes:
@@ -229,10 +232,11 @@ class Planner:
 
     # -- entry point ------------------------------------------------------------------------------
     def decide(self, current: ExecutionPlan, new_failed: frozenset[int] | set[int],
-               lost_units: frozenset[int] = frozenset()) -> Decision:
+               lost_units: frozenset[int] = frozenset(), standbys: tuple[int, ...] = ()) -> Decision:
         """Eq. 8 over every candidate for ``current`` after ``new_failed``; ``lost_units``: units whose state
         is gone although live nodes hold them (shards of Megatron's distributed optimizer whose every replica
-        died): only a restart can bring them back."""
+        died): only a restart can bring them back. ``standbys``: nodes that joined and wait (they hold
+        nothing): candidates that put them into the dead places, or reconfigure onto them too, are added."""
         start = time.perf_counter()
         self.last_search = None
         named = set(current.nodes())
@@ -252,7 +256,8 @@ class Planner:
         else:
             candidates = [*self._reroutes(current, failed),
                           *self._reconfigure_and_restart(dead_view, survivors, t_next),
-                          *self._normalised_reroutes(dead_view)]
+                          *self._normalised_reroutes(dead_view),
+                          *self._with_standbys(current, dead_view, failed, survivors, tuple(standbys), t_next)]
         search_s = time.perf_counter() - start
         for c in candidates:
             c.transition.search_s = search_s
@@ -320,6 +325,36 @@ class Planner:
                              f"{held}, more than the device's {self.profile.device_memory_bytes / 2**30:.1f} GiB")
         return Candidate(plan.policy, plan, step, transition or Transition(overhead_s=self.profile.reroute_overhead_s),
                          transfers, reason=reason)
+
+    def _with_standbys(self, current: ExecutionPlan, dead_view: ExecutionPlan, failed: frozenset[int],
+                       survivors: list[int], standbys: tuple[int, ...], t_next: float) -> list[Candidate]:
+        """Standby nodes put to work in this recovery (which rebuilds the groups anyway): in the dead places of
+        the rerouted plan (fetching those stages from live twins), or in a reconfiguration onto every node."""
+        if not standbys:
+            return []
+        from .join import fill_dead_places  # (join builds on this module)
+
+        out = []
+        unit_bytes = [u.state_bytes for u in self.profile.units()]
+        rerouted = reroute_plan(current, failed)
+        filled = fill_dead_places(rerouted, standbys) if not isinstance(rerouted, str) else None
+        if filled is not None:
+            plan, moved = filled
+            transfers = schedule_transfers(dead_view.holdings(), {n: plan.holdings()[n] for n in moved.values()},
+                                           unit_bytes)
+            out.append(Candidate("reconfigure", plan, estimate_step(plan, self.profile), Transition(
+                transfer_s=transfers.time_s(self.profile.transfer_bandwidth_Bps),
+                overhead_s=self.profile.rebuild_overhead_s), transfers, tag="standby-fill",
+                reason=f"standby node(s) {sorted(moved.values())} take the places of dead node(s) {sorted(moved)}"))
+        shape = self.search_layout(len(survivors) + len(standbys), len(current.pipelines), _typical_length(current))
+        if shape is not None:
+            plan, transfers = assign_nodes(dead_view, shape, self.profile, standbys)
+            out.append(Candidate("reconfigure", plan, estimate_step(plan, self.profile), Transition(
+                transfer_s=transfers.time_s(self.profile.transfer_bandwidth_Bps),
+                overhead_s=self.profile.rebuild_overhead_s), transfers, tag="standby-reconfigure",
+                reason=f"{len(plan.pipelines)} pipelines of lengths {[p.length for p in plan.pipelines]} on the "
+                       f"survivors and standby node(s) {list(standbys)}"))
+        return [c for c in out if c.step.fits_memory]
 
     # -- reconfigure / restart --------------------------------------------------------------------
     def _reconfigure_and_restart(self, current: ExecutionPlan, survivors: list[int], t_next: float,

@@ -50,7 +50,7 @@ from .plan_message import encode_plan_message
 from .liveness import COMM, IDLE, WORKING, Beat
 from .diagnosis import DiagnosisOptions
 from .slow_nodes import Action, SlowNodes
-from .joining import ADMIT_KEY, JoinRecord, JoinRequests, publish_job
+from .joining import ADMIT_KEY, REJOIN_KEY, JoinRecord, JoinRequests, publish_job
 from .step_log import StepLog, resident_mb
 from .errors import ABORTED, GIVEUP_KEY, STARTED_KEY, STOP_LINE, ErrorRecord, rank_log_traceback, read_error
 
@@ -207,6 +207,7 @@ class Agent:
         self.join_polled = 0.0
         self.held: set[int] = set()  # joining ranks the planner holds as standbys (for the current plan)
         self.rejoin = [dict(r) for r in cfg.extra.get("rejoin", [])]  # --rejoin R@S: the agent starts them
+        self.joiners: list[Any] = []  # their processes (stopped with the job if never admitted)
         self.dropping: dict[int, str] = {}  # ranks fenced because the planner dropped their slow node: why
 
     # -- bookkeeping ----------------------------------------------------------------------------------
@@ -264,7 +265,8 @@ class Agent:
                                    timeout=timedelta(seconds=self.cfg.timeout_s))
         self.port = port
         publish_job(self.store, Path(self.cfg_path).read_text(), self.workdir, port)  # for ranks that join later
-
+        for spec in self.rejoin:
+            self._start_joiner(int(spec["rank"]))
     def supervise(self) -> int:
         """Detect, commit, recover until every rank has exited; returns the job's exit code."""
         try:
@@ -321,6 +323,9 @@ class Agent:
             if all(self.procs[i].exitcode is not None for i in self.members()):
                 break
             time.sleep(0.005)
+        for p in self.joiners:  # replacements never admitted (held as standbys to the end) leave with the job
+            if p.poll() is None:
+                p.kill()
         bad = [i for i in self.members() if self.procs[i].exitcode != 0 and i not in self.killed_after_done]
         for ident in bad:
             if ident not in self.errors:  # (a local error was printed when it happened)
@@ -640,9 +645,10 @@ class Agent:
         from ..planning.join import decide_join
 
         for spec in self.rejoin:
-            if not spec.get("started") and step >= int(spec["after_step"]) and int(spec["rank"]) in self.dead:
-                spec["started"] = True
-                self._start_joiner(int(spec["rank"]))
+            if not spec.get("due") and step >= int(spec["after_step"]) and int(spec["rank"]) in self.dead:
+                spec["due"] = True
+                self.log(f"rank {spec['rank']}'s machine is back (--rejoin {spec['rank']}@{spec['after_step']})")
+                self.store.set(REJOIN_KEY.format(spec["rank"]), "1")
         if self.pending_action is not None or step + 1 >= self.cfg.steps:
             return
         pending = self.join_requests.pending
@@ -675,15 +681,16 @@ class Agent:
         self.pending_action = Action("join", record, ranks=ranks, plan=decision.plan, transfers=transfers)
 
     def _start_joiner(self, ident: int) -> None:
-        """--rejoin: a replacement for dead rank ``ident`` (a repaired machine), started as any joining rank is:
-        a fresh process given only the job's address."""
+        """--rejoin: the replacement for rank ``ident`` (a repaired machine), started as any joining rank is, a
+        fresh process given only the job's address; it sets itself up now and asks to join when told
+        (``REJOIN_KEY``, once its step is committed and the rank is dead)."""
         import subprocess
 
         log = open(self.workdir / f"rank{ident}.join.log", "w")
-        proc = subprocess.Popen([sys.executable, "-m", "megatron_odyssey.runtime.joining", "--address",
-                                 f"127.0.0.1:{self.port}", "--rank", str(ident)], stdout=log, stderr=log,
-                                start_new_session=True)
-        self.log(f"starting a replacement for rank {ident} (pid {proc.pid}): it joins the running job")
+        self.joiners.append(subprocess.Popen(
+            [sys.executable, "-m", "megatron_odyssey.runtime.joining", "--address", f"127.0.0.1:{self.port}",
+             "--rank", str(ident), "--when", REJOIN_KEY.format(ident)], stdout=log, stderr=log,
+            start_new_session=True))
 
     def _admit(self, action: Action) -> None:
         """The joining ranks become members: supervised by pid (the agent did not fork them)."""
@@ -844,12 +851,13 @@ class Agent:
         t0 = time.perf_counter()
         cache = self.cache
         lost = self._lost_shards(dead_nodes)
+        standbys = self._standby_nodes()  # joined ranks held as standbys: this recovery may use them
         try:
             decision = (cache.lookup(dead_nodes) if cache is not None and cache.current is base and not lost
-                        else None)
+                        and not standbys else None)
             rec.cached = decision is not None
             if decision is None:
-                decision = self.planner.decide(base, dead_nodes, lost_units=lost)
+                decision = self.planner.decide(base, dead_nodes, lost_units=lost, standbys=standbys)
         except PlanningError as exc:
             self.stop_reason = f"cannot continue: {exc}"
             rec.reason = str(exc)
@@ -889,9 +897,26 @@ class Agent:
                      f"{c.transition.total_s if c.feasible else float('nan'):.4g}s score {c.score:.4g}  {c.reason}")
         self.log(f"decision: {chosen.kind} ({rec.decision_s * 1e3:.1f} ms); resuming at step {resume}")
         transfers = [[t.unit, t.src, t.dst] for t in chosen.transfers.transfers] if chosen.transfers else []
+        used = [n * self.cfg.tp + t for n in standbys if n in chosen.plan.live_nodes() for t in range(self.cfg.tp)]
+        if used:  # standbys put to work: they become members of the next generation
+            self.joins.append(JoinRecord(used, last + 1, chosen.kind.split("-")[-1], f"standby put to work in the recovery from the failure "
+                                         f"of rank(s) {rec.ranks}: {chosen.reason}", wall_s=time.time() - self.started,
+                                         replan=rec))
+            self._admit(Action("join", self.joins[-1], ranks=used))
         self._publish(rec, chosen.plan, {"plan": chosen.plan.to_dict(), "policy": chosen.policy,
                                          "transfers": transfers, "resume_step": resume, "checkpoint_step": ckpt})
+        for ident in used:
+            self.store.set(ADMIT_KEY.format(ident), str(self.gen))
         return True
+
+    def _standby_nodes(self) -> tuple[int, ...]:
+        """Nodes all of whose ranks joined and are held as standbys (still alive)."""
+        from .control_plane import PidRank
+
+        tp = self.cfg.tp
+        pending = self.join_requests.pending
+        held = {i for i in self.held if i in pending and PidRank(pending[i], self.store, i).exitcode is None}
+        return tuple(sorted({i // tp for i in held if all(i // tp * tp + t in held for t in range(tp))}))
 
     def _lost_shards(self, dead_nodes: set[int]) -> frozenset[int]:
         """Units whose generation-0 distributed-optimizer state died with every instance holding it."""
@@ -1099,6 +1124,9 @@ class Agent:
     def stop_all(self) -> None:
         for p in self.procs.values():
             if p.exitcode is None:
+                p.kill()
+        for p in self.joiners:
+            if p.poll() is None:
                 p.kill()
 
     def _last_traceback(self, ident: int) -> str:

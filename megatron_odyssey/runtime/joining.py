@@ -8,8 +8,11 @@ as a standby: it re-plans like a rebalance, with the joining rank in the next ge
 transfers that bring it its stage's weights and Adam state from live replicas, and tells it which generation
 (``ADMIT_KEY``). From there it is a rank like the others.
 
-``python -m megatron_odyssey.runtime.joining --address HOST:PORT --rank R`` starts one (the agent itself
-starts one for ``odyssey train --rejoin R@S``).
+``python -m megatron_odyssey.runtime.joining --address HOST:PORT --rank R`` (or ``odyssey join``) starts one.
+For ``odyssey train --rejoin R@S`` the agent starts one the same way when the job starts; it sets itself up
+(imports, dataset) and asks to join once step S is committed and rank R is dead (``REJOIN_KEY``): a
+repaired machine that comes back ready at a known time, so tests and the demo do not depend on how long a
+Python process takes to import torch on a loaded machine.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from .errors import GIVEUP_KEY, stop_now
 
 JOINING_KEY = "odyssey/joining"  # appended "rank:pid;" by every rank that asks to join
 ADMIT_KEY = "odyssey/admit/{}"  # the generation the rank is admitted into (or "refused: why")
+REJOIN_KEY = "odyssey/rejoin/{}"  # --rejoin: the agent's signal that rank R's machine is back
 CONFIG_KEY = "odyssey/config"  # the job's TrainConfig as JSON (what a joining rank runs)
 ADDRESS_FILE = "agent.address"  # in the job's workdir: HOST:PORT of the agent's store
 
@@ -114,9 +118,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="join a running odyssey job as rank R (a machine that came back)")
     parser.add_argument("--address", required=True, help="HOST:PORT of the job's agent (<workdir>/agent.address)")
     parser.add_argument("--rank", type=int, required=True, help="the rank to join as (a dead rank's, or a new one)")
+    parser.add_argument("--when", default=None, help=argparse.SUPPRESS)  # --rejoin: ready early, ask when this key is set
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # as the agent's own ranks (several share the cores)
+    os.environ.setdefault("TORCH_SHOW_CPP_STACKTRACES", "0")
     import faulthandler
+    import socket
     import signal
 
     import torch.distributed as dist
@@ -127,6 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     host, port = parse_address(args.address)
     try:
+        socket.create_connection((host, port), timeout=5).close()  # a wrong address fails now, not in 30 s
         store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
         cfg = TrainConfig(**json.loads(store.get(CONFIG_KEY)))
     except Exception as exc:  # noqa: BLE001 - say what went wrong on the terminal, not a traceback
@@ -141,7 +149,21 @@ def main(argv: list[str] | None = None) -> None:
         rank = StandaloneRank(cfg, args.rank, store, (host, port))
     except Exception as exc:  # noqa: BLE001
         stop_now(args.rank, f"start-up failed: {type(exc).__name__}: {exc}", 1)
+    if args.when:  # started by the agent for --rejoin: set up in advance, "comes back" when the agent says so
+        wait_for_key(store, args.when, args.rank)
     rank.join_job()
+
+
+def wait_for_key(store: Any, key: str, ident: int, poll_s: float = 0.05) -> None:
+    while True:
+        try:
+            if store.check([key]):
+                return
+            if store.check([GIVEUP_KEY]):
+                stop_now(ident, "the job stopped before this rank was due to come back", 1)
+        except (RuntimeError, ConnectionError) as exc:
+            stop_now(ident, f"the job ended before this rank was due to come back ({type(exc).__name__})", 0)
+        time.sleep(poll_s)
 
 
 if __name__ == "__main__":

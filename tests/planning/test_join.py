@@ -63,3 +63,18 @@ def test_a_new_node_on_a_full_grid_is_a_standby_or_a_reconfiguration():
 def test_live_nodes_cannot_join():
     with pytest.raises(PlanningError, match="must be new or dead nodes"):
         decide_join(_planner(), GRID, [3])
+
+
+def test_a_failure_puts_a_standby_to_work_in_its_own_recovery():
+    """The recovery rebuilds the groups anyway: a standby in the dead place costs only its transfers."""
+    rerouted = reroute_plan(GRID, frozenset({5}))
+    decision = _planner().decide(rerouted, {3}, standbys=(5,))
+    by = {c.kind: c for c in decision.candidates}
+    fill = by["standby-fill"]
+    assert fill.plan.failed == {3} and 5 in fill.plan.live_nodes()
+    assert {t.dst for t in fill.transfers.transfers} == {5}
+    assert fill.transition.overhead_s == PROFILE.rebuild_overhead_s  # no redone step: the failure aborted it
+    reconf = by["standby-reconfigure"]
+    assert set(reconf.plan.live_nodes()) == {0, 1, 2, 4, 5, 6, 7}
+    assert decision.chosen.score == max(c.score for c in decision.candidates if c.feasible)
+    assert "standby-fill" not in {c.kind for c in _planner().decide(rerouted, {3}).candidates}
