@@ -23,13 +23,15 @@ from pathlib import Path
 
 from docs_section import write_section
 from megatron_odyssey.runtime.config import TrainConfig
+from megatron_odyssey.runtime.diagnosis import DiagnosisOptions
 from megatron_odyssey.standalone.launcher import launch
 
 START, END = "<!-- diagnosis:start -->", "<!-- diagnosis:end -->"
 JOB = dict(nproc=8, tp=1, pp=2, layers=8, hidden=64, heads=4, seq=32, global_batch=16, micro_batch=1, seed=7,
            checkpoint_interval=0)
 SLOW_AT = 4
-CASES = [("slow", 1.5), ("slow", 2.0), ("slow", 4.0), ("slow-link", 20.0)]
+OPT = DiagnosisOptions()
+CASES = [("slow", 2.0), ("slow", 3.0), ("slow", 4.0), ("slow-link", 20.0)]
 
 
 def job(workdir: Path, steps: int, fail: list[str], slow_action: str) -> dict:
@@ -64,8 +66,9 @@ def render(det: list[dict], on: list[dict], off: list[dict], command: str) -> st
     lines = [START, "## Fail-slow diagnosis (issue 15)", "", f"Command: `{command}`  ",
              f"Machine: `{platform.platform()}`, {os.cpu_count()} cores, Python {platform.python_version()}; "
              "8 CPU ranks (PP=2 x DP=4), the demo's 8-layer model, 16 micro-batches per step. Rank 5 slowed from "
-             f"step {SLOW_AT} on, `--slow-action none`; thresholds: median factor over 5 steps >= 1.5 (slow), a link "
-             ">= 4x the other sources' median delay and >= 50 ms (comm-slow). One run.", "",
+             f"step {SLOW_AT} on, `--slow-action none`; thresholds: median factor over {OPT.window} steps >= "
+             f"{OPT.slow_factor:g} (slow), a link >= {OPT.link_ratio:g}x the other sources' median delay and >= "
+             f"{OPT.link_floor_s * 1e3:.0f} ms (comm-slow). One run.", "",
              "| injected | named | after (steps) | after (s) | measured factor | other ranks named |", "|---|---|---|---|---|---|"]
     for r in det:
         lines.append(f"| {r['case']} | {'yes' if r['named'] else '**no**'} | {r['steps'] if r['named'] else '-'} | "

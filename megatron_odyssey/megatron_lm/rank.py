@@ -322,9 +322,9 @@ class MegatronRank(GenerationRank):
                                          (self.cfg.seq, self.cfg.micro_batch, self.cfg.hidden),
                                          dtype=_activation_dtype(self.args),
                                          per_token_loss=bool(getattr(self.args, "calculate_per_token_loss", False)),
-                                         device=self.device, p2p=self.p2p)
+                                         device=self.device, p2p=self.p2p, **self.diagnosed())
         self.sync = GradientSync(self.plan, self.groups, params_by_unit(self.named, self.cfg.layers), attr="main_grad",
-                                 staged=self.p2p.staged)
+                                 staged=self.p2p.staged, trace=self.trace)
         self.owners = unit_owners(self.plan)
         STATE.plan = self.plan
 

@@ -67,6 +67,7 @@ def rank_start_method(cfg: TrainConfig) -> str:
 
 DEVICE_KEY = "odyssey/device_info"  # rank 0's measured device (odyssey train), JSON
 DEPOSED_EXIT = 3  # an agent the standby took over from leaves with this code
+REPLICA_RECONNECT_S = 10.0  # how long a reconnect to the standby's store may take to be accepted
 TAKEOVER_RECONNECT_S = 5.0  # after a takeover, how long a rank's heartbeat may take to reach the new agent
 
 
@@ -965,6 +966,7 @@ class Agent:
     def _to_standby(self, write: Callable[[Replica], None]) -> None:
         """A write ahead into the standby's store, reconnecting on a store error; a standby that keeps
         failing costs the failover (said on the terminal), not the job. Deposed goes through."""
+        first: Exception | None = None
         last: Exception | None = None
         for attempt in range(3):
             if self.replica is None:
@@ -975,16 +977,18 @@ class Agent:
             except Deposed:
                 raise
             except Exception as exc:  # noqa: BLE001 - a broken connection to the standby's store
-                last = exc
+                first, last = first or exc, exc
                 time.sleep(0.2 * (attempt + 1))
                 try:
                     seq = self.replica.seq
-                    self.replica = Replica(self.replica.address, connect_timeout_s=2.0)
+                    # a standby that is gone refuses at once; one on a loaded machine may take seconds to accept
+                    self.replica = Replica(self.replica.address, connect_timeout_s=REPLICA_RECONNECT_S)
                     self.replica.seq = seq
                 except Exception as again:  # noqa: BLE001
                     last = again
-        self.log_error(f"the standby agent's store stopped answering ({type(last).__name__}: {last}); going on "
-                       f"without a standby (losing this machine now ends the job)")
+        self.log_error(f"the standby agent's store stopped answering ({type(first).__name__}: {first}; last: "
+                       f"{type(last).__name__}: {last}); going on without a standby (losing this machine now ends "
+                       f"the job)")
         self.replica = None
 
     def restore(self, state: dict[str, Any]) -> None:

@@ -44,7 +44,9 @@ class Finding:
 
 @dataclass
 class DiagnosisOptions:
-    slow_factor: float = 1.5  # a rank whose median factor is this many times its peers' is slow
+    # a rank whose median factor is this many times its peers' is slow: 2, because on a loaded host with
+    # hyperthreads even a rank's CPU time per operation can read 1.7x its twins' for 5 steps (seen in CI)
+    slow_factor: float = 2.0
     link_ratio: float = 4.0  # a link whose messages take this many times longer than the others' ...
     link_floor_s: float = 0.05  # ... and at least this long (scheduling on a loaded host delays any message)
     window: int = 5  # steps whose median factor is judged
@@ -75,10 +77,11 @@ class Diagnoser:
         found (or found again with a factor changed by more than half)."""
         found: list[Finding] = []
         factors, waits = self.compute_factors(summaries, plan, profile)
+        held_up = self.reduce_waits(summaries)
         self.last_factors = factors
         for node, factor in factors.items():
             found += self._update(("slow", node), step, factor, self.options.slow_factor, lambda m, n=node: Finding(
-                step, "slow", [n], _slow_evidence(n, m, waits.get(n)), m))
+                step, "slow", [n], _slow_evidence(n, m, waits.get(n), held_up.get(n)), m))
         links = self.link_delays(summaries)
         for (src, dst), ratio in self.link_ratios(links).items():
             found += self._update(("comm-slow", (src, dst)), step, ratio, self.options.link_ratio,
@@ -144,6 +147,22 @@ class Diagnoser:
         return factors, dict(waits)
 
     @staticmethod
+    def reduce_waits(summaries: Mapping[int, dict[str, Any]]) -> dict[int, float]:
+        """Per node, how long its gradient all-reduce peers waited for it this step: in each unit's all-reduce
+        the last to enter holds up the others (C4D), by the time between its entry and the others' median."""
+        entries: dict[int, list[tuple[float, int]]] = defaultdict(list)
+        for s in summaries.values():
+            for unit, entered, _ in s.get("ar", []):
+                entries[int(unit)].append((entered, int(s["node"])))
+        out: dict[int, float] = defaultdict(float)
+        for group in entries.values():
+            if len(group) > 1:
+                group.sort()
+                last, node = group[-1]
+                out[node] += last - statistics.median(t for t, _ in group[:-1])
+        return dict(out)
+
+    @staticmethod
     def link_delays(summaries: Mapping[int, dict[str, Any]]) -> dict[tuple[int, int], float]:
         """Median delay of each link (source node -> destination node) this step: from the send being handed
         over (or the receiver starting to wait, whichever is later) to the data being there."""
@@ -171,10 +190,12 @@ class Diagnoser:
         return out
 
 
-def _slow_evidence(node: int, factor: float, waited: float | None) -> str:
+def _slow_evidence(node: int, factor: float, waited: float | None, held_up: float | None = None) -> str:
     text = f"node {node}'s compute per micro-batch takes {factor:.1f}x as long as its peers' for the same work"
     if waited:
         text += f"; its receivers waited {waited * 1e3:.0f} ms for its messages in the last step"
+    if held_up:
+        text += f"; its gradient all-reduce peers waited {held_up * 1e3:.0f} ms for it"
     return text
 
 

@@ -157,14 +157,18 @@ class GenerationRank(abc.ABC):
 
     def _attach_stage(self) -> None:
         """Executor and gradient sync over the stage just built (hosts may add their own settings)."""
-        if self.trace is None and self.cfg.slow_action != "off":  # (off: nothing recorded, nothing judged)
-            self.trace = OpTrace(self.ident, self.node)
         self.executor = PipelineExecutor(self.plan, self.groups, self.runner, self.micro_batch,
                                          (self.cfg.seq, self.cfg.micro_batch, self.cfg.hidden),
-                                         device=self.device, p2p=self.p2p, trace=self.trace,
-                                         pace=getattr(self.injector, "pace", None))
+                                         device=self.device, p2p=self.p2p, **self.diagnosed())
         self.sync = GradientSync(self.plan, self.groups, params_by_unit(self.named, self.cfg.layers),
-                                 staged=self.p2p.staged)
+                                 staged=self.p2p.staged, trace=self.trace)
+
+    def diagnosed(self) -> dict[str, Any]:
+        """The executor's settings for the diagnosis: this rank's operation record (``op_trace``; none with
+        ``--slow-action off``) and fault injection's sustained slowdowns."""
+        if self.trace is None and self.cfg.slow_action != "off":
+            self.trace = OpTrace(self.ident, self.node)
+        return {"trace": self.trace, "pace": getattr(self.injector, "pace", None)}
 
     # -- generations -------------------------------------------------------------------------------
     def enter(self, gen: int, plan: ExecutionPlan, policy: str, transfers: list, checkpoint_step: int | None) -> None:

@@ -10,8 +10,9 @@ gradient whatever the number of micro-batches each pipeline processed.
 from __future__ import annotations
 
 import re
+import time
 from collections import defaultdict
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
@@ -63,12 +64,13 @@ def all_reduce_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup | None
 
 class GradientSync:
     def __init__(self, plan: ExecutionPlan, groups: PlanGroups, params: dict[int, list[torch.nn.Parameter]],
-                 attr: str = "grad", staged: bool = False):
+                 attr: str = "grad", staged: bool = False, trace: Any = None):
         self.rounds, _, self.lower_bound = colour_units(plan)
         self.groups = groups
         self.params = params
         self.attr = attr  # "main_grad": Megatron DDP's fp32 gradient buffers, reduced in place
         self.staged = staged  # through host memory (see all_reduce_flat)
+        self.trace = trace  # op_trace.OpTrace: when each all-reduce was entered and left (diagnosis)
 
     def __call__(self) -> int:
         """All-reduce this rank's shared units' gradients; returns the number of all-reduces joined."""
@@ -81,9 +83,12 @@ class GradientSync:
                 group, _ = entry
                 params = self.params[unit]
                 grads = [getattr(p, self.attr, None) for p in params]
+                entered = time.time()
                 with communicating():
                     reduced = all_reduce_flat([g if g is not None else torch.zeros_like(p)
                                                for g, p in zip(grads, params)], group, self.staged)
+                if self.trace is not None:
+                    self.trace.all_reduced(unit, entered, time.time())
                 for p, g, part in zip(params, grads, reduced):
                     if self.attr == "grad" or g is None:
                         setattr(p, self.attr, part.clone())

@@ -2,8 +2,8 @@
 
 Per step the executor notes how long each compute operation took (without the time it waited for its
 input), and for each point-to-point message when it was handed to the transport (send) or when the rank
-started waiting for it and when it arrived (receive); the gradient sync and the commit wait are timed as a
-whole. Nothing here synchronises or talks to anyone: plain appends on the rank's own thread, bounded per
+started waiting for it and when it arrived (receive); the gradient sync notes when it entered and left each
+unit's all-reduce; the commit wait is timed as a whole. Nothing here synchronises or talks to anyone: plain appends on the rank's own thread, bounded per
 step, and one compact JSON value the rank writes to the store with its ready share.
 
 Times of messages are wall-clock (``time.time()``), so the agent can match a send on one rank with its
@@ -29,6 +29,7 @@ class OpTrace:
     backward_s: list[float] = field(default_factory=list)  # backward and (filled reroutes) weight-gradient ops
     sends: list[tuple[int, str, float]] = field(default_factory=list)  # (destination node, message, entered)
     recvs: list[tuple[int, str, float, float]] = field(default_factory=list)  # (source node, message, entered, done)
+    reductions: list[tuple[int, float, float]] = field(default_factory=list)  # gradient all-reduce: (unit, entered, left)
     sync_s: float = 0.0
     commit_wait_s: float = 0.0  # the previous step's commit (it comes after that step's summary left)
 
@@ -38,6 +39,7 @@ class OpTrace:
         self.backward_s.clear()
         self.sends.clear()
         self.recvs.clear()
+        self.reductions.clear()
         self.sync_s = 0.0
 
     def computed(self, kind: str, seconds: float) -> None:
@@ -50,6 +52,10 @@ class OpTrace:
     def received(self, node: int, message: str, entered: float, done: float) -> None:
         if len(self.recvs) < MAX_MESSAGES:
             self.recvs.append((node, message, entered, done))
+
+    def all_reduced(self, unit: int, entered: float, left: float) -> None:
+        if len(self.reductions) < MAX_MESSAGES:
+            self.reductions.append((unit, entered, left))
 
     def summary(self) -> str | None:
         """This step's record as compact JSON; None when the step ran none of our operations (a Megatron-LM
@@ -64,6 +70,7 @@ class OpTrace:
             "sync": round(self.sync_s, 6), "commit": round(self.commit_wait_s, 6),
             "tx": [[n, m, round(t, 6)] for n, m, t in self.sends],
             "rx": [[n, m, round(a, 6), round(b, 6)] for n, m, a, b in self.recvs],
+            "ar": [[u, round(a, 6), round(b, 6)] for u, a, b in self.reductions],
         }
         return json.dumps(out, separators=(",", ":"))
 

@@ -185,7 +185,7 @@ CASES: list[tuple[list[str], str]] = [
     (["train", "--workdir", "{tmp}/truncated.json/run"], "--workdir {tmp}/truncated.json/run: cannot create the folder"),
     (["train", "--policy", "sideways"], "argument --policy: invalid choice: 'sideways'"),
     (["train", "--bogus"], "unrecognized arguments: --bogus"),
-    (["demo", "--out", "{tmp}/d", "--fail", "step=20,rank=1"], "--fail 'step=20,rank=1': step 20 is past the last step"),
+    (["demo", "--out", "{tmp}/d", "--fail", "step=40,rank=1"], "--fail 'step=40,rank=1': step 40 is past the last step"),
     (["demo", "--out", "{tmp}/d", "--nproc", "4"], "--fail 'step=3,rank=5,phase=backward,kind=kill': rank 5 does "),
     (["demo", "--out", "{tmp}/truncated.json"], "--out {tmp}/truncated.json is a file; give a folder"),
     (["demo", "--out", "{tmp}/d", "--report", "{tmp}/no/r.json"], "--report {tmp}/no/r.json: folder"),
@@ -250,3 +250,16 @@ def test_every_flag_has_help(sub):
     undocumented = [a.option_strings[0] for a in parser._actions
                     if a.option_strings and a.option_strings[0] != "-h" and not (a.help or "").strip()]
     assert undocumented == []
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["train", "--rejoin", "5"], "--rejoin '5': expected RANK@STEP"),
+    (["train", "--nproc", "4", "--rejoin", "7@1"], "--rejoin 7@1: the rank must be one of the job's 0..3"),
+    (["train", "--fail", "step=1,rank=0,kind=slow,factor=0.5"], "factor must be a number > 1"),
+    (["train", "--slow-action", "maybe"], "argument --slow-action: invalid choice: 'maybe'"),
+    (["join", "--workdir", "{tmp}/nowhere", "--rank", "1"], "no job address in"),
+])
+def test_slow_and_join_flags_exit_2_naming_the_flag(argv, expected, tmp_files, capsys):
+    code, out, err = run_cli([a.format(tmp=tmp_files) for a in argv], capsys)
+    assert code == 2, (code, err)
+    assert expected in err, err

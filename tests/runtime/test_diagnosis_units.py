@@ -133,3 +133,10 @@ def test_the_injected_slowdown_burns_cpu_for_its_steps_and_then_stops():
     assert inj.compute_factor == 3.0
     inj(4, "forward")
     assert inj.compute_factor == 1.0
+
+
+def test_the_last_to_enter_an_all_reduce_is_the_one_its_peers_waited_for():
+    s = step_summaries(0)
+    for node, entered in ((1, 10.0), (3, 10.1), (5, 10.9)):  # unit 3's all-reduce over stage 1's twins
+        s[node]["ar"] = [[3, entered, 11.0]]
+    assert Diagnoser.reduce_waits(s) == {5: pytest.approx(0.85)}

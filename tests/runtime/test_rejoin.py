@@ -26,3 +26,24 @@ def test_a_killed_ranks_replacement_rejoins_and_training_stays_exact(tmp_path):
     assert join["recovery_s"] is not None and join["transfer_s"] >= 0
     assert report["steps"][-1]["alive"] == 6
     assert [s["alive"] for s in report["steps"]].count(5) >= 1
+
+
+def test_a_standby_is_offered_to_the_next_failures_recovery(tmp_path):
+    """With failures expected every few seconds (the demo's MTBF) a returning rank is held as a standby;
+    the next failure's recovery weighs putting it to work (standby-* candidates) and training stays exact."""
+    steps = 14
+    reference = reference_in_subprocess(TrainConfig(nproc=1, tp=1, pp=1, **{**MODEL, "steps": steps}),
+                                        tmp_path / "ref")
+    params, report = run(tmp_path, ["step=2,rank=4,kind=kill", "step=7,rank=1,kind=kill"], steps=steps,
+                         mtbf_hours=0.0035, extra={"rejoin": [{"rank": 4, "after_step": 3}]})
+    assert_exact(reference, params, report)
+    first = report["joins"][0]
+    assert first["ranks"] == [4] and first["step"] >= 3
+    second = report["failures"][1]
+    assert second["ranks"] == [1]
+    if first["policy"] == "standby":  # Eq. 8's call; then the recovery from rank 1 must have weighed it
+        assert {"standby-fill", "standby-reconfigure"} & {c["kind"] for c in second["candidates"]}, second
+        used = [j for j in report["joins"][1:] if j["ranks"] == [4]]
+        if second["kind"].startswith("standby"):
+            assert used and used[0]["generation"] == 2
+            assert report["steps"][-1]["alive"] == 5
