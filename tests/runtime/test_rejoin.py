@@ -7,8 +7,8 @@ from megatron_odyssey.runtime.config import TrainConfig
 from megatron_odyssey.testing.reference import reference_in_subprocess
 from recovery_job import MODEL, assert_exact, run
 
-# long enough for the replacement to start (imports torch and megatron-core: seconds on a loaded machine)
-STEPS = 60
+# long enough for the replacement (set up while the job starts: imports, dataset) to be ready and join
+STEPS = 30
 
 
 def test_a_killed_ranks_replacement_rejoins_and_training_stays_exact(tmp_path):
