@@ -89,7 +89,8 @@ def add_train_arguments(p: argparse.ArgumentParser, defaults: TrainConfig) -> No
 def config_from_args(args: argparse.Namespace, defaults: TrainConfig) -> TrainConfig:
     """The job the flags describe; the flags' own errors (files that cannot be read) name the flag."""
     fail = defaults.fail if args.fail is None else [f for f in args.fail if f.strip().lower() != "none"]
-    rejoin = defaults.extra.get("rejoin", []) if args.rejoin is None else \
+    # the demo's returning rank belongs to its faults: --fail replaces both (give --rejoin again to keep one)
+    rejoin = (defaults.extra.get("rejoin", []) if args.fail is None else []) if args.rejoin is None else \
         parse_rejoin([r for r in args.rejoin if r.strip().lower() != "none"])
     return TrainConfig(nproc=args.nproc, tp=args.tp, pp=args.pp, layers=args.layers, hidden=args.hidden,
                        heads=args.heads, seq=args.seq, global_batch=args.global_batch, micro_batch=args.micro_batch,

@@ -95,10 +95,6 @@ class TrainConfig:
             raise PlanningError(f"--heads {self.heads} and the vocabulary {self.vocab} must be divisible by --tp {self.tp}")
         if self.policy not in POLICIES:
             raise PlanningError(f"--policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        for r in self.extra.get("rejoin", []):
-            if not 0 <= int(r["rank"]) < self.nproc or not 0 <= int(r["after_step"]) < self.steps:
-                raise PlanningError(f"--rejoin {r['rank']}@{r['after_step']}: the rank must be one of the job's "
-                                    f"0..{self.nproc - 1} and the step before the last ({self.steps - 1})")
         if self.slow_action not in SLOW_ACTION_CHOICES:
             raise PlanningError(f"--slow-action must be one of {', '.join(SLOW_ACTION_CHOICES)}, got {self.slow_action!r}")
         if not self.heartbeat_timeout_s > self.heartbeat_interval_s:
@@ -143,6 +139,10 @@ class TrainConfig:
                                     f"ranks; odyssey train runs on one machine (use kill-agent or kill-with-agent)")
             if spec.phase == "save" and not self.extra.get("megatron") and not self.checkpoint_interval:
                 raise PlanningError(f"--fail {text!r}: phase=save needs checkpoints (--checkpoint-interval > 0)")
+        for r in self.extra.get("rejoin", []):
+            if not 0 <= int(r["rank"]) < self.nproc or not 0 <= int(r["after_step"]) < self.steps:
+                raise PlanningError(f"--rejoin {r['rank']}@{r['after_step']}: the rank must be one of the job's "
+                                    f"0..{self.nproc - 1} and the step before the last ({self.steps - 1})")
         if self.global_batch % self.micro_batch:
             raise PlanningError(f"--global-batch {self.global_batch} is not divisible by --micro-batch {self.micro_batch}")
         if self.plan is not None:
