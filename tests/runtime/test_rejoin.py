@@ -31,10 +31,10 @@ def test_a_killed_ranks_replacement_rejoins_and_training_stays_exact(tmp_path):
 def test_a_standby_is_offered_to_the_next_failures_recovery(tmp_path):
     """With failures expected every few seconds (the demo's MTBF) a returning rank is held as a standby;
     the next failure's recovery weighs putting it to work (standby-* candidates) and training stays exact."""
-    steps = 14
-    reference = reference_in_subprocess(TrainConfig(nproc=1, tp=1, pp=1, **{**MODEL, "steps": steps}),
+    reference = reference_in_subprocess(TrainConfig(nproc=1, tp=1, pp=1, **{**MODEL, "steps": STEPS}),
                                         tmp_path / "ref")
-    params, report = run(tmp_path, ["step=2,rank=4,kind=kill", "step=7,rank=1,kind=kill"], steps=steps,
+    # the second failure late enough that the replacement (set up while the job starts) has asked to join
+    params, report = run(tmp_path, ["step=2,rank=4,kind=kill", f"step={STEPS - 6},rank=1,kind=kill"], steps=STEPS,
                          mtbf_hours=0.0035, extra={"rejoin": [{"rank": 4, "after_step": 3}]})
     assert_exact(reference, params, report)
     first = report["joins"][0]
