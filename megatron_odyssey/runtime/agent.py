@@ -235,9 +235,14 @@ class Agent:
         print(STOP_LINE + reason, file=sys.stderr, flush=True)
 
     # -- main loop ------------------------------------------------------------------------------------
-    def run(self) -> int:
+    def run(self, standby: tuple[str, int] | None = None) -> int:
+        """``standby``: the standby agent's store, connected only after the ranks are forked: a forked rank
+        inherits every socket of this process, and its teardown (``world.shut_connections``) shuts down all
+        but the agent's store, which would cut this agent's write-ahead connection to the standby."""
         if not self.external:
             self._fork_ranks()
+        if standby is not None:
+            self.attach_replica(standby)
         self.started = self.step_started = time.time()  # the report's clock: the ranks start now
         return self.supervise()
 
@@ -1218,11 +1223,16 @@ def run_agent(cfg_path: Path, workdir: Path, echo_rank0: bool = True) -> int:
     from .control_plane import parse_address
 
     cfg = TrainConfig.load(cfg_path)
-    agent = Agent(cfg, cfg_path, workdir, echo_rank0)
     standby = cfg.extra.get("control", {}).get("standby")
-    if standby:
-        agent.attach_replica(parse_address(standby))
-    return agent.run()
+    if standby:  # before the slow start-up: the standby must not take a starting agent for a lost one
+        from .control_plane import AGENT_PID_KEY, client
+
+        said = client(parse_address(standby), 60.0)
+        said.set(AGENT_PID_KEY, str(os.getpid()))
+        said.check([AGENT_PID_KEY])
+        del said  # (closed before the ranks are forked: see Agent.run)
+    agent = Agent(cfg, cfg_path, workdir, echo_rank0)
+    return agent.run(parse_address(standby) if standby else None)
 
 
 def run_standby(cfg_path: Path, workdir: Path) -> int:

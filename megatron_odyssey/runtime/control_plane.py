@@ -49,6 +49,7 @@ STANDBY_KEY = "odyssey/standby"  # in the agent's store: HOST:PORT of the standb
 TAKEOVER_KEY = "odyssey/takeover"  # in the standby's store: set when it takes over (JSON: generation, reason)
 FINISHED_KEY = "odyssey/replica/finished"  # in the standby's store: the agent ended the job (its exit code)
 STATE_KEY = "odyssey/replica/state"  # the agent's state of this generation (written at each decision)
+AGENT_PID_KEY = "odyssey/replica/agent_pid"  # the agent's pid, said at once (before its slow start-up)
 STEP_KEY = "odyssey/replica/step"  # the agent's per-commit state (written ahead of every commit)
 STEP_SLOT = "odyssey/replica/steps/{}"  # the committed steps' records by commit number, a ring the standby reads
 SLOTS = 256
@@ -182,9 +183,16 @@ class Standby:
             return False
 
     def _agent_process_alive(self) -> bool:
-        if not self.same_machine or not self.store.check([STATE_KEY]):
+        """On one machine: whether the agent's process lives (its pid from its state, or, while it is still
+        starting up, imports and forks its ranks before its store exists, from its first word)."""
+        if not self.same_machine:
             return False
-        pid = int(json.loads(self.store.get(STATE_KEY))["agent_pid"])
+        if self.store.check([STATE_KEY]):
+            pid = int(json.loads(self.store.get(STATE_KEY))["agent_pid"])
+        elif self.store.check([AGENT_PID_KEY]):
+            pid = int(self.store.get(AGENT_PID_KEY))
+        else:
+            return False
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
