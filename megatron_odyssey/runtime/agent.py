@@ -659,8 +659,7 @@ class Agent:
             return
         pending = self.join_requests.pending
         tp = self.cfg.tp
-        nodes = sorted({i // tp for i in pending if all(n * tp + t in pending for n in [i // tp] for t in range(tp))})
-        nodes = [n for n in nodes if n * tp not in self.held]
+        nodes = [n for n in self._whole_nodes(set(pending)) if n * tp not in self.held]
         if not nodes:
             return
         ranks = [n * tp + t for n in nodes for t in range(tp)]
@@ -905,9 +904,9 @@ class Agent:
         transfers = [[t.unit, t.src, t.dst] for t in chosen.transfers.transfers] if chosen.transfers else []
         used = [n * self.cfg.tp + t for n in standbys if n in chosen.plan.live_nodes() for t in range(self.cfg.tp)]
         if used:  # standbys put to work: they become members of the next generation
-            self.joins.append(JoinRecord(used, last + 1, chosen.kind.split("-")[-1], f"standby put to work in the recovery from the failure "
-                                         f"of rank(s) {rec.ranks}: {chosen.reason}", wall_s=time.time() - self.started,
-                                         replan=rec))
+            self.joins.append(JoinRecord(used, last + 1, chosen.kind.split("-")[-1],
+                                         f"standby put to work in the recovery from the failure of rank(s) "
+                                         f"{rec.ranks}: {chosen.reason}", wall_s=time.time() - self.started, replan=rec))
             self._admit(Action("join", self.joins[-1], ranks=used))
         self._publish(rec, chosen.plan, {"plan": chosen.plan.to_dict(), "policy": chosen.policy,
                                          "transfers": transfers, "resume_step": resume, "checkpoint_step": ckpt})
@@ -919,10 +918,14 @@ class Agent:
         """Nodes all of whose ranks joined and are held as standbys (still alive)."""
         from .control_plane import PidRank
 
-        tp = self.cfg.tp
         pending = self.join_requests.pending
         held = {i for i in self.held if i in pending and PidRank(pending[i], self.store, i).exitcode is None}
-        return tuple(sorted({i // tp for i in held if all(i // tp * tp + t in held for t in range(tp))}))
+        return tuple(self._whole_nodes(held))
+
+    def _whole_nodes(self, ranks: set[int]) -> list[int]:
+        """The nodes every tensor-parallel rank of which is in ``ranks`` (a node joins whole)."""
+        tp = self.cfg.tp
+        return sorted({i // tp for i in ranks if all(i // tp * tp + t in ranks for t in range(tp))})
 
     def _lost_shards(self, dead_nodes: set[int]) -> frozenset[int]:
         """Units whose generation-0 distributed-optimizer state died with every instance holding it."""
