@@ -208,7 +208,7 @@ class Agent:
         self.join_polled = 0.0
         self.held: set[int] = set()  # joining ranks the planner holds as standbys (for the current plan)
         self.rejoin = [dict(r) for r in cfg.extra.get("rejoin", [])]  # --rejoin R@S: the agent starts them
-        self.joiners: list[Any] = []  # their processes (stopped with the job if never admitted)
+        self.joiners: dict[int, Any] = {}  # their processes by rank (stopped with the job if never admitted)
         self.dropping: dict[int, str] = {}  # ranks fenced because the planner dropped their slow node: why
 
     # -- bookkeeping ----------------------------------------------------------------------------------
@@ -329,7 +329,7 @@ class Agent:
             if all(self.procs[i].exitcode is not None for i in self.members()):
                 break
             time.sleep(0.005)
-        for p in self.joiners:  # replacements never admitted (held as standbys to the end) leave with the job
+        for p in self.joiners.values():  # replacements never admitted (held as standbys to the end) leave with the job
             if p.poll() is None:
                 p.kill()
         bad = [i for i in self.members() if self.procs[i].exitcode != 0 and i not in self.killed_after_done]
@@ -552,7 +552,7 @@ class Agent:
             return
         members = self.members()
         count = f"{self.key('ready')}/{t}/count"  # each rank adds 1 after appending its share: one counter to poll
-        if self.store.add(count, 0) < len(members):
+        if self.store.add(count, 0) < len(members) or self._awaiting_rejoiner():
             return
         shares_key = f"{self.key('ready')}/{t}/shares"
         shares = ready_shares(self.store.get(shares_key))
@@ -631,10 +631,11 @@ class Agent:
             self.pending_action = action
 
     # -- ranks joining the running job (runtime.joining) ------------------------------------------------------
-    def _poll_joins(self) -> None:
-        """Read new join requests (at most every half heartbeat interval); refuse ranks that are alive here."""
+    def _poll_joins(self, every_s: float | None = None) -> None:
+        """Read new join requests (at most every half heartbeat interval, or ``every_s`` while a commit waits on
+        one); refuse ranks that are alive here."""
         now = time.time()
-        if now - self.join_polled < self.cfg.heartbeat_interval_s / 2:
+        if now - self.join_polled < (self.cfg.heartbeat_interval_s / 2 if every_s is None else every_s):
             return
         self.join_polled = now
         for ident, pid in self.join_requests.poll(self.store).items():
@@ -652,7 +653,7 @@ class Agent:
 
         for spec in self.rejoin:
             if not spec.get("due") and step >= int(spec["after_step"]) and int(spec["rank"]) in self.dead:
-                spec["due"] = True
+                spec["due"], spec["due_at"] = True, time.time()
                 self.log(f"rank {spec['rank']}'s machine is back (--rejoin {spec['rank']}@{spec['after_step']})")
                 self.store.set(REJOIN_KEY.format(spec["rank"]), "1")
         if self.pending_action is not None or step + 1 >= self.cfg.steps:
@@ -692,10 +693,36 @@ class Agent:
         import subprocess
 
         log = open(self.workdir / f"rank{ident}.join.log", "w")
-        self.joiners.append(subprocess.Popen(
+        self.joiners[ident] = subprocess.Popen(
             [sys.executable, "-m", "megatron_odyssey.runtime.joining", "--address", f"127.0.0.1:{self.port}",
              "--rank", str(ident), "--when", REJOIN_KEY.format(ident)], stdout=log, stderr=log,
-            start_new_session=True))
+            start_new_session=True)
+
+    def _awaiting_rejoiner(self) -> bool:
+        """--rejoin R@S means the machine is back after step S: the next commit waits until its replacement
+        has asked to join (set up while the job ran, it normally has), so where it joins does not depend on how
+        fast a loaded machine imports torch. Bounded: a replacement that exited, or has not asked within the
+        store timeout, is reported and no longer waited for."""
+        for spec in self.rejoin:
+            if not spec.get("due") or spec.get("settled"):
+                continue
+            ident = int(spec["rank"])
+            self._poll_joins(every_s=0.05)
+            proc = self.joiners[ident]
+            waited = time.time() - spec["due_at"]
+            if ident in self.join_requests.pending or ident in self.members():
+                spec["settled"] = True
+            elif proc.poll() is not None or waited > self.cfg.timeout_s:
+                spec["settled"] = True
+                why = f"exited with {proc.returncode}" if proc.poll() is not None else f"silent for {waited:.0f} s"
+                self.log_error(f"rank {ident}'s replacement (--rejoin) {why} before asking to join; carrying on "
+                               f"without it (log: {self.workdir / f'rank{ident}.join.log'})")
+            else:
+                if not spec.get("said_wait"):
+                    spec["said_wait"] = True
+                    self.log(f"step {self.next_step}'s commit waits for rank {ident}'s replacement to ask to join")
+                return True
+        return False
 
     def _admit(self, action: Action) -> None:
         """The joining ranks become members: supervised by pid (the agent did not fork them)."""
@@ -1137,7 +1164,7 @@ class Agent:
         for p in self.procs.values():
             if p.exitcode is None:
                 p.kill()
-        for p in self.joiners:
+        for p in self.joiners.values():
             if p.poll() is None:
                 p.kill()
 
