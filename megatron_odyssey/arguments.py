@@ -10,8 +10,12 @@ import argparse
 import math
 from typing import Any
 
+from .planning.slow import SLOW_ACTIONS
+
 #: what --odyssey-policy / odyssey train --policy accept: Eq. 8's choice, or a recovery kind forced
 POLICIES = ("auto", "reroute", "fill", "reconfigure", "normalise")
+#: --odyssey-slow-action / --slow-action: Eq. 8's choice, one forced, or no diagnosis
+SLOW_ACTION_CHOICES = ("auto", *SLOW_ACTIONS, "off")
 
 # Megatron features whose state or communication is laid out for one uniform grid; each would be
 # silently wrong (or hang) on a rerouted or asymmetric plan. (attribute, flag, why)
@@ -65,6 +69,11 @@ def add_odyssey_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--odyssey-hard-timeout", type=float, default=90.0, metavar="S",
                    help="seconds without progress inside an iteration before the rank is fenced (SIGKILL) and "
                         "the job recovers without it (default 90, as --inprocess-hard-timeout)")
+    g.add_argument("--odyssey-slow-action", choices=SLOW_ACTION_CHOICES, default="auto",
+                   help="what to do about a rank the diagnosis names slow (its compute per micro-batch at least twice "
+                        "its data-parallel twins' over 5 iterations): auto (the planner chooses by Eq. 8 between "
+                        "carrying on, rebalancing its pipeline's micro-batches and dropping it as if failed), force "
+                        "none|rebalance|drop where feasible, or off (no diagnosis)")
     g.add_argument("--odyssey-profile-iters", type=int, default=0, metavar="N",
                    help="time the first N iterations with Megatron's timers and plan from the measured "
                         "per-layer costs instead of the analytical estimate (default 0: estimate)")
@@ -80,7 +89,8 @@ def add_odyssey_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--odyssey-inject-fault", action="append", default=[], metavar="SPEC",
                    help="testing: step=I,rank=R,phase=forward|backward|grad-sync|optimizer|recovery,"
                         "kind=kill|hang|slow|error (repeatable; rank is the launch-time global rank; error: "
-                        "the rank raises, as a local bug would)")
+                        "the rank raises, as a local bug would; kind=slow,factor=F[,steps=N]: its compute F times "
+                        "slower from iteration I on, for N iterations or to the end)")
     return parser
 
 

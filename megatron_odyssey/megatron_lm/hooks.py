@@ -92,6 +92,25 @@ def grad_norm_fp32(original: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+# -- the diagnosis in Megatron's own schedule (generation 0) ---------------------------------------------
+
+def timed_backward_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    """megatron's ``schedules.backward_step``: unchanged, but while Megatron's own schedule runs (before the
+    first failure) timed for the agent's diagnosis and stretched by an injected slowdown, as our executor's
+    backward operations are (``op_trace.ComputeTimer``)."""
+
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        runtime = STATE.runtime
+        timer = getattr(runtime, "stock_timer", None) if runtime is not None and runtime.stock else None
+        if timer is None:
+            return original(*args, **kwargs)
+        with timer.timing("backward"):
+            return original(*args, **kwargs)
+
+    return wrapper
+
+
 # -- capturing Megatron's set-up ------------------------------------------------------------------------
 
 def whole_batch_on_every_stage(original: Callable[..., Any]) -> Callable[..., Any]:

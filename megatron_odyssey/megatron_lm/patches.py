@@ -133,6 +133,9 @@ PATCHES: tuple[Patch, ...] = (
           "returns a dispatcher that picks the stock schedule or this node's plan schedule at every call"),
     Patch(f"{_T}.training:get_forward_backward_func", _dispatcher,
           "train() captures the schedule once before its loop: the captured object must switch after a failure"),
+    Patch(f"{_C}.pipeline_parallel.schedules:backward_step", hooks.timed_backward_step,
+          "before the first failure Megatron's own 1F1B runs the compute: its backward operations are timed "
+          "there for the diagnosis of slow ranks (and slowed by an injected slowdown); behaviour unchanged"),
     # the step: commit and redo, gradients, norm
     Patch(f"{_T}.training:train_step", _train_step,
           "generation 0 runs Megatron's own step with a commit guard before the optimizer; after a failure "

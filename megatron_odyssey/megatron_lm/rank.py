@@ -182,7 +182,7 @@ def config_from_megatron_args(args: Any) -> TrainConfig:
         seed=args.seed, ffn_hidden=args.ffn_hidden_size, vocab=getattr(args, "padded_vocab_size", None) or 32000,
         lr=args.lr, report=args.odyssey_report, backend=args.distributed_backend,
         timeout_s=max(120.0, 4 * args.odyssey_heartbeat_timeout, 2 * args.odyssey_hard_timeout), fail=list(args.odyssey_inject_fault),
-        policy=args.odyssey_policy, heartbeat_interval_s=min(1.0, args.odyssey_heartbeat_timeout / 10),
+        policy=args.odyssey_policy, slow_action=getattr(args, "odyssey_slow_action", "auto"), heartbeat_interval_s=min(1.0, args.odyssey_heartbeat_timeout / 10),
         heartbeat_timeout_s=args.odyssey_heartbeat_timeout, checkpoint_interval=0,
         soft_timeout_s=args.odyssey_soft_timeout, hard_timeout_s=args.odyssey_hard_timeout,
         workdir=os.environ.get(WORKDIR_ENV), mtbf_hours=args.odyssey_mtbf_hours,
@@ -244,6 +244,11 @@ class MegatronRank(GenerationRank):
         self.gen0_vpp = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
         self.keyed_dropout = bool(getattr(args, "hidden_dropout", 0) or getattr(args, "attention_dropout", 0))
         self._adopt_generation0(plan)
+        from ..runtime.op_trace import ComputeTimer, compute_clock
+
+        # generation 0's compute, timed in Megatron's own schedule for the diagnosis (the forward step in
+        # _injecting, the backward in hooks.timed_backward_step) and slowed there by an injected slowdown
+        self.stock_timer = ComputeTimer(compute_clock(self.device), **self.diagnosed())
         from ..runtime.control_plane import ControlPlane
 
         self.control = ControlPlane.from_env(self.store_addr, self.ident, store, cfg.timeout_s)
@@ -575,6 +580,8 @@ class MegatronRank(GenerationRank):
         if self.timing:
             self._fb_timer().start(barrier=False)
         self.pending = step
+        if self.trace is not None:
+            self.trace.begin(step)
         opt.step = functools.partial(self._guarded_optimizer_step, type(opt).step.__get__(opt), step)
         try:
             result = stock_step(self._injecting(forward_step_func, step))
@@ -649,7 +656,7 @@ class MegatronRank(GenerationRank):
     def _injecting(self, forward_step_func: Callable[..., Any], step: int) -> Callable[..., Any]:
         """Megatron's forward step with ``--odyssey-inject-fault`` points: before each micro-batch is
         fetched and run forward, and when its backward reaches the stage output."""
-        at = self.at
+        at, timer = self.at, self.stock_timer
         from ..runtime.dropout_rng import set_micro_batch
 
         # one count per model chunk: the interleaved schedule runs each micro-batch once through every chunk
@@ -665,7 +672,8 @@ class MegatronRank(GenerationRank):
             # Megatron's sampler gives data-parallel replica d the k-th slice of each global micro-batch group:
             # global micro-batch k * DP + d, as micro_batch() numbers them
             set_micro_batch(step, next(counter) * replicas + replica)
-            out = forward_step_func(*args, **kwargs)
+            with timer.timing("forward"):  # its batch and its forward (Megatron received the input before)
+                out = forward_step_func(*args, **kwargs)
             tensor = out[0] if isinstance(out, tuple) else None
             if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                 tensor.register_hook(lambda grad: at(step, "backward"))

@@ -203,6 +203,8 @@ class Agent:
         self.replans: list[FailureRecord] = []  # generations started to rebalance (not failures): their timings
         self.pending_action: Action | None = None  # what the diagnosis asks for, done between agent passes
         self.said_diagnoses = 0  # diagnoses already said on the terminal
+        # a standby's inheritance: the lost agent's diagnoses and joins, as report entries (restore)
+        self.restored_records: dict[str, list[dict[str, Any]]] = {"diagnoses": [], "joins": []}
         self.join_requests = JoinRequests()  # ranks that asked to join the running job (runtime.joining)
         self.joins: list[JoinRecord] = []
         self.join_polled = 0.0
@@ -380,10 +382,14 @@ class Agent:
             out.add(stalled)
         return out
 
-    def _fence(self, ident: int, why: str) -> None:
+    def _stamp_diagnoses(self) -> None:
+        """When each new diagnosis was made, on the report's clock."""
         for rec in self.slow_nodes.records:
             if rec.wall_s is None:
                 rec.wall_s = time.time() - self.started
+
+    def _fence(self, ident: int, why: str) -> None:
+        self._stamp_diagnoses()
         self.log(f"rank {ident} {why}: fencing it (SIGKILL)")
         self.procs[ident].kill()
         self.procs[ident].join(5)
@@ -621,8 +627,8 @@ class Agent:
             return min(float(self.store.get(k).split()[0]) for k in keys) if keys else None
 
         action = self.slow_nodes.after_commit(step, summaries, self.plan, self.planner, self.profile, slowed_at)
+        self._stamp_diagnoses()
         for rec in self.slow_nodes.records[self.said_diagnoses:]:
-            rec.wall_s = rec.wall_s if rec.wall_s is not None else time.time() - self.started
             if rec.kind in ("slow", "comm-slow"):  # (hangs are said where they are fenced)
                 self.log(f"diagnosis at step {step}: {rec.kind} ranks {rec.ranks}: {rec.evidence}; action "
                          f"{rec.action}" + (f" ({rec.reason})" if rec.reason else ""))
@@ -871,8 +877,7 @@ class Agent:
             self._publish(rec, replan.plan, {"plan": replan.plan.to_dict(), "policy": "reconfigure",
                                              "transfers": [list(t) for t in replan.transfers],
                                              "resume_step": last + 1, "checkpoint_step": None}, failure=False)
-            for ident in replan.ranks if replan.what == "join" else ():
-                self.store.set(ADMIT_KEY.format(ident), str(self.gen))
+            self._tell_admitted(replan.ranks if replan.what == "join" else [])
             return True
         if not dead_nodes:  # a takeover that lost no rank: the same layout, new groups on this agent's store
             rec.policy, rec.reason = "resume", "no rank was lost: the same layout on new groups"
@@ -937,9 +942,13 @@ class Agent:
             self._admit(Action("join", self.joins[-1], ranks=used))
         self._publish(rec, chosen.plan, {"plan": chosen.plan.to_dict(), "policy": chosen.policy,
                                          "transfers": transfers, "resume_step": resume, "checkpoint_step": ckpt})
-        for ident in used:
-            self.store.set(ADMIT_KEY.format(ident), str(self.gen))
+        self._tell_admitted(used)
         return True
+
+    def _tell_admitted(self, ranks: list[int]) -> None:
+        """Joining ranks waiting for admission (``joining.wait_for_admission``): the generation just published."""
+        for ident in ranks:
+            self.store.set(ADMIT_KEY.format(ident), str(self.gen))
 
     def _standby_nodes(self) -> tuple[int, ...]:
         """Nodes all of whose ranks joined and are held as standbys (still alive)."""
@@ -992,7 +1001,11 @@ class Agent:
                 "checkpoints": {s: sorted(w) for s, w in self.checkpoints.items()},
                 "latest_checkpoint": self._latest_checkpoint_if_any(),
                 "pids": {i: getattr(p, "pid", None) for i, p in self.procs.items()},
-                "agent_pid": os.getpid(), "started_any": self.gen > 0 or self.warm}
+                "agent_pid": os.getpid(), "started_any": self.gen > 0 or self.warm,
+                # the report's records so far (a standby's report goes on from them; a standby agent cannot
+                # admit the ranks waiting to join here: they leave with this agent's store)
+                "diagnoses": self.restored_records["diagnoses"] + [r.to_json() for r in self.slow_nodes.records],
+                "joins": self.restored_records["joins"] + [j.to_json() for j in self.joins]}
 
     def _replicate_state(self) -> None:
         snapshot = self.snapshot()
@@ -1039,6 +1052,7 @@ class Agent:
         self.checkpoints = {int(s): set(w) for s, w in state["checkpoints"].items()}
         self.published = state.get("published")
         self.warm = committed_here
+        self.restored_records = {what: list(state.get(what, [])) for what in ("diagnoses", "joins")}
 
     def take_over(self, state: dict[str, Any], reason: str) -> int:
         """Go on from a lost agent's replicated ``state``: end every wait its ranks may be in (their commit,
@@ -1191,8 +1205,9 @@ class Agent:
         devices = {i: self.store.get(f"odyssey/device/{i}").decode() for i in sorted(self.procs)
                    if self.store is not None and self.store.check([f"odyssey/device/{i}"])}
         report = {"ok": ok, "running": not final, "steps": self.steps.records(), "failures": failures,
-                  "takeovers": takeovers, "diagnoses": [r.to_json() for r in self.slow_nodes.records],
-                  "joins": [j.to_json() for j in self.joins],
+                  "takeovers": takeovers,
+                  "diagnoses": self.restored_records["diagnoses"] + [r.to_json() for r in self.slow_nodes.records],
+                  "joins": self.restored_records["joins"] + [j.to_json() for j in self.joins],
                   "profile": self.profile.name, "devices": devices, "host": host_summary(),
                   "final_plan": self.plan.to_dict(), "config": {k: v for k, v in vars(self.cfg).items()}}
         path = Path(self.cfg.report)

@@ -6,12 +6,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..arguments import POLICIES
+from ..arguments import POLICIES, SLOW_ACTION_CHOICES
 from ..planning.errors import PlanningError
 from ..planning.plan import ExecutionPlan, symmetric_plan
-from ..planning.slow import SLOW_ACTIONS
-
-SLOW_ACTION_CHOICES = ("auto", *SLOW_ACTIONS, "off")
 
 
 @dataclass

@@ -29,7 +29,7 @@ from ..planning.plan import ExecutionPlan
 from ..planning.schedule import BACKWARD, FORWARD, WEIGHT_GRAD, Op, deferred, node_operations, receive_orders
 from .dropout_rng import set_micro_batch
 from .liveness import communicating
-from .op_trace import OpTrace, message_name
+from .op_trace import ComputeTimer, OpTrace, compute_clock, message_name
 from .transport import Mailbox, P2P
 from .weight_grad import DeferredWeightGrads, input_gradients_only
 from .world import PlanGroups
@@ -85,6 +85,7 @@ class PipelineExecutor:
         self._executor = self.plan.executor()
         self._offsets = self.plan.micro_batch_offsets()
         self._clock = compute_clock(self.device)
+        self._timer = ComputeTimer(self._clock, self.trace, self.pace)
         # no closure over self: a reference cycle would keep this executor, and with it the
         # generation's process groups and their sockets, alive after teardown (peers then wait)
         self._inbox = Mailbox(self.p2p, receive_orders(self.plan, self.groups.node),
@@ -186,13 +187,7 @@ class PipelineExecutor:
     def _computed(self, kind: str, seconds: float) -> float:
         """An operation's compute took ``seconds`` (of ``compute_clock``); a sustained injected slowdown
         stretches it here (and the record says how long it really took)."""
-        if self.pace is not None:
-            c0 = self._clock()
-            self.pace("compute", seconds)
-            seconds += self._clock() - c0
-        if self.trace is not None:
-            self.trace.computed(PHASE_OF_OP[kind], seconds)
-        return seconds
+        return self._timer.done(PHASE_OF_OP[kind], seconds)
 
     def _receive(self, src: int, key: tuple[str, int, int, int]) -> torch.Tensor:
         """The message ``key`` from node ``src`` (when the wait began and ended go to the trace)."""
@@ -214,15 +209,6 @@ class PipelineExecutor:
             with communicating():
                 self.pace("send", compute_s)
         return self.p2p.isend(tensor, self.groups.rank_map.rank(dst, self.groups.tp_rank))
-
-
-def compute_clock(device: torch.device | str) -> Callable[[], float]:
-    """What an operation's compute time is measured with. On the CPU the thread's CPU time: several ranks
-    share few cores, and wall time would mostly measure whose turn it was (a rank descheduled mid-operation
-    looks 3x slower; see docs/benchmarks.md, diagnosis); compute runs on the calling thread there
-    (OMP_NUM_THREADS=1). On an accelerator kernels run asynchronously, so wall time between the host's
-    calls measures the launches, not the kernels: a known gap (device events would close it)."""
-    return time.thread_time if torch.device(device).type == "cpu" else time.perf_counter
 
 
 def _rank_of_node(rank_map: Any, tp_rank: int, node: int) -> int:

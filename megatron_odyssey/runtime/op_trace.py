@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import json
 import statistics
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Iterator
 
 MAX_MESSAGES = 256  # per step and direction: the summary stays small however many micro-batches run
 
@@ -73,6 +75,43 @@ class OpTrace:
             "ar": [[u, round(a, 6), round(b, 6)] for u, a, b in self.reductions],
         }
         return json.dumps(out, separators=(",", ":"))
+
+
+def compute_clock(device: Any) -> Callable[[], float]:
+    """What an operation's compute time is measured with. On the CPU the thread's CPU time: several ranks
+    share few cores, and wall time would mostly measure whose turn it was (a rank descheduled mid-operation
+    looks 3x slower; see docs/benchmarks.md, diagnosis); compute runs on the calling thread there
+    (OMP_NUM_THREADS=1). On an accelerator kernels run asynchronously, so wall time between the host's
+    calls measures the launches, not the kernels: a known gap (device events would close it)."""
+    return time.thread_time if str(device).split(":")[0] == "cpu" else time.perf_counter
+
+
+@dataclass
+class ComputeTimer:
+    """Times a rank's compute operations for its trace, and stretches them by an injected sustained slowdown
+    (``faults.Injector.pace``). One object for both schedules that run a rank's compute: our executor, and
+    Megatron's own 1F1B before a Megatron-LM job's first failure (``megatron_lm.hooks.timed_backward_step``)."""
+
+    clock: Callable[[], float]
+    trace: OpTrace | None = None
+    pace: Callable[[str, float], None] | None = None
+
+    def done(self, phase: str, seconds: float) -> float:
+        """An operation of ``phase`` (forward/backward) computed for ``seconds``; returns how long it took
+        with the injected slowdown (what the trace records)."""
+        if self.pace is not None:
+            c0 = self.clock()
+            self.pace("compute", seconds)
+            seconds += self.clock() - c0
+        if self.trace is not None:
+            self.trace.computed(phase, seconds)
+        return seconds
+
+    @contextmanager
+    def timing(self, phase: str) -> Iterator[None]:
+        c0 = self.clock()
+        yield
+        self.done(phase, self.clock() - c0)
 
 
 def _stats(seconds: list[float]) -> list[Any]:

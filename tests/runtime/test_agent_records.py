@@ -55,3 +55,24 @@ def test_the_plan_message_is_compressed_and_round_trips() -> None:
     assert decode_plan_message(stored) == msg
     assert len(stored) < len(json.dumps(msg)) / 5, (len(stored), len(json.dumps(msg)))
     assert decode_plan_message(json.dumps({"giveup": "why"}).encode()) == {"giveup": "why"}  # the agent's give-up
+
+
+def test_a_standby_agent_inherits_the_reports_diagnoses_and_joins(tmp_path) -> None:
+    """The lost agent's diagnoses and joins travel in its replicated state: the standby's report goes on
+    from them (and passes them on again, should it be lost in turn)."""
+    from megatron_odyssey.runtime.agent import Agent
+    from megatron_odyssey.runtime.config import TrainConfig
+    from megatron_odyssey.runtime.joining import JoinRecord
+    from megatron_odyssey.runtime.slow_nodes import DiagnosisRecord
+
+    cfg = TrainConfig(nproc=4, tp=1, pp=2, layers=4, hidden=32, heads=4, seq=16, global_batch=4, micro_batch=1, steps=8)
+    lost = Agent(cfg, None, tmp_path, procs={}, store=None)
+    lost.slow_nodes.records.append(DiagnosisRecord(3, [2], "slow", "compute 4.0x its twins'", "rebalance", factor=4.0))
+    lost.joins.append(JoinRecord([1], 5, "standby", "held"))
+    state = json.loads(json.dumps(lost.snapshot()))  # as the replica stores it
+    standby = Agent(cfg, None, tmp_path, procs={}, store=None)
+    standby.restore(state)
+    standby.slow_nodes.records.append(DiagnosisRecord(7, [3], "hang", "missed heartbeats", "drop"))
+    again = standby.snapshot()
+    assert [(d["step"], d["kind"], d["action"]) for d in again["diagnoses"]] == [(3, "slow", "rebalance"), (7, "hang", "drop")]
+    assert [(j["ranks"], j["policy"]) for j in again["joins"]] == [([1], "standby")]

@@ -116,6 +116,31 @@ def test_two_machines_rank_on_the_second_dies(stock: dict, tmp_path: Path) -> No
     assert same_training(job.iterations(), stock)
 
 
+def _eq8_best(record: dict) -> str:
+    return max((o for o in record["options"] if o["feasible"]), key=lambda o: o["score"])["action"]
+
+
+@pytest.mark.parametrize("action", ["auto", "rebalance"])
+def test_a_slow_rank_is_named_in_megatrons_own_schedule(stock: dict, tmp_path: Path, action: str) -> None:
+    """Before any failure Megatron's own 1F1B runs the compute, and is timed there for the diagnosis: a rank
+    4x slower from iteration 0 is named slow after the three iterations it is judged on (the first is the
+    start-up's), the planner's reaction is the one Eq. 8 scores best (or the forced rebalance, which re-plans
+    onto our executor with fewer micro-batches on its pipeline), and training equals stock Megatron-LM's."""
+    job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--odyssey-slow-action", action,
+                                      "--odyssey-inject-fault", "step=0,rank=1,kind=slow,factor=4"],
+                      _port(720 + 10 * (action == "rebalance")))
+    assert job.returncode == 0, job.logs[-4000:]
+    report = job.report
+    slow = [d for d in report["diagnoses"] if d["kind"] == "slow"]
+    assert slow and slow[0]["ranks"] == [1] and slow[0]["step"] <= 3 and slow[0]["factor"] >= 2, report["diagnoses"]
+    assert slow[0]["action"] == (_eq8_best(slow[0]) if action == "auto" else "rebalance"), slow[0]
+    assert not report["failures"] or slow[0]["action"] == "drop"
+    if slow[0]["action"] == "rebalance":
+        assert report["steps"][-1]["generation"] == 1 and report["steps"][-1]["alive"] == 4
+    assert [s["step"] for s in report["steps"]] == list(range(ITERS))
+    assert same_training(job.iterations(), stock)
+
+
 def test_bf16_state_moves_through_main_params(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
     """--bf16: the optimizer steps fp32 main copies of bf16 parameters. A reconfiguration must move the
     main copies and their Adam state (not the bf16 model weights) and then refresh the model weights from
