@@ -131,7 +131,7 @@ def render(setting: Setting, det: list[dict], on: list[dict], off: list[dict], c
                      f"{max((x['max_factor'] for x in xs if x['max_factor']), default='-')} |")
     lines += ["", f"Monitoring overhead: median step time on / off = **{ratio:.3f}** ({len(on)} clean runs each, "
               f"alternated). False positives: **{sum(x['named'] for x in on)}** ranks named in {judged} judged steps "
-              "of clean runs. Compute is timed with the thread's CPU clock on the CPU (8 ranks share 2 cores: wall "
+              "of clean runs. Compute is timed with the thread's CPU clock on the CPU (the ranks share 2 cores: wall "
               "time per operation swung 0.2x-2.8x between twins in clean runs, median-of-5 windows still reached "
               "1.7x; the CPU clock keeps clean windows mostly under 1.4x; one CI run saw a clean rank at 1.7x for 5 steps, "
               "hence the threshold of 2).", setting.markers[1]]
