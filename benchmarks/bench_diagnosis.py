@@ -11,9 +11,9 @@ records its operations and ships one JSON value per step; the agent reads and ju
 (``--slow-action off``: nothing recorded), clean runs, alternated so load changes hit both alike.
 
 ``--megatron-lm PATH``: the same on Megatron-LM's own ``pretrain_gpt.py`` (the tests' tiny Llama-style GPT,
-4 CPU ranks, PP=2 x DP=2) before any failure, where Megatron's own 1F1B runs the compute; rank 1 slowed (its
-twin is rank 0). Only compute slowness: Megatron's own messages are not recorded (a slow link is found after
-a first failure). Written to its own section.
+4 CPU ranks, PP=2 x DP=2) before any failure, where Megatron's own 1F1B runs the compute and moves the
+messages; rank 1 slowed (its twin is rank 0), or its link (to rank 3, which it sends activations). Written to
+its own section.
 """
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ STANDALONE = Setting(standalone_job, 5, [("slow", 2.0), ("slow", 3.0), ("slow", 
 
 
 def megatron_setting(checkout: str) -> Setting:
-    return Setting(megatron_lm_job(checkout), 1, [("slow", 2.0), ("slow", 3.0), ("slow", 4.0)],
+    return Setting(megatron_lm_job(checkout), 1, [("slow", 2.0), ("slow", 3.0), ("slow", 4.0), ("slow-link", 20.0)],
                    "Fail-slow diagnosis in Megatron-LM's own schedule (before any failure)",
                    "Megatron-LM's `pretrain_gpt.py` (the tests' tiny Llama-style GPT, 4 layers), 4 CPU ranks "
                    "(PP=2 x DP=2), 4 micro-batches per rank and step, Megatron's own 1F1B and DDP (no failure: "

@@ -9,6 +9,7 @@ Megatron original it wraps, so importing the adaptor never changes a job that di
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -107,6 +108,26 @@ def timed_backward_step(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(*args, **kwargs)
         with timer.timing("backward"):
             return original(*args, **kwargs)
+
+    return wrapper
+
+
+def traced_p2p(original: Callable[..., Any]) -> Callable[..., Any]:
+    """megatron's ``_communicate`` (a function of ``p2p_communication`` to 0.13, ``P2PCommunicator``'s method
+    from 0.14): unchanged, but while Megatron's own schedule runs its messages are noted for the diagnosis'
+    link matrix, and held back by an injected slow link (``stock_trace.StockMessages``)."""
+
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        runtime = STATE.runtime
+        log = getattr(runtime, "stock_messages", None) if runtime is not None and runtime.stock else None
+        if log is None:
+            return original(*args, **kwargs)
+        log.sending(kwargs)
+        entered = time.time()
+        out = original(*args, **kwargs)
+        log.received_all(kwargs, entered, time.time(), waited=kwargs.get("wait_on_reqs", True))
+        return out
 
     return wrapper
 

@@ -136,6 +136,12 @@ PATCHES: tuple[Patch, ...] = (
     Patch(f"{_C}.pipeline_parallel.schedules:backward_step", hooks.timed_backward_step,
           "before the first failure Megatron's own 1F1B runs the compute: its backward operations are timed "
           "there for the diagnosis of slow ranks (and slowed by an injected slowdown); behaviour unchanged"),
+    Patch(f"{_C}.pipeline_parallel.p2p_communication:_communicate", hooks.traced_p2p,
+          "before the first failure Megatron's own 1F1B moves activations and gradients: its messages are noted "
+          "there for the diagnosis of slow links (and held back by an injected slow link); behaviour unchanged",
+          releases=(12, 13)),
+    Patch(f"{_C}.pipeline_parallel.p2p_communication:P2PCommunicator._communicate", hooks.traced_p2p,
+          "0.14+: the same, now a method of the schedule's communicator", releases=(14, 20)),
     # the step: commit and redo, gradients, norm
     Patch(f"{_T}.training:train_step", _train_step,
           "generation 0 runs Megatron's own step with a commit guard before the optimizer; after a failure "

@@ -249,6 +249,10 @@ class MegatronRank(GenerationRank):
         # generation 0's compute, timed in Megatron's own schedule for the diagnosis (the forward step in
         # _injecting, the backward in hooks.timed_backward_step) and slowed there by an injected slowdown
         self.stock_timer = ComputeTimer(compute_clock(self.device), **self.diagnosed())
+        from .stock_trace import StockMessages  # ... and its messages (hooks.traced_p2p)
+
+        self.stock_messages = StockMessages(self.node, cfg.pp, cfg.dp, self.trace, self.stock_timer,
+                                            self.stock_timer.pace)
         from ..runtime.control_plane import ControlPlane
 
         self.control = ControlPlane.from_env(self.store_addr, self.ident, store, cfg.timeout_s)
@@ -582,6 +586,7 @@ class MegatronRank(GenerationRank):
         self.pending = step
         if self.trace is not None:
             self.trace.begin(step)
+        self.stock_messages.begin()
         opt.step = functools.partial(self._guarded_optimizer_step, type(opt).step.__get__(opt), step)
         try:
             result = stock_step(self._injecting(forward_step_func, step))

@@ -95,6 +95,7 @@ class ComputeTimer:
     clock: Callable[[], float]
     trace: OpTrace | None = None
     pace: Callable[[str, float], None] | None = None
+    last_s: float = 0.0  # the newest operation's (what a message it produced took to compute)
 
     def done(self, phase: str, seconds: float) -> float:
         """An operation of ``phase`` (forward/backward) computed for ``seconds``; returns how long it took
@@ -105,6 +106,7 @@ class ComputeTimer:
             seconds += self.clock() - c0
         if self.trace is not None:
             self.trace.computed(phase, seconds)
+        self.last_s = seconds
         return seconds
 
     @contextmanager

@@ -141,6 +141,19 @@ def test_a_slow_rank_is_named_in_megatrons_own_schedule(stock: dict, tmp_path: P
     assert same_training(job.iterations(), stock)
 
 
+def test_a_slow_link_is_named_in_megatrons_own_schedule(stock: dict, tmp_path: Path) -> None:
+    """Megatron's own pipeline messages are noted too (hooks.traced_p2p): rank 2's messages held back 20x from
+    iteration 0 are named comm-slow (its link to rank 0, whose gradients it sends) while its compute is
+    normal, and training equals stock."""
+    job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--odyssey-slow-action", "none",
+                                      "--odyssey-inject-fault", "step=0,rank=2,kind=slow-link,factor=20"], _port(740))
+    assert job.returncode == 0, job.logs[-4000:]
+    found = job.report["diagnoses"]
+    assert [(d["kind"], d["ranks"], d["action"]) for d in found] == [("comm-slow", [2], "none")], found
+    assert found[0]["step"] <= 3 and "node 2 to node 0" in found[0]["evidence"]
+    assert same_training(job.iterations(), stock)
+
+
 def test_bf16_state_moves_through_main_params(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
     """--bf16: the optimizer steps fp32 main copies of bf16 parameters. A reconfiguration must move the
     main copies and their Adam state (not the bf16 model weights) and then refresh the model weights from

@@ -1,0 +1,77 @@
+"""Megatron's own pipeline messages, noted for the diagnosis before a Megatron-LM job's first failure.
+
+Until then Megatron's 1F1B moves the activations and their gradients (``p2p_communication._communicate``),
+so the agent's C4D link matrix (``runtime.diagnosis``) needs them noted where Megatron sends and receives
+them. Messages between a pair of ranks are matched in order (gloo and NCCL alike), so each end numbers
+them: the k-th activation stage i sends to stage i+1 in a step is the k-th that stage i+1 receives from it,
+whatever micro-batch or model chunk it carries; both ends then name it as the executor does
+(``op_trace.message_name``). Generation 0 is Megatron's uniform grid: node = stage x DP + replica.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..runtime.op_trace import ComputeTimer, OpTrace, message_name
+
+#: (message kind, direction to its receiver) of what ``_communicate`` sends to the next and previous stage
+_SENT = (("forward", +1, "tensor_send_next"), ("backward", -1, "tensor_send_prev"))
+#: (message kind, direction to its sender) of what ``_communicate`` receives from the previous and next stage
+_RECEIVED = (("forward", -1, "recv_prev"), ("backward", +1, "recv_next"))
+
+
+@dataclass
+class StockMessages:
+    node: int
+    pp: int
+    dp: int
+    trace: OpTrace | None
+    timer: ComputeTimer  # the compute that produced a message sizes an injected slow link's hold-back
+    pace: Callable[[str, float], None] | None = None
+    sent: Counter = field(default_factory=Counter)
+    received: Counter = field(default_factory=Counter)
+
+    @property
+    def stage(self) -> int:
+        return self.node // self.dp
+
+    @property
+    def replica(self) -> int:
+        return self.node % self.dp
+
+    def begin(self) -> None:
+        """A new step: messages are numbered from 0 again."""
+        self.sent.clear()
+        self.received.clear()
+
+    def _neighbour(self, direction: int) -> tuple[int, int]:
+        """(stage, node) of the next (+1) or previous (-1) stage of this replica (a ring: the interleaved
+        schedule's last stage sends on to the first)."""
+        stage = (self.stage + direction) % self.pp
+        return stage, stage * self.dp + self.replica
+
+    def sending(self, call: dict[str, Any]) -> None:
+        """Before ``_communicate(**call)``: note what it hands over, then hold it back as a slow link would."""
+        now, any_sent = time.time(), False
+        for kind, direction, arg in _SENT:
+            if call.get(arg) is not None:
+                any_sent = True
+                k = self.sent[kind]
+                self.sent[kind] += 1
+                if self.trace is not None:
+                    self.trace.sent(self._neighbour(direction)[1], message_name(kind, self.replica, self.stage, k), now)
+        if any_sent and self.pace is not None:
+            self.pace("send", self.timer.last_s)
+
+    def received_all(self, call: dict[str, Any], entered: float, done: float, waited: bool = True) -> None:
+        """After ``_communicate(**call)`` waited for its messages (from ``entered`` to ``done``). Messages it
+        only posted (the interleaved schedule's overlapped receives) are counted, not timed."""
+        for kind, direction, arg in _RECEIVED:
+            if call.get(arg):
+                k = self.received[kind]
+                self.received[kind] += 1
+                stage, node = self._neighbour(direction)
+                if waited and self.trace is not None:
+                    self.trace.received(node, message_name(kind, self.replica, stage, k), entered, done)
