@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -78,9 +79,13 @@ def _finalize_model_grads(original: Callable[..., Any]) -> Callable[..., Any]:
     def finalize_model_grads(model: Any, *args: Any, **kwargs: Any) -> Any:
         runtime = hooks.STATE.runtime
         if runtime is None or runtime.sync is None:
-            if runtime is not None:  # generation 0: Megatron's own DDP reduction, after the fault point
-                runtime.at(runtime.current_step, "grad-sync")
-            return original(model, *args, **kwargs)
+            if runtime is None:
+                return original(model, *args, **kwargs)
+            runtime.at(runtime.current_step, "grad-sync")  # generation 0: Megatron's own DDP reduction
+            entered = time.time()
+            out = original(model, *args, **kwargs)
+            runtime.stock_messages.all_reduced(entered, time.time())  # who held up the data-parallel peers
+            return out
         runtime.sync()  # per layer, over exactly the ranks holding it
         return None
 

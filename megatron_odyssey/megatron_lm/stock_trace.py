@@ -5,7 +5,8 @@ so the agent's C4D link matrix (``runtime.diagnosis``) needs them noted where Me
 them. Messages between a pair of ranks are matched in order (gloo and NCCL alike), so each end numbers
 them: the k-th activation stage i sends to stage i+1 in a step is the k-th that stage i+1 receives from it,
 whatever micro-batch or model chunk it carries; both ends then name it as the executor does
-(``op_trace.message_name``). Generation 0 is Megatron's uniform grid: node = stage x DP + replica.
+(``op_trace.message_name``). Megatron's gradient reduction is noted as one all-reduce per stage. Generation 0
+is Megatron's uniform grid: node = stage x DP + replica.
 """
 from __future__ import annotations
 
@@ -64,6 +65,13 @@ class StockMessages:
                     self.trace.sent(self._neighbour(direction)[1], message_name(kind, self.replica, self.stage, k), now)
         if any_sent and self.pace is not None:
             self.pace("send", self.timer.last_s)
+
+    def all_reduced(self, entered: float, left: float) -> None:
+        """Megatron's gradient reduction of this step (``finalize_model_grads``: the stage's data-parallel
+        all-reduce, whole buckets), noted as unit ``-1 - stage`` so that only the stage's data-parallel peers
+        are compared (the last of them to enter held the others up)."""
+        if self.trace is not None:
+            self.trace.all_reduced(-1 - self.stage, entered, left)
 
     def received_all(self, call: dict[str, Any], entered: float, done: float, waited: bool = True) -> None:
         """After ``_communicate(**call)`` waited for its messages (from ``entered`` to ``done``). Messages it

@@ -125,7 +125,9 @@ def test_a_slow_rank_is_named_in_megatrons_own_schedule(stock: dict, tmp_path: P
     """Before any failure Megatron's own 1F1B runs the compute, and is timed there for the diagnosis: a rank
     4x slower from iteration 0 is named slow after the three iterations it is judged on (the first is the
     start-up's), the planner's reaction is the one Eq. 8 scores best (or the forced rebalance, which re-plans
-    onto our executor with fewer micro-batches on its pipeline), and training equals stock Megatron-LM's."""
+    onto our executor with fewer micro-batches on its pipeline), and training equals stock Megatron-LM's. Its
+    receivers and its data-parallel peers are seen waiting for it (Megatron's messages and gradient reduction
+    are noted too)."""
     job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--odyssey-slow-action", action,
                                       "--odyssey-inject-fault", "step=0,rank=1,kind=slow,factor=4"],
                       _port(720 + 10 * (action == "rebalance")))
@@ -134,6 +136,8 @@ def test_a_slow_rank_is_named_in_megatrons_own_schedule(stock: dict, tmp_path: P
     slow = [d for d in report["diagnoses"] if d["kind"] == "slow"]
     assert slow and slow[0]["ranks"] == [1] and slow[0]["step"] <= 3 and slow[0]["factor"] >= 2, report["diagnoses"]
     assert slow[0]["action"] == (_eq8_best(slow[0]) if action == "auto" else "rebalance"), slow[0]
+    # C4D's evidence from Megatron's own messages and gradient reduction: who waited for it
+    assert "its receivers waited" in slow[0]["evidence"] and "all-reduce peers waited" in slow[0]["evidence"]
     assert not report["failures"] or slow[0]["action"] == "drop"
     if slow[0]["action"] == "rebalance":
         assert report["steps"][-1]["generation"] == 1 and report["steps"][-1]["alive"] == 4
