@@ -45,7 +45,7 @@ from ..planning.plan import ExecutionPlan
 from ..planning.cache import PlanCache
 from ..planning.planner import Decision, Planner, PlannerOptions
 from .config import TrainConfig
-from .control_plane import Deposed, Replica
+from .control_plane import Deposed, Replica, listening
 from .plan_message import encode_plan_message
 from .liveness import COMM, IDLE, WORKING, Beat
 from .diagnosis import DiagnosisOptions
@@ -1029,7 +1029,11 @@ class Agent:
                 time.sleep(0.2 * (attempt + 1))
                 try:
                     seq = self.replica.seq
-                    # a standby that is gone refuses at once; one on a loaded machine may take seconds to accept
+                    # a standby that is gone refuses at once (a store client would retry that for its whole
+                    # timeout); one on a loaded machine may take seconds to accept
+                    if not listening(self.replica.address):
+                        raise ConnectionRefusedError(f"nothing listens at {self.replica.address[0]}:"
+                                                     f"{self.replica.address[1]} any more")
                     self.replica = Replica(self.replica.address, connect_timeout_s=REPLICA_RECONNECT_S)
                     self.replica.seq = seq
                 except Exception as again:  # noqa: BLE001

@@ -69,6 +69,18 @@ def client(address: tuple[str, int], timeout_s: float) -> Any:
     return dist.TCPStore(address[0], address[1], is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
+def listening(address: tuple[str, int], timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+    """Something accepts connections at ``address``: asked before making a store client, which retries a
+    refused connection for its whole timeout (a gone store would cost that long to find out)."""
+    import socket
+
+    try:
+        socket.create_connection(address, timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
 def reachable(store: Any) -> bool:
     """The store answers a round trip (a ``set`` alone would not tell: TCPStore does not wait for its reply)."""
     try:

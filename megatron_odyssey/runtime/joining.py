@@ -123,18 +123,18 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # as the agent's own ranks (several share the cores)
     os.environ.setdefault("TORCH_SHOW_CPP_STACKTRACES", "0")
     import faulthandler
-    import socket
     import signal
 
     import torch.distributed as dist
 
     from .config import TrainConfig
-    from .control_plane import parse_address
+    from .control_plane import listening, parse_address
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     host, port = parse_address(args.address)
     try:
-        socket.create_connection((host, port), timeout=5).close()  # a wrong address fails now, not in 30 s
+        if not listening((host, port), timeout_s=5):  # a wrong address fails now, not in 30 s
+            raise ConnectionRefusedError("nothing listens there")
         store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
         cfg = TrainConfig(**json.loads(store.get(CONFIG_KEY)))
     except Exception as exc:  # noqa: BLE001 - say what went wrong on the terminal, not a traceback

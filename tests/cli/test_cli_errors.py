@@ -263,3 +263,14 @@ def test_slow_and_join_flags_exit_2_naming_the_flag(argv, expected, tmp_files, c
     code, out, err = run_cli([a.format(tmp=tmp_files) for a in argv], capsys)
     assert code == 2, (code, err)
     assert expected in err, err
+
+
+def test_join_at_an_address_where_nothing_listens_says_so_at_once():
+    """A store client would retry a refused connection for its whole timeout (30 s): asked first, said at once."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "megatron_odyssey.runtime.joining", "--address", "127.0.0.1:1",
+                          "--rank", "1"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out
+    assert "cannot reach the job at 127.0.0.1:1: ConnectionRefusedError" in out.stderr, out.stderr

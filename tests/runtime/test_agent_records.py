@@ -76,3 +76,73 @@ def test_a_standby_agent_inherits_the_reports_diagnoses_and_joins(tmp_path) -> N
     again = standby.snapshot()
     assert [(d["step"], d["kind"], d["action"]) for d in again["diagnoses"]] == [(3, "slow", "rebalance"), (7, "hang", "drop")]
     assert [(j["ranks"], j["policy"]) for j in again["joins"]] == [([1], "standby")]
+
+
+def test_a_rank_that_said_it_finished_is_not_taken_for_hung_and_is_killed_if_it_lingers(tmp_path) -> None:
+    """After the last commit a rank whose heartbeat stopped is judged by whether it said it finished
+    (``DONE_KEY``, set by its exit handler): if so it is shutting down, not hung, and it is killed only after
+    the hard timeout, counting as a clean exit."""
+    import subprocess
+    import sys
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from megatron_odyssey.runtime.agent import Agent, free_port
+    from megatron_odyssey.runtime.config import TrainConfig
+    from megatron_odyssey.runtime.control_plane import DONE_KEY, PidRank
+
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=10))
+    lingering = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        cfg = TrainConfig(nproc=2, tp=1, pp=2, layers=4, hidden=32, heads=4, seq=16, global_batch=2, micro_batch=1,
+                          steps=4, soft_timeout_s=0.5, hard_timeout_s=1.0)
+        agent = Agent(cfg, None, tmp_path, procs={0: PidRank(lingering.pid, store, 0)}, store=store)
+        assert not agent._said_done(0) and 0 not in agent.exiting
+        store.set(DONE_KEY.format(0), "1")
+        assert agent._said_done(0) and agent._said_done(0)  # remembered from the first time it was seen
+        seen = agent.exiting[0]
+        agent._finish_exit(0, seen + 0.5)  # within the hard timeout: left alone
+        assert lingering.poll() is None and 0 not in agent.killed_after_done
+        agent._finish_exit(0, seen + 1.5)  # past it: killed, and its work counts as done
+        assert lingering.wait(timeout=10) == -9 and 0 in agent.killed_after_done
+    finally:
+        lingering.kill()
+
+
+def test_the_agent_goes_on_without_a_standby_whose_store_is_gone(tmp_path, capsys) -> None:
+    """The write-ahead to the standby's store reconnects on an error; when the standby's machine is gone
+    the agent says so on the terminal and goes on without it (losing its own machine now ends the job), it
+    does not fail the job. A standby that took over deposes the agent instead (Deposed goes through)."""
+    import subprocess
+    import sys
+
+    import pytest as _pytest
+
+    from megatron_odyssey.runtime.agent import Agent, free_port
+    from megatron_odyssey.runtime.config import TrainConfig
+    from megatron_odyssey.runtime.control_plane import TAKEOVER_KEY, Deposed, Replica, client
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c", "import time, datetime, torch.distributed as d; "
+                               f"s = d.TCPStore('127.0.0.1', {port}, is_master=True, wait_for_workers=False); "
+                               "time.sleep(120)"])
+    try:
+        cfg = TrainConfig(nproc=2, tp=1, pp=2, layers=4, hidden=32, heads=4, seq=16, global_batch=2, micro_batch=1,
+                          steps=4)
+        agent = Agent(cfg, None, tmp_path, procs={}, store=None)
+        agent.replica = Replica(("127.0.0.1", port), connect_timeout_s=30)
+        agent._to_standby(lambda r: r.step({"committed": 0}, {"step": 0}))
+        assert agent.replica is not None and agent.replica.seq == 0
+        client(("127.0.0.1", port), 10).set(TAKEOVER_KEY, "the standby took over")
+        with _pytest.raises(Deposed):
+            agent._to_standby(lambda r: r.step({"committed": 1}, {"step": 1}))
+        server.kill()
+        server.wait()
+        agent._to_standby(lambda r: r.step({"committed": 2}, {"step": 2}))
+        assert agent.replica is None
+        assert "the standby agent's store stopped answering" in capsys.readouterr().err
+        agent._to_standby(lambda r: r.step({"committed": 3}, {"step": 3}))  # and no longer tries
+    finally:
+        server.kill()
