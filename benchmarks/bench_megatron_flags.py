@@ -18,10 +18,10 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 from docs_section import write_section
+from megatron_rounds import run_rounds
 from megatron_odyssey.megatron_lm.cpu_mode import tiny_gpt_flags
 from megatron_odyssey.testing.megatron_lm_job import run_odyssey, run_stock, same_training
 
@@ -118,14 +118,7 @@ def main() -> None:
     parser.add_argument("--write", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
     args = parser.parse_args()
-    mlm = os.environ.get("MEGATRON_LM_PATH")
-    if not mlm or not (Path(mlm) / "pretrain_gpt.py").exists():
-        sys.exit("set MEGATRON_LM_PATH to a Megatron-LM checkout")
-    rounds = []
-    for i in range(args.repeats):
-        with tempfile.TemporaryDirectory() as d:
-            rounds.append(one_round(mlm, Path(d), 26000 + 100 * i + os.getpid() % 50))
-        print(f"round {i + 1}/{args.repeats}: {rounds[-1]}", flush=True)
+    rounds = run_rounds(args.repeats, one_round, 26000)
     text = render(rounds, "MEGATRON_LM_PATH=... python " + " ".join(sys.argv))
     print(text)
     if args.write:

@@ -19,11 +19,11 @@ import platform
 import re
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from docs_section import write_section
+from megatron_rounds import run_rounds
 from megatron_odyssey.testing.megatron_lm_job import JobResult, run_odyssey, run_stock, same_training
 from megatron_odyssey.megatron_lm.cpu_mode import tiny_gpt_flags
 
@@ -103,14 +103,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--write", type=Path, default=None)
     args = parser.parse_args()
-    mlm = os.environ.get("MEGATRON_LM_PATH")
-    if not mlm or not (Path(mlm) / "pretrain_gpt.py").exists():
-        sys.exit("set MEGATRON_LM_PATH to a Megatron-LM checkout")
-    rows = []
-    for i in range(args.repeats):
-        with tempfile.TemporaryDirectory() as d:
-            rows.append(one_round(mlm, Path(d), 25000 + 100 * i + os.getpid() % 50))
-        print(f"round {i + 1}/{args.repeats}: {rows[-1]}", flush=True)
+    rows = run_rounds(args.repeats, one_round, 25000)
     text = render(rows, "MEGATRON_LM_PATH=... python " + " ".join(sys.argv))
     print(text)
     if args.write:

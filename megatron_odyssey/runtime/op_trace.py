@@ -1,6 +1,7 @@
 """A rank's record of its operations in one step, for the agent's C4D-style diagnosis (``diagnosis``).
 
-Per step the executor notes how long each compute operation took (without the time it waited for its
+Per step the executor (or, before a Megatron-LM job's first failure, Megatron's own schedule through
+``megatron_lm.stock_trace`` and its patches) notes how long each compute operation took (without the time it waited for its
 input), and for each point-to-point message when it was handed to the transport (send) or when the rank
 started waiting for it and when it arrived (receive); the gradient sync notes when it entered and left each
 unit's all-reduce; the commit wait is timed as a whole. Nothing here synchronises or talks to anyone: plain appends on the rank's own thread, bounded per

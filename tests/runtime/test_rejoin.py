@@ -7,7 +7,8 @@ from megatron_odyssey.runtime.config import TrainConfig
 from megatron_odyssey.testing.reference import reference_in_subprocess
 from recovery_job import MODEL, assert_exact, run
 
-# long enough for the replacement (set up while the job starts: imports, dataset) to be ready and join
+# the commit after --rejoin's step waits for the replacement to ask (agent._awaiting_rejoiner), so where it joins
+# does not depend on the machine's speed; 30 steps leave room for the second failure after the join
 STEPS = 30
 
 
@@ -33,7 +34,7 @@ def test_a_standby_is_offered_to_the_next_failures_recovery(tmp_path):
     the next failure's recovery weighs putting it to work (standby-* candidates) and training stays exact."""
     reference = reference_in_subprocess(TrainConfig(nproc=1, tp=1, pp=1, **{**MODEL, "steps": STEPS}),
                                         tmp_path / "ref")
-    # the second failure late enough that the replacement (set up while the job starts) has asked to join
+    # the second failure after the join decision (taken at step 4, the commit after --rejoin's step 3)
     params, report = run(tmp_path, ["step=2,rank=4,kind=kill", f"step={STEPS - 6},rank=1,kind=kill"], steps=STEPS,
                          mtbf_hours=0.0035, extra={"rejoin": [{"rank": 4, "after_step": 3}]})
     assert_exact(reference, params, report)
