@@ -95,6 +95,12 @@ def grad_norm_fp32(original: Callable[..., Any]) -> Callable[..., Any]:
 
 # -- the diagnosis in Megatron's own schedule (generation 0) ---------------------------------------------
 
+def _stock_recorder(name: str) -> Any:
+    """The runtime's recorder ``name`` while Megatron's own schedule runs (before the first failure), else None."""
+    runtime = STATE.runtime
+    return getattr(runtime, name, None) if runtime is not None and runtime.stock else None
+
+
 def timed_backward_step(original: Callable[..., Any]) -> Callable[..., Any]:
     """megatron's ``schedules.backward_step``: unchanged, but while Megatron's own schedule runs (before the
     first failure) timed for the agent's diagnosis and stretched by an injected slowdown, as our executor's
@@ -102,8 +108,7 @@ def timed_backward_step(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        runtime = STATE.runtime
-        timer = getattr(runtime, "stock_timer", None) if runtime is not None and runtime.stock else None
+        timer = _stock_recorder("stock_timer")
         if timer is None:
             return original(*args, **kwargs)
         with timer.timing("backward"):
@@ -119,8 +124,7 @@ def traced_p2p(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        runtime = STATE.runtime
-        log = getattr(runtime, "stock_messages", None) if runtime is not None and runtime.stock else None
+        log = _stock_recorder("stock_messages")
         if log is None:
             return original(*args, **kwargs)
         log.sending(kwargs)

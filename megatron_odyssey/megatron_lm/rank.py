@@ -251,8 +251,7 @@ class MegatronRank(GenerationRank):
         self.stock_timer = ComputeTimer(compute_clock(self.device), **self.diagnosed())
         from .stock_trace import StockMessages  # ... and its messages (hooks.traced_p2p)
 
-        self.stock_messages = StockMessages(self.node, cfg.pp, cfg.dp, self.trace, self.stock_timer,
-                                            self.stock_timer.pace)
+        self.stock_messages = StockMessages(self.node, cfg.pp, cfg.dp, self.stock_timer)
         from ..runtime.control_plane import ControlPlane
 
         self.control = ControlPlane.from_env(self.store_addr, self.ident, store, cfg.timeout_s)
@@ -584,9 +583,7 @@ class MegatronRank(GenerationRank):
         if self.timing:
             self._fb_timer().start(barrier=False)
         self.pending = step
-        if self.trace is not None:
-            self.trace.begin(step)
-        self.stock_messages.begin()
+        self.stock_messages.begin(step)  # (and this step's operation record)
         opt.step = functools.partial(self._guarded_optimizer_step, type(opt).step.__get__(opt), step)
         try:
             result = stock_step(self._injecting(forward_step_func, step))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ..runtime.op_trace import ComputeTimer, OpTrace, message_name
 
@@ -28,9 +28,9 @@ class StockMessages:
     node: int
     pp: int
     dp: int
-    trace: OpTrace | None
-    timer: ComputeTimer  # the compute that produced a message sizes an injected slow link's hold-back
-    pace: Callable[[str, float], None] | None = None
+    # generation 0's compute timer: its trace gets the messages too, its pace holds them back under an
+    # injected slow link, by the compute that produced them
+    timer: ComputeTimer
     sent: Counter = field(default_factory=Counter)
     received: Counter = field(default_factory=Counter)
 
@@ -42,8 +42,14 @@ class StockMessages:
     def replica(self) -> int:
         return self.node % self.dp
 
-    def begin(self) -> None:
-        """A new step: messages are numbered from 0 again."""
+    @property
+    def trace(self) -> OpTrace | None:
+        return self.timer.trace
+
+    def begin(self, step: int) -> None:
+        """A new step: a new record, messages numbered from 0 again."""
+        if self.trace is not None:
+            self.trace.begin(step)
         self.sent.clear()
         self.received.clear()
 
@@ -63,8 +69,8 @@ class StockMessages:
                 self.sent[kind] += 1
                 if self.trace is not None:
                     self.trace.sent(self._neighbour(direction)[1], message_name(kind, self.replica, self.stage, k), now)
-        if any_sent and self.pace is not None:
-            self.pace("send", self.timer.last_s)
+        if any_sent and self.timer.pace is not None:
+            self.timer.pace("send", self.timer.last_s)
 
     def all_reduced(self, entered: float, left: float) -> None:
         """Megatron's gradient reduction of this step (``finalize_model_grads``: the stage's data-parallel

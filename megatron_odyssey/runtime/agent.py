@@ -1004,7 +1004,11 @@ class Agent:
                 "agent_pid": os.getpid(), "started_any": self.gen > 0 or self.warm,
                 # the report's records so far (a standby's report goes on from them; a standby agent cannot
                 # admit the ranks waiting to join here: they leave with this agent's store)
-                "diagnoses": self.restored_records["diagnoses"] + [r.to_json() for r in self.slow_nodes.records],
+                **self._diagnoses_and_joins()}
+
+    def _diagnoses_and_joins(self) -> dict[str, list[dict[str, Any]]]:
+        """The report's ``"diagnoses"`` and ``"joins"``: a lost agent's (restored) first, then this agent's."""
+        return {"diagnoses": self.restored_records["diagnoses"] + [r.to_json() for r in self.slow_nodes.records],
                 "joins": self.restored_records["joins"] + [j.to_json() for j in self.joins]}
 
     def _replicate_state(self) -> None:
@@ -1209,9 +1213,7 @@ class Agent:
         devices = {i: self.store.get(f"odyssey/device/{i}").decode() for i in sorted(self.procs)
                    if self.store is not None and self.store.check([f"odyssey/device/{i}"])}
         report = {"ok": ok, "running": not final, "steps": self.steps.records(), "failures": failures,
-                  "takeovers": takeovers,
-                  "diagnoses": self.restored_records["diagnoses"] + [r.to_json() for r in self.slow_nodes.records],
-                  "joins": self.restored_records["joins"] + [j.to_json() for j in self.joins],
+                  "takeovers": takeovers, **self._diagnoses_and_joins(),
                   "profile": self.profile.name, "devices": devices, "host": host_summary(),
                   "final_plan": self.plan.to_dict(), "config": {k: v for k, v in vars(self.cfg).items()}}
         path = Path(self.cfg.report)
