@@ -44,6 +44,17 @@ class OdysseyArgumentError(ValueError):
     """A flag combination Odyssey cannot run; the message names the flag and the fix."""
 
 
+def parse_rejoin(specs: list[str], flag: str = "--rejoin") -> list[dict[str, int]]:
+    """``R@S`` specs (``odyssey train --rejoin``, ``--odyssey-rejoin``) -> [{"rank": R, "after_step": S}]."""
+    out = []
+    for spec in specs:
+        rank, _, step = spec.partition("@")
+        if not (rank.strip().isdigit() and step.strip().isdigit()):
+            raise OdysseyArgumentError(f"{flag} {spec!r}: expected RANK@STEP, e.g. {flag} 5@6")
+        out.append({"rank": int(rank), "after_step": int(step)})
+    return out
+
+
 def add_odyssey_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``odyssey`` group (used as, or chained into, Megatron's ``extra_args_provider``)."""
     if any(a.dest == "odyssey" for a in parser._actions):  # already added (idempotent)
@@ -91,6 +102,11 @@ def add_odyssey_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         "kind=kill|hang|slow|error (repeatable; rank is the launch-time global rank; error: "
                         "the rank raises, as a local bug would; kind=slow,factor=F[,steps=N]: its compute F times "
                         "slower from iteration I on, for N iterations or to the end)")
+    g.add_argument("--odyssey-rejoin", action="append", default=[], metavar="RANK@STEP",
+                   help="testing: rank R's machine comes back after iteration S (repeatable). Its replacement, "
+                        "started with `odyssey-launch --join` at any time, asks to join once that iteration is "
+                        "committed and R is dead, and the agent holds the next commit until it has asked (bounded "
+                        "by the store timeout), so where it joins does not depend on how fast it started")
     return parser
 
 
@@ -203,6 +219,10 @@ def validate_odyssey_args(args: Any) -> None:
         if train_iters is not None and spec.step >= train_iters:
             raise OdysseyArgumentError(f"--odyssey-inject-fault {text!r}: step {spec.step} is not before "
                                        f"--train-iters {train_iters}")
+    for r in parse_rejoin(args.odyssey_rejoin, "--odyssey-rejoin"):
+        if (world is not None and r["rank"] >= world) or (train_iters is not None and r["after_step"] >= train_iters):
+            raise OdysseyArgumentError(f"--odyssey-rejoin {r['rank']}@{r['after_step']}: the rank must be one of the "
+                                       f"job's 0..{(world or 1) - 1} and the iteration one of 0..{(train_iters or 1) - 1}")
     if args.odyssey_policy == "reroute" and getattr(args, "data_parallel_size", 2) < 2:
         raise OdysseyArgumentError("--odyssey-policy reroute needs a data-parallel peer to take over a dead "
                                    "node's micro-batches, but the data-parallel size is 1")

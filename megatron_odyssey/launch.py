@@ -15,6 +15,11 @@ every commit, and when machine 0 (or only its launcher) is lost the standby take
 ranks and the other machines' node agents follow it.
 
     odyssey-launch --nproc-per-node 8 [--nnodes 2 --node-rank 0 --master-addr HOST] pretrain_gpt.py ARGS
+
+A machine that comes back (repaired, or spot capacity returning) joins the running job with the same command
+line and ``--join HOST:PORT`` (the agent's store, written to ``agent.address`` in machine 0's workdir): its
+ranks, numbered as at launch, set Megatron up in a private world and ask the agent to join
+(:mod:`megatron_odyssey.megatron_lm.joining`); this launcher supervises them like a node agent.
 """
 from __future__ import annotations
 
@@ -29,7 +34,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from .runtime.control_plane import FENCE_KEY  # (no torch import: the launcher starts fast)
+from .runtime.control_plane import FENCE_KEY, free_port  # (no torch import: the launcher starts fast)
 from .runtime.errors import STOPPED_EXIT, rank_log_traceback
 
 FINISHED_KEY = "odyssey/finished"  # the agent ran the job to its end (its exit code): node agents stop
@@ -70,6 +75,11 @@ class LocalRank:
             pass
 
 
+def exits_reported(store: Any) -> int:
+    """How much of the exit log exists now (see ``RemoteExits(after=)``)."""
+    return len(store.get(EXITS_KEY)) if store.check([EXITS_KEY]) else 0
+
+
 def report_exit(store: Any, ident: int, code: int) -> None:
     """A node agent's report of one of its ranks' exit."""
     store.set(EXIT_KEY.format(ident), str(code))
@@ -79,35 +89,43 @@ def report_exit(store: Any, ident: int, code: int) -> None:
 class RemoteExits:
     """Exit codes of the ranks on other machines, for the coordinator: one store round trip per look, and at
     most one look every few milliseconds, however many ranks there are (the agent asks for every rank's exit
-    code in every pass of its loop; one store lookup per rank would grow with the job)."""
+    code in every pass of its loop; one store lookup per rank would grow with the job). ``after``: only exits
+    reported after that many bytes of the key (a rank that joined again: its earlier life's exit is history)."""
 
-    def __init__(self, store: Any, every_s: float = 0.004):
-        self.store, self.every_s, self.read_at, self.codes = store, every_s, 0.0, {}
+    def __init__(self, store: Any, every_s: float = 0.004, after: int = 0):
+        self.store, self.every_s, self.read_at, self.codes, self.after = store, every_s, 0.0, {}, after
 
     def code(self, ident: int) -> int | None:
         now = time.monotonic()
         if now - self.read_at >= self.every_s:
             self.read_at = now
             if self.store.check([EXITS_KEY]):
-                for item in self.store.get(EXITS_KEY).decode().split(";"):
+                for item in self.store.get(EXITS_KEY).decode()[self.after:].split(";"):
                     if item:
                         rank, code = item.split(":")
                         self.codes[int(rank)] = int(code)
         return self.codes.get(ident)
 
 
+def incarnation_fence_key(ident: int, pid: int) -> str:
+    """The fence key of a rank that joined the running job: its own, not its rank's earlier life's (which the
+    agent may set, late, while the replacement is already up)."""
+    return FENCE_KEY.format(f"{ident}.{pid}")
+
+
 class RemoteRank:
     """A rank on another machine, seen through the store its node agent reports to."""
 
-    def __init__(self, store: Any, ident: int, exits: RemoteExits | None = None):
+    def __init__(self, store: Any, ident: int, exits: RemoteExits | None = None, fence_key: str | None = None):
         self.store, self.ident, self.exits = store, ident, exits or RemoteExits(store, every_s=0.0)
+        self.fence_key = fence_key or FENCE_KEY.format(ident)
 
     @property
     def exitcode(self) -> int | None:
         return self.exits.code(self.ident)
 
     def kill(self) -> None:
-        self.store.set(FENCE_KEY.format(self.ident), "1")
+        self.store.set(self.fence_key, "1")
 
     def join(self, timeout: float | None = None) -> None:
         deadline = time.monotonic() + (timeout or 0)
@@ -132,6 +150,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="no standby agent on machine 1: losing machine 0 (or its launcher) then ends the job")
     p.add_argument("--workdir", type=Path, default=Path("odyssey-run"), help="per-rank logs (default odyssey-run)")
     p.add_argument("--no-python", action="store_true", help="run the script as an executable (like torchrun)")
+    p.add_argument("--join", default=None, metavar="HOST:PORT",
+                   help="this machine comes back to a running job: its ranks (numbered as at launch, --node-rank x "
+                        "--nproc-per-node) join it at an iteration boundary when the planner admits them; HOST:PORT "
+                        "is the job's agent (agent.address in machine 0's --workdir)")
     p.add_argument("script", help="the training script, e.g. Megatron-LM's pretrain_gpt.py")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments (with --odyssey to enable recovery)")
     args = p.parse_args(argv)
@@ -154,11 +176,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def start_ranks(args: argparse.Namespace) -> dict[int, LocalRank]:
-    """This machine's ranks, each with torchrun's environment plus the agent's store address."""
+def start_ranks(args: argparse.Namespace, joining: dict[str, Any] | None = None) -> dict[int, LocalRank]:
+    """This machine's ranks, each with torchrun's environment plus the agent's store address. ``joining``
+    (``--join``): each node (``tp`` ranks) gets torchrun's variables for a private world of its own, and the
+    global rank it joins as (``ODYSSEY_JOIN_RANK``)."""
     world = args.nnodes * args.nproc_per_node
     args.workdir.mkdir(parents=True, exist_ok=True)
     procs = {}
+    private_ports: dict[int, int] = {}
     for local in range(args.nproc_per_node):
         rank = args.node_rank * args.nproc_per_node + local
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world),
@@ -167,6 +192,12 @@ def start_ranks(args: argparse.Namespace) -> dict[int, LocalRank]:
                    ODYSSEY_STORE=f"{args.master_addr}:{args.odyssey_port}", ODYSSEY_WORKDIR=str(args.workdir),
                    ODYSSEY_STANDBY="expected" if args.standby else "none",
                    TORCH_SHOW_CPP_STACKTRACES=os.environ.get("TORCH_SHOW_CPP_STACKTRACES", "0"))
+        if joining is not None:
+            tp = joining["tp"]
+            port = private_ports.setdefault(local // tp, free_port())
+            env.update(RANK=str(local % tp), WORLD_SIZE=str(tp), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       ODYSSEY_STORE=joining["address"], ODYSSEY_JOIN_RANK=str(rank),
+                       ODYSSEY_STANDBY="expected" if joining["standby"] else "none")
         cmd = ([args.script] if args.no_python else [sys.executable, "-u", args.script]) + args.script_args
         log = open(args.workdir / f"rank{rank}.log", "w")
         echo = rank == world - 1  # Megatron logs training progress on the last rank
@@ -206,6 +237,9 @@ def coordinate(args: argparse.Namespace, local: dict[int, LocalRank]) -> int:
         time.sleep(0.05)
     cfg = TrainConfig(**json.loads(store.get(CONFIG_KEY)))
     agent = Agent(cfg, None, args.workdir, procs=procs, store=store)
+    from .runtime.joining import ADDRESS_FILE
+
+    (args.workdir / ADDRESS_FILE).write_text(f"{args.master_addr}:{args.odyssey_port}\n")  # for --join
     if args.standby:
         from .runtime.control_plane import STANDBY_KEY, parse_address
         from .runtime.generation import wait_key
@@ -249,12 +283,14 @@ def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any
     """Report this machine's rank exits and fence the ranks the agent asks to fence, until every rank has
     exited or the agent finished the job; follows the standby when it takes over (``control``)."""
     reported: set[int] = set()
+    fence = {ident: incarnation_fence_key(ident, p.pid) if getattr(args, "join", None) else FENCE_KEY.format(ident)
+             for ident, p in local.items()}
     while len(reported) < len(local):
         try:
             if store.check([FINISHED_KEY]) or (stop is not None and stop.is_set()):
                 break
             for ident, p in local.items():
-                if ident not in reported and store.check([FENCE_KEY.format(ident)]):
+                if ident not in reported and store.check([fence[ident]]):
                     p.kill()
                 if ident not in reported and p.exitcode is not None:
                     report_exit(store, ident, p.exitcode)
@@ -327,6 +363,41 @@ def standby_node(args: argparse.Namespace, local: dict[int, LocalRank], agent_st
     return code
 
 
+def join_running_job(args: argparse.Namespace) -> int:
+    """``--join``: this machine's ranks join the running job (see the module docstring); this launcher then
+    reports their exits and fences them for the agent, like any machine's node agent."""
+    import torch.distributed as dist
+
+    from .runtime.config import TrainConfig
+    from .runtime.control_plane import STANDBY_KEY, ControlPlane, listening, parse_address
+
+    try:
+        address = parse_address(args.join)
+        if not listening(address, timeout_s=5):
+            raise ConnectionRefusedError("nothing listens there")
+        store = dist.TCPStore(*address, is_master=False, timeout=timedelta(seconds=60))
+        if not store.check([CONFIG_KEY]):
+            raise RuntimeError("that job has not started training (or is not an --odyssey job)")
+        cfg = TrainConfig(**json.loads(store.get(CONFIG_KEY)))
+    except Exception as exc:  # noqa: BLE001 - the reason on the terminal, not a traceback
+        print(f"odyssey-launch --join {args.join}: cannot reach the job: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    first, count = args.node_rank * args.nproc_per_node, args.nproc_per_node
+    if first % cfg.tp or count % cfg.tp:
+        print(f"odyssey-launch --join: a node (its {cfg.tp} tensor-parallel ranks) joins whole, but this machine's "
+              f"ranks {first}..{first + count - 1} split one; use the job's --nproc-per-node", file=sys.stderr)
+        return 2
+    if first + count > cfg.nproc:
+        print(f"odyssey-launch --join: ranks {first}..{first + count - 1} are not ranks of the job (0..{cfg.nproc - 1}); "
+              f"number this machine as at launch (--nnodes, --node-rank, --nproc-per-node)", file=sys.stderr)
+        return 2
+    standby = parse_address(store.get(STANDBY_KEY).decode()) if store.check([STANDBY_KEY]) else None
+    local = start_ranks(args, joining={"tp": cfg.tp, "address": f"{address[0]}:{address[1]}",
+                                       "standby": standby is not None})
+    control = ControlPlane(address, standby, -1, wait_s=120) if standby is not None else None
+    return node_agent(args, local, store, control)
+
+
 def route_address(master_addr: str, port: int) -> str:
     """This machine's address on the route to machine 0 (what the other machines can reach it at)."""
     import socket
@@ -342,6 +413,12 @@ def route_address(master_addr: str, port: int) -> str:
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.join:
+        try:
+            code = join_running_job(args)
+        except KeyboardInterrupt:
+            code = 130
+        sys.exit(code)
     local = start_ranks(args)
     try:
         code = coordinate(args, local) if args.node_rank == 0 else serve_node(args, local)

@@ -112,13 +112,12 @@ def rejoin_text(rejoin: list[dict[str, int]]) -> list[str]:
 
 def parse_rejoin(specs: list[str]) -> list[dict[str, int]]:
     """``--rejoin R@S`` -> [{"rank": R, "after_step": S}]."""
-    out = []
-    for spec in specs:
-        rank, _, step = spec.partition("@")
-        if not (rank.strip().isdigit() and step.strip().isdigit()):
-            raise UsageError(f"--rejoin {spec!r}: expected RANK@STEP, e.g. --rejoin 5@6")
-        out.append({"rank": int(rank), "after_step": int(step)})
-    return out
+    from .arguments import OdysseyArgumentError, parse_rejoin as parse
+
+    try:
+        return parse(specs)
+    except OdysseyArgumentError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def read_plan(path: str | None) -> dict | None:

@@ -38,6 +38,7 @@ class OdysseyState:
     stage_range: tuple[int, int] | None = None  # layers [start, end) while a stage model is being built
     grad_norm: float | None = None  # this step's plan-wide norm, agreed before the commit
     last_losses: Any = None  # what Megatron's own schedule returned last (generation 0)
+    joining: dict[str, Any] | None = None  # a rank joining a running job: its own values of args (megatron_lm.joining)
     captured: Captured = field(default_factory=Captured)
 
 

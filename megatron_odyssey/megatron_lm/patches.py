@@ -58,13 +58,21 @@ def _parse_args(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _validate_args(original: Callable[..., Any]) -> Callable[..., Any]:
+    import contextlib
+
     from ..arguments import OdysseyArgumentError, validate_odyssey_args
+    from . import joining
 
     @functools.wraps(original)
     def validate_args(args: Any, *a: Any, **k: Any) -> Any:
-        out = original(args, *a, **k)
+        # a rank joining a running job (odyssey-launch --join) starts in a private world of its own
+        rejoining = getattr(args, "odyssey", False) and joining.join_rank() is not None
         try:
-            validate_odyssey_args(args)
+            if rejoining:
+                joining.private_layout(args)
+            out = original(args, *a, **k)
+            with joining.as_the_job(args) if rejoining else contextlib.nullcontext():
+                validate_odyssey_args(args)
             if getattr(args, "odyssey", False):
                 check_release()
         except OdysseyArgumentError as exc:
@@ -96,6 +104,12 @@ def _train_step(original: Callable[..., Any]) -> Callable[..., Any]:
     from .rank import train_step
 
     return train_step(original)
+
+
+def _join_before_train(original: Callable[..., Any]) -> Callable[..., Any]:
+    from .joining import join_before_train
+
+    return join_before_train(original)
 
 
 def _dispatcher(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -147,6 +161,10 @@ PATCHES: tuple[Patch, ...] = (
           releases=(12, 13)),
     Patch(f"{_C}.pipeline_parallel.p2p_communication:P2PCommunicator._communicate", hooks.traced_p2p,
           "0.14+: the same, now a method of the schedule's communicator", releases=(14, 20)),
+    # a machine that comes back (megatron_lm.joining)
+    Patch(f"{_T}.training:train", _join_before_train,
+          "a rank joining a running job (odyssey-launch --join) set Megatron up in a private world; before the "
+          "loop starts it waits for the agent's admission, and the loop starts at the job's iteration"),
     # the step: commit and redo, gradients, norm
     Patch(f"{_T}.training:train_step", _train_step,
           "generation 0 runs Megatron's own step with a commit guard before the optimizer; after a failure "

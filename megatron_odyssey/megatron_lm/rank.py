@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
+from ..arguments import parse_rejoin
 from ..planning.plan import ExecutionPlan, symmetric_plan
 from ..runtime.config import TrainConfig
 from ..runtime.executor import PipelineExecutor
@@ -188,7 +189,9 @@ def config_from_megatron_args(args: Any) -> TrainConfig:
         workdir=os.environ.get(WORKDIR_ENV), mtbf_hours=args.odyssey_mtbf_hours,
         extra={"megatron": True, "start_step": int(args.iteration), "save_dir": getattr(args, "save", None),
                "max_cached_failures": args.odyssey_max_cached_failures,
-               "profile_iters": args.odyssey_profile_iters, **megatron_job_fields(args)})
+               "profile_iters": args.odyssey_profile_iters, **megatron_job_fields(args),
+               **({"rejoin": parse_rejoin(args.odyssey_rejoin, "--odyssey-rejoin")}
+                  if getattr(args, "odyssey_rejoin", None) else {})})
 
 
 # -- the rank --------------------------------------------------------------------------------------------
@@ -198,17 +201,21 @@ class MegatronRank(GenerationRank):
 
     started = False  # set once the first iteration begins (start-up failures end the job instead)
 
-    def __init__(self, args: Any, model: list, optimizer: Any, scheduler: Any):
+    def __init__(self, args: Any, model: list, optimizer: Any, scheduler: Any, joining: bool = False):
+        """``joining``: a rank of a machine that comes back (megatron_lm.joining), set up in a private world; it
+        holds no state and runs no generation until :meth:`await_admission` and its first iteration."""
         from ..runtime.faults import Injector
+        from .joining import job_config, join_rank
 
         import faulthandler
         import signal
 
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` dumps a stuck rank's stacks
         host, port = os.environ[STORE_ENV].rsplit(":", 1)
-        cfg = config_from_megatron_args(args)
+        cfg = job_config() if joining else config_from_megatron_args(args)
         store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=cfg.timeout_s))
-        self.cfg, self.ident, self.store, self.store_addr = cfg, dist.get_rank(), store, (host, int(port))
+        ident = join_rank() if joining else dist.get_rank()
+        self.cfg, self.ident, self.store, self.store_addr = cfg, ident, store, (host, int(port))
         self.args, self.megatron_model, self.megatron_optimizer, self.scheduler = args, model, optimizer, scheduler
         self.node, self.tp_rank = divmod(self.ident, cfg.tp)
         self.injector = Injector(cfg.fail_specs(), self.ident, store)
@@ -220,7 +227,8 @@ class MegatronRank(GenerationRank):
         # the backend of the device the model lives on (Megatron's flag says "nccl" on Ascend too)
         self.backend = dist_backend(self.device.type)
         self.p2p = P2P.for_backend(self.backend, self.device)
-        self.stock = True  # generation 0: Megatron's own schedule and DDP (see module docstring)
+        self.stock = not joining  # generation 0: Megatron's own schedule and DDP (see module docstring)
+        self.admission: tuple[int, dict] | None = None  # a joining rank's generation and plan, until it enters
         self.current_step = int(args.iteration)
         self.timed_iterations = 0  # iterations timed on odyssey-forward-backward (profile window)
         self.committed, self.pending, self.saved = int(args.iteration) - 1, None, None
@@ -228,22 +236,25 @@ class MegatronRank(GenerationRank):
         # --odyssey-profile-iters: time iterations [first, end) with Megatron's timers (the first one
         # after start-up is a warm-up), then publish this stage's per-layer costs to the agent
         first = int(args.iteration) + 1
-        self.profile_window = range(first, first + int(args.odyssey_profile_iters))
+        self.profile_window = range(first, first + (0 if joining else int(args.odyssey_profile_iters)))
         self.timing = False
         self.last_result: Any = None
         self.arity = 8 if "log_max_attention_logit" in inspect.getsource(_original_train_step()) else 7
-        if self.ident == 0:  # the planner's device: its memory and matmul rate in the job's dtype (published below)
+        if self.ident == 0 and not joining:  # the planner's device: its memory and matmul rate in the job's dtype
             from ..runtime.device_profile import measure_device
 
             cfg.extra["device"] = measure_device(self.device, _activation_dtype(args))
         store.set(f"odyssey/device/{self.ident}", f"{self.device} ({self.backend})")  # for the report
-        if self.ident == 0:
+        if self.ident == 0 and not joining:
             store.set("odyssey/config", json.dumps(cfg.__dict__))
         self.gen_lock = threading.RLock()  # held while this thread aborts, tears down or builds groups
         plan = self.gen0_plan = symmetric_plan(cfg.pp, cfg.dp, cfg.layers, cfg.num_micro_batches)
         self.gen0_vpp = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
         self.keyed_dropout = bool(getattr(args, "hidden_dropout", 0) or getattr(args, "attention_dropout", 0))
-        self._adopt_generation0(plan)
+        if joining:
+            self._adopt_private_world()
+        else:
+            self._adopt_generation0(plan)
         from ..runtime.op_trace import ComputeTimer, compute_clock
 
         # generation 0's compute, timed in Megatron's own schedule for the diagnosis (the forward step in
@@ -257,11 +268,15 @@ class MegatronRank(GenerationRank):
         self.control = ControlPlane.from_env(self.store_addr, self.ident, store, cfg.timeout_s)
         if self.control.standby is None:
             self.control = None
-        Heartbeat(host, int(port), self.ident, cfg.heartbeat_interval_s, self.progress, self.control).start()
+        if not joining:  # (a joining rank beats once it asks to join: its rank's earlier life may still be beating)
+            self._start_heartbeat()
         AbortWatcher(self, host, int(port), control=self.control).start()
         import atexit
 
         atexit.register(self._say_done)
+
+    def _start_heartbeat(self) -> None:
+        Heartbeat(*self.store_addr, self.ident, self.cfg.heartbeat_interval_s, self.progress, self.control).start()
 
     def _say_done(self) -> None:
         """At a clean exit: tell the agent (a standby cannot see this process's exit code once its launcher
@@ -303,6 +318,43 @@ class MegatronRank(GenerationRank):
         # the process groups train() keeps for its whole run (a local of Megatron's train(), passed to
         # training_log): emptied at teardown and refilled with each new generation's, see teardown
         self.train_pgs = _pg_collection_of(self.model)
+
+    def _adopt_private_world(self) -> None:
+        """A joining rank before admission: Megatron's objects in its private world are placeholders that
+        :meth:`enter` rebuilds on the admitted generation's groups; nothing is captured from them."""
+        self.gen, self.k = -1, keys(-1)  # no generation of the job's yet (the abort watcher watches none)
+        self.model, self.named, self.optimizer = None, [], None
+        STATE.plan = None
+        self.train_pgs = _pg_collection_of(self.megatron_model[0])  # the object train() will hold (see teardown)
+
+    def await_admission(self) -> None:
+        """Ask the agent to join (after the job's ``--odyssey-rejoin`` moment, if it names this rank) and wait
+        until the planner admits this rank; then Megatron's loop is set to start at the job's iteration. The
+        generation is entered at the first iteration (:meth:`megatron_train_step`), after ``train()``'s set-up
+        in the private world."""
+        from ..runtime.joining import REJOIN_KEY, announce, wait_for_admission, wait_for_key
+        from ..runtime.liveness import WAITING
+        from .joining import resume_where_the_job_is
+
+        if any(int(r["rank"]) == self.ident for r in self.cfg.extra.get("rejoin", [])):
+            wait_for_key(self.store, REJOIN_KEY.format(self.ident), self.ident)
+        self._start_heartbeat()
+        announce(self.store, self.ident, launched=True)
+        self.progress.set_state(WAITING)
+        self.admission = wait_for_admission(self.store, self.ident)
+        resume = int(self.admission[1]["resume_step"])
+        self.committed, self.current_step = resume - 1, resume
+        resume_where_the_job_is(self.args, self.scheduler, self.ident, resume)
+        print(f"[odyssey rank {self.ident}] admitted into generation {self.admission[0]} at iteration {resume}",
+              file=sys.stderr, flush=True)
+
+    def _enter_admitted(self) -> None:
+        """Leave the private world and enter the admitted generation (its stage, state from live replicas)."""
+        gen, msg = self.admission
+        self.admission = None
+        with self.gen_lock:
+            self.teardown()
+            self.enter_admitted(gen, msg)
 
     def _adopt_chunk(self, chunk: Any) -> None:
         """This node's Megatron model chunk as the stage: its runner, its parameters by global name
@@ -518,6 +570,8 @@ class MegatronRank(GenerationRank):
         :meth:`_step`."""
         self.current_step = step
         self.last_forward_step, self.last_forward_backward = forward_step_func, forward_backward_func
+        if self.admission is not None:  # a joining rank's first iteration: into the job's generation
+            self._enter_admitted()
         if not self.started:  # start-up is over: from now on a failure is recovered from
             self.store.set(STARTED_KEY.format(self.ident), "1")
             self.store.check([STARTED_KEY.format(self.ident)])  # a round trip: in the store before any fault fires

@@ -45,7 +45,7 @@ from ..planning.plan import ExecutionPlan
 from ..planning.cache import PlanCache
 from ..planning.planner import Decision, Planner, PlannerOptions
 from .config import TrainConfig
-from .control_plane import Deposed, Replica, listening
+from .control_plane import Deposed, Replica, free_port, listening
 from .plan_message import encode_plan_message
 from .liveness import COMM, IDLE, WORKING, Beat
 from .diagnosis import DiagnosisOptions
@@ -85,14 +85,6 @@ def preload(sleep_mode: bool) -> None:
 
 def native_threads() -> int:
     return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(cfg_path: str, ident: int, port: int, log_path: str, echo: bool) -> None:
@@ -211,6 +203,7 @@ class Agent:
         self.held: set[int] = set()  # joining ranks the planner holds as standbys (for the current plan)
         self.rejoin = [dict(r) for r in cfg.extra.get("rejoin", [])]  # --rejoin R@S: the agent starts them
         self.joiners: dict[int, Any] = {}  # their processes by rank (stopped with the job if never admitted)
+        self.exits_at: dict[int, int] = {}  # launched joiners: how much of the exit log predates their request
         self.dropping: dict[int, str] = {}  # ranks fenced because the planner dropped their slow node: why
 
     # -- bookkeeping ----------------------------------------------------------------------------------
@@ -650,6 +643,10 @@ class Agent:
                 self.store.set(ADMIT_KEY.format(ident), f"refused: rank {ident} is alive in the job")
                 self.log_error(f"rank {ident} (pid {pid}) asked to join, but rank {ident} is alive: refused")
             else:
+                if ident in self.join_requests.launched:  # supervised by its machine's launcher (odyssey-launch --join)
+                    from ..launch import exits_reported
+
+                    self.exits_at[ident] = exits_reported(self.store)
                 self.log(f"rank {ident} (pid {pid}) asks to join; the planner decides after the next commit")
 
     def _consider_joins(self, step: int) -> None:
@@ -714,15 +711,17 @@ class Agent:
                 continue
             ident = int(spec["rank"])
             self._poll_joins(every_s=0.05)
-            proc = self.joiners[ident]
+            proc = self.joiners.get(ident)  # (none under odyssey-launch: started by the machine that comes back)
+            exited = proc is not None and proc.poll() is not None
             waited = time.time() - spec["due_at"]
             if ident in self.join_requests.pending or ident in self.members():
                 spec["settled"] = True
-            elif proc.poll() is not None or waited > self.cfg.timeout_s:
+            elif exited or waited > self.cfg.timeout_s:
                 spec["settled"] = True
-                why = f"exited with {proc.returncode}" if proc.poll() is not None else f"silent for {waited:.0f} s"
+                why = f"exited with {proc.returncode}" if exited else f"silent for {waited:.0f} s"
+                where = f"log: {self.workdir / f'rank{ident}.join.log'}" if proc is not None else "see its launcher"
                 self.log_error(f"rank {ident}'s replacement (--rejoin) {why} before asking to join; carrying on "
-                               f"without it (log: {self.workdir / f'rank{ident}.join.log'})")
+                               f"without it ({where})")
             else:
                 if not spec.get("said_wait"):
                     spec["said_wait"] = True
@@ -730,13 +729,25 @@ class Agent:
                 return True
         return False
 
-    def _admit(self, action: Action) -> None:
-        """The joining ranks become members: supervised by pid (the agent did not fork them)."""
+    def _joiner(self, ident: int) -> Any:
+        """A rank that asked to join, as a process to supervise: through its launcher's exit reports
+        (``odyssey-launch --join``, only those after its request count), or by pid (``odyssey join``, on this
+        machine; the agent did not fork it)."""
+        pid = self.join_requests.pending[ident]
+        if ident in self.join_requests.launched:
+            from ..launch import RemoteExits, RemoteRank, incarnation_fence_key
+
+            return RemoteRank(self.store, ident, RemoteExits(self.store, after=self.exits_at.get(ident, 0)),
+                              fence_key=incarnation_fence_key(ident, pid))
         from .control_plane import PidRank
 
+        return PidRank(pid, self.store, ident)
+
+    def _admit(self, action: Action) -> None:
+        """The joining ranks become members (see :meth:`_joiner`)."""
         for ident in action.ranks:
-            pid = self.join_requests.pending.pop(ident)
-            self.procs[ident] = PidRank(pid, self.store, ident)
+            self.procs[ident] = self._joiner(ident)
+            self.join_requests.pending.pop(ident)
             self.dead.discard(ident)
             self.fenced.discard(ident)
             self.beats.pop(ident, None)
@@ -952,10 +963,8 @@ class Agent:
 
     def _standby_nodes(self) -> tuple[int, ...]:
         """Nodes all of whose ranks joined and are held as standbys (still alive)."""
-        from .control_plane import PidRank
-
         pending = self.join_requests.pending
-        held = {i for i in self.held if i in pending and PidRank(pending[i], self.store, i).exitcode is None}
+        held = {i for i in self.held if i in pending and self._joiner(i).exitcode is None}
         return tuple(self._whole_nodes(held))
 
     def _whole_nodes(self, ranks: set[int]) -> list[int]:

@@ -236,6 +236,15 @@ class Standby:
         return state
 
 
+def free_port() -> int:
+    """A TCP port free on this machine now (for a store or a private world about to be started)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _zombie(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:

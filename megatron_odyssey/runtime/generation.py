@@ -215,6 +215,21 @@ class GenerationRank(abc.ABC):
         self._attach_stage()
         self.progress.set_state(IDLE)
 
+    def enter_admitted(self, gen: int, msg: dict) -> int:
+        """A joining rank enters the generation the agent admitted it into (``runtime.joining``), receiving its
+        stage's state from live replicas; returns the step to train from. A failure here makes it leave: it
+        holds no state yet, and the others recover without it."""
+        self.committed = int(msg["resume_step"]) - 1
+        try:
+            self.enter(gen, ExecutionPlan.from_dict(msg["plan"]), msg["policy"], [tuple(t) for t in msg["transfers"]],
+                       msg.get("checkpoint_step"))
+        except Exception as exc:
+            if not is_peer_failure(exc, self.store, gen):
+                fail_locally(self.store, self.ident, exc, f"joining generation {gen}")
+            stop_now(self.ident, f"joining generation {gen} failed ({type(exc).__name__}: {str(exc)[:200]}); this rank "
+                                 f"holds no state, so it leaves", 1)
+        return int(msg["resume_step"])
+
     def _join(self, gen: int) -> None:
         """Wait until the agent saw every member of ``gen`` alive and joining (or aborted ``gen``), so a
         member that dies now cannot strand the others inside the process-group rendezvous."""

@@ -27,15 +27,16 @@ from typing import Any
 
 from .errors import GIVEUP_KEY, stop_now
 
-JOINING_KEY = "odyssey/joining"  # appended "rank:pid;" by every rank that asks to join
+JOINING_KEY = "odyssey/joining"  # appended "rank:pid;" by every rank that asks to join ("rank:pid:launched;" when
+# a launcher of odyssey-launch --join supervises it: its exits are reported in the store, like a remote machine's)
 ADMIT_KEY = "odyssey/admit/{}"  # the generation the rank is admitted into (or "refused: why")
 REJOIN_KEY = "odyssey/rejoin/{}"  # --rejoin: the agent's signal that rank R's machine is back
 CONFIG_KEY = "odyssey/config"  # the job's TrainConfig as JSON (what a joining rank runs)
 ADDRESS_FILE = "agent.address"  # in the job's workdir: HOST:PORT of the agent's store
 
 
-def announce(store: Any, ident: int) -> None:
-    store.append(JOINING_KEY, f"{ident}:{os.getpid()};")
+def announce(store: Any, ident: int, launched: bool = False) -> None:
+    store.append(JOINING_KEY, f"{ident}:{os.getpid()}{':launched' if launched else ''};")
 
 
 def wait_for_admission(store: Any, ident: int, poll_s: float = 0.05) -> tuple[int, dict[str, Any]]:
@@ -92,6 +93,7 @@ class JoinRequests:
     def __init__(self) -> None:
         self.seen = 0  # bytes of the key already parsed
         self.pending: dict[int, int] = {}
+        self.launched: set[int] = set()  # ranks a launcher supervises (odyssey-launch --join), not seen by pid
 
     def poll(self, store: Any) -> dict[int, int]:
         """New requests since the last poll (two cheap round trips when there are none)."""
@@ -101,8 +103,12 @@ class JoinRequests:
         new, self.seen = value[self.seen:], len(value)
         out = {}
         for item in filter(None, new.split(";")):
-            rank, pid = item.split(":")
+            rank, pid, *how = item.split(":")
             out[int(rank)] = int(pid)
+            if how == ["launched"]:
+                self.launched.add(int(rank))
+            else:
+                self.launched.discard(int(rank))
         self.pending.update(out)
         return out
 

@@ -22,7 +22,6 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from ..planning.plan import ExecutionPlan
 from ..runtime import weight_grad
 from ..runtime.config import TrainConfig
 from ..runtime.errors import STARTED_KEY, fail_locally, is_peer_failure, stop_now
@@ -229,17 +228,9 @@ class StandaloneRank(GenerationRank):
         announce(self.store, self.ident)
         self.progress.set_state(WAITING)
         gen, msg = wait_for_admission(self.store, self.ident)
-        self.committed = int(msg["resume_step"]) - 1
-        try:
-            self.enter(gen, ExecutionPlan.from_dict(msg["plan"]), msg["policy"], [tuple(t) for t in msg["transfers"]],
-                       msg.get("checkpoint_step"))
-        except Exception as exc:  # it holds no state yet: it leaves, and the others recover without it
-            if not is_peer_failure(exc, self.store, gen):
-                fail_locally(self.store, self.ident, exc, f"joining generation {gen}")
-            stop_now(self.ident, f"joining generation {gen} failed ({type(exc).__name__}: {str(exc)[:200]}); this rank "
-                                 f"holds no state, so it leaves", 1)
+        resume = self.enter_admitted(gen, msg)
         self.store.set(STARTED_KEY.format(self.ident), "1")
-        self.train_from(int(msg["resume_step"]))
+        self.train_from(resume)
 
     def train_from(self, step: int) -> None:
         """Train until the last step, recovering in-process from peers' failures."""

@@ -121,8 +121,10 @@ def run_stock(megatron_lm: str | Path, work: Path, flags: list[str], port: int, 
 
 
 def run_odyssey(megatron_lm: str | Path, work: Path, flags: list[str], port: int, nproc: int = 4,
-                nodes: int = 1, gpu: bool = False) -> JobResult:
-    """``odyssey-launch`` on ``nodes`` launchers (each standing for a machine) with ``--odyssey``."""
+                nodes: int = 1, gpu: bool = False, join: tuple[int, ...] = ()) -> JobResult:
+    """``odyssey-launch`` on ``nodes`` launchers (each standing for a machine) with ``--odyssey``; ``join``:
+    machines (by node rank) that come back, each a launcher with ``--join``, started once the job trains
+    (it then sets itself up; when it asks to join is the job's ``--odyssey-rejoin``)."""
     script = patched_script(megatron_lm, work)
     report = work / "report.json"
     launch = [sys.executable, "-m", "megatron_odyssey.launch", "--nproc-per-node", str(nproc // nodes),
@@ -133,6 +135,14 @@ def run_odyssey(megatron_lm: str | Path, work: Path, flags: list[str], port: int
                               env=job_env(megatron_lm, gpu), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True)
              for n in range(nodes)]
+    address = work / "logs0" / "agent.address"  # written by machine 0's launcher once training began
+    while join and not address.exists() and procs[0].poll() is None:
+        time.sleep(0.2)
+    procs += [subprocess.Popen(launch + ["--node-rank", str(n), "--workdir", str(work / f"logs_join{n}"), "--join",
+                                         address.read_text().strip()] + args,
+                               env=job_env(megatron_lm, gpu), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+              for n in join if address.exists()]
     outs = [p.communicate(timeout=900)[0] for p in procs]
     wall = time.perf_counter() - t0
     logs = "".join(outs) + "".join(p.read_text() for p in sorted(work.glob("logs*/rank*.log")))

@@ -146,3 +146,47 @@ def test_the_agent_goes_on_without_a_standby_whose_store_is_gone(tmp_path, capsy
         agent._to_standby(lambda r: r.step({"committed": 3}, {"step": 3}))  # and no longer tries
     finally:
         server.kill()
+
+
+def test_the_commit_waits_for_a_returning_machine_but_not_forever(tmp_path, capsys) -> None:
+    """--rejoin R@S / --odyssey-rejoin: once rank R's machine is due back, the next commit waits until its
+    replacement asked to join, and no longer: not for a replacement that exited (odyssey train started it: its
+    exit code and log are named), nor past the store timeout (odyssey-launch: another machine started it, so
+    only silence can be seen), nor once it asked."""
+    import subprocess
+    import sys
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from megatron_odyssey.runtime.agent import Agent, free_port
+    from megatron_odyssey.runtime.config import TrainConfig
+    from megatron_odyssey.runtime.joining import announce
+
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=10))
+    cfg = TrainConfig(nproc=4, tp=1, pp=2, layers=4, hidden=32, heads=4, seq=16, global_batch=4, micro_batch=1,
+                      steps=8, timeout_s=120.0, extra={"rejoin": [{"rank": 1, "after_step": 2}, {"rank": 3, "after_step": 2}]})
+    from megatron_odyssey.planning.planner import reroute_plan
+
+    agent = Agent(cfg, None, tmp_path, procs={}, store=store)
+    agent.dead, agent.plan = {1, 3}, reroute_plan(agent.plan, {1, 3})  # their pipeline's work rerouted
+    assert not agent._awaiting_rejoiner()  # not due yet
+    now = time.time()
+    for spec in agent.rejoin:
+        spec.update(due=True, due_at=now)
+    exited = agent.joiners[1] = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    assert agent._awaiting_rejoiner() and agent._awaiting_rejoiner()  # rank 3 (no process here): waited for
+    exited.wait(timeout=30)
+    assert agent._awaiting_rejoiner()  # rank 1 settled (its replacement exited); rank 3 still waited for
+    agent.rejoin[1]["due_at"] = now - cfg.timeout_s - 1
+    assert not agent._awaiting_rejoiner()  # rank 3 silent past the timeout: carried on without it
+    err = capsys.readouterr().err
+    assert "rank 1's replacement (--rejoin) exited with 3 before asking to join" in err and "rank1.join.log" in err
+    assert "rank 3's replacement (--rejoin) silent for 121 s" in err and "see its launcher" in err
+    # a replacement that asks settles its wait at once
+    agent.rejoin.append({"rank": 2, "after_step": 2, "due": True, "due_at": time.time()})
+    announce(store, 2, launched=True)
+    agent.join_polled = 0.0
+    assert not agent._awaiting_rejoiner() and agent.rejoin[-1]["settled"]

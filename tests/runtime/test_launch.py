@@ -121,3 +121,103 @@ def test_logged_training_compares_to_the_last_printed_digit() -> None:
     assert not same_training(ref, JobResult(0, 1.0, line.format(loss="5.228606E+00", norm="1.256")).iterations())
     assert not same_training(ref, JobResult(0, 1.0, line.format(loss="5.228603E+00", norm="1.259")).iterations())
     assert not same_training(ref, {})
+
+
+# -- a machine that comes back: odyssey-launch --join (its Megatron side: tests/runtime/test_megatron_lm.py) --
+
+JOIN_ENV_DUMP = """
+import json, os, sys, time
+keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "ODYSSEY_STORE", "ODYSSEY_JOIN_RANK"]
+ident = os.environ["ODYSSEY_JOIN_RANK"]
+open(sys.argv[1] + "/env" + ident + ".json", "w").write(json.dumps({**{k: os.environ[k] for k in keys}, "pid": os.getpid()}))
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def _job_store(nproc: int, tp: int) -> tuple[object, str]:
+    """A running job's store as a joining machine sees it: the agent's address and the job's config."""
+    import torch.distributed as dist
+
+    from megatron_odyssey.launch import CONFIG_KEY
+    from megatron_odyssey.runtime.config import TrainConfig
+    from megatron_odyssey.runtime.control_plane import free_port
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    cfg = TrainConfig(nproc=nproc, tp=tp, pp=2, layers=4, hidden=32, heads=4, seq=16, global_batch=8, micro_batch=1,
+                      steps=4)
+    store.set(CONFIG_KEY, json.dumps(cfg.__dict__))
+    return store, f"127.0.0.1:{port}"
+
+
+def _join(tmp: Path, address: str, node_rank: int, nproc: int, sleep_s: float = 0.0) -> int:
+    """``odyssey-launch --join`` in this process (its ranks are real processes): the launcher's exit code."""
+    from megatron_odyssey.launch import join_running_job
+
+    script = tmp / "joiner.py"
+    script.write_text(JOIN_ENV_DUMP)
+    return join_running_job(parse(["--join", address, "--nnodes", "4", "--node-rank", str(node_rank), "--nproc-per-node",
+                                   str(nproc), "--workdir", str(tmp / "logs"), str(script), str(tmp), str(sleep_s)]))
+
+
+def test_join_fails_clearly_without_a_job_at_the_address(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from megatron_odyssey.runtime.control_plane import free_port
+
+    assert _join(tmp_path, f"127.0.0.1:{free_port()}", 1, 1) == 2
+    err = capsys.readouterr().err
+    assert "--join" in err and "cannot reach the job" in err and "nothing listens there" in err
+
+
+@pytest.mark.parametrize("node_rank, nproc, message", [(3, 2, "are not ranks of the job (0..3)"),
+                                                       (1, 1, "joins whole")])
+def test_a_joining_machine_is_numbered_as_at_launch(tmp_path: Path, capsys: pytest.CaptureFixture, node_rank: int,
+                                                    nproc: int, message: str) -> None:
+    store, address = _job_store(nproc=4, tp=2)
+    assert _join(tmp_path, address, node_rank, nproc) == 2 and message in capsys.readouterr().err
+
+
+def test_each_joining_node_starts_in_a_private_world_and_its_exits_reach_the_agent(tmp_path: Path) -> None:
+    """Machine 1 of a job with TP=2 comes back with 4 ranks: two nodes, each a private world of its 2
+    tensor-parallel ranks (torchrun's variables for it), each rank told the global rank it joins as; the
+    launcher reports their exits to the agent like any machine's node agent."""
+    store, address = _job_store(nproc=8, tp=2)
+    assert _join(tmp_path, address, 1, 4) == 0
+    envs = {r: json.loads((tmp_path / f"env{r}.json").read_text()) for r in range(4, 8)}
+    assert [envs[r]["RANK"] for r in range(4, 8)] == ["0", "1", "0", "1"]
+    assert [envs[r]["LOCAL_RANK"] for r in range(4, 8)] == ["0", "1", "2", "3"]  # the machine's devices
+    assert {e["WORLD_SIZE"] for e in envs.values()} == {"2"} and {e["MASTER_ADDR"] for e in envs.values()} == {"127.0.0.1"}
+    assert envs[4]["MASTER_PORT"] == envs[5]["MASTER_PORT"] != envs[6]["MASTER_PORT"] == envs[7]["MASTER_PORT"]
+    assert {e["ODYSSEY_STORE"] for e in envs.values()} == {address}
+    exits = RemoteExits(store, every_s=0.0)
+    assert [exits.code(r) for r in range(4, 8)] == [0, 0, 0, 0]
+
+
+def test_a_joined_rank_answers_to_its_own_fence_and_exit_not_its_earlier_lifes(tmp_path: Path) -> None:
+    """Rank 1 died and was fenced (late, as an agent that waits out a heartbeat timeout does) while its
+    replacement was already up: the replacement ignores the old fence, obeys its own, and the agent reads its
+    exit, not the earlier life's."""
+    import threading
+
+    from megatron_odyssey.launch import exits_reported, incarnation_fence_key
+    from megatron_odyssey.runtime.joining import JoinRequests, announce
+
+    store, address = _job_store(nproc=2, tp=1)
+    report_exit(store, 1, -9)  # its earlier life's death, reported by its old machine
+    codes: list[int] = []
+    launcher = threading.Thread(target=lambda: codes.append(_join(tmp_path, address, 1, 1, sleep_s=120)), daemon=True)
+    launcher.start()
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "env1.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pid = json.loads((tmp_path / "env1.json").read_text())["pid"]
+    announce(store, 1, launched=True)  # (as the Megatron rank does, with its own pid)
+    requests = JoinRequests()
+    assert 1 in requests.poll(store) and requests.launched == {1}
+    mine = RemoteRank(store, 1, RemoteExits(store, every_s=0.0, after=exits_reported(store)),
+                      fence_key=incarnation_fence_key(1, pid))
+    store.set(FENCE_KEY.format(1), "1")  # the earlier life's fence, set late
+    time.sleep(1.0)
+    assert launcher.is_alive() and mine.exitcode is None
+    mine.kill()
+    launcher.join(timeout=30)
+    assert codes and codes[0] != 0 and mine.exitcode == -9

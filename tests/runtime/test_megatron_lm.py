@@ -398,3 +398,24 @@ def test_machine_0_is_lost_with_the_agent_and_a_rank(stock: dict, tmp_path: Path
     assert failure["ranks"] == [0]
     assert [s["step"] for s in report["steps"]] == list(range(ITERS))
     assert same_training(job.iterations(), stock)
+
+
+def test_a_lost_machine_comes_back_and_joins(stock: dict, tmp_path: Path) -> None:
+    """Four machines of one rank each; machine 3 is lost in iteration 2 (its launcher and rank killed) and the
+    survivors reroute. A repaired machine 3 is started with ``odyssey-launch --join`` while the job trains: its
+    rank sets Megatron up in a private world and asks to join once iteration 3 is committed (``--odyssey-rejoin
+    3@2``); the planner admits it, it receives its stage's weights and Adam state from a live replica, trains the
+    last iteration in its old place, and every iteration equals stock Megatron-LM's."""
+    job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--odyssey-inject-fault", "step=1,rank=3,phase=forward,kind=kill-machine",
+                                      "--odyssey-rejoin", "3@2"], _port(750), nodes=4, join=(3,))
+    assert job.returncode == 0, job.logs[-4000:]
+    report = job.report
+    (failure,) = report["failures"]
+    assert failure["ranks"] == [3]
+    (joined,) = report["joins"]
+    assert joined["ranks"] == [3] and joined["policy"] in ("fill", "reconfigure") and joined["step"] == 4, joined
+    assert joined["transfer_s"] > 0
+    assert [s["step"] for s in report["steps"]] == list(range(ITERS))
+    assert report["steps"][-1]["alive"] == 4
+    assert "admitted into generation 2 at iteration 4" in job.logs
+    assert same_training(job.iterations(), stock)
