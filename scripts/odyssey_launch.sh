@@ -16,10 +16,12 @@
 #   MASTER_ADDR     machine 0's address      (default: first host of $SLURM_JOB_NODELIST, else 127.0.0.1)
 #   MASTER_PORT     Megatron's rendezvous    (default 29500; the agent uses MASTER_PORT+1)
 #   ODYSSEY_WORKDIR per-rank logs            (default ./odyssey-run)
+#   ODYSSEY_JOIN    HOST:PORT of a running job's agent: this machine comes back and joins it
+#                   (machine 0's $ODYSSEY_WORKDIR/agent.address; NODE_RANK as at launch)
 set -euo pipefail
 
 if [[ $# -lt 1 ]]; then
-  sed -n '2,20p' "$0" >&2
+  sed -n '2,22p' "$0" >&2
   exit 2
 fi
 
@@ -38,8 +40,10 @@ fi
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
 ODYSSEY_WORKDIR=${ODYSSEY_WORKDIR:-odyssey-run}
+JOIN=()
+if [[ -n "${ODYSSEY_JOIN:-}" ]]; then JOIN=(--join "$ODYSSEY_JOIN"); fi
 
 exec python -m megatron_odyssey.launch \
   --nproc-per-node "$NPROC_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK" \
   --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" --workdir "$ODYSSEY_WORKDIR" \
-  "$@"
+  ${JOIN[@]+"${JOIN[@]}"} "$@"
