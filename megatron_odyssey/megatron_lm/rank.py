@@ -255,11 +255,12 @@ class MegatronRank(GenerationRank):
             self._adopt_private_world()
         else:
             self._adopt_generation0(plan)
-        from ..runtime.op_trace import ComputeTimer, compute_clock
+        from ..runtime.op_trace import ComputeTimer, compute_clock, compute_events
 
         # generation 0's compute, timed in Megatron's own schedule for the diagnosis (the forward step in
         # _injecting, the backward in hooks.timed_backward_step) and slowed there by an injected slowdown
-        self.stock_timer = ComputeTimer(compute_clock(self.device), **self.diagnosed())
+        self.stock_timer = ComputeTimer(compute_clock(self.device), events=compute_events(self.device),
+                                        **self.diagnosed())
         from .stock_trace import StockMessages  # ... and its messages (hooks.traced_p2p)
 
         self.stock_messages = StockMessages(self.node, cfg.pp, cfg.dp, self.stock_timer)

@@ -29,7 +29,7 @@ from ..planning.plan import ExecutionPlan
 from ..planning.schedule import BACKWARD, FORWARD, WEIGHT_GRAD, Op, deferred, node_operations, receive_orders
 from .dropout_rng import set_micro_batch
 from .liveness import communicating
-from .op_trace import ComputeTimer, OpTrace, compute_clock, message_name
+from .op_trace import ComputeTimer, OpTrace, compute_clock, compute_events, message_name
 from .transport import Mailbox, P2P
 from .weight_grad import DeferredWeightGrads, input_gradients_only
 from .world import PlanGroups
@@ -76,6 +76,7 @@ class PipelineExecutor:
     # fault injection's sustained slowdowns (faults.Injector.pace): ("compute", s) after an operation's compute
     # of s seconds, ("send", s) before the send it produced
     pace: Callable[[str, float], None] | None = None
+    slowed: Callable[[], bool] | None = None  # ... and whether one is in force (faults.Injector.slowed)
     _ops: list[Op] = field(init=False)
     _executor: dict[tuple[int, int, int], int] = field(init=False)
 
@@ -84,8 +85,8 @@ class PipelineExecutor:
         self._deferred = deferred(self.plan)
         self._executor = self.plan.executor()
         self._offsets = self.plan.micro_batch_offsets()
-        self._clock = compute_clock(self.device)
-        self._timer = ComputeTimer(self._clock, self.trace, self.pace)
+        self._timer = ComputeTimer(compute_clock(self.device), self.trace, self.pace, compute_events(self.device),
+                                   self.slowed)
         # no closure over self: a reference cycle would keep this executor, and with it the
         # generation's process groups and their sockets, alive after teardown (peers then wait)
         self._inbox = Mailbox(self.p2p, receive_orders(self.plan, self.groups.node),
@@ -123,10 +124,11 @@ class PipelineExecutor:
             if on_op is not None:
                 on_op(PHASE_OF_OP[op.kind])
             t0 = time.perf_counter()
-            c0 = self._clock()
+            phase = PHASE_OF_OP[op.kind]
             if op.kind == WEIGHT_GRAD:
+                c0 = self._timer.start()
                 weight_grads.pop(key).apply()
-                self._computed(op.kind, self._clock() - c0)
+                self._timer.stop(phase, c0)
                 result.weight_grad_s += time.perf_counter() - t0
             elif op.kind == FORWARD:
                 inp = None
@@ -134,7 +136,7 @@ class PipelineExecutor:
                     src = self._node_of(op.pipeline, op.stage - 1, op.micro_batch)
                     inp = self._receive(src, (FORWARD, op.pipeline, op.stage - 1, op.micro_batch))
                     inp.requires_grad_()
-                    c0 = self._clock()
+                c0 = self._timer.start()  # (compute only: not the wait for its input)
                 batch = self._batch(step, op.pipeline, op.micro_batch)
                 set_micro_batch(step, self._offsets[op.pipeline] + op.micro_batch)  # keys dropout (dropout_rng)
                 out = self.runner.forward(batch, inp)
@@ -147,9 +149,9 @@ class PipelineExecutor:
                             tokens = token_count()
                         out = (out.float() * mask).sum() / tokens
                     loss_sum = out.detach() if loss_sum is None else loss_sum + out.detach()
-                    self._computed(op.kind, self._clock() - c0)
+                    self._timer.stop(phase, c0)
                 else:
-                    compute_s = self._computed(op.kind, self._clock() - c0)
+                    compute_s = self._timer.stop(phase, c0)
                     # the wire carries self.dtype: under bf16, Megatron's Float16Module hands every stage's
                     # output back in fp32 (each rank is "the last pipeline stage" of its own parallel_state);
                     # the values are bf16's, so the cast is exact
@@ -163,14 +165,14 @@ class PipelineExecutor:
                 if not last_stage:
                     src = self._node_of(op.pipeline, op.stage + 1, op.micro_batch)
                     grad = self._receive(src, (BACKWARD, op.pipeline, op.stage + 1, op.micro_batch))
-                    c0 = self._clock()
+                c0 = self._timer.start()
                 grad = grad if grad is None else grad.to(out.dtype)
                 if (op.pipeline, op.stage) in self._deferred:
                     with input_gradients_only() as weight_grads[key]:
                         torch.autograd.backward(out, grad)
                 else:
                     torch.autograd.backward(out, grad)
-                compute_s = self._computed(op.kind, self._clock() - c0)
+                compute_s = self._timer.stop(phase, c0)
                 if inp is not None:
                     pending.append(self._send(inp.grad.to(self.dtype), (BACKWARD, op.pipeline, op.stage,
                                                                        op.micro_batch), -1, compute_s))
@@ -183,12 +185,7 @@ class PipelineExecutor:
         return result
 
 
-    # -- one operation's parts, timed for the diagnosis (op_trace) --------------------------------------------
-    def _computed(self, kind: str, seconds: float) -> float:
-        """An operation's compute took ``seconds`` (of ``compute_clock``); a sustained injected slowdown
-        stretches it here (and the record says how long it really took)."""
-        return self._timer.done(PHASE_OF_OP[kind], seconds)
-
+    # -- one operation's messages, timed for the diagnosis (op_trace; its compute: ComputeTimer) -------------
     def _receive(self, src: int, key: tuple[str, int, int, int]) -> torch.Tensor:
         """The message ``key`` from node ``src`` (when the wait began and ended go to the trace)."""
         entered = time.time()

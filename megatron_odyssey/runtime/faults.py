@@ -106,6 +106,10 @@ class Injector:
         self.compute_factor = self.link_factor = 1.0  # sustained slowdowns in force (see pace)
         self.slow_until: dict[str, int] = {}  # kind -> first step it no longer applies (steps=N)
 
+    def slowed(self) -> bool:
+        """A sustained slowdown is in force (compute or link): operations are then stretched one by one."""
+        return self.compute_factor > 1.0 or self.link_factor > 1.0
+
     def pace(self, what: str, seconds: float) -> None:
         """The executor's hook (``PipelineExecutor.pace``): stretch a compute operation of ``seconds`` to
         ``compute_factor`` times its length (busy: a slow device computes longer, it does not sleep), or hold

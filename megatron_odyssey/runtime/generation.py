@@ -168,7 +168,8 @@ class GenerationRank(abc.ABC):
         ``--slow-action off``) and fault injection's sustained slowdowns."""
         if self.trace is None and self.cfg.slow_action != "off":
             self.trace = OpTrace(self.ident, self.node)
-        return {"trace": self.trace, "pace": getattr(self.injector, "pace", None)}
+        return {"trace": self.trace, "pace": getattr(self.injector, "pace", None),
+                "slowed": getattr(self.injector, "slowed", None)}
 
     # -- generations -------------------------------------------------------------------------------
     def enter(self, gen: int, plan: ExecutionPlan, policy: str, transfers: list, checkpoint_step: int | None) -> None:

@@ -35,6 +35,8 @@ class OpTrace:
     reductions: list[tuple[int, float, float]] = field(default_factory=list)  # gradient all-reduce: (unit, entered, left)
     sync_s: float = 0.0
     commit_wait_s: float = 0.0  # the previous step's commit (it comes after that step's summary left)
+    # compute timed by device events (accelerators), read when the summary is written: (kind, begin, end)
+    on_device: list[tuple[str, Any, Any]] = field(default_factory=list)
 
     def begin(self, step: int) -> None:
         self.step = step
@@ -43,10 +45,25 @@ class OpTrace:
         self.sends.clear()
         self.recvs.clear()
         self.reductions.clear()
+        self.on_device.clear()
         self.sync_s = 0.0
 
     def computed(self, kind: str, seconds: float) -> None:
         (self.forward_s if kind == "forward" else self.backward_s).append(seconds)
+
+    def computed_on_device(self, kind: str, begin: Any, end: Any) -> None:
+        """An operation's kernels, between two recorded device events; their time is read at the summary
+        (reading it now would wait for the kernels: a host-device synchronisation per operation)."""
+        if len(self.on_device) < 2 * MAX_MESSAGES:
+            self.on_device.append((kind, begin, end))
+
+    def _read_device_times(self) -> None:
+        """Once per step, when the rank reports it: the step's kernels are done or nearly (the last stage
+        already waited for its loss), so waiting for the last event costs little."""
+        for kind, begin, end in self.on_device:
+            end.synchronize()
+            self.computed(kind, begin.elapsed_time(end) / 1e3)
+        self.on_device.clear()
 
     def sent(self, node: int, message: str, entered: float) -> None:
         if len(self.sends) < MAX_MESSAGES:
@@ -63,6 +80,7 @@ class OpTrace:
     def summary(self) -> str | None:
         """This step's record as compact JSON; None when the step ran none of our operations (a Megatron-LM
         step before the first failure runs Megatron's own schedule)."""
+        self._read_device_times()
         if not self.forward_s and not self.backward_s:
             return None
         out: dict[str, Any] = {
@@ -79,28 +97,69 @@ class OpTrace:
 
 
 def compute_clock(device: Any) -> Callable[[], float]:
-    """What an operation's compute time is measured with. On the CPU the thread's CPU time: several ranks
-    share few cores, and wall time would mostly measure whose turn it was (a rank descheduled mid-operation
-    looks 3x slower; see docs/benchmarks.md, diagnosis); compute runs on the calling thread there
-    (OMP_NUM_THREADS=1). On an accelerator kernels run asynchronously, so wall time between the host's
-    calls measures the launches, not the kernels: a known gap (device events would close it)."""
+    """The host clock of an operation's compute. On the CPU the thread's CPU time: several ranks share few
+    cores, and wall time would mostly measure whose turn it was (a rank descheduled mid-operation looks 3x
+    slower; see docs/benchmarks.md, diagnosis); compute runs on the calling thread there (OMP_NUM_THREADS=1).
+    On an accelerator wall time, for what the host does; the kernels are timed by :func:`compute_events`."""
     return time.thread_time if str(device).split(":")[0] == "cpu" else time.perf_counter
+
+
+def compute_events(device: Any) -> Callable[[], Any] | None:
+    """A factory of timing events of ``device`` (CUDA, Ascend), or None on the CPU. Kernels run
+    asynchronously: the host's clock between its calls measures launches, a device event pair the kernels."""
+    kind = str(device).split(":")[0]
+    if kind == "cpu":
+        return None
+    import functools
+
+    from .accelerator import get_accelerator
+
+    return functools.partial(get_accelerator(kind).module.Event, enable_timing=True)
 
 
 @dataclass
 class ComputeTimer:
     """Times a rank's compute operations for its trace, and stretches them by an injected sustained slowdown
     (``faults.Injector.pace``). One object for both schedules that run a rank's compute: our executor, and
-    Megatron's own 1F1B before a Megatron-LM job's first failure (``megatron_lm.hooks.timed_backward_step``)."""
+    Megatron's own 1F1B before a Megatron-LM job's first failure (``megatron_lm.hooks.timed_backward_step``).
+    With ``events`` (an accelerator) an operation is a pair of device events, read once per step
+    (``OpTrace.summary``); while an injected slowdown is in force (``slowed``, testing) each operation waits
+    for its kernels instead, so the slowdown can stretch their real time."""
 
     clock: Callable[[], float]
     trace: OpTrace | None = None
     pace: Callable[[str, float], None] | None = None
+    events: Callable[[], Any] | None = None
+    slowed: Callable[[], bool] | None = None
     last_s: float = 0.0  # the newest operation's (what a message it produced took to compute)
 
+    def start(self) -> Any:
+        """Mark an operation's start (pass the result to :meth:`stop`)."""
+        if self.events is None:
+            return self.clock()
+        begin = self.events()
+        begin.record()
+        return begin, self.clock()
+
+    def stop(self, phase: str, started: Any) -> float:
+        """The operation of ``phase`` (forward/backward) begun at ``started`` is launched: record it; returns
+        its compute time (the host's, with an accelerator outside an injected slowdown)."""
+        if self.events is None:
+            return self.done(phase, self.clock() - started)
+        begin, host0 = started
+        end = self.events()
+        end.record()
+        if self.slowed is not None and self.slowed():
+            end.synchronize()
+            return self.done(phase, begin.elapsed_time(end) / 1e3)
+        if self.trace is not None:
+            self.trace.computed_on_device(phase, begin, end)
+        self.last_s = self.clock() - host0
+        return self.last_s
+
     def done(self, phase: str, seconds: float) -> float:
-        """An operation of ``phase`` (forward/backward) computed for ``seconds``; returns how long it took
-        with the injected slowdown (what the trace records)."""
+        """An operation of ``phase`` computed for ``seconds``; returns how long it took with the injected
+        slowdown (what the trace records)."""
         if self.pace is not None:
             c0 = self.clock()
             self.pace("compute", seconds)
@@ -112,9 +171,9 @@ class ComputeTimer:
 
     @contextmanager
     def timing(self, phase: str) -> Iterator[None]:
-        c0 = self.clock()
+        started = self.start()
         yield
-        self.done(phase, self.clock() - c0)
+        self.stop(phase, started)
 
 
 def _stats(seconds: list[float]) -> list[Any]:

@@ -98,3 +98,30 @@ def test_pretrain_gpt_odyssey_on_one_gpu_logs_what_stock_logs(tmp_path: Path) ->
     assert sorted(job.iterations()) == list(range(1, 9))
     assert job.report["devices"]["0"].startswith("cuda") and "nccl" in job.report["devices"]["0"]
     assert same_training(job.iterations(), stock.iterations())
+
+
+@pytest.mark.gpu
+def test_compute_is_timed_by_device_events_not_by_the_host() -> None:
+    """The diagnosis' compute times on a GPU: the host only launches the kernels, the event pair read at the
+    step's summary measures them (what the wall clock until they finished says)."""
+    import time
+
+    from megatron_odyssey.runtime.op_trace import ComputeTimer, OpTrace, compute_clock, compute_events
+
+    device = torch.device("cuda")
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    trace = OpTrace(0, 0)
+    trace.begin(0)
+    timer = ComputeTimer(compute_clock(device), trace, events=compute_events(device))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with timer.timing("forward"):
+        for _ in range(20):
+            a @ a
+    host = timer.last_s
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    trace.summary()
+    (device_s,) = trace.forward_s
+    assert device_s > 5 * host
+    assert device_s == pytest.approx(wall, rel=0.25)

@@ -140,3 +140,60 @@ def test_the_last_to_enter_an_all_reduce_is_the_one_its_peers_waited_for():
     for node, entered in ((1, 10.0), (3, 10.1), (5, 10.9)):  # unit 3's all-reduce over stage 1's twins
         s[node]["ar"] = [[3, entered, 11.0]]
     assert Diagnoser.reduce_waits(s) == {5: pytest.approx(0.85)}
+
+
+class HostEvent:
+    """What the timer asks of a device event (``torch.cuda.Event(enable_timing=True)``), on the host clock:
+    the CPU has no timing events. Counts waits, which the device path must keep to one place per step."""
+
+    waits = 0
+
+    def record(self) -> None:
+        self.at = time.perf_counter()
+
+    def synchronize(self) -> None:
+        HostEvent.waits += 1
+
+    def elapsed_time(self, end: "HostEvent") -> float:
+        return (end.at - self.at) * 1e3  # milliseconds, as CUDA's
+
+
+def test_device_events_are_read_once_per_step_at_the_summary():
+    """On an accelerator the kernels run after the host moved on: an operation is a pair of events, and no
+    operation waits for its kernels; the step's summary reads them all."""
+    from megatron_odyssey.runtime.op_trace import ComputeTimer
+
+    trace = OpTrace(ident=0, node=0)
+    trace.begin(4)
+    timer = ComputeTimer(time.perf_counter, trace, events=HostEvent)
+    HostEvent.waits = 0
+    for phase, seconds in (("forward", 0.02), ("backward", 0.04)):
+        with timer.timing(phase):
+            time.sleep(seconds)
+    assert HostEvent.waits == 0 and trace.forward_s == [] and len(trace.on_device) == 2
+    record = json.loads(trace.summary())
+    assert HostEvent.waits == 2 and trace.on_device == []
+    assert record["f"][0] == 1 and 0.02 <= record["f"][1] < 0.2 and 0.04 <= record["b"][1] < 0.4
+    assert record["c"] == pytest.approx(trace.forward_s[0] + trace.backward_s[0], abs=1e-6)
+
+
+def test_an_injected_slowdown_stretches_the_device_time_of_each_operation():
+    """Testing on an accelerator: while a sustained slowdown is in force each operation waits for its kernels
+    and the injector stretches their real time (host-side, as a slower device would take longer)."""
+    from megatron_odyssey.runtime.op_trace import ComputeTimer
+
+    inj = Injector([FailSpec.parse("step=0,rank=0,kind=slow,factor=3")], ident=0)
+    trace = OpTrace(ident=0, node=0)
+    trace.begin(0)
+    timer = ComputeTimer(time.perf_counter, trace, inj.pace, HostEvent, inj.slowed)
+    HostEvent.waits = 0
+    with timer.timing("forward"):
+        time.sleep(0.02)
+    assert not inj.slowed() and HostEvent.waits == 0 and len(trace.on_device) == 1  # not slowed yet
+    inj(0, "forward")
+    assert inj.slowed()
+    with timer.timing("forward"):
+        time.sleep(0.02)
+    assert HostEvent.waits == 1 and trace.forward_s[0] >= 0.06  # 20 ms of kernels, stretched 3x, recorded now
+    trace.summary()
+    assert len(trace.forward_s) == 2 and 0.02 <= min(trace.forward_s) < 0.06
