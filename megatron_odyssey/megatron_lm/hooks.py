@@ -140,18 +140,30 @@ def traced_p2p(original: Callable[..., Any]) -> Callable[..., Any]:
 # -- capturing Megatron's set-up ------------------------------------------------------------------------
 
 def whole_batch_on_every_stage(original: Callable[..., Any]) -> Callable[..., Any]:
-    """megatron-core 0.18+'s ``get_batch_on_this_tp_rank(batch, ..., pipeline_model_parallel_size,
-    is_pipeline_first_stage, ...)``: keeps tokens on the first stage and labels on the last. After a
-    failure every rank is stage 0 of 1 to Megatron (the executor does the pipelining; a plan's stage
-    may be both), so the split would drop the labels everywhere: read the whole batch, as without
+    """megatron's ``get_batch_on_this_tp_rank``: tensor-parallel rank 0 reads the batch and broadcasts to the
+    others what its pipeline stage needs (tokens on the first stage, labels on the last), deciding by the
+    pipeline size (0.12-0.17: ``args.pipeline_model_parallel_size``; 0.18+: an argument) and the stage. After
+    a failure every rank is stage 0 of 1 to Megatron (the executor does the pipelining; a plan's stage may be
+    both), so the split would drop the labels on every rank but TP rank 0: read the whole batch, as without
     pipelining."""
 
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         runtime = STATE.runtime
-        if runtime is not None and runtime.sync is not None and "pipeline_model_parallel_size" in kwargs:
+        if runtime is None or runtime.sync is None:
+            return original(*args, **kwargs)
+        if "pipeline_model_parallel_size" in kwargs:  # 0.18+
             kwargs["pipeline_model_parallel_size"] = 1
-        return original(*args, **kwargs)
+            return original(*args, **kwargs)
+        from megatron.training.global_vars import get_args
+
+        margs = get_args()
+        kept = margs.pipeline_model_parallel_size
+        margs.pipeline_model_parallel_size = 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            margs.pipeline_model_parallel_size = kept
 
     return wrapper
 

@@ -201,6 +201,11 @@ PATCHES: tuple[Patch, ...] = (
           "the RNG state is sharded by pipeline rank (0 of 1 under our parallel_state): written in the "
           "original stage x TP layout, one live rank per slot, so a stock job finds every slot"),
     # the batch (before pretrain_gpt.py imports its alias)
+    Patch(f"{_T}.utils:get_batch_on_this_tp_rank", hooks.whole_batch_on_every_stage,
+          "with TP > 1, tensor-parallel rank 0 broadcasts only what its pipeline stage needs, judged by "
+          "args.pipeline_model_parallel_size and the stage; after a failure every rank is stage 0 of 1 to "
+          "Megatron, so the other TP ranks would get no labels: each stage gets the whole batch",
+          releases=(12, 17)),
     Patch(f"{_C}.utils:get_batch_on_this_tp_rank", hooks.whole_batch_on_every_stage,
           "0.18+ keeps labels only where is_pipeline_last_stage(); after a failure every rank is stage 0 of 1 "
           "to Megatron, so each stage reads the whole batch", releases=(18, 20)),

@@ -419,3 +419,23 @@ def test_a_lost_machine_comes_back_and_joins(stock: dict, tmp_path: Path) -> Non
     assert report["steps"][-1]["alive"] == 4
     assert "admitted into generation 2 at iteration 4" in job.logs
     assert same_training(job.iterations(), stock)
+
+
+def test_a_tensor_parallel_node_is_lost_and_comes_back(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    """TP=2 x PP=2 x DP=2 on four machines of one node (two TP ranks) each. After machine 3 is lost every rank
+    is stage 0 of 1 to Megatron, and TP rank 0 must still broadcast the labels to its TP peer (a patched
+    get_batch_on_this_tp_rank); the machine comes back as a node of two ranks in a private world of its own
+    and is admitted whole. Every logged iteration equals stock Megatron-LM's at the same TP."""
+    flags = [*TINY_GPT, "--tensor-model-parallel-size", "2"]
+    stock_tp = run_stock(MLM, tmp_path_factory.mktemp("stock_tp"), flags, _port(760), nproc=8)
+    assert stock_tp.returncode == 0, stock_tp.logs[-4000:]
+    job = run_odyssey(MLM, tmp_path, [*flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-inject-fault",
+                                      "step=1,rank=6,phase=forward,kind=kill-machine", "--odyssey-rejoin", "6@2",
+                                      "--odyssey-rejoin", "7@2"], _port(770), nproc=8, nodes=4, join=(3,))
+    assert job.returncode == 0, job.logs[-4000:]
+    (failure,) = job.report["failures"]
+    assert failure["ranks"] == [6, 7]
+    (joined,) = job.report["joins"]
+    assert joined["ranks"] == [6, 7] and joined["step"] == 4
+    assert job.report["steps"][-1]["alive"] == 8
+    assert same_training(job.iterations(), stock_tp.iterations())
