@@ -155,10 +155,12 @@ def megatron_feature_refusals(args: Any) -> list[str]:
                    "abandoned by the survivors; remove --async-save")
     if getattr(args, "num_experts", None):
         out.append("--odyssey plans dense models; --num-experts (MoE) is not supported")
-    if getattr(args, "tensor_parallel_num_weight_shards", 1) not in (None, 1):
-        out.append(f"--odyssey cannot be combined with --tensor-parallel-num-weight-shards "
-                   f"{args.tensor_parallel_num_weight_shards}: its weight-rematerialising groups are laid out for "
-                   f"one uniform grid (set it to 1)")
+    # 0.19+ resolves it to the TP size when not given (no extra weight shards); more shards is GTP
+    shards, tp = getattr(args, "tensor_parallel_num_weight_shards", None), getattr(args, "tensor_model_parallel_size", 1)
+    if shards not in (None, 1, tp):
+        out.append(f"--odyssey cannot be combined with --tensor-parallel-num-weight-shards {shards} (more than "
+                   f"--tensor-model-parallel-size {tp}): its weight-rematerialising groups are laid out for one "
+                   f"uniform grid (leave it out)")
     if getattr(args, "dataloader_type", "single") not in (None, "single"):
         out.append(f"--odyssey reads rerouted micro-batches in the global order of --dataloader-type single; "
                    f"--dataloader-type {args.dataloader_type} draws each data-parallel rank's samples from its own "

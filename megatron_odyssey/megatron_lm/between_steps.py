@@ -8,6 +8,9 @@ makes them raise in code that is not ours: each guarded function below turns tha
 from the state it began in, and says so on stderr:
 
 - ``training_log``: its loss totals are put back, so the iteration is logged once, as stock Megatron would;
+- but only when every survivor was in the call: a rank that lagged in it while the others had gone on to
+  the next iteration (a collective that completed for some ranks before the failure reached them) does not
+  run it again, since its collectives would wait for them (its log line, if it is the logging rank, is lost);
 - a save (``save_checkpoint_and_time`` and ``save_checkpoint``, also the final one): Megatron marks a
   checkpoint as the latest only after every rank finished writing it (rank 0, after the save's closing
   collective), so an interrupted save is never marked; the survivors write it again.
@@ -69,10 +72,15 @@ def guarded(phase: str, what: str, keep: Callable[..., Callable[[], None]] | Non
                         prepare(runtime, *args, **kwargs)
                     return original(*args, **kwargs)
                 except Exception as exc:
-                    runtime.recover_outside_step(exc, f"{what} after iteration {runtime.committed + 1}")
+                    redo = runtime.recover_outside_step(exc, f"{what} after iteration {runtime.committed + 1}")
                     _restore_timers(timers)
                     if restore is not None:
                         restore()
+                    if not redo:
+                        _say(runtime, f"{what} of iteration {runtime.committed + 1} was interrupted by a failure after "
+                                      f"other survivors had left it; not run again (its collectives would wait "
+                                      f"for them)")
+                        return None
                     _say(runtime, f"{what} of iteration {runtime.committed + 1} was interrupted by a failure; the "
                                   f"survivors run it again in the new layout")
 

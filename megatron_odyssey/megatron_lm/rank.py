@@ -605,12 +605,19 @@ class MegatronRank(GenerationRank):
         """An injection point of Megatron's loop after iteration ``committed`` (log, save)."""
         self.at_rest(self.committed, phase)
 
-    def recover_outside_step(self, exc: BaseException, where: str) -> None:
+    def recover_outside_step(self, exc: BaseException, where: str) -> bool:
         """A failure in Megatron's loop between iterations (every step so far committed): recover into the
-        agent's next generation, or leave the job if the error is this rank's own."""
+        agent's next generation, or leave the job if the error is this rank's own. Returns whether to run the
+        interrupted call again: only if every survivor was in it (``redo_between``), since its collectives
+        would wait for survivors that had already left it (they were in the next iteration)."""
         self._take_failure(exc, where)
         done = self.committed + 1
-        self._catch_up(self.recover(self.committed), done)
+        self.between_steps = True
+        try:
+            self._catch_up(self.recover(self.committed), done)
+        finally:
+            self.between_steps = False
+        return bool((self.plan_message or {}).get("redo_between", True))
 
     def _take_failure(self, exc: BaseException, where: str) -> None:
         """A failure reached this rank in ``where``: leave the job if the error is its own (a device bug, an

@@ -204,6 +204,7 @@ class Agent:
         self.rejoin = [dict(r) for r in cfg.extra.get("rejoin", [])]  # --rejoin R@S: the agent starts them
         self.joiners: dict[int, Any] = {}  # their processes by rank (stopped with the job if never admitted)
         self.exits_at: dict[int, int] = {}  # launched joiners: how much of the exit log predates their request
+        self.redo_between = True  # the last recovery's survivors were all in one call between iterations
         self.dropping: dict[int, str] = {}  # ranks fenced because the planner dropped their slow node: why
 
     # -- bookkeeping ----------------------------------------------------------------------------------
@@ -865,6 +866,9 @@ class Agent:
         self.recovering = set()
         survivors = [i for i in self.members() if i not in self.dead]
         committed = {int(v) for v in self.store.multi_get([f"{self.key('recover')}/{i}" for i in survivors])}
+        # survivors hit between two iterations (Megatron-LM's training_log or a save: collectives outside the step)
+        # run that call again only if every survivor was in it; else it would wait for peers that had left it
+        self.redo_between = bool(survivors) and self.store.check([f"{self.key('recover')}/{i}/between" for i in survivors])
         if len(committed) > 1:
             self.log(f"survivors disagree on the last committed step {sorted(committed)}: taking the smallest")
         last = min(committed) if committed else self.next_step - 1
@@ -993,6 +997,7 @@ class Agent:
         self.started_gen = False
         self.judged_from, self.warm = time.time(), False
         self.held = set()  # standbys are considered again on the new plan
+        msg.setdefault("redo_between", self.redo_between)
         self.published = msg
         if self.replica is not None:
             self._replicate_state()

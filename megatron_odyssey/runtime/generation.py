@@ -110,6 +110,8 @@ class GenerationRank(abc.ABC):
     control: Any = None  # control_plane.ControlPlane when a standby agent can take over
     trace: OpTrace | None = None  # this rank's operations per step, for the agent's diagnosis
     uses_parallel_state = True  # point megatron-core's parallel_state at each generation's groups
+    between_steps = False  # recovering from a failure met between two steps (Megatron-LM's loop: log, save)
+    plan_message: dict | None = None  # the agent's message of the generation entered last
 
     # -- what a host provides ----------------------------------------------------------------------
     @abc.abstractmethod
@@ -306,11 +308,13 @@ class GenerationRank(abc.ABC):
                     if self.pending is not None and self._committed(self.pending):
                         self._apply(self.pending)  # the agent committed it before the failure: keep it
                     self.pending, settled = None, True
-                # register first: the agent seals membership while we clean up
+                # register first: the agent seals membership while we clean up (where first: it reads that after)
+                if self.between_steps:
+                    self.store.set(f"{self.k['recover']}/{self.ident}/between", "1")
                 self.store.set(f"{self.k['recover']}/{self.ident}", str(self.committed))
                 self.teardown()
                 self.at(step, "recovery")
-                msg = self._wait_plan(self.gen + 1)
+                msg = self.plan_message = self._wait_plan(self.gen + 1)
                 self.enter(self.gen + 1, ExecutionPlan.from_dict(msg["plan"]), msg["policy"],
                            [tuple(t) for t in msg["transfers"]], msg.get("checkpoint_step"))
                 return int(msg["resume_step"])

@@ -138,11 +138,19 @@ def test_bad_policy_is_rejected_by_argparse(capsys: pytest.CaptureFixture) -> No
     (["--odyssey", "--odyssey-inject-fault", "step=10,rank=1"], {}, "--train-iters"),
     (["--odyssey", "--odyssey-inject-fault", "step=1,rank=1,phase=lunch"], {}, "phase must be"),
     (["--odyssey", "--odyssey-policy", "reroute"], {"data_parallel_size": 1}, "data-parallel size is 1"),
+    (["--odyssey", "--odyssey-rejoin", "3"], {}, "--odyssey-rejoin '3': expected RANK@STEP"),
+    (["--odyssey", "--odyssey-rejoin", "8@1"], {}, "the rank must be one of the job's 0..7"),
 ])
 def test_invalid_combinations_fail_clearly(argv: list[str], megatron: dict, message: str) -> None:
     ns = _megatron_like_args(argv, **megatron)
     with pytest.raises(OdysseyArgumentError, match=message.replace("-", r"\-")):
         validate_odyssey_args(ns)
+
+
+def test_tensor_parallelism_without_extra_weight_shards_is_accepted() -> None:
+    """megatron-core 0.19+ sets --tensor-parallel-num-weight-shards to the TP size when it is not given."""
+    validate_odyssey_args(_megatron_like_args(["--odyssey"], tensor_model_parallel_size=2,
+                                              tensor_parallel_num_weight_shards=2))
 
 
 def test_distributed_optimizer_with_replicated_shards_is_accepted() -> None:
