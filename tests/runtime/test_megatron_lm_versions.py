@@ -1,6 +1,7 @@
 """Every Megatron-LM release the adaptor knows, each with its own megatron.core: stock ``pretrain_gpt.py``
 (no ``--odyssey``) is the reference, and the same job under ``odyssey-launch`` with one rank SIGKILLed
-mid-iteration trains exactly as it (loss and grad norm to the printed digit, learning rate, samples).
+mid-iteration trains exactly as it (loss and grad norm to the printed digit, learning rate, samples), also
+when the lost machine comes back (`odyssey-launch --join`).
 
 Needs checkouts: ``MEGATRON_LM_CHECKOUTS=/path/core_r0.12.0:/path/core_r0.19.0:...`` (``os.pathsep``
 separated; ``git archive`` of each branch is enough), plus Megatron-LM's own requirements (``einops``
@@ -78,4 +79,20 @@ def test_release_trains_as_stock_through_a_kill(checkout: str, policy: str, refe
     assert job.returncode == 0, job.logs[-4000:]
     (failure,) = job.report["failures"]
     assert failure["ranks"] == [1] and failure["policy"] == policy
+    assert same_training(job.iterations(), stock), (job.iterations(), stock)
+
+
+@pytest.mark.parametrize("checkout", CHECKOUTS, ids=[Path(c).name for c in CHECKOUTS])
+def test_release_takes_back_a_machine_that_comes_back(checkout: str, references: dict,
+                                                      tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Four machines of one rank; machine 3 is lost in iteration 2 and comes back (``odyssey-launch --join``)
+    after iteration 3: set up in a private world with this release's start-up, admitted, and equal to stock."""
+    stock = _stock(checkout, references, tmp_path_factory)
+    job = run_odyssey(checkout, tmp_path_factory.mktemp("join"), [
+        *_flags(checkout), "--odyssey-heartbeat-timeout", "10", "--odyssey-inject-fault",
+        "step=1,rank=3,phase=forward,kind=kill-machine", "--odyssey-rejoin", "3@2"], _port(checkout, 30), nodes=4,
+        join=(3,))
+    assert job.returncode == 0, job.logs[-4000:]
+    (joined,) = job.report["joins"]
+    assert joined["ranks"] == [3] and joined["step"] == 4
     assert same_training(job.iterations(), stock), (job.iterations(), stock)
