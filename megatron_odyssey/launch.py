@@ -395,7 +395,11 @@ def join_running_job(args: argparse.Namespace) -> int:
     local = start_ranks(args, joining={"tp": cfg.tp, "address": f"{address[0]}:{address[1]}",
                                        "standby": standby is not None})
     control = ControlPlane(address, standby, -1, wait_s=120) if standby is not None else None
-    return node_agent(args, local, store, control)
+    try:
+        return node_agent(args, local, store, control)
+    finally:  # (ranks held as standbys to the end of the job leave with it)
+        for p in local.values():
+            p.kill()
 
 
 def route_address(master_addr: str, port: int) -> str:
