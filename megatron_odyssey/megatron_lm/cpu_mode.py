@@ -439,8 +439,8 @@ def tiny_gpt_flags(train_iters: int, pipeline_parallel: int = 2, vocab_size: int
     """Megatron-LM flags for a tiny Llama-style GPT on mock data that runs on CPU (gloo): the kernels
     this mode cannot run are switched off. Shared by the Megatron-LM tests and benchmarks.
 
-    megatron-core 0.12's mock documents hold tokens up to 4095 (not reduced modulo the vocabulary, as from
-    0.13 on): give it ``vocab_size=4096``."""
+    megatron-core 0.12-0.15's mock documents hold tokens up to 4095 (not reduced modulo the vocabulary, as from
+    0.16 on): give it ``vocab_size=4096``."""
     return [
         "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "176",
         "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",

@@ -28,8 +28,8 @@ ITERS = 5
 
 
 def _flags(checkout: str) -> list[str]:
-    """megatron-core 0.12's mock documents hold tokens up to 4095 (see tiny_gpt_flags)."""
-    return tiny_gpt_flags(ITERS, vocab_size=4096 if _minor(checkout) == 12 else 128)
+    """megatron-core 0.12-0.15's mock documents hold tokens up to 4095 (see tiny_gpt_flags)."""
+    return tiny_gpt_flags(ITERS, vocab_size=4096 if _minor(checkout) <= 15 else 128)
 
 
 def _minor(checkout: str) -> int:
