@@ -131,7 +131,14 @@ def traced_p2p(original: Callable[..., Any]) -> Callable[..., Any]:
         log.sending(kwargs)
         entered = time.time()
         out = original(*args, **kwargs)
-        log.received_all(kwargs, entered, time.time(), waited=kwargs.get("wait_on_reqs", True))
+        posted = log.received_all(kwargs, entered, time.time(), waited=kwargs.get("wait_on_reqs", True))
+        requests = out[2] if isinstance(out, tuple) and len(out) == 3 else None
+        if posted and isinstance(requests, dict):  # overlapped receives: timed when the schedule waits for them
+            from .stock_trace import TimedReceive
+
+            for key, (node, name) in posted.items():
+                if key in requests:
+                    requests[key] = TimedReceive(requests[key], log.trace, node, name)
         return out
 
     return wrapper

@@ -79,13 +79,40 @@ class StockMessages:
         if self.trace is not None:
             self.trace.all_reduced(-1 - self.stage, entered, left)
 
-    def received_all(self, call: dict[str, Any], entered: float, done: float, waited: bool = True) -> None:
+    def received_all(self, call: dict[str, Any], entered: float, done: float,
+                     waited: bool = True) -> dict[str, tuple[int, str]]:
         """After ``_communicate(**call)`` waited for its messages (from ``entered`` to ``done``). Messages it
-        only posted (the interleaved schedule's overlapped receives) are counted, not timed."""
+        only posted (the interleaved schedule's overlapped receives, ``--overlap-p2p-comm``, on by default with
+        virtual stages) are returned as {request key: (source node, name)}, to be timed when the schedule waits
+        for them (:class:`TimedReceive`)."""
+        posted: dict[str, tuple[int, str]] = {}
         for kind, direction, arg in _RECEIVED:
             if call.get(arg):
                 k = self.received[kind]
                 self.received[kind] += 1
                 stage, node = self._neighbour(direction)
-                if waited and self.trace is not None:
-                    self.trace.received(node, message_name(kind, self.replica, stage, k), entered, done)
+                name = message_name(kind, self.replica, stage, k)
+                if waited:
+                    if self.trace is not None:
+                        self.trace.received(node, name, entered, done)
+                else:
+                    posted[arg] = (node, name)
+        return posted
+
+
+class TimedReceive:
+    """A receive Megatron's overlapped schedule posted and waits for later: the wait is what the diagnosis
+    times (when the rank began to need the data, and when it had it), as for a receive that waits at once."""
+
+    def __init__(self, request: Any, trace: OpTrace | None, node: int, name: str):
+        self.request, self.trace, self.node, self.name = request, trace, node, name
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        entered = time.time()
+        out = self.request.wait(*args, **kwargs)
+        if self.trace is not None:
+            self.trace.received(self.node, self.name, entered, time.time())
+        return out
+
+    def __getattr__(self, name: str) -> Any:  # is_completed() and the rest: the request's own
+        return getattr(self.request, name)

@@ -197,3 +197,28 @@ def test_an_injected_slowdown_stretches_the_device_time_of_each_operation():
     assert HostEvent.waits == 1 and trace.forward_s[0] >= 0.06  # 20 ms of kernels, stretched 3x, recorded now
     trace.summary()
     assert len(trace.forward_s) == 2 and 0.02 <= min(trace.forward_s) < 0.06
+
+
+def test_an_overlapped_receive_is_timed_when_the_schedule_waits_for_it():
+    """Megatron's interleaved schedule posts receives (``wait_on_reqs=False``) and waits for them later: the
+    message is named when posted (the order both ends number it in) and timed over the later wait."""
+    import threading
+
+    import torch
+
+    from megatron_odyssey.megatron_lm.stock_trace import StockMessages, TimedReceive
+    from megatron_odyssey.runtime.op_trace import ComputeTimer
+
+    trace = OpTrace(ident=2, node=2)
+    log = StockMessages(node=2, pp=2, dp=2, timer=ComputeTimer(time.perf_counter, trace))  # stage 1, replica 0
+    log.begin(0)
+    posted = log.received_all({"recv_prev": True, "recv_next": False}, 0.0, 0.0, waited=False)
+    assert posted == {"recv_prev": (0, message_name("forward", 0, 0, 0))} and trace.recvs == []
+    arrival = torch.futures.Future()
+    threading.Timer(0.05, lambda: arrival.set_result(None)).start()
+    request = TimedReceive(arrival, trace, *posted["recv_prev"])
+    t0 = time.time()
+    request.wait()
+    ((node, name, entered, done),) = trace.recvs
+    assert (node, name) == (0, "F0.0.0") and entered >= t0 and done - entered >= 0.04
+    assert request.done()  # the request's own methods pass through
