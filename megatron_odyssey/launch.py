@@ -36,9 +36,9 @@ from typing import Any
 
 from .runtime.control_plane import FENCE_KEY, free_port  # (no torch import: the launcher starts fast)
 from .runtime.errors import STOPPED_EXIT, rank_log_traceback
+from .runtime.joining import CONFIG_KEY, read_job_config  # (rank 0 publishes the config when train() starts)
 
 FINISHED_KEY = "odyssey/finished"  # the agent ran the job to its end (its exit code): node agents stop
-CONFIG_KEY = "odyssey/config"  # rank 0 publishes the job's TrainConfig when Megatron's train() starts
 
 EXIT_KEY = "odyssey/exit/{}"  # node agents report a rank's exit code here
 EXITS_KEY = "odyssey/exits"  # ... and append "rank:code;" here: the coordinator reads every exit in one get
@@ -211,14 +211,13 @@ def coordinate(args: argparse.Namespace, local: dict[int, LocalRank]) -> int:
     import torch.distributed as dist
 
     from .runtime.agent import Agent
-    from .runtime.config import TrainConfig
 
     store = dist.TCPStore("0.0.0.0", args.odyssey_port, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=300))
     world = args.nnodes * args.nproc_per_node
     exits = RemoteExits(store)
     procs: dict[int, Any] = {i: local.get(i) or RemoteRank(store, i, exits) for i in range(world)}
-    while not store.check(["odyssey/config"]):  # rank 0 publishes it when Megatron's train() starts
+    while not store.check([CONFIG_KEY]):  # rank 0 publishes it when Megatron's train() starts
         codes = {i: p.exitcode for i, p in procs.items()}
         if all(c == 0 for c in codes.values()):
             return 0  # a job without --odyssey: odyssey-launch was just its launcher
@@ -235,7 +234,7 @@ def coordinate(args: argparse.Namespace, local: dict[int, LocalRank]) -> int:
                   f"{args.workdir.resolve()}/rank*.log", file=sys.stderr)
             return 1
         time.sleep(0.05)
-    cfg = TrainConfig(**json.loads(store.get(CONFIG_KEY)))
+    cfg = read_job_config(store)
     agent = Agent(cfg, None, args.workdir, procs=procs, store=store)
     from .runtime.joining import ADDRESS_FILE
 
@@ -368,7 +367,6 @@ def join_running_job(args: argparse.Namespace) -> int:
     reports their exits and fences them for the agent, like any machine's node agent."""
     import torch.distributed as dist
 
-    from .runtime.config import TrainConfig
     from .runtime.control_plane import STANDBY_KEY, ControlPlane, listening, parse_address
 
     try:
@@ -378,7 +376,7 @@ def join_running_job(args: argparse.Namespace) -> int:
         store = dist.TCPStore(*address, is_master=False, timeout=timedelta(seconds=60))
         if not store.check([CONFIG_KEY]):
             raise RuntimeError("that job has not started training (or is not an --odyssey job)")
-        cfg = TrainConfig(**json.loads(store.get(CONFIG_KEY)))
+        cfg = read_job_config(store)
     except Exception as exc:  # noqa: BLE001 - the reason on the terminal, not a traceback
         print(f"odyssey-launch --join {args.join}: cannot reach the job: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2

@@ -8,10 +8,11 @@ Megatron original it wraps, so importing the adaptor never changes a job that di
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from ..planning.plan import ExecutionPlan
 
@@ -49,6 +50,23 @@ def reset_state() -> None:
     """Forget everything (tests; a process that runs several jobs)."""
     global STATE
     STATE.__init__()  # type: ignore[misc]
+
+
+@contextlib.contextmanager
+def overridden(obj: Any, **values: Any) -> Iterator[None]:
+    """``obj``'s attributes set to ``values`` for a call of Megatron's that reads them (``args`` mostly), and
+    put back afterwards (an attribute it did not have is removed again)."""
+    kept = {name: getattr(obj, name) for name in values if hasattr(obj, name)}
+    for name, value in values.items():
+        setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        for name in values:
+            if name in kept:
+                setattr(obj, name, kept[name])
+            else:
+                delattr(obj, name)
 
 
 # -- stage layer ranges (non-uniform plans) -------------------------------------------------------------
@@ -164,13 +182,8 @@ def whole_batch_on_every_stage(original: Callable[..., Any]) -> Callable[..., An
             return original(*args, **kwargs)
         from megatron.training.global_vars import get_args
 
-        margs = get_args()
-        kept = margs.pipeline_model_parallel_size
-        margs.pipeline_model_parallel_size = 1
-        try:
+        with overridden(get_args(), pipeline_model_parallel_size=1):  # 0.12-0.17
             return original(*args, **kwargs)
-        finally:
-            margs.pipeline_model_parallel_size = kept
 
     return wrapper
 

@@ -16,12 +16,11 @@ it is a rank like the others.
 from __future__ import annotations
 
 import functools
-import json
 import os
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
-from .hooks import STATE, odyssey_enabled
+from .hooks import STATE, odyssey_enabled, overridden
 
 JOIN_RANK_ENV = "ODYSSEY_JOIN_RANK"  # the global rank a joining process takes (set by odyssey-launch --join)
 
@@ -50,12 +49,10 @@ def job_config() -> Any:
     """The running job's TrainConfig, from its agent's store (published by rank 0 when training began)."""
     import torch.distributed as dist
 
-    from ..launch import CONFIG_KEY
-    from ..runtime.config import TrainConfig
+    from ..runtime.joining import read_job_config
 
     host, port = os.environ["ODYSSEY_STORE"].rsplit(":", 1)
-    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60))
-    return TrainConfig(**json.loads(store.get(CONFIG_KEY)))
+    return read_job_config(dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60)))
 
 
 def private_layout(args: Any) -> None:
@@ -77,24 +74,11 @@ def private_layout(args: Any) -> None:
     STATE.stage_range = (0, 1)  # the private model: embedding, one layer, output (get_model, see hooks)
 
 
-class as_the_job:
+def as_the_job(args: Any) -> ContextManager[None]:
     """``args`` as the running job has them (world, data-parallel and pipeline sizes), for the checks of
     ``--odyssey-*`` flags that name ranks and peers; the private layout again afterwards."""
-
-    def __init__(self, args: Any):
-        self.args, self.kept = args, {}
-
-    def __enter__(self) -> Any:
-        cfg, args = job_config(), self.args
-        job = {"world_size": cfg.nproc, "data_parallel_size": cfg.dp, "pipeline_model_parallel_size": cfg.pp}
-        self.kept = {name: getattr(args, name, None) for name in job}
-        for name, value in job.items():
-            setattr(args, name, value)
-        return args
-
-    def __exit__(self, *exc: Any) -> None:
-        for name, value in self.kept.items():
-            setattr(self.args, name, value)
+    cfg = job_config()
+    return overridden(args, world_size=cfg.nproc, data_parallel_size=cfg.dp, pipeline_model_parallel_size=cfg.pp)
 
 
 def resume_where_the_job_is(args: Any, scheduler: Any, ident: int, resume: int) -> None:

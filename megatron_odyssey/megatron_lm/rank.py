@@ -17,7 +17,6 @@ scheduler carry on unaware.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import inspect
@@ -27,7 +26,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -39,7 +38,7 @@ from ..runtime.executor import PipelineExecutor
 from ..runtime.grad_sync import GradientSync, all_reduce_flat, params_by_unit, unit_of
 from .distributed_optimizer import (ShardedState, capture_pieces, deferred_param_sync, distributed_optimizers,
                                     reassemble, stage_holder_groups)
-from .hooks import ORIGINAL_ATTR, STATE
+from .hooks import ORIGINAL_ATTR, STATE, overridden
 from .interleaved import InterleavedCapture, chunk_layer_start, reshuffle_transfers, shapes_for_layers
 from ..runtime.errors import GIVEUP_KEY, STARTED_KEY, fail_locally, giveup_reason, is_peer_failure, stop_now
 from ..runtime.generation import GenerationRank, keys, node_stage
@@ -246,7 +245,9 @@ class MegatronRank(GenerationRank):
             cfg.extra["device"] = measure_device(self.device, _activation_dtype(args))
         store.set(f"odyssey/device/{self.ident}", f"{self.device} ({self.backend})")  # for the report
         if self.ident == 0 and not joining:
-            store.set("odyssey/config", json.dumps(cfg.__dict__))
+            from ..runtime.joining import CONFIG_KEY
+
+            store.set(CONFIG_KEY, json.dumps(cfg.__dict__))
         self.gen_lock = threading.RLock()  # held while this thread aborts, tears down or builds groups
         plan = self.gen0_plan = symmetric_plan(cfg.pp, cfg.dp, cfg.layers, cfg.num_micro_batches)
         self.gen0_vpp = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
@@ -255,12 +256,11 @@ class MegatronRank(GenerationRank):
             self._adopt_private_world()
         else:
             self._adopt_generation0(plan)
-        from ..runtime.op_trace import ComputeTimer, compute_clock, compute_events
+        from ..runtime.op_trace import ComputeTimer
 
         # generation 0's compute, timed in Megatron's own schedule for the diagnosis (the forward step in
         # _injecting, the backward in hooks.timed_backward_step) and slowed there by an injected slowdown
-        self.stock_timer = ComputeTimer(compute_clock(self.device), events=compute_events(self.device),
-                                        **self.diagnosed())
+        self.stock_timer = ComputeTimer.for_device(self.device, **self.diagnosed())
         from .stock_trace import StockMessages  # ... and its messages (hooks.traced_p2p)
 
         self.stock_messages = StockMessages(self.node, cfg.pp, cfg.dp, self.stock_timer)
@@ -414,7 +414,7 @@ class MegatronRank(GenerationRank):
         for name in ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank"):
             if hasattr(self.args, name):
                 setattr(self.args, name, None)
-        with _overridden(self.args, overlap_grad_reduce=False):
+        with overridden(self.args, overlap_grad_reduce=False):
             if "pg_collection" in inspect.signature(mt.get_model).parameters:
                 chunks = mt.get_model(provider, captured.model_type, pg_collection=plan_process_groups(self.groups))
             else:  # Megatron-LM <= 0.15: get_model reads the groups from parallel_state (installed above)
@@ -832,21 +832,6 @@ class MegatronRank(GenerationRank):
         loss_dict = {"lm loss": torch.tensor(loss, device=self.device)}
         base = (loss_dict, 0 if ok else 1, False, False, 0, norm, None)
         return base + (0,) if self.arity == 8 else base
-
-
-@contextlib.contextmanager
-def _overridden(obj: Any, **values: Any) -> Iterator[None]:
-    kept = {name: getattr(obj, name) for name in values if hasattr(obj, name)}
-    for name, value in values.items():
-        setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        for name in values:
-            if name in kept:
-                setattr(obj, name, kept[name])
-            else:
-                delattr(obj, name)
 
 
 def _pg_collection_of(model: Any) -> Any:

@@ -29,7 +29,7 @@ from ..planning.plan import ExecutionPlan
 from ..planning.schedule import BACKWARD, FORWARD, WEIGHT_GRAD, Op, deferred, node_operations, receive_orders
 from .dropout_rng import set_micro_batch
 from .liveness import communicating
-from .op_trace import ComputeTimer, OpTrace, compute_clock, compute_events, message_name
+from .op_trace import ComputeTimer, OpTrace, message_name
 from .transport import Mailbox, P2P
 from .weight_grad import DeferredWeightGrads, input_gradients_only
 from .world import PlanGroups
@@ -85,8 +85,7 @@ class PipelineExecutor:
         self._deferred = deferred(self.plan)
         self._executor = self.plan.executor()
         self._offsets = self.plan.micro_batch_offsets()
-        self._timer = ComputeTimer(compute_clock(self.device), self.trace, self.pace, compute_events(self.device),
-                                   self.slowed)
+        self._timer = ComputeTimer.for_device(self.device, self.trace, self.pace, self.slowed)
         # no closure over self: a reference cycle would keep this executor, and with it the
         # generation's process groups and their sockets, alive after teardown (peers then wait)
         self._inbox = Mailbox(self.p2p, receive_orders(self.plan, self.groups.node),
@@ -121,10 +120,10 @@ class PipelineExecutor:
         for op in self._ops:
             key = (op.pipeline, op.stage, op.micro_batch)
             last_stage = op.stage == self.plan.pipelines[op.pipeline].length - 1
-            if on_op is not None:
-                on_op(PHASE_OF_OP[op.kind])
-            t0 = time.perf_counter()
             phase = PHASE_OF_OP[op.kind]
+            if on_op is not None:
+                on_op(phase)
+            t0 = time.perf_counter()
             if op.kind == WEIGHT_GRAD:
                 c0 = self._timer.start()
                 weight_grads.pop(key).apply()

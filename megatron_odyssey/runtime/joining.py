@@ -31,8 +31,15 @@ JOINING_KEY = "odyssey/joining"  # appended "rank:pid;" by every rank that asks 
 # a launcher of odyssey-launch --join supervises it: its exits are reported in the store, like a remote machine's)
 ADMIT_KEY = "odyssey/admit/{}"  # the generation the rank is admitted into (or "refused: why")
 REJOIN_KEY = "odyssey/rejoin/{}"  # --rejoin: the agent's signal that rank R's machine is back
-CONFIG_KEY = "odyssey/config"  # the job's TrainConfig as JSON (what a joining rank runs)
+CONFIG_KEY = "odyssey/config"  # the job's TrainConfig as JSON (odyssey train's agent, or a Megatron-LM job's rank 0)
 ADDRESS_FILE = "agent.address"  # in the job's workdir: HOST:PORT of the agent's store
+
+
+def read_job_config(store: Any) -> Any:
+    """The running job's TrainConfig, from its agent's store (``CONFIG_KEY``)."""
+    from .config import TrainConfig
+
+    return TrainConfig(**json.loads(store.get(CONFIG_KEY)))
 
 
 def announce(store: Any, ident: int, launched: bool = False) -> None:
@@ -133,7 +140,6 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch.distributed as dist
 
-    from .config import TrainConfig
     from .control_plane import listening, parse_address
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -142,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
         if not listening((host, port), timeout_s=5):  # a wrong address fails now, not in 30 s
             raise ConnectionRefusedError("nothing listens there")
         store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
-        cfg = TrainConfig(**json.loads(store.get(CONFIG_KEY)))
+        cfg = read_job_config(store)
     except Exception as exc:  # noqa: BLE001 - say what went wrong on the terminal, not a traceback
         print(f"odyssey join: cannot reach the job at {args.address}: {type(exc).__name__}: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -133,6 +133,12 @@ class ComputeTimer:
     slowed: Callable[[], bool] | None = None
     last_s: float = 0.0  # the newest operation's (what a message it produced took to compute)
 
+    @classmethod
+    def for_device(cls, device: Any, trace: OpTrace | None = None, pace: Callable[[str, float], None] | None = None,
+                   slowed: Callable[[], bool] | None = None) -> "ComputeTimer":
+        """The timer of compute on ``device``: its host clock, and its events on an accelerator."""
+        return cls(compute_clock(device), trace, pace, compute_events(device), slowed)
+
     def start(self) -> Any:
         """Mark an operation's start (pass the result to :meth:`stop`)."""
         if self.events is None:

@@ -106,13 +106,13 @@ def test_compute_is_timed_by_device_events_not_by_the_host() -> None:
     step's summary measures them (what the wall clock until they finished says)."""
     import time
 
-    from megatron_odyssey.runtime.op_trace import ComputeTimer, OpTrace, compute_clock, compute_events
+    from megatron_odyssey.runtime.op_trace import ComputeTimer, OpTrace
 
     device = torch.device("cuda")
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     trace = OpTrace(0, 0)
     trace.begin(0)
-    timer = ComputeTimer(compute_clock(device), trace, events=compute_events(device))
+    timer = ComputeTimer.for_device(device, trace)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     with timer.timing("forward"):
