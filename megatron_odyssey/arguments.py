@@ -13,7 +13,10 @@ from typing import Any
 from .planning.slow import SLOW_ACTIONS
 
 #: what --odyssey-policy / odyssey train --policy accept: Eq. 8's choice, or a recovery kind forced
-POLICIES = ("auto", "reroute", "fill", "reconfigure", "normalise")
+POLICIES = ("auto", "reroute", "fill", "stagger", "reconfigure", "normalise")
+#: --odyssey-policy: the Megatron-LM host runs no staggered optimizer (its update clips by the plan-wide gradient
+#: norm, which needs every stage's gradients before any stage may update; TrainConfig.stagger)
+MEGATRON_POLICIES = tuple(p for p in POLICIES if p != "stagger")
 #: --odyssey-slow-action / --slow-action: Eq. 8's choice, one forced, or no diagnosis
 SLOW_ACTION_CHOICES = ("auto", *SLOW_ACTIONS, "off")
 
@@ -62,7 +65,7 @@ def add_odyssey_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g = parser.add_argument_group(title="odyssey", description="keep training through accelerator failures")
     g.add_argument("--odyssey", action="store_true",
                    help="enable failure recovery by rerouting or re-arranging pipelines in-process")
-    g.add_argument("--odyssey-policy", choices=POLICIES, default="auto",
+    g.add_argument("--odyssey-policy", choices=MEGATRON_POLICIES, default="auto",
                    help="auto: the performance model chooses per failure; reroute (1F1B), fill (reroute with "
                         "weight gradients deferred into pipeline bubbles), reconfigure, normalise (a few nodes "
                         "change stage so failures spread, then reroute): force one when feasible (default: auto)")

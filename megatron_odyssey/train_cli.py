@@ -43,7 +43,8 @@ def add_train_arguments(p: argparse.ArgumentParser, defaults: TrainConfig) -> No
                            if d.fail else ""))
     p.add_argument("--policy", choices=POLICIES, default=d.policy,
                    help="auto: the planner chooses by Eq. 8; else force a policy where it is feasible (fill: "
-                        "reroute with weight gradients deferred into pipeline bubbles; normalise: a few "
+                        "reroute with weight gradients deferred into pipeline bubbles; stagger: fill with each rank "
+                        "updating before the commit, ReCycle's staggered optimizer; normalise: a few "
                         "nodes change stage so failures spread, then reroute)")
     p.add_argument("--slow-action", choices=SLOW_ACTION_CHOICES, default=d.slow_action,
                    help="what to do about a node the diagnosis names slow: auto (the planner chooses by Eq. 8 between "

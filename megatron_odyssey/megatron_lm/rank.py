@@ -184,6 +184,7 @@ def config_from_megatron_args(args: Any) -> TrainConfig:
         timeout_s=max(120.0, 4 * args.odyssey_heartbeat_timeout, 2 * args.odyssey_hard_timeout), fail=list(args.odyssey_inject_fault),
         policy=args.odyssey_policy, slow_action=getattr(args, "odyssey_slow_action", "auto"), heartbeat_interval_s=min(1.0, args.odyssey_heartbeat_timeout / 10),
         heartbeat_timeout_s=args.odyssey_heartbeat_timeout, checkpoint_interval=0,
+        stagger=False,  # Megatron's update clips by the plan-wide norm: every stage's gradients first
         soft_timeout_s=args.odyssey_soft_timeout, hard_timeout_s=args.odyssey_hard_timeout,
         workdir=os.environ.get(WORKDIR_ENV), mtbf_hours=args.odyssey_mtbf_hours,
         extra={"megatron": True, "start_step": int(args.iteration), "save_dir": getattr(args, "save", None),

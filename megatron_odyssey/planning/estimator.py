@@ -112,11 +112,13 @@ def simulate(plan: ExecutionPlan, profile: ModelProfile, staggered: bool = False
              slowdown: Mapping[int, float] | None = None) -> Simulation:
     """Play every node's operation order (Eq. 11) and return each pipeline's time (Eq. 10's t_p).
 
-    ``staggered`` models ReCycle's staggered optimizer for a filled plan, which our runtime does not
-    run (see :func:`_simulate_coupled`); the simulator's ReCycle baseline uses it. ``slowdown``: node ->
+    ``staggered`` models ReCycle's staggered optimizer for a filled plan (see :func:`_simulate_coupled`):
+    the simulator's ReCycle baseline asks for it; a plan that staggers (``plan.stagger``, which our runtime
+    executes) gets it without asking. ``slowdown``: node ->
     factor by which its compute is slower (a fail-slow node, measured by the agent's diagnosis); the
     operations it runs take that much longer, wherever they come from (its own or adopted work)."""
     slow = {n: f for n, f in (slowdown or {}).items() if f != 1.0}
+    staggered = staggered or plan.stagger
     per_units: dict[frozenset[int], tuple[float, float, float]] = {}  # thousands of stages, a few distinct ones
 
     def cost(k: int, i: int) -> tuple[float, float, float]:
@@ -242,13 +244,16 @@ class StepEstimate:
 
 
 def node_memory(plan: ExecutionPlan, profile: ModelProfile, peak_in_flight: dict[int, int]) -> dict[int, int]:
-    """Eq. 14 per node, with the in-flight count taken from the node's actual operation order."""
+    """Eq. 14 per node, with the in-flight count taken from the node's actual operation order. A staggered
+    plan also holds a copy of each unit's state (weights and optimizer state) from its speculative update
+    until the step's commit, to roll back to (``runtime.generation``)."""
     units = profile.units()
     per_units: dict[frozenset[int], tuple[int, int]] = {}
     out = {}
     for node, held in plan.holdings().items():
         if held not in per_units:
-            per_units[held] = (sum(units[u].static_bytes for u in held), sum(units[u].activation_bytes for u in held))
+            static = sum(units[u].static_bytes + (units[u].state_bytes if plan.stagger else 0) for u in held)
+            per_units[held] = (static, sum(units[u].activation_bytes for u in held))
         static, act = per_units[held]
         out[node] = static + peak_in_flight.get(node, 0) * act
     return out

@@ -114,4 +114,5 @@ def fill_dead_places(plan: ExecutionPlan, joining: tuple[int, ...]) -> tuple[Exe
     if isinstance(rerouted, str):
         return None
     return ExecutionPlan("reconfigure", plan.num_layers, pipes, failed=remaining, reroutes=rerouted.reroutes,
-                         reason="dead places filled, the rest rerouted", fill=plan.fill), mapping
+                         reason="dead places filled, the rest rerouted", fill=plan.fill,
+                         stagger=plan.stagger), mapping

@@ -96,6 +96,11 @@ class ExecutionPlan:
     # couples (the dead node's and its peers') split into input-gradient (B) and weight-gradient
     # (W) halves, W deferred into idle slots or the end of the step (``schedule.filled_schedule``)
     fill: bool = False
+    # filled plans only: ReCycle's staggered optimizer. Each rank applies its update as soon as its own
+    # gradients are synchronised, before the agent commits the step, keeping its pre-update state until
+    # the commit (rolled back if the step is not committed), so the W's a late node defers overlap the
+    # next step's warm-up instead of holding every stage back (runtime.generation)
+    stagger: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pipelines", tuple(self.pipelines))
@@ -206,6 +211,8 @@ class ExecutionPlan:
         self._validate_reroutes(seen)
         if self.fill and not self.reroutes:
             raise PlanningError("fill (bubble-filling backward) applies to rerouted plans only; this plan reroutes nothing")
+        if self.stagger and not self.fill:
+            raise PlanningError("stagger (the staggered optimizer) applies to filled plans only; this plan does not fill")
 
     def _validate_reroutes(self, position: dict[int, tuple[int, int]]) -> None:
         table = self.executor()
@@ -249,6 +256,8 @@ class ExecutionPlan:
         }
         if self.fill:  # only when set: ids of unfilled plans stay what they were
             out["fill"] = True
+        if self.stagger:
+            out["stagger"] = True
         if include_id:
             out["plan_id"] = self.plan_id
         return out
@@ -266,7 +275,8 @@ class ExecutionPlan:
             return cls(policy=data["policy"], num_layers=int(data["num_layers"]), pipelines=pipelines,
                        failed=frozenset(data.get("failed", ())),
                        reroutes=tuple(Reroute(*map(int, r)) for r in data.get("reroutes", ())),
-                       reason=data.get("reason", ""), fill=bool(data.get("fill", False)))
+                       reason=data.get("reason", ""), fill=bool(data.get("fill", False)),
+                       stagger=bool(data.get("stagger", False)))
         except (KeyError, TypeError, IndexError, ValueError) as exc:
             raise PlanningError(f"malformed plan JSON: {exc!r}") from None
 

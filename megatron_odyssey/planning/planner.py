@@ -52,6 +52,7 @@ class PlannerOptions:
     cheap_play_slots: int = CHEAP_PLAY_SLOTS  # screened pipeline counts and every-batch-split tries: only where a
     #                                           pipeline plays at most this many stage x micro-batch slots
     fill: bool = True  # also offer the bubble-filling reroute (decoupled backward)
+    stagger: bool = True  # ... and that reroute with the staggered optimizer (when the host can run it)
     normalise: bool = True  # also offer ReCycle's failure normalisation (a few nodes change stage, then reroute)
     tp: int = 1
     time_limit_s: float | None = None  # exhaustive search: stop here and keep the best layout found so far
@@ -107,14 +108,19 @@ class Candidate:
         return self.plan is not None and self.plan.fill
 
     @property
+    def stagger(self) -> bool:
+        """A filled reroute whose ranks update before the commit (ReCycle's staggered optimizer, ``ExecutionPlan.stagger``)."""
+        return self.plan is not None and self.plan.stagger
+
+    @property
     def kind(self) -> str:
-        """The policy, with the filled reroute ('fill') and the normalised reroute ('normalise': a
-        reconfiguration that keeps dead nodes' places and reroutes their work) told apart: what
-        --policy forces."""
+        """The policy, with the filled reroute ('fill'), the filled reroute with the staggered optimizer
+        ('stagger') and the normalised reroute ('normalise': a reconfiguration that keeps dead nodes' places
+        and reroutes their work) told apart: what --policy forces."""
         if self.tag:
             return self.tag
         if self.policy == "reroute":
-            return "fill" if self.fill else "reroute"
+            return ("stagger" if self.stagger else "fill") if self.fill else "reroute"
         if self.policy == "reconfigure" and self.plan is not None and self.plan.reroutes:
             return "normalise"
         return self.policy
@@ -122,14 +128,18 @@ class Candidate:
     @property
     def label(self) -> str:
         """How reports name the candidate (``policy_label``)."""
-        return policy_label(self.kind, self.fill)
+        return policy_label(self.kind, self.fill, self.stagger)
 
     def summary(self) -> dict[str, Any]:
-        return {"policy": self.policy, "kind": self.kind, "fill": self.fill, "step_time_s": _finite(self.step_time_s),
+        return {"policy": self.policy, "kind": self.kind, "fill": self.fill, "stagger": self.stagger,
+                "step_time_s": _finite(self.step_time_s),
                 "restart_risk_s": self.restart_risk_s,
                 "transition_time_s": self.transition.total_s if self.feasible else None,
                 "score": self.score, "feasible": self.feasible, "reason": self.reason}
 
+
+#: a staggered candidate's reason ends with this
+STAGGERED = ", each rank updating before the commit (staggered optimizer)"
 
 #: why units with live holders still cannot continue (Megatron's distributed optimizer, megatron_lm.distributed_optimizer)
 _SHARDS_LOST = "lost their distributed-optimizer shards with every replica"
@@ -147,12 +157,13 @@ class ActionOption:
         return {"action": self.action, **self.candidate.summary()}
 
 
-def policy_label(kind: str, fill: bool) -> str:
-    """A recovery's name in tables and plots: its kind, with bubble filling told apart (reroute+fill,
-    normalise+fill); shared by ``odyssey plan`` and the report view, which reads it from JSON."""
-    if kind == "fill":
-        return "reroute+fill"
-    return f"{kind}+fill" if fill else kind
+def policy_label(kind: str, fill: bool, stagger: bool = False) -> str:
+    """A recovery's name in tables and plots: its kind, with bubble filling and the staggered optimizer told
+    apart (reroute+fill, reroute+fill+stagger, normalise+fill); shared by ``odyssey plan`` and the report view,
+    which reads it from JSON."""
+    if kind in ("fill", "stagger"):
+        return "reroute+fill+stagger" if kind == "stagger" else "reroute+fill"
+    return kind + ("+fill" if fill else "") + ("+stagger" if stagger else "")
 
 
 def _finite(x: float) -> float | None:
@@ -186,6 +197,7 @@ class Decision:
             "policy": self.policy,
             "kind": c.kind,
             "fill": c.fill,
+            "stagger": c.stagger,
             "plan": c.plan.to_dict() if c.plan else None,
             "estimates": {
                 "step_time_s": _finite(step),
@@ -281,18 +293,24 @@ class Planner:
             return [Candidate("reroute", None, reason=plan)]
         out = [self._reroute_candidate(plan, f"{len(failed)} dead node(s); their micro-batches run on data-parallel "
                                              "peers (1F1B)")]
-        if self.options.fill:
-            out.append(self._reroute_candidate(replace(plan, fill=True), f"{len(failed)} dead node(s); their micro-"
-                                               "batches run on data-parallel peers, weight gradients deferred into "
-                                               "pipeline bubbles"))
+        why = (f"{len(failed)} dead node(s); their micro-batches run on data-parallel peers, weight gradients deferred "
+               "into pipeline bubbles")
+        out += [self._reroute_candidate(replace(plan, fill=True, stagger=stagger), why + STAGGERED * stagger)
+                for stagger in self._filled_variants()]
         return out
+
+    def _filled_variants(self) -> tuple[bool, ...]:
+        """The staggered-optimizer settings a filled reroute is offered with (none without filling)."""
+        if not self.options.fill:
+            return ()
+        return (False, True) if self.options.stagger else (False,)
 
     def _normalised_reroutes(self, dead_view: ExecutionPlan) -> list[Candidate]:
         """ReCycle's failure normalisation as a reconfiguration: on a uniform grid, a few live nodes move
         to the stages that lost most replicas (they fetch those layers), then the dead nodes' work is
         rerouted, plain and filled. Offered only when it moves someone and every stage keeps a replica."""
         failed = dead_view.failed
-        if not self.options.normalise or len(failed) < 2:  # one failure: nothing to spread, only to move
+        if not self.options.normalise:
             return []
         out = normalised_grid(dead_view, failed)
         if out is None:
@@ -304,12 +322,15 @@ class Planner:
         transfers = schedule_transfers(dead_view.holdings(), targets, [u.state_bytes for u in self.profile.units()])
         why = (f"failure normalisation: node(s) {sorted(targets)} change stage so that the failures sit where "
                "they cost least, then the dead nodes' micro-batches run on data-parallel peers")
+        # only the moved nodes build a new stage; the rest keep theirs, as in a reroute (and as the simulator
+        # prices ReCycle's own normalisation: the same action costs the same in either system)
         transition = Transition(transfer_s=transfers.time_s(self.profile.transfer_bandwidth_Bps),
-                                overhead_s=self.profile.rebuild_overhead_s)
-        cands = [self._reroute_candidate(replace(rerouted, policy="reconfigure", fill=fill, reason=why),
-                                         why + (", weight gradients deferred into bubbles" if fill else ""),
-                                         transition, transfers)
-                 for fill in ((False, True) if self.options.fill else (False,))]
+                                overhead_s=self.profile.reroute_overhead_s)
+        variants = [(False, False)] + [(True, stagger) for stagger in self._filled_variants()]
+        cands = [self._reroute_candidate(replace(rerouted, policy="reconfigure", fill=fill, stagger=stagger, reason=why),
+                                         why + (", weight gradients deferred into bubbles" if fill else "")
+                                         + STAGGERED * stagger, transition, transfers)
+                 for fill, stagger in variants]
         return [c for c in cands if c.feasible]
 
     def _reroute_candidate(self, plan: ExecutionPlan, reason: str, transition: Transition | None = None,
@@ -320,7 +341,8 @@ class Planner:
         if not step.fits_memory:
             over = step.over_memory()
             node = max(over, key=over.get)
-            held = "deferred weight gradients" if plan.fill else "adopted micro-batches"
+            held = ("deferred weight gradients" + (" and the staggered optimizer's copy of the state" if plan.stagger
+                                                    else "")) if plan.fill else "adopted micro-batches"
             return Candidate(plan.policy, None, reason=f"node {node} would need {over[node] / 2**30:.1f} GiB with the "
                              f"{held}, more than the device's {self.profile.device_memory_bytes / 2**30:.1f} GiB")
         return Candidate(plan.policy, plan, step, transition or Transition(overhead_s=self.profile.reroute_overhead_s),

@@ -38,7 +38,8 @@ def print_decision(decision: Decision, console=None) -> None:
     console.print(table)
     plan = decision.plan
     if plan is not None:
-        layout = Table(title=f"Chosen plan {plan.plan_id} ({decision.policy}{', bubble filling' if plan.fill else ''})",
+        layout = Table(title=f"Chosen plan {plan.plan_id} ({decision.policy}{', bubble filling' if plan.fill else ''}"
+                             f"{', staggered optimizer' if plan.stagger else ''})",
                        caption="node[first,end): half-open layer ranges, as the JSON's \"layers\"")
         for col in ("pipeline", "micro-batches", "stages: node[layers)"):
             layout.add_column(col)

@@ -127,6 +127,7 @@ def rebalanced(current: ExecutionPlan, planner: Planner, slow: Mapping[int, floa
         rerouted = reroute_plan(plan, current.failed)
         if isinstance(rerouted, str):
             return None
-        plan = replace(rerouted, policy="reconfigure", fill=current.fill, reason="rebalanced micro-batches")
+        plan = replace(rerouted, policy="reconfigure", fill=current.fill, stagger=current.stagger,
+                       reason="rebalanced micro-batches")
     before = max(simulate(current, profile, slowdown=slow).pipeline_times)
     return plan if max(simulate(plan, profile, slowdown=slow).pipeline_times) < before - 1e-12 else None

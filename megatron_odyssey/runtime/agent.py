@@ -116,6 +116,8 @@ class FailureRecord:
     phase: str = ""
     policy: str = ""
     fill: bool = False  # weight gradients deferred into pipeline bubbles (a filled reroute)
+    stagger: bool = False  # ... with the staggered optimizer (ranks update before the commit)
+    rolled_back: list[int] = field(default_factory=list)  # ranks that undid a step updated ahead of its commit
     kind: str = ""  # the policy with the filled and the normalised reroute told apart (Candidate.kind)
     detection_s: float = 0.0
     decision_s: float = 0.0
@@ -169,7 +171,8 @@ class Agent:
         self.phases = {(s.rank, s.step): s.phase for s in cfg.fail_specs()}
         from .device_profile import job_profile
 
-        self.options = PlannerOptions(tp=cfg.tp, **({"mtbf_hours": cfg.mtbf_hours} if cfg.mtbf_hours else {}))
+        self.options = PlannerOptions(tp=cfg.tp, stagger=cfg.stagger,
+                                      **({"mtbf_hours": cfg.mtbf_hours} if cfg.mtbf_hours else {}))
         # analytic, on the device rank 0 measured (CPU constants on CPU): see runtime/device_profile.py
         self.profile = job_profile(cfg, **cfg.extra.get("profile_overrides", {}))
         self.planner = Planner(self.profile, cfg.global_batch, cfg.micro_batch, self.options)
@@ -865,13 +868,20 @@ class Agent:
         sealed_at = time.time()
         self.recovering = set()
         survivors = [i for i in self.members() if i not in self.dead]
-        committed = {int(v) for v in self.store.multi_get([f"{self.key('recover')}/{i}" for i in survivors])}
+        held = [int(v) for v in self.store.multi_get([f"{self.key('recover')}/{i}" for i in survivors])]
+        committed = set(held)
         # survivors hit between two iterations (Megatron-LM's training_log or a save: collectives outside the step)
         # run that call again only if every survivor was in it; else it would wait for peers that had left it
         self.redo_between = bool(survivors) and self.store.check([f"{self.key('recover')}/{i}/between" for i in survivors])
         if len(committed) > 1:
             self.log(f"survivors disagree on the last committed step {sorted(committed)}: taking the smallest")
-        last = min(committed) if committed else self.next_step - 1
+        # a survivor of a staggered plan may hold a step updated before its commit that never came: it rolls
+        # back to the last step this agent committed (runtime.generation: the plan's resume step tells it)
+        last = min(min(committed), self.next_step - 1) if committed else self.next_step - 1
+        rolled_back = sorted(i for i, h in zip(survivors, held) if h > last)
+        if rolled_back:
+            self.log(f"rank(s) {rolled_back} updated step {last + 1} ahead of its commit (staggered optimizer); the "
+                     "step was not committed, so they roll it back")
         # plan from the layout that holds the state: a generation that failed before its first commit
         # never moved any (its ranks still hold the previous layout's state)
         base = self.state_plan
@@ -879,7 +889,8 @@ class Agent:
         rec = FailureRecord(ranks=sorted(gen_failed), phase=self._phase_of(gen_failed, last + 1),
                             detection_s=max(0.0, detected - started), step=last + 1, started=started,
                             sealed_at=sealed_at, error=self._error_of(gen_failed), takeover=takeover,
-                            dropped="; ".join(sorted({self.dropping[i] for i in gen_failed if i in self.dropping})))
+                            dropped="; ".join(sorted({self.dropping[i] for i in gen_failed if i in self.dropping})),
+                            rolled_back=rolled_back)
         if rec.dropped:
             rec.phase = "(slow)"  # taken out by the agent between operations, not hit in a phase
         self.slow_nodes.left(dead_nodes)
@@ -918,7 +929,8 @@ class Agent:
         rec.decision_s = time.perf_counter() - t0
         rec.time_to_next_failure_s, rec.mtbf_hours = decision.time_to_next_failure_s, self.options.mtbf_hours
         chosen = self._apply_policy(decision)
-        rec.policy, rec.kind, rec.fill, rec.reason = chosen.policy, chosen.kind, chosen.fill, chosen.reason
+        rec.policy, rec.kind, rec.reason = chosen.policy, chosen.kind, chosen.reason
+        rec.fill, rec.stagger = chosen.fill, chosen.stagger
         rec.candidates = [c.summary() for c in decision.candidates]
         resume, ckpt = last + 1, None
         if chosen.policy == "restart" and self.cfg.extra.get("megatron"):  # a Megatron job: its own checkpoint
@@ -1180,9 +1192,12 @@ class Agent:
         """The planner's choice, or the forced policy when it is feasible (else say why not)."""
         if self.cfg.policy == "auto":
             return decision.chosen
-        family = {"fill": "reroute", "normalise": "reconfigure"}.get(self.cfg.policy, self.cfg.policy)
-        forced = next((c for c in decision.candidates if c.kind == self.cfg.policy),
-                      next(c for c in decision.candidates if c.policy == family))
+        family = {"fill": "reroute", "stagger": "reroute", "normalise": "reconfigure"}.get(self.cfg.policy,
+                                                                                         self.cfg.policy)
+        # of that kind, the feasible one Eq. 8 scores best (a normalised reroute comes plain, filled and staggered)
+        kind = sorted((c for c in decision.candidates if c.kind == self.cfg.policy),
+                      key=lambda c: (c.feasible, c.score), reverse=True)
+        forced = kind[0] if kind else next(c for c in decision.candidates if c.policy == family)
         if forced.feasible and forced.kind == self.cfg.policy:
             return forced
         self.log(f"--policy {self.cfg.policy} is not possible here ({forced.reason}); using {decision.policy}")

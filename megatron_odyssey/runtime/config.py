@@ -43,7 +43,9 @@ class TrainConfig:
     timeout_s: float = 120.0
     # fault tolerance
     fail: list[str] = field(default_factory=list)  # --fail specs (runtime.faults.FailSpec text)
-    policy: str = "auto"  # auto | reroute | fill | reconfigure | normalise
+    policy: str = "auto"  # auto | reroute | fill | stagger | reconfigure | normalise
+    # the host runs the staggered optimizer (ExecutionPlan.stagger): the planner offers it only then
+    stagger: bool = True
     # a slow node the diagnosis names: auto (Eq. 8 between carrying on, rebalancing and dropping it), or force
     # one of them where feasible; off: no diagnosis of slowness at all (hangs are still caught)
     slow_action: str = "auto"
@@ -92,6 +94,9 @@ class TrainConfig:
             raise PlanningError(f"--heads {self.heads} and the vocabulary {self.vocab} must be divisible by --tp {self.tp}")
         if self.policy not in POLICIES:
             raise PlanningError(f"--policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.policy == "stagger" and not self.stagger:
+            raise PlanningError("--policy stagger: this host does not run the staggered optimizer (Megatron-LM's update "
+                                "clips by the gradient norm of the whole model, known only once every stage is done)")
         if self.slow_action not in SLOW_ACTION_CHOICES:
             raise PlanningError(f"--slow-action must be one of {', '.join(SLOW_ACTION_CHOICES)}, got {self.slow_action!r}")
         if not self.heartbeat_timeout_s > self.heartbeat_interval_s:
@@ -115,15 +120,19 @@ class TrainConfig:
             if missing:
                 raise PlanningError(f"--data-path {self.data_path}: no {' or '.join(self.data_path + s for s in missing)} "
                                     f"(give the prefix of a Megatron indexed dataset, without .bin/.idx)")
-        from .faults import FailSpec
+        from .faults import PHASES, FailSpec
 
-        seen: dict[tuple[int, int], str] = {}
+        seen: dict[tuple[int, int], tuple[FailSpec, str]] = {}
         for text in self.fail:
             spec = FailSpec.parse(text)
-            if (spec.rank, spec.step) in seen:
+            earlier, said = seen.get((spec.rank, spec.step), (None, ""))
+            # one fault per rank and step, or a one-off slowness first, then another fault at a later phase
+            if earlier is not None and not (earlier.kind == "slow" and not earlier.factor
+                                             and PHASES.index(earlier.phase) < PHASES.index(spec.phase)):
                 raise PlanningError(f"--fail {text!r}: rank {spec.rank} already fails in step {spec.step} "
-                                    f"({seen[spec.rank, spec.step]!r}); give one fault per rank and step")
-            seen[spec.rank, spec.step] = text
+                                    f"({said!r}); give one fault per rank and step (or a kind=slow at an earlier "
+                                    "phase first)")
+            seen[spec.rank, spec.step] = (spec, text)
             if spec.rank >= self.nproc:
                 raise PlanningError(f"--fail {text!r}: rank {spec.rank} does not exist (ranks 0..{self.nproc - 1})")
             if spec.step >= self.steps:
@@ -166,7 +175,7 @@ class TrainConfig:
         return symmetric_plan(self.pp, self.dp, self.layers, self.num_micro_batches)
 
     def fail_specs(self):
-        from .faults import FailSpec
+        from .faults import PHASES, FailSpec
 
         return [FailSpec.parse(t) for t in self.fail]
 

@@ -8,9 +8,12 @@ Two hosts drive the same machinery: our standalone trainer (``odyssey train``/``
 - **enter**: join generation ``g``'s world (a fresh prefix of the agent's store), build the plan's
   groups, build this node's stage (the host's hook), move state in (transfers from live replicas, or
   a checkpoint), and attach the pipeline executor and per-layer gradient sync;
-- **step**: *ready* after gradients are synchronised, wait for the agent's *commit*, apply locally;
+- **step**: *ready* after gradients are synchronised, wait for the agent's *commit*, apply locally; in a
+  staggered plan (``ExecutionPlan.stagger``, ReCycle's staggered optimizer) apply at once, keeping the state
+  before the update until the commit, which is awaited only before the next *ready*;
 - **recover**: apply a committed step, register, tear the generation down at once (so peers blocked
-  on this rank fail in milliseconds), wait for the next generation's plan, enter it.
+  on this rank fail in milliseconds), wait for the next generation's plan (a step applied ahead of a commit
+  that never came is rolled back: the plan resumes at it), enter it.
 
 What differs between the hosts is behind the hooks below (:class:`GenerationRank`'s abstract methods):
 how a stage is built and what holds it, where micro-batches come from, how a committed step is
@@ -22,9 +25,10 @@ import abc
 import gc
 import json
 import os
+import sys
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -99,6 +103,8 @@ class GenerationRank(abc.ABC):
     gen: int = 0
     committed: int = -1
     pending: int | None = None  # the step whose commit this rank waits for
+    speculative: int | None = None  # a staggered plan's step applied ahead of its commit ...
+    before: Any = None  # ... and the state before that update (``_capture``), until the commit
     saved: Any = None  # state captured at teardown, restored into the next generation's stage
     named: Any = ()  # (global name, parameter holding fp32 values) of the live stage
     model: Any = None
@@ -274,6 +280,51 @@ class GenerationRank(abc.ABC):
             self._aborted(self.gen)
         return float(value)
 
+    def ready_and_update(self, step: int, loss_share: float, update: Callable[[], Any],
+                         tokens: float | None = None) -> None:
+        """*Ready* for ``step``, then its update: after the agent's commit (``_apply``), or, in a staggered plan,
+        at once (``update``), the state before it kept until the commit. Every stage then updates as soon as its
+        own gradients are synchronised, so a node whose deferred W's end the step late holds nobody back: its
+        peers of earlier stages are already in the next step's warm-up, whose first input it waits for anyway.
+        The commit guard holds: a step no commit follows is rolled back (``_resolve_ahead``)."""
+        if not self.plan.stagger:
+            self._publish_ready(step, loss_share, tokens)
+            self._wait_commit(step)
+            self.at(step, "optimizer")
+            self._apply(step)
+            return
+        self.settle()  # the previous step's commit: answered long ago, unless the generation was aborted
+        self._publish_ready(step, loss_share, tokens)
+        self.at(step, "optimizer")
+        self.before = self._capture()
+        self.speculative, self.pending, self.saved = step, None, None
+        update()
+
+    def settle(self) -> None:
+        """Wait for the commit of the step applied ahead of it and keep it; an aborted generation raises
+        :class:`Abort` (recovery then rolls the step back)."""
+        if self.speculative is not None:
+            self._wait_commit(self.speculative)
+            self.committed, self.speculative, self.before = self.speculative, None, None
+
+    @property
+    def held_step(self) -> int:
+        """The last step whose update the live state holds (committed, or applied ahead of its commit)."""
+        return self.committed if self.speculative is None else self.speculative
+
+    def _resolve_ahead(self, resume_step: int) -> None:
+        """After a failure: a step applied ahead of its commit is kept if the agent committed it (the plan
+        resumes after it), else rolled back to the state before it (the plan resumes at it)."""
+        if self.speculative is None:
+            return
+        if resume_step <= self.speculative:
+            self.saved, self.committed = self.before, self.speculative - 1
+            print(f"[rank {self.ident}] step {self.speculative} was updated ahead of its commit, which never came: "
+                  "rolled back", file=sys.stderr, flush=True)
+        else:
+            self.committed = self.speculative
+        self.speculative = self.before = None
+
     def _committed(self, step: int) -> bool:
         key = f"{self.k['commit']}/{step}"
         return self.store.check([key]) and self.store.get(key) != ABORTED
@@ -311,10 +362,11 @@ class GenerationRank(abc.ABC):
                 # register first: the agent seals membership while we clean up (where first: it reads that after)
                 if self.between_steps:
                     self.store.set(f"{self.k['recover']}/{self.ident}/between", "1")
-                self.store.set(f"{self.k['recover']}/{self.ident}", str(self.committed))
+                self.store.set(f"{self.k['recover']}/{self.ident}", str(self.held_step))
                 self.teardown()
                 self.at(step, "recovery")
                 msg = self.plan_message = self._wait_plan(self.gen + 1)
+                self._resolve_ahead(int(msg["resume_step"]))
                 self.enter(self.gen + 1, ExecutionPlan.from_dict(msg["plan"]), msg["policy"],
                            [tuple(t) for t in msg["transfers"]], msg.get("checkpoint_step"))
                 return int(msg["resume_step"])

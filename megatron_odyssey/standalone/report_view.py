@@ -22,13 +22,14 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.3g} h"
 
 
-def _kind(entry: dict[str, Any]) -> tuple[str, bool]:
-    """A failure's or candidate's kind and bubble filling (reports before them name the policy only)."""
-    return entry.get("kind") or entry["policy"], bool(entry.get("fill"))
+def _kind(entry: dict[str, Any]) -> tuple[str, bool, bool]:
+    """A failure's or candidate's kind, bubble filling and staggered optimizer (reports before them name the
+    policy only)."""
+    return entry.get("kind") or entry["policy"], bool(entry.get("fill")), bool(entry.get("stagger"))
 
 
 def policy_name(entry: dict[str, Any]) -> str:
-    """A failure's or candidate's name, the filled and the normalised reroute told apart."""
+    """A failure's or candidate's name, the filled, staggered and normalised reroutes told apart."""
     return policy_label(*_kind(entry))
 
 

@@ -183,26 +183,27 @@ class StandaloneRank(GenerationRank):
         self.sync()
         if self.trace is not None:
             self.trace.sync_s = time.perf_counter() - t0
-        self._publish_ready(step, result.loss_sum if self.tp_rank == 0 else 0.0)
-        self._wait_commit(step)
-        self.at(step, "optimizer")
-        self._apply(step)
+        self.ready_and_update(step, result.loss_sum if self.tp_rank == 0 else 0.0, self._update)
         interval = self.cfg.checkpoint_interval
         if interval and (step + 1) % interval == 0:
             from ..runtime.state import capture, save_checkpoint
 
+            self.settle()  # a checkpoint holds committed state only
             self.at_rest(step, "save")
             save_checkpoint(self._ckpt_root(), step, self.node, self.tp_rank, capture(self.named, self.optimizer))
             self.store.set(f"{self.k['ckpt']}/{step}/{self.ident}", "1")
         self.at_rest(step, "between")
 
     def _apply(self, step: int) -> None:
+        self._update()
+        self.committed, self.pending = step, None
+        self.saved = None  # the live model now holds the newest state
+
+    def _update(self) -> None:
         t0 = time.perf_counter()
         self.optimizer.step()
         if self.profiler is not None:
             self.profiler.observe_optimizer_step(time.perf_counter() - t0)
-        self.committed, self.pending = step, None
-        self.saved = None  # the live model now holds the newest state
 
     def main(self) -> None:
         plan = self.cfg.validate()
@@ -233,12 +234,15 @@ class StandaloneRank(GenerationRank):
         self.train_from(resume)
 
     def train_from(self, step: int) -> None:
-        """Train until the last step, recovering in-process from peers' failures."""
-        while step < self.cfg.steps:
+        """Train until the last step is committed, recovering in-process from peers' failures."""
+        while step < self.cfg.steps or self.speculative is not None:
             failed = False
             try:
-                self.train_step(step)
-                step += 1
+                if step < self.cfg.steps:
+                    self.train_step(step)
+                    step += 1
+                else:
+                    self.settle()  # the last step was applied ahead of its commit (staggered optimizer)
             except Exception as exc:
                 if not is_peer_failure(exc, self.store, self.gen):
                     fail_locally(self.store, self.ident, exc, f"step {step}")  # ours: report it and leave

@@ -6,7 +6,7 @@ import pytest
 
 from megatron_odyssey.planning.estimator import (eq9_step_time, eq12_step_time, eq13_step_time, eq14_peak_memory,
                                                  estimate_step, simulate)
-from megatron_odyssey.planning.plan import layout, symmetric_plan
+from megatron_odyssey.planning.plan import ExecutionPlan, layout, symmetric_plan
 from megatron_odyssey.planning.planner import reroute_plan
 from megatron_odyssey.planning.profile import LayerCost, uniform_profile
 
@@ -166,6 +166,26 @@ def test_deferred_weight_gradients_hold_activations_longer():
     d = Planner(tight, 18, 1, PlannerOptions()).decide(symmetric_plan(4, 3, 8, 18), {filled.pipelines[1].stages[1].node})
     fill = next(c for c in d.candidates if c.policy == "reroute" and not c.feasible)
     assert "deferred weight gradients" in fill.reason
+
+
+def test_staggered_plan_is_played_with_the_staggered_optimizer_and_holds_a_copy_of_its_state():
+    """A plan that staggers (the runtime updates each rank before the commit) gets the staggered play without
+    asking, and Eq. 14 counts the copy of weights and optimizer state kept until the commit; not filled: refused."""
+    from megatron_odyssey.planning.errors import PlanningError
+
+    prof, _, plain, filled = _slides_example(stage=1)
+    staggered = replace(filled, stagger=True)
+    assert simulate(staggered, prof).pipeline_times == simulate(filled, prof, staggered=True).pipeline_times
+    # the worked example's 29 slots: the adopting peers of the second stage end with a W after their last B;
+    # staggered, it overlaps the next step's warm-up, in which they wait one forward slot (the first stage's)
+    assert max(simulate(filled, prof).pipeline_times) == 29 and max(simulate(staggered, prof).pipeline_times) == 28
+    units = prof.units()
+    copy = {n: sum(units[u].state_bytes for u in held) for n, held in staggered.holdings().items()}
+    with_copy, without = estimate_step(staggered, prof).peak_memory_bytes, estimate_step(filled, prof).peak_memory_bytes
+    assert all(with_copy[n] - without[n] == copy[n] > 0 for n in copy)
+    assert ExecutionPlan.from_dict(staggered.to_dict()) == staggered and "stagger" not in filled.to_dict()
+    with pytest.raises(PlanningError, match="stagger .* filled plans only"):
+        replace(plain, stagger=True).validate()
 
 
 def test_weight_gradient_share_comes_from_the_profile():

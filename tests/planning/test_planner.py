@@ -177,6 +177,26 @@ def test_bubble_filling_keeps_rerouting_longer():
     assert _policies_as_failures_accumulate(fill=True) == ["reroute+fill"] * 3
 
 
+def test_staggered_filled_reroute_is_a_candidate_where_the_host_runs_it():
+    """The filled reroute comes plain and with the staggered optimizer (never faster without it); a host that
+    cannot stagger (PlannerOptions.stagger=False, Megatron-LM's) is not offered it, nor is a device too small
+    for the copy of the state it keeps until each commit."""
+    prof = builtin_profile(num_layers=8, seq_length=2048)
+    current = symmetric_plan(4, 3, 8, 18)
+    dead = {current.pipelines[1].stages[1].node}
+    d = Planner(prof, 18, 1, PlannerOptions(mtbf_hours=1.0)).decide(current, dead)
+    fill, stagger = (next(c for c in d.candidates if c.kind == k) for k in ("fill", "stagger"))
+    assert stagger.plan == replace(fill.plan, stagger=True) and stagger.label == "reroute+fill+stagger"
+    assert stagger.step_time_s < fill.step_time_s and stagger.summary()["stagger"] is True
+    assert "staggered optimizer" in stagger.reason
+    without = Planner(prof, 18, 1, PlannerOptions(mtbf_hours=1.0, stagger=False)).decide(current, dead)
+    assert not any(c.stagger for c in without.candidates)
+    need = max(fill.step.peak_memory_bytes.values())
+    tight = Planner(replace(prof, device_memory_bytes=need), 18, 1, PlannerOptions(mtbf_hours=1.0)).decide(current, dead)
+    refused = next(c for c in tight.candidates if c.kind == "reroute" and "staggered optimizer's copy" in c.reason)
+    assert not refused.feasible
+
+
 def test_cache_matches_fresh_search_and_relabels():
     prof = builtin_profile(num_layers=16, seq_length=2048)
     planner = Planner(prof, 16, 1, PlannerOptions(mtbf_hours=1.0))
@@ -293,10 +313,12 @@ def test_planner_offers_the_normalised_reroute_with_its_transfer():
     prof = builtin_profile(num_layers=8, seq_length=2048)
     d = Planner(prof, 12, 1, PlannerOptions(mtbf_hours=1.0)).decide(symmetric_plan(2, 3, 8, 12), {3, 5})
     norm = [c for c in d.candidates if c.kind == "normalise"]
-    assert [c.fill for c in norm] == [False, True]
+    assert [(c.fill, c.stagger) for c in norm] == [(False, False), (True, False), (True, True)]
+    assert [c.label for c in norm] == ["normalise", "normalise+fill", "normalise+fill+stagger"]
     for c in norm:
         assert c.policy == "reconfigure" and c.plan.reroutes and c.transfers.total_bytes > 0
-        assert c.transition.overhead_s == prof.rebuild_overhead_s
+        # only the moved nodes build a new stage: priced like a reroute plus the copy (as ReCycle's own)
+        assert c.transition.overhead_s == prof.reroute_overhead_s
         assert sorted(c.plan.failed) == [3, 5]
         c.plan.validate(num_micro_batches=12)
     assert not [c for c in Planner(prof, 12, 1, PlannerOptions(normalise=False)).decide(

@@ -100,6 +100,23 @@ def test_second_failure_inside_a_deferred_weight_gradient(reference, tmp_path):
     assert report["failures"][1]["step"] == 2 and report["steps"][-1]["alive"] == 4
 
 
+def test_staggered_optimizer_rolls_back_a_step_updated_ahead_of_a_commit_that_never_came(reference, tmp_path):
+    """ReCycle's staggered optimizer, forced after rank 3 dies: each rank updates as soon as its own gradients are
+    synchronised. In step 2 rank 5 (stage 1, adopting rank 3's micro-batches) is held 2 s before its deferred W's
+    and then dies in the gradient sync: stage 0 (ranks 0-2) has updated step 2 ahead of its commit by then and is
+    in step 3; the commit never comes, so they roll step 2 back and it is redone. Parameters equal the fault-free
+    run's."""
+    params, report = run(tmp_path, ["step=1,rank=3,phase=backward,kind=kill", "step=2,rank=5,phase=weight-grad,kind=slow",
+                                    "step=2,rank=5,phase=grad-sync,kind=kill"], policy="stagger")
+    assert_exact(reference, params, report)
+    first, second = report["failures"]
+    assert (first["ranks"], first["kind"], first["fill"], first["stagger"]) == ([3], "stagger", True, True)
+    assert first["rolled_back"] == []  # rank 3 died in the backward of step 1: nobody had updated step 1 yet
+    assert second["ranks"] == [5] and second["step"] == 2
+    assert second["rolled_back"] == [0, 1, 2]
+    assert [s["step"] for s in report["steps"]] == [0, 1, 2, 3]  # step 2 committed once, after its redo
+
+
 def test_normalised_reroute_moves_a_node_and_trains_exactly(reference, tmp_path):
     """Ranks 3 and 5 (stage 1 of pipelines 0 and 2) die in the same step: stage 1 keeps one replica of three.
     Failure normalisation moves a stage-0 node to stage 1 (it fetches those layers from the survivor), so
