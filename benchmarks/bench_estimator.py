@@ -244,7 +244,7 @@ def plot(result: dict, path: Path) -> None:
 
     rs = result["rows"]
     x = range(len(rs))
-    fig, ax = plt.subplots(figsize=(9, 4.6))
+    fig, ax = plt.subplots(figsize=(max(9.0, 0.8 * len(rs)), 5.2))
     w = 0.38
     ax.bar([i - w / 2 for i in x], [r["measured_s"] for r in rs], w, label="measured (median)", color="#4c72b0",
            yerr=[[r["measured_s"] - r["min_s"] for r in rs], [r["max_s"] - r["measured_s"] for r in rs]], capsize=3)
@@ -253,12 +253,12 @@ def plot(result: dict, path: Path) -> None:
     for i, r in enumerate(rs):
         ax.annotate(f"{r['error_pct']:+.1f}%", (i, max(r["max_s"], r["predicted_s"])), ha="center",
                     va="bottom", xytext=(0, 4), textcoords="offset points", fontsize=9)
-    ax.set_xticks(list(x), [r["name"] for r in rs])
+    ax.set_xticks(list(x), [r["name"] for r in rs], rotation=30, ha="right", fontsize=9)
     ax.set_ylabel("step time (s)")
     ax.set_title(f"Estimator vs runtime, sleep mode {result['forward_ms']:g}/{result['backward_ms']:g} ms per layer "
                  f"(error target {TARGET_PCT:g}%)", fontsize=10)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2, fontsize=9, frameon=False)
-    ax.set_ylim(0, 1.15 * max(max(r["max_s"], r["predicted_s"]) for r in rs))
+    ax.legend(loc="upper left", ncol=2, fontsize=9, frameon=False)
+    ax.set_ylim(0, 1.25 * max(max(r["max_s"], r["predicted_s"]) for r in rs))  # (room for the legend)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

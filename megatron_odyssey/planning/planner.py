@@ -161,8 +161,8 @@ def policy_label(kind: str, fill: bool, stagger: bool = False) -> str:
     """A recovery's name in tables and plots: its kind, with bubble filling and the staggered optimizer told
     apart (reroute+fill, reroute+fill+stagger, normalise+fill); shared by ``odyssey plan`` and the report view,
     which reads it from JSON."""
-    if kind in ("fill", "stagger"):
-        return "reroute+fill+stagger" if kind == "stagger" else "reroute+fill"
+    if kind in ("fill", "stagger"):  # (a filled reroute's kind names its filling)
+        kind, fill, stagger = "reroute", True, kind == "stagger"
     return kind + ("+fill" if fill else "") + ("+stagger" if stagger else "")
 
 

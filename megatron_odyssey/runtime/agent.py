@@ -305,6 +305,10 @@ class Agent:
             self._replicate_state()
         while True:
             failed = self.detect()
+            if failed and self.started_gen:
+                # a step every member had declared ready is committed first: a staggered plan's ranks that updated
+                # it ahead of the commit keep it, and nobody redoes it
+                self.advance()
             if failed:
                 reason = self.judge(failed)
                 if reason is None and self.recover(failed):
@@ -869,15 +873,15 @@ class Agent:
         self.recovering = set()
         survivors = [i for i in self.members() if i not in self.dead]
         held = [int(v) for v in self.store.multi_get([f"{self.key('recover')}/{i}" for i in survivors])]
-        committed = set(held)
+        # a survivor of a staggered plan may hold a step updated before its commit that never came: it rolls
+        # back to the last step this agent committed (runtime.generation: the plan's resume step tells it)
+        committed = {min(h, self.next_step - 1) for h in held}
         # survivors hit between two iterations (Megatron-LM's training_log or a save: collectives outside the step)
         # run that call again only if every survivor was in it; else it would wait for peers that had left it
         self.redo_between = bool(survivors) and self.store.check([f"{self.key('recover')}/{i}/between" for i in survivors])
         if len(committed) > 1:
             self.log(f"survivors disagree on the last committed step {sorted(committed)}: taking the smallest")
-        # a survivor of a staggered plan may hold a step updated before its commit that never came: it rolls
-        # back to the last step this agent committed (runtime.generation: the plan's resume step tells it)
-        last = min(min(committed), self.next_step - 1) if committed else self.next_step - 1
+        last = min(committed) if committed else self.next_step - 1
         rolled_back = sorted(i for i, h in zip(survivors, held) if h > last)
         if rolled_back:
             self.log(f"rank(s) {rolled_back} updated step {last + 1} ahead of its commit (staggered optimizer); the "

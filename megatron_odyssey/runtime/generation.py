@@ -28,7 +28,7 @@ import os
 import sys
 import time
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -132,6 +132,11 @@ class GenerationRank(abc.ABC):
     @abc.abstractmethod
     def _apply(self, step: int) -> Any:
         """Apply the committed ``step`` locally (no collective: the commit is already agreed)."""
+
+    def _update(self) -> None:
+        """The optimizer step alone, without the commit's bookkeeping: what a staggered plan applies ahead of
+        its commit. Only hosts that run staggered plans provide it (``TrainConfig.stagger``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not run staggered plans")
 
     @abc.abstractmethod
     def _capture(self) -> Any:
@@ -280,10 +285,9 @@ class GenerationRank(abc.ABC):
             self._aborted(self.gen)
         return float(value)
 
-    def ready_and_update(self, step: int, loss_share: float, update: Callable[[], Any],
-                         tokens: float | None = None) -> None:
+    def ready_and_update(self, step: int, loss_share: float, tokens: float | None = None) -> None:
         """*Ready* for ``step``, then its update: after the agent's commit (``_apply``), or, in a staggered plan,
-        at once (``update``), the state before it kept until the commit. Every stage then updates as soon as its
+        at once (``_update``), the state before it kept until the commit. Every stage then updates as soon as its
         own gradients are synchronised, so a node whose deferred W's end the step late holds nobody back: its
         peers of earlier stages are already in the next step's warm-up, whose first input it waits for anyway.
         The commit guard holds: a step no commit follows is rolled back (``_resolve_ahead``)."""
@@ -298,7 +302,7 @@ class GenerationRank(abc.ABC):
         self.at(step, "optimizer")
         self.before = self._capture()
         self.speculative, self.pending, self.saved = step, None, None
-        update()
+        self._update()
 
     def settle(self) -> None:
         """Wait for the commit of the step applied ahead of it and keep it; an aborted generation raises

@@ -175,6 +175,8 @@ CASES: list[tuple[list[str], str]] = [
     (["train", "--fail", "step=1,rank=9"], "--fail 'step=1,rank=9': rank 9 does not exist"),
     (["train", "--fail", "step=1,rank=1,phase=bogus"], "--fail 'step=1,rank=1,phase=bogus': phase must be one of"),
     (["train", "--fail", "step=1,rank=1", "--fail", "step=1,rank=1,kind=hang"], "rank 1 already fails in step 1"),
+    (["train", "--fail", "step=1,rank=1,phase=grad-sync,kind=slow", "--fail", "step=1,rank=1,phase=forward"],
+     "or a kind=slow at an earlier phase first"),
     (["train", "--fail", "rank=1"], "--fail 'rank=1': missing step"),
     (["train", "--heartbeat-timeout", "0"], "--heartbeat-timeout must be longer than"),
     (["train", "--checkpoint-interval", "-1"], "--checkpoint-interval must be >= 0"),

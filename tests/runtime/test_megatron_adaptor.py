@@ -107,10 +107,18 @@ def test_flags_parse() -> None:
     assert ns.barrier_with_L1_time is False  # world barriers in timers would hang after a failure
 
 
-def test_bad_policy_is_rejected_by_argparse(capsys: pytest.CaptureFixture) -> None:
+@pytest.mark.parametrize("policy", ["sometimes", "stagger"])
+def test_bad_policy_is_rejected_by_argparse(capsys: pytest.CaptureFixture, policy: str) -> None:
+    """``stagger`` too: a Megatron-LM job's update clips by the whole model's gradient norm, so its ranks cannot
+    update ahead of the commit (and the planner, told so by TrainConfig.stagger, never offers it)."""
     with pytest.raises(SystemExit):
-        _megatron_like_args(["--odyssey", "--odyssey-policy", "sometimes"])
+        _megatron_like_args(["--odyssey", "--odyssey-policy", policy])
     assert "invalid choice" in capsys.readouterr().err
+    from megatron_odyssey.planning.errors import PlanningError
+    from megatron_odyssey.runtime.config import TrainConfig
+
+    with pytest.raises(PlanningError, match="does not run the staggered optimizer"):
+        TrainConfig(policy="stagger", stagger=False).validate()
 
 
 @pytest.mark.parametrize("argv, megatron, message", [
