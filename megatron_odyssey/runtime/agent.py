@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..planning.errors import PlanningError
+from ..planning.estimator import fatal_probability
 from ..planning.plan import ExecutionPlan
 from ..planning.cache import PlanCache
 from ..planning.planner import Decision, Planner, PlannerOptions
@@ -138,6 +139,7 @@ class FailureRecord:
     joined_at: float = 0.0  # every survivor joined the new generation (its go)
     generation: int = 0
     lost_steps: int = 0  # committed steps a restart from a checkpoint trains again
+    checkpoint_on_entry: bool = False  # the plan is fragile: its ranks checkpoint after its first step
     takeover: dict[str, Any] | None = None  # the standby took over from a lost agent (control_plane)
     dropped: str = ""  # the agent took these ranks out itself: why (a slow node the planner chose to drop)
 
@@ -615,7 +617,8 @@ class Agent:
               f"plan {self.plan.plan_id} ({self.plan.policy})", flush=True)
         self.step_started = now
         self.next_step = t + 1
-        if self.cfg.checkpoint_interval and (t + 1) % self.cfg.checkpoint_interval == 0:
+        if self.cfg.checkpoint_interval and ((t + 1) % self.cfg.checkpoint_interval == 0 or
+                                             (first_of_generation and (self.published or {}).get("save_on_entry"))):
             self.checkpoints[t] = set(members)
             self._forget_old_checkpoints()
         if first_of_generation and self.failures and self.failures[-1].generation == self.gen:
@@ -1014,12 +1017,21 @@ class Agent:
         self.judged_from, self.warm = time.time(), False
         self.held = set()  # standbys are considered again on the new plan
         msg.setdefault("redo_between", self.redo_between)
+        msg.setdefault("save_on_entry", self._fragile(plan) and msg.get("policy") != "restart")
+        rec.checkpoint_on_entry = bool(msg["save_on_entry"])
         self.published = msg
         if self.replica is not None:
             self._replicate_state()
         self.store.set(self.key("plan"), encode_plan_message(msg))
         rec.published_at = time.time()
         self.write_report(ok=True, final=False)
+
+    def _fragile(self, plan: ExecutionPlan) -> bool:
+        """A plan the next failure event can break (some layer left on too few nodes), in a job that checkpoints:
+        its ranks save a checkpoint after its first step (``save_on_entry``), so a forced restart loses a step or
+        two instead of up to a checkpoint interval (Oobleck saves and stops below (f+1) n0 nodes for the same
+        reason; Odyssey goes on training)."""
+        return bool(self.cfg.checkpoint_interval) and fatal_probability(plan, self.options.failure_bursts) > 0
 
     # -- the standby (control_plane) ------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:

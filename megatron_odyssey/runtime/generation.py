@@ -234,6 +234,7 @@ class GenerationRank(abc.ABC):
         stage's state from live replicas; returns the step to train from. A failure here makes it leave: it
         holds no state yet, and the others recover without it."""
         self.committed = int(msg["resume_step"]) - 1
+        self.plan_message = msg
         try:
             self.enter(gen, ExecutionPlan.from_dict(msg["plan"]), msg["policy"], [tuple(t) for t in msg["transfers"]],
                        msg.get("checkpoint_step"))
@@ -328,6 +329,14 @@ class GenerationRank(abc.ABC):
         else:
             self.committed = self.speculative
         self.speculative = self.before = None
+
+    def checkpoint_due(self, step: int) -> bool:
+        """Save a checkpoint after ``step``: every ``checkpoint_interval`` steps, and after the first step of a
+        generation whose plan the next failure can break (the agent's ``save_on_entry``)."""
+        interval = self.cfg.checkpoint_interval
+        msg = self.plan_message or {}
+        return bool(interval) and ((step + 1) % interval == 0 or
+                                   (bool(msg.get("save_on_entry")) and step == int(msg["resume_step"])))
 
     def _committed(self, step: int) -> bool:
         key = f"{self.k['commit']}/{step}"

@@ -184,8 +184,7 @@ class StandaloneRank(GenerationRank):
         if self.trace is not None:
             self.trace.sync_s = time.perf_counter() - t0
         self.ready_and_update(step, result.loss_sum if self.tp_rank == 0 else 0.0)
-        interval = self.cfg.checkpoint_interval
-        if interval and (step + 1) % interval == 0:
+        if self.checkpoint_due(step):
             from ..runtime.state import capture, save_checkpoint
 
             self.settle()  # a checkpoint holds committed state only

@@ -142,6 +142,21 @@ def test_lost_layer_restores_the_checkpoint_and_says_so(reference, tmp_path):
     assert report["steps"][2].get("redone")  # step 2 came after the checkpoint of step 1: trained again
 
 
+def test_a_fragile_plan_is_checkpointed_on_entry_so_a_forced_restart_loses_little(reference, tmp_path):
+    """Ranks 3 and 4 die: the forced reroute leaves stage 1 on node 5 alone, a plan the next failure breaks, so
+    the agent has the ranks checkpoint after its first step (step 1; the periodic checkpoint would come after
+    step 3). Rank 5 then dies in step 3: the restart resumes from that checkpoint and redoes step 2 only."""
+    fails = ["step=1,rank=3,phase=forward,kind=kill", "step=1,rank=4,phase=forward,kind=kill",
+             "step=3,rank=5,phase=forward,kind=kill"]
+    params, report = run(tmp_path, fails, policy="reroute", checkpoint_interval=4)
+    assert_exact(reference, params, report)
+    first, second = report["failures"]
+    assert (first["policy"], first["checkpoint_on_entry"]) == ("reroute", True)
+    assert (second["policy"], second["lost_steps"]) == ("restart", 1)  # without it: no checkpoint, 3 steps lost
+    assert [(s["step"], bool(s.get("redone"))) for s in report["steps"]] == [(0, False), (1, False), (2, True),
+                                                                              (3, False)]
+
+
 def test_tensor_parallel_rank_dies(reference, tmp_path):
     params, report = run(tmp_path, ["step=1,rank=5,phase=backward,kind=kill"], nproc=8, tp=2)
     assert_exact(reference, params, report)

@@ -21,11 +21,11 @@ drops every slow node as if it had failed and readmits it as a join when it reco
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ...planning.errors import PlanningError
-from ...planning.estimator import score
+from ...planning.estimator import fatal_probability, score
 from ...planning.plan import ExecutionPlan
 from ...planning.planner import reroute_plan
 from ...planning.slow import SLOW_ACTIONS, decide_slow
@@ -136,7 +136,12 @@ class OdysseyPolicy(Policy):
                             best_key[0])
         kind = REROUTE if best.policy == "reroute" else RECONFIGURE
         return _Outcome(best.plan, Reaction(kind, best.transition.transfer_s + best.transition.overhead_s,
-                                            note=best.reason), best_key[0])
+                                            saves_checkpoint=self._fragile(best.plan), note=best.reason), best_key[0])
+
+    def _fragile(self, plan: ExecutionPlan) -> bool:
+        """The runtime's agent has the ranks save a checkpoint after the first step of a plan the next failure
+        event can break (``save_on_entry``); saves are asynchronous here, so that costs no time."""
+        return fatal_probability(plan, self.planner.options.failure_bursts) > 0
 
     def on_add(self, added, alive):
         """Use spare nodes if Eq. 8 says so, then see to slow nodes the (new) plan runs on."""
@@ -191,6 +196,8 @@ class OdysseyPolicy(Policy):
             except PlanningError:
                 pass
         best = max(options, key=lambda o: (o[0], o[1]))
+        if best[2] is not None and self._fragile(best[2]):
+            return _Outcome(best[2], replace(best[3], saves_checkpoint=True))
         return _Outcome(best[2], best[3])
 
 
