@@ -324,6 +324,13 @@ def fatal_probability(plan: ExecutionPlan, bursts: tuple[tuple[int, float], ...]
     return total
 
 
+def fragile(plan: ExecutionPlan, bursts: tuple[tuple[int, float], ...] = SINGLE_FAILURES) -> bool:
+    """Whether the next failure event can take every live copy of some layer: the runtime then checkpoints
+    right after the plan's first step (``save_on_entry``), so the restart that failure would force loses a
+    step or two instead of up to a checkpoint interval (the simulator's Odyssey does the same)."""
+    return fatal_probability(plan, bursts) > 0
+
+
 def restart_risk(plan: ExecutionPlan, restart_cost_s: float,
                  bursts: tuple[tuple[int, float], ...] = SINGLE_FAILURES) -> float:
     """Expected cost of the restart the next failure event forces in ``plan``: its probability

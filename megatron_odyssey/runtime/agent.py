@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..planning.errors import PlanningError
-from ..planning.estimator import fatal_probability
+from ..planning.estimator import fragile
 from ..planning.plan import ExecutionPlan
 from ..planning.cache import PlanCache
 from ..planning.planner import Decision, Planner, PlannerOptions
@@ -1027,11 +1027,9 @@ class Agent:
         self.write_report(ok=True, final=False)
 
     def _fragile(self, plan: ExecutionPlan) -> bool:
-        """A plan the next failure event can break (some layer left on too few nodes), in a job that checkpoints:
-        its ranks save a checkpoint after its first step (``save_on_entry``), so a forced restart loses a step or
-        two instead of up to a checkpoint interval (Oobleck saves and stops below (f+1) n0 nodes for the same
-        reason; Odyssey goes on training)."""
-        return bool(self.cfg.checkpoint_interval) and fatal_probability(plan, self.options.failure_bursts) > 0
+        """``estimator.fragile`` in a job that checkpoints (Oobleck saves and stops below (f+1) n0 nodes for the
+        same reason; Odyssey goes on training)."""
+        return bool(self.cfg.checkpoint_interval) and fragile(plan, self.options.failure_bursts)
 
     # -- the standby (control_plane) ------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
@@ -1211,9 +1209,9 @@ class Agent:
         family = {"fill": "reroute", "stagger": "reroute", "normalise": "reconfigure"}.get(self.cfg.policy,
                                                                                          self.cfg.policy)
         # of that kind, the feasible one Eq. 8 scores best (a normalised reroute comes plain, filled and staggered)
-        kind = sorted((c for c in decision.candidates if c.kind == self.cfg.policy),
-                      key=lambda c: (c.feasible, c.score), reverse=True)
-        forced = kind[0] if kind else next(c for c in decision.candidates if c.policy == family)
+        of_kind = sorted((c for c in decision.candidates if c.kind == self.cfg.policy),
+                         key=lambda c: (c.feasible, c.score), reverse=True)
+        forced = of_kind[0] if of_kind else next(c for c in decision.candidates if c.policy == family)
         if forced.feasible and forced.kind == self.cfg.policy:
             return forced
         self.log(f"--policy {self.cfg.policy} is not possible here ({forced.reason}); using {decision.policy}")

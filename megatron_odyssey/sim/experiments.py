@@ -40,6 +40,7 @@ RECYCLE_TABLE = {  # % of fault-free (27.58 samples/s), from papers/recycle-slid
 }
 GRIDS = ((2, 16), (4, 8), (8, 4))
 INTERVALS = (6.0, 2.0, 0.5)
+INTERVAL_LABELS = {6.0: "6 h", 2.0: "2 h", 0.5: "30 min"}
 PAPER_POLICIES = ("odyssey", "odyssey-f1", "oobleck", "recycle", "recycle-nofill", "checkpoint", "fault-scaled")
 
 
@@ -113,14 +114,12 @@ def recycle_table(seeds: int, global_batch: int = 8192, micro_batch: int = 16) -
             paper = RECYCLE_TABLE.get(p, {}).get(iv)
             ptxt = f"{100 * paper:.1f}" if paper else ""
             dtxt = f"{mean - 100 * paper:+.1f}" if paper else ""
-            label = {6.0: "6 h", 2.0: "2 h", 0.5: "30 min"}[iv]
-            rows.append(f"| {p} | {label} | {ptxt} | " + " | ".join(f"{v:.1f}" for v in vals) +
+            rows.append(f"| {p} | {INTERVAL_LABELS[iv]} | {ptxt} | " + " | ".join(f"{v:.1f}" for v in vals) +
                         f" | {mean:.1f} | {dtxt} |")
     rows += ["", "Worst seed of each cell, odyssey/recycle and odyssey/oobleck (per-seed ratio of average throughput):",
              "", "| failure every | " + " | ".join(f"({pp},{dp})" for pp, dp in GRIDS) + " |", "|---" * (len(GRIDS) + 1) + "|"]
     for iv in INTERVALS:
-        label = {6.0: "6 h", 2.0: "2 h", 0.5: "30 min"}[iv]
-        rows.append(f"| {label} | " + " | ".join("{:.3f} / {:.3f}".format(*worst[(iv, g)]) for g in GRIDS) + " |")
+        rows.append(f"| {INTERVAL_LABELS[iv]} | " + " | ".join("{:.3f} / {:.3f}".format(*worst[(iv, g)]) for g in GRIDS) + " |")
     return "\n".join(rows), got
 
 

@@ -269,6 +269,16 @@ def test_fatal_probability_hand_computed():
     assert fatal_probability(symmetric_plan(4, 1, 4, 4)) == 1.0  # one pipeline: every node is fatal
 
 
+def test_fragile_plans_are_those_the_next_failure_event_can_break():
+    """What the agent checkpoints on entry (``save_on_entry``): a layer with a single live holder, or with as
+    many as a burst may take."""
+    from megatron_odyssey.planning.estimator import fragile
+
+    two = symmetric_plan(2, 2, 4, 4)
+    assert not fragile(two) and fragile(two, ((2, 1.0),))
+    assert fragile(reroute_plan(two, frozenset({3})))  # the dead node's stage is left on one node
+
+
 @pytest.mark.parametrize("mtbf_hours, lengths", [(0.5, [4, 3]), (500.0, [7])])
 def test_restart_risk_chooses_between_one_fast_pipeline_and_two_safe_ones(mtbf_hours, lengths):
     """7 survivors of 4 x 2: one pipeline of 7 steps 1.4x faster than [4, 3], but its next failure forces

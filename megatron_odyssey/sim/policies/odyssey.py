@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ...planning.errors import PlanningError
-from ...planning.estimator import fatal_probability, score
+from ...planning.estimator import fragile, score
 from ...planning.plan import ExecutionPlan
 from ...planning.planner import reroute_plan
 from ...planning.slow import SLOW_ACTIONS, decide_slow
@@ -139,9 +139,8 @@ class OdysseyPolicy(Policy):
                                             saves_checkpoint=self._fragile(best.plan), note=best.reason), best_key[0])
 
     def _fragile(self, plan: ExecutionPlan) -> bool:
-        """The runtime's agent has the ranks save a checkpoint after the first step of a plan the next failure
-        event can break (``save_on_entry``); saves are asynchronous here, so that costs no time."""
-        return fatal_probability(plan, self.planner.options.failure_bursts) > 0
+        """As the runtime's agent, checkpoint on entering a fragile plan (asynchronous here: no time)."""
+        return fragile(plan, self.planner.options.failure_bursts)
 
     def on_add(self, added, alive):
         """Use spare nodes if Eq. 8 says so, then see to slow nodes the (new) plan runs on."""
