@@ -879,9 +879,7 @@ class Agent:
         # a survivor of a staggered plan may hold a step updated before its commit that never came: it rolls
         # back to the last step this agent committed (runtime.generation: the plan's resume step tells it)
         committed = {min(h, self.next_step - 1) for h in held}
-        # survivors hit between two iterations (Megatron-LM's training_log or a save: collectives outside the step)
-        # run that call again only if every survivor was in it; else it would wait for peers that had left it
-        self.redo_between = bool(survivors) and self.store.check([f"{self.key('recover')}/{i}/between" for i in survivors])
+        self.redo_between = self._survivors_all_between(survivors)
         if len(committed) > 1:
             self.log(f"survivors disagree on the last committed step {sorted(committed)}: taking the smallest")
         last = min(committed) if committed else self.next_step - 1
@@ -1025,6 +1023,20 @@ class Agent:
         self.store.set(self.key("plan"), encode_plan_message(msg))
         rec.published_at = time.time()
         self.write_report(ok=True, final=False)
+
+    def _survivors_all_between(self, survivors: list[int]) -> bool:
+        """Survivors hit between two iterations (Megatron-LM's training_log or a save: collectives outside the step)
+        run that call again only if every survivor goes through it: hit in it too, or hit inside the step just
+        committed, whose between-iterations code it runs next (``finishing``); else the call would wait for
+        peers that had left it. (One round trip when all were between; else one or two per survivor until the
+        first that is neither, which in the common case, a failure inside a step, is the first.)"""
+        rk = self.key("recover")
+        if not survivors:
+            return False
+        if self.store.check([f"{rk}/{i}/between" for i in survivors]):
+            return True
+        return all(self.store.check([f"{rk}/{i}/between"]) or self.store.check([f"{rk}/{i}/finishing"])
+                   for i in survivors)
 
     def _fragile(self, plan: ExecutionPlan) -> bool:
         """``estimator.fragile`` in a job that checkpoints (Oobleck saves and stops below (f+1) n0 nodes for the

@@ -375,6 +375,9 @@ class GenerationRank(abc.ABC):
                 # register first: the agent seals membership while we clean up (where first: it reads that after)
                 if self.between_steps:
                     self.store.set(f"{self.k['recover']}/{self.ident}/between", "1")
+                elif self.committed >= step:  # hit inside a step already committed: this rank goes on to its
+                    # between-iterations code (Megatron-LM's training_log), which survivors hit in it run again
+                    self.store.set(f"{self.k['recover']}/{self.ident}/finishing", "1")
                 self.store.set(f"{self.k['recover']}/{self.ident}", str(self.held_step))
                 self.teardown()
                 self.at(step, "recovery")
