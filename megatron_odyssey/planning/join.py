@@ -20,7 +20,7 @@ from .errors import PlanningError
 from .estimator import estimate_step, score
 from .plan import ExecutionPlan, Pipeline, Stage
 from .planner import ActionOption, Candidate, Planner, Transition, reroute_plan
-from .restorer import assign_nodes, schedule_transfers
+from .restorer import TransferSchedule, assign_nodes, schedule_transfers
 
 JOIN_ACTIONS = ("standby", "fill", "reconfigure")
 
@@ -59,14 +59,17 @@ def decide_join(planner: Planner, current: ExecutionPlan, joining: list[int] | t
                 transfer_s=transfers.time_s(profile.transfer_bandwidth_Bps), overhead_s=redo), transfers,
                 reason=f"node(s) {sorted(moved.values())} take the places of dead node(s) {sorted(moved)}")))
     total = len(live) + len(joining)
-    shape = planner.search_layout(total, len(current.pipelines), max(1, round(len(current.nodes()) / len(current.pipelines))))
-    if shape is not None:
+    shapes = planner.search_layouts(total, len(current.pipelines), max(1, round(len(current.nodes()) / len(current.pipelines))))
+
+    def onto_all(shape: ExecutionPlan) -> tuple[ExecutionPlan, TransferSchedule]:
         plan, transfers = assign_nodes(current, shape, profile, joining)
-        plan = ExecutionPlan("reconfigure", plan.num_layers, plan.pipelines,
-                             reason=f"{len(plan.pipelines)} pipelines of lengths {[p.length for p in plan.pipelines]}")
-        options.append(ActionOption("reconfigure", Candidate("reconfigure", plan, estimate_step(plan, profile), Transition(
-            transfer_s=transfers.time_s(profile.transfer_bandwidth_Bps), overhead_s=redo), transfers,
-            reason=f"reconfigure onto all {total} nodes: {plan.reason}")))
+        return ExecutionPlan("reconfigure", plan.num_layers, plan.pipelines,
+                             reason=f"{len(plan.pipelines)} pipelines of lengths {[p.length for p in plan.pipelines]}"), transfers
+
+    best = planner.best_reconfiguration(shapes, onto_all, redo, planner.options.mtbf_hours * 3600.0 / (total * tp))
+    if best is not None:
+        best.reason = f"reconfigure onto all {total} nodes: {best.reason}"
+        options.append(ActionOption("reconfigure", best))
     for o in options:
         c = o.candidate
         if not c.step.fits_memory:

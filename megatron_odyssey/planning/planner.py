@@ -368,14 +368,13 @@ class Planner:
                 transfer_s=transfers.time_s(self.profile.transfer_bandwidth_Bps),
                 overhead_s=self.profile.rebuild_overhead_s), transfers, tag="standby-fill",
                 reason=f"standby node(s) {sorted(moved.values())} take the places of dead node(s) {sorted(moved)}"))
-        shape = self.search_layout(len(survivors) + len(standbys), len(current.pipelines), _typical_length(current))
-        if shape is not None:
-            plan, transfers = assign_nodes(dead_view, shape, self.profile, standbys)
-            out.append(Candidate("reconfigure", plan, estimate_step(plan, self.profile), Transition(
-                transfer_s=transfers.time_s(self.profile.transfer_bandwidth_Bps),
-                overhead_s=self.profile.rebuild_overhead_s), transfers, tag="standby-reconfigure",
-                reason=f"{len(plan.pipelines)} pipelines of lengths {[p.length for p in plan.pipelines]} on the "
-                       f"survivors and standby node(s) {list(standbys)}"))
+        shapes = self.search_layouts(len(survivors) + len(standbys), len(current.pipelines), _typical_length(current))
+        best = self.best_reconfiguration(shapes, lambda shape: assign_nodes(dead_view, shape, self.profile, standbys),
+                                         self.profile.rebuild_overhead_s, t_next)
+        if best is not None:
+            best.tag = "standby-reconfigure"
+            best.reason += f" on the survivors and standby node(s) {list(standbys)}"
+            out.append(best)
         return [c for c in out if c.step.fits_memory]
 
     # -- reconfigure / restart --------------------------------------------------------------------
@@ -386,28 +385,16 @@ class Planner:
             why = (f"no layout of {len(survivors)} nodes fits the model in "
                    f"{self.profile.device_memory_bytes / 2**30:.1f} GiB per device")
             return [Candidate("reconfigure", None, reason=why), Candidate("restart", None, reason=why)]
-        shape = self._restart_shape(shapes, t_next)
+        shape = self.restart_layout(shapes, t_next)
         lost = sorted({u for u, nodes in current.holders().items() if not nodes} | set(lost_units))
         gone = _SHARDS_LOST if lost_units else "have no live copy"
         out = []
         if lost:
             out.append(Candidate("reconfigure", None, reason=f"{_describe_units(lost, current.num_layers)} {gone}"))
         else:
-            # Eq. 8 per layout: a slightly slower layout that moves far fewer bytes can win
-            best = None
-            for candidate_shape in shapes[: self.options.transfer_top]:
-                plan, transfers = assign_nodes(current, candidate_shape, self.profile)
-                cand = Candidate("reconfigure", plan, estimate_step(plan, self.profile),
-                                 Transition(transfer_s=transfers.time_s(self.profile.transfer_bandwidth_Bps),
-                                            overhead_s=self.profile.rebuild_overhead_s),
-                                 transfers=transfers,
-                                 reason=f"{len(plan.pipelines)} pipelines of lengths "
-                                        f"{[p.length for p in plan.pipelines]}")
-                cand.score = score(self.global_batch, cand.step_time_s, cand.transition.total_s, t_next,
-                                   self.restart_risk_of(plan))
-                if best is None or cand.score > best.score:
-                    best = cand
-            out.append(best)
+            best = self.best_reconfiguration(shapes, lambda shape: assign_nodes(current, shape, self.profile),
+                                             self.profile.rebuild_overhead_s, t_next)
+            out.append(best or Candidate("reconfigure", None, reason=f"no layout of {len(survivors)} nodes fits memory"))
         why = (f"{_describe_units(lost, current.num_layers)} {gone}: restore the last checkpoint"
                if lost else "relaunch from the last checkpoint")
         restart = replace(layout([(p.layer_split(), p.micro_batches) for p in shape.pipelines], survivors,
@@ -418,7 +405,30 @@ class Planner:
                              reason=why))
         return out
 
-    def _restart_shape(self, shapes: list[ExecutionPlan], t_next: float) -> ExecutionPlan:
+    def best_reconfiguration(self, shapes: list[ExecutionPlan],
+                             assign: Callable[[ExecutionPlan], tuple[ExecutionPlan, TransferSchedule]],
+                             overhead_s: float, t_next: float) -> Candidate | None:
+        """Eq. 8 over the best few layouts, each placed on real nodes by ``assign``: a slightly slower layout
+        that moves far fewer bytes, or whose next failure cannot force a restart, can win over the fastest.
+        Every path that re-arranges nodes (a failure, standby nodes, joining nodes) chooses this way."""
+        best = None
+        for shape in shapes[: self.options.transfer_top]:
+            plan, transfers = assign(shape)
+            cand = Candidate("reconfigure", plan, estimate_step(plan, self.profile),
+                             Transition(transfer_s=transfers.time_s(self.profile.transfer_bandwidth_Bps),
+                                        overhead_s=overhead_s),
+                             transfers=transfers,
+                             reason=f"{len(plan.pipelines)} pipelines of lengths {[p.length for p in plan.pipelines]}")
+            if not cand.step.fits_memory:
+                continue
+            cand.restart_risk_s = self.restart_risk_of(plan)
+            cand.score = score(self.global_batch, cand.step_time_s, cand.transition.total_s, t_next,
+                               cand.restart_risk_s)
+            if best is None or cand.score > best.score:
+                best = cand
+        return best
+
+    def restart_layout(self, shapes: list[ExecutionPlan], t_next: float) -> ExecutionPlan:
         """What a restart would run: the fastest layout, unless its own next failure would force another
         restart (one pipeline) and a safer layout among the best scores better by Eq. 8."""
         if self.restart_risk_of(shapes[0]) == 0.0:

@@ -86,9 +86,10 @@ class OdysseyPolicy(Policy):
         if plan is None:
             # Algorithm 1 searches around a current DP; from scratch, take the configured pipeline length
             c = self.ctx.config
-            shape = self.planner.search_layout(len(nodes), max(1, len(nodes) // c.pp), c.pp)
-            if shape is None:
+            shapes = self.planner.search_layouts(len(nodes), max(1, len(nodes) // c.pp), c.pp)
+            if not shapes:
                 return None
+            shape = self.planner.restart_layout(shapes, self.ctx.time_to_next_failure_s(len(nodes)))
             plan = relabel(shape, nodes)
         self.plan = plan
         self.skewed = False
@@ -184,16 +185,19 @@ class OdysseyPolicy(Policy):
                 consider(1, filled, Reaction(FILL, prof.reroute_overhead_s, note="new nodes take dead nodes' places"),
                          len(filled.live_nodes()))
         n = len(live) + len(spare)
-        shape = self.planner.search_layout(n, len(plan.pipelines), max(1, round(len(plan.nodes()) / len(plan.pipelines))))
-        if shape is not None:
-            holdings = dict(plan.holdings())
-            holdings.update({s: frozenset() for s in spare})
+        holdings = dict(plan.holdings())
+        holdings.update({s: frozenset() for s in spare})
+        # as the runtime's decide_join (Planner.best_reconfiguration): Eq. 8 over the best few layouts, so a
+        # slightly slower one whose next failure cannot force a restart can win over the fastest
+        for shape in self.planner.search_layouts(n, len(plan.pipelines),
+                                                 max(1, round(len(plan.nodes()) / len(plan.pipelines))))[
+                : self.planner.options.transfer_top]:
             try:
                 new_plan, transfer_s = self.cost.assign(holdings, shape)
-                consider(0, new_plan, Reaction(RECONFIGURE, transfer_s + prof.rebuild_overhead_s,
-                                               note=f"reconfigure onto {n} nodes"), n)
             except PlanningError:
-                pass
+                continue
+            consider(0, new_plan, Reaction(RECONFIGURE, transfer_s + prof.rebuild_overhead_s,
+                                           note=f"reconfigure onto {n} nodes"), n)
         best = max(options, key=lambda o: (o[0], o[1]))
         if best[2] is not None and self._fragile(best[2]):
             return _Outcome(best[2], replace(best[3], saves_checkpoint=True))
