@@ -50,6 +50,10 @@ def add_train_arguments(p: argparse.ArgumentParser, defaults: TrainConfig) -> No
                    help="what to do about a node the diagnosis names slow: auto (the planner chooses by Eq. 8 between "
                         "carrying on, rebalancing its pipeline's micro-batches and dropping it), force one of "
                         "none|rebalance|drop where feasible, or off (no slowness diagnosis)")
+    p.add_argument("--overlap-grad-reduce", action="store_true", default=d.overlap_grad_reduce,
+                   help="start each layer's gradient all-reduce during the step's last backward, as soon as the layer's "
+                        "gradients are complete (as Megatron's --overlap-grad-reduce), where the plan allows: not on a "
+                        "rank whose last gradient operation is a filled reroute's deferred weight gradient")
     p.add_argument("--rejoin", action="append", default=None, metavar="RANK@STEP",
                    help="a replacement for rank RANK (a repaired machine) comes back once STEP is committed and RANK "
                         "is dead: a fresh process given only the job's address (as `odyssey join` starts one), set up "
@@ -96,7 +100,7 @@ def config_from_args(args: argparse.Namespace, defaults: TrainConfig) -> TrainCo
     return TrainConfig(nproc=args.nproc, tp=args.tp, pp=args.pp, layers=args.layers, hidden=args.hidden,
                        heads=args.heads, seq=args.seq, global_batch=args.global_batch, micro_batch=args.micro_batch,
                        steps=args.steps, seed=args.seed, fail=list(fail), policy=args.policy,
-                       slow_action=args.slow_action,
+                       slow_action=args.slow_action, overlap_grad_reduce=args.overlap_grad_reduce,
                        save_params=args.save_params, report=args.report, plan=read_plan(args.plan),
                        data_path=args.data_path, checkpoint_interval=args.checkpoint_interval,
                        heartbeat_timeout_s=args.heartbeat_timeout, soft_timeout_s=args.soft_timeout,

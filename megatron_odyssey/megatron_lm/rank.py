@@ -185,6 +185,7 @@ def config_from_megatron_args(args: Any) -> TrainConfig:
         policy=args.odyssey_policy, slow_action=getattr(args, "odyssey_slow_action", "auto"), heartbeat_interval_s=min(1.0, args.odyssey_heartbeat_timeout / 10),
         heartbeat_timeout_s=args.odyssey_heartbeat_timeout, checkpoint_interval=0,
         stagger=False,  # Megatron's update clips by the plan-wide norm: every stage's gradients first
+        overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
         soft_timeout_s=args.odyssey_soft_timeout, hard_timeout_s=args.odyssey_hard_timeout,
         workdir=os.environ.get(WORKDIR_ENV), mtbf_hours=args.odyssey_mtbf_hours,
         extra={"megatron": True, "start_step": int(args.iteration), "save_dir": getattr(args, "save", None),
@@ -380,13 +381,14 @@ class MegatronRank(GenerationRank):
     def _attach_stage(self) -> None:
         """Executor and per-layer gradient sync over Megatron's chunk and buffers (GenerationRank's hook)."""
         self._adopt_chunk(self.megatron_model[0])  # named back to model parameters after the restore
+        self.sync = GradientSync(self.plan, self.groups, params_by_unit(self.named, self.cfg.layers), attr="main_grad",
+                                 staged=self.p2p.staged, trace=self.trace, overlap=self.cfg.overlap_grad_reduce)
         self.executor = PipelineExecutor(self.plan, self.groups, self.runner, self.micro_batch,
                                          (self.cfg.seq, self.cfg.micro_batch, self.cfg.hidden),
                                          dtype=_activation_dtype(self.args),
                                          per_token_loss=bool(getattr(self.args, "calculate_per_token_loss", False)),
-                                         device=self.device, p2p=self.p2p, **self.diagnosed())
-        self.sync = GradientSync(self.plan, self.groups, params_by_unit(self.named, self.cfg.layers), attr="main_grad",
-                                 staged=self.p2p.staged, trace=self.trace)
+                                         device=self.device, p2p=self.p2p, overlap=self.sync.overlapping,
+                                         **self.diagnosed())
         self.owners = unit_owners(self.plan)
         STATE.plan = self.plan
 

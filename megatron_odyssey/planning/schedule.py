@@ -121,6 +121,19 @@ def deferred(plan: ExecutionPlan) -> frozenset[tuple[int, int]]:
     return frozenset((k, i) for k, p in enumerate(plan.pipelines) for i in range(1, p.length))
 
 
+def overlapped_nodes(plan: ExecutionPlan) -> frozenset[int]:
+    """Nodes whose gradient all-reduces can start inside the step's last backward (``--overlap-grad-reduce``):
+    those whose last gradient operation is a whole backward. A node of a filled reroute's deferred stage ends
+    on a W (its B left the weight gradients for later), so its reductions wait for the end of the step."""
+    split = deferred(plan)
+    out = []
+    for node, ops in node_operations(plan).items():
+        grads = [op for op in ops if op.kind in (BACKWARD, WEIGHT_GRAD)]
+        if grads and grads[-1].kind == BACKWARD and (grads[-1].pipeline, grads[-1].stage) not in split:
+            out.append(node)
+    return frozenset(out)
+
+
 @lru_cache(maxsize=64)
 def filled_schedule(plan: ExecutionPlan) -> tuple[dict[int, tuple[Op, ...]], dict[Op, int]]:
     """Every node's order in a filled plan, and each operation's start slot in the unit-cost play.

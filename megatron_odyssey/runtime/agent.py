@@ -45,6 +45,7 @@ from ..planning.estimator import fragile
 from ..planning.plan import ExecutionPlan
 from ..planning.cache import PlanCache
 from ..planning.planner import Decision, Planner, PlannerOptions
+from ..planning.schedule import overlapped_nodes
 from .config import TrainConfig
 from .control_plane import Deposed, Replica, free_port, listening
 from .plan_message import encode_plan_message
@@ -118,6 +119,7 @@ class FailureRecord:
     policy: str = ""
     fill: bool = False  # weight gradients deferred into pipeline bubbles (a filled reroute)
     stagger: bool = False  # ... with the staggered optimizer (ranks update before the commit)
+    overlapped: list[int] = field(default_factory=list)  # --overlap-grad-reduce: ranks reducing inside the backward
     rolled_back: list[int] = field(default_factory=list)  # ranks that undid a step updated ahead of its commit
     kind: str = ""  # the policy with the filled and the normalised reroute told apart (Candidate.kind)
     detection_s: float = 0.0
@@ -936,6 +938,8 @@ class Agent:
         chosen = self._apply_policy(decision)
         rec.policy, rec.kind, rec.reason = chosen.policy, chosen.kind, chosen.reason
         rec.fill, rec.stagger = chosen.fill, chosen.stagger
+        if self.cfg.overlap_grad_reduce and chosen.plan is not None:
+            rec.overlapped = [n * self.cfg.tp + t for n in sorted(overlapped_nodes(chosen.plan)) for t in range(self.cfg.tp)]
         rec.candidates = [c.summary() for c in decision.candidates]
         resume, ckpt = last + 1, None
         if chosen.policy == "restart" and self.cfg.extra.get("megatron"):  # a Megatron job: its own checkpoint

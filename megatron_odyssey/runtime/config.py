@@ -46,6 +46,9 @@ class TrainConfig:
     policy: str = "auto"  # auto | reroute | fill | stagger | reconfigure | normalise
     # the host runs the staggered optimizer (ExecutionPlan.stagger): the planner offers it only then
     stagger: bool = True
+    # after a failure, start each layer's gradient all-reduce during the last backward (grad_sync); Megatron-LM
+    # jobs: --overlap-grad-reduce, which their generation 0 runs as Megatron's own DDP
+    overlap_grad_reduce: bool = False
     # a slow node the diagnosis names: auto (Eq. 8 between carrying on, rebalancing and dropping it), or force
     # one of them where feasible; off: no diagnosis of slowness at all (hangs are still caught)
     slow_action: str = "auto"

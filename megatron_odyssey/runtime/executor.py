@@ -21,12 +21,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 import functools
 import time
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, ContextManager, Mapping, Protocol
 
 import torch
 
 from ..planning.plan import ExecutionPlan
-from ..planning.schedule import BACKWARD, FORWARD, WEIGHT_GRAD, Op, deferred, node_operations, receive_orders
+from ..planning.schedule import (BACKWARD, FORWARD, WEIGHT_GRAD, Op, deferred, node_operations, overlapped_nodes,
+                                 receive_orders)
 from .dropout_rng import set_micro_batch
 from .liveness import communicating
 from .op_trace import ComputeTimer, OpTrace, message_name
@@ -77,6 +78,9 @@ class PipelineExecutor:
     # of s seconds, ("send", s) before the send it produced
     pace: Callable[[str, float], None] | None = None
     slowed: Callable[[], bool] | None = None  # ... and whether one is in force (faults.Injector.slowed)
+    # around this rank's last gradient operation of a step, when it is a whole backward (not a filled reroute's
+    # deferred B or W): the gradient sync's overlapped all-reduces start inside it (grad_sync.GradientSync)
+    overlap: Callable[[], ContextManager[None]] | None = None
     _ops: list[Op] = field(init=False)
     _executor: dict[tuple[int, int, int], int] = field(init=False)
 
@@ -85,6 +89,9 @@ class PipelineExecutor:
         self._deferred = deferred(self.plan)
         self._executor = self.plan.executor()
         self._offsets = self.plan.micro_batch_offsets()
+        self._overlap_at = None  # index of the backward the gradient sync's all-reduces start inside
+        if self.overlap is not None and self.groups.node in overlapped_nodes(self.plan):
+            self._overlap_at = max(i for i, op in enumerate(self._ops) if op.kind == BACKWARD)
         self._timer = ComputeTimer.for_device(self.device, self.trace, self.pace, self.slowed)
         # no closure over self: a reference cycle would keep this executor, and with it the
         # generation's process groups and their sockets, alive after teardown (peers then wait)
@@ -117,7 +124,7 @@ class PipelineExecutor:
         self._inbox.reset()
         if self.trace is not None:
             self.trace.begin(step)
-        for op in self._ops:
+        for index, op in enumerate(self._ops):
             key = (op.pipeline, op.stage, op.micro_batch)
             last_stage = op.stage == self.plan.pipelines[op.pipeline].length - 1
             phase = PHASE_OF_OP[op.kind]
@@ -168,6 +175,9 @@ class PipelineExecutor:
                 grad = grad if grad is None else grad.to(out.dtype)
                 if (op.pipeline, op.stage) in self._deferred:
                     with input_gradients_only() as weight_grads[key]:
+                        torch.autograd.backward(out, grad)
+                elif index == self._overlap_at:
+                    with self.overlap():  # type: ignore[misc]
                         torch.autograd.backward(out, grad)
                 else:
                     torch.autograd.backward(out, grad)

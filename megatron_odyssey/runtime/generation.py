@@ -170,11 +170,12 @@ class GenerationRank(abc.ABC):
 
     def _attach_stage(self) -> None:
         """Executor and gradient sync over the stage just built (hosts may add their own settings)."""
+        self.sync = GradientSync(self.plan, self.groups, params_by_unit(self.named, self.cfg.layers),
+                                 staged=self.p2p.staged, trace=self.trace, overlap=self.cfg.overlap_grad_reduce)
         self.executor = PipelineExecutor(self.plan, self.groups, self.runner, self.micro_batch,
                                          (self.cfg.seq, self.cfg.micro_batch, self.cfg.hidden),
-                                         device=self.device, p2p=self.p2p, **self.diagnosed())
-        self.sync = GradientSync(self.plan, self.groups, params_by_unit(self.named, self.cfg.layers),
-                                 staged=self.p2p.staged, trace=self.trace)
+                                         device=self.device, p2p=self.p2p, overlap=self.sync.overlapping,
+                                         **self.diagnosed())
 
     def diagnosed(self) -> dict[str, Any]:
         """The executor's settings for the diagnosis: this rank's operation record (``op_trace``; none with
@@ -410,6 +411,8 @@ class GenerationRank(abc.ABC):
         if self.saved is None and self.model is not None:
             self.saved = self._capture()
         self._release()
+        if self.sync is not None:
+            self.sync.close()
         self.model = self.runner = self.executor = self.sync = self.groups = self.optimizer = None
         self.named = []
         if self.uses_parallel_state:

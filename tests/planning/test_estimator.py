@@ -112,6 +112,17 @@ def _slides_example(stage: int):
     return prof, base, plain, filled
 
 
+def test_overlapped_gradient_reduction_where_the_last_gradient_operation_is_a_whole_backward():
+    """--overlap-grad-reduce starts a node's all-reduces inside its last backward. In a filled reroute every
+    stage but the first defers its W's, so those nodes end the step on a W and reduce after it."""
+    from megatron_odyssey.planning.schedule import overlapped_nodes
+
+    _, base, plain, filled = _slides_example(stage=1)
+    assert overlapped_nodes(base) == frozenset(base.live_nodes())
+    assert overlapped_nodes(plain) == frozenset(plain.live_nodes())
+    assert overlapped_nodes(filled) == frozenset(p.stages[0].node for p in filled.pipelines)
+
+
 def test_slides_worked_example_27_36_29():
     """27 slots fault-free, 36 with the failed worker's 6 micro-batches spread over its 2 peers (the
     slides' "9 extra time steps"; Eq. 12 gives exactly that), 29 with decoupled back-propagation.

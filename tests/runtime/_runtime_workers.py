@@ -223,3 +223,52 @@ def classify_gloo_errors_worker(rank: int, port: int, out) -> None:
     except Exception as exc:
         results.append(("store timeout", type(exc).__name__, is_peer_failure(exc)))
     out.put(results)
+
+
+def overlapped_grad_sync_worker(rank: int, world: int, store_file: str, out: str) -> None:
+    """Two data-parallel ranks of a 4-unit chain (embedding, 2 layers, output): the same backward, once with
+    the gradient all-reduces overlapped and once after it; rank 0 saves what both did."""
+    import time
+
+    import torch.distributed as dist
+
+    from megatron_odyssey.planning.plan import symmetric_plan
+    from megatron_odyssey.runtime.grad_sync import GradientSync, params_by_unit
+    from megatron_odyssey.runtime.op_trace import OpTrace
+    from megatron_odyssey.runtime.world import RankMap, build_plan_groups
+
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
+    plan = symmetric_plan(1, world, 2, 2 * world)
+    groups = build_plan_groups(plan, RankMap.for_plan(plan, 1), rank)
+    names = ["embedding.w", "decoder.layers.0.w", "decoder.layers.1.w", "output_layer.w"]
+
+    def local_grads(r: int) -> list:
+        """This chain's gradients for rank ``r``'s input (a big hidden size: each backward step takes time)."""
+        torch.manual_seed(5)
+        weights = [torch.nn.Parameter(torch.randn(256, 256) / 16) for _ in names]
+        x = torch.randn(64, 256, generator=torch.Generator().manual_seed(100 + r))
+        for w in weights:
+            x = torch.tanh(x @ w)
+        return weights, x.square().sum()
+
+    result = {}
+    for overlap in (False, True):
+        weights, loss = local_grads(rank)
+        trace = OpTrace(rank, rank)
+        sync = GradientSync(plan, groups, params_by_unit(list(zip(names, weights)), 2), trace=trace, overlap=overlap)
+        with sync.overlapping():
+            loss.backward()
+        backward_end = time.time()
+        joined = sync()
+        sync.close()
+        result[overlap] = {"grads": [w.grad.clone() for w in weights], "joined": joined,
+                           "reductions": list(trace.reductions), "backward_end": backward_end}
+    mine = [local_grads(r) for r in range(world)]
+    for weights, loss in mine:
+        loss.backward()
+    expected = [sum(ws[i].grad for ws, _ in mine) for i in range(len(names))]
+    result["expected"] = expected
+    if rank == 0:
+        torch.save(result, out)
+    dist.barrier()
+    dist.destroy_process_group()

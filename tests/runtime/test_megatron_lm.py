@@ -182,7 +182,8 @@ def test_bf16_state_moves_through_main_params(tmp_path_factory: pytest.TempPathF
 def test_overlapped_grad_reduce_hands_off(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path, phase: str) -> None:
     """--overlap-grad-reduce: generation 0 is Megatron's DDP with bucket all-reduces launched during backward;
     a kill while they are in flight (backward) or being waited for (grad-sync) is recovered from, the rebuilt
-    stage reduces per layer instead, and every iteration equals stock Megatron-LM with the same flag."""
+    stages reduce per layer, each layer's all-reduce started inside the last backward as soon as its gradients
+    are complete, and every iteration equals stock Megatron-LM with the same flag."""
     flags = [*TINY_GPT, "--overlap-grad-reduce"]
     stock = run_stock(MLM, tmp_path_factory.mktemp("stock_overlap"), flags, _port(500))
     assert stock.returncode == 0, stock.logs[-4000:]
@@ -191,6 +192,7 @@ def test_overlapped_grad_reduce_hands_off(tmp_path_factory: pytest.TempPathFacto
     assert job.returncode == 0, job.logs[-4000:]
     (failure,) = job.report["failures"]
     assert failure["ranks"] == [2] and failure["recovery_s"] < 30, failure
+    assert failure["overlapped"] == sorted(set(range(4)) - {2}), failure  # a plain reroute: every survivor overlaps
     assert [s["step"] for s in job.report["steps"]] == list(range(ITERS))
     assert same_training(job.iterations(), stock.iterations())
 

@@ -90,6 +90,21 @@ def test_filled_reroute_trains_exactly(reference, tmp_path):
     assert report["final_plan"]["fill"] is True and report["final_plan"]["failed"] == [3]
 
 
+@pytest.mark.parametrize("policy", ["reconfigure", "fill"])
+def test_overlapped_gradient_reduction_after_a_failure_trains_exactly(reference, tmp_path, policy):
+    """--overlap-grad-reduce: each layer's all-reduce starts inside the step's last backward. In the filled
+    reroute the ranks of stage 1 end on a deferred W and reduce after it; stage 0 overlaps. A second
+    failure lands in the gradient sync, while overlapped all-reduces are in flight."""
+    params, report = run(tmp_path, ["step=1,rank=3,phase=backward,kind=kill", "step=2,rank=1,phase=grad-sync,kind=kill"],
+                         policy=policy, overlap_grad_reduce=True)
+    assert_exact(reference, params, report)
+    assert [f["ranks"] for f in report["failures"]] == [[3], [1]]
+    first = report["failures"][0]
+    assert first["fill"] is (policy == "fill")
+    # every rank overlaps, but in the filled reroute those of stage 1 (nodes 4 and 5) end the step on a W
+    assert first["overlapped"] == ([0, 1, 2] if policy == "fill" else [0, 1, 2, 4, 5])
+
+
 def test_second_failure_inside_a_deferred_weight_gradient(reference, tmp_path):
     """Rank 5 (stage 1, a peer adopting rank 3's micro-batches) dies between a B and its W of step 2:
     its half-accumulated gradients die with it, step 2 is redone on the next plan, nothing is lost."""
