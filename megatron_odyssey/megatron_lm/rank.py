@@ -417,7 +417,7 @@ class MegatronRank(GenerationRank):
         for name in ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank"):
             if hasattr(self.args, name):
                 setattr(self.args, name, None)
-        with overridden(self.args, overlap_grad_reduce=False):
+        with overridden(self.args, overlap_grad_reduce=False, overlap_param_gather=False):
             if "pg_collection" in inspect.signature(mt.get_model).parameters:
                 chunks = mt.get_model(provider, captured.model_type, pg_collection=plan_process_groups(self.groups))
             else:  # Megatron-LM <= 0.15: get_model reads the groups from parallel_state (installed above)

@@ -354,8 +354,9 @@ class Agent:
         a failure there is recovered from too, as long as some survivor is still running."""
         now, out = time.time(), set()
         done = self.next_step >= self.cfg.steps
-        if done and not any(self.procs[i].exitcode is None for i in self.members() if i not in self.dead):
-            return out  # everyone has left: exits are only reported at the end
+        if done and all(self.procs[i].exitcode == 0 for i in self.members() if i not in self.dead):
+            return out  # everyone has left cleanly: exits are only reported at the end
+        # (a rank that left with an error is a failure even then: a recovery waiting for it would wait forever)
         self._read_beats(now)
         for ident in self.members():
             if ident in self.dead:

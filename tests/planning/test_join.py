@@ -85,7 +85,7 @@ def test_a_failure_puts_a_standby_to_work_in_its_own_recovery():
 def test_joining_nodes_go_to_the_layout_eq8_scores_best_not_to_the_fastest():
     """Spot reclaims come in bursts (ec2-g4dn: 1-5 nodes per event). Onto 10 nodes two pipelines of 5 are
     the fastest layout, but a 2-node burst hitting one stage in both loses a layer and forces a restart;
-    three pipelines [4, 3, 3] are 0.03 % slower per step and four times less at risk. Eq. 8 must see both
+    three pipelines [4, 3, 3] are 0.04 % slower per step and four times less at risk. Eq. 8 must see both
     (it saw only the fastest and kept the 10th node idle, 8 % of throughput, in the simulator's g4dn replay)."""
     from megatron_odyssey.planning.models import build_builtin
     bursts = ((1, 30 / 47), (2, 12 / 47), (3, 2 / 47), (4, 2 / 47), (5, 1 / 47))  # the g4dn trace's events
