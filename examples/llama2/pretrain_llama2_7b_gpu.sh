@@ -11,7 +11,9 @@
 # restart remain. The distributed optimizer runs in two instances of two ranks, so every shard of the
 # Adam state survives any single failure: 6 + 12 x 2 / 4 = 12 bytes/parameter of static memory until the
 # first failure, 18 after it (rebuilt stages use the plain optimizer); 1.7 B parameters per GPU here
-# (about 20 GB, then 30 GB). Gradient reduction overlaps backward until the first failure.
+# (about 20 GB, then 30 GB). Gradient reduction overlaps backward, also after a failure (per layer).
+# With the distributed optimizer in two instances and --overlap-grad-reduce, stock Megatron-LM <= core_r0.16 reduces
+# gradients differently on CPU ranks (README, --overlap-param-gather); the pair is unchecked on a GPU.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 : "${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM checkout with patches/pretrain_gpt.core_r0.19.0.patch applied}"
