@@ -387,7 +387,8 @@ class MegatronRank(GenerationRank):
                                          (self.cfg.seq, self.cfg.micro_batch, self.cfg.hidden),
                                          dtype=_activation_dtype(self.args),
                                          per_token_loss=bool(getattr(self.args, "calculate_per_token_loss", False)),
-                                         device=self.device, p2p=self.p2p, overlap=self.sync.overlapping,
+                                         device=self.device, p2p=self.p2p,
+                                         overlap=self.sync.overlapping if self.sync.overlap else None,
                                          **self.diagnosed())
         self.owners = unit_owners(self.plan)
         STATE.plan = self.plan

@@ -174,7 +174,8 @@ class GenerationRank(abc.ABC):
                                  staged=self.p2p.staged, trace=self.trace, overlap=self.cfg.overlap_grad_reduce)
         self.executor = PipelineExecutor(self.plan, self.groups, self.runner, self.micro_batch,
                                          (self.cfg.seq, self.cfg.micro_batch, self.cfg.hidden),
-                                         device=self.device, p2p=self.p2p, overlap=self.sync.overlapping,
+                                         device=self.device, p2p=self.p2p,
+                                         overlap=self.sync.overlapping if self.sync.overlap else None,
                                          **self.diagnosed())
 
     def diagnosed(self) -> dict[str, Any]:
