@@ -48,7 +48,7 @@ from ..planning.planner import Decision, Planner, PlannerOptions
 from ..planning.schedule import overlapped_nodes
 from .config import TrainConfig
 from .control_plane import Deposed, Replica, free_port, listening
-from .plan_message import encode_plan_message
+from .plan_message import checkpoint_due, encode_plan_message
 from .liveness import COMM, IDLE, WORKING, Beat
 from .diagnosis import DiagnosisOptions
 from .slow_nodes import Action, SlowNodes
@@ -620,8 +620,7 @@ class Agent:
               f"plan {self.plan.plan_id} ({self.plan.policy})", flush=True)
         self.step_started = now
         self.next_step = t + 1
-        if self.cfg.checkpoint_interval and ((t + 1) % self.cfg.checkpoint_interval == 0 or
-                                             (first_of_generation and (self.published or {}).get("save_on_entry"))):
+        if checkpoint_due(t, self.cfg.checkpoint_interval, self.published):
             self.checkpoints[t] = set(members)
             self._forget_old_checkpoints()
         if first_of_generation and self.failures and self.failures[-1].generation == self.gen:

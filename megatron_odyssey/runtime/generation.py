@@ -40,7 +40,7 @@ from .executor import PipelineExecutor
 from .grad_sync import GradientSync, params_by_unit
 from .op_trace import OpTrace
 from .liveness import IDLE, WAITING, Progress
-from .plan_message import decode_plan_message
+from .plan_message import checkpoint_due, decode_plan_message
 from .transport import P2P
 from .world import (RankMap, abort_all_groups, build_plan_groups, clear_parallel_state, connect_peers, init_world,
                     install_parallel_state, peer_pairs, shut_connections)
@@ -333,12 +333,8 @@ class GenerationRank(abc.ABC):
         self.speculative = self.before = None
 
     def checkpoint_due(self, step: int) -> bool:
-        """Save a checkpoint after ``step``: every ``checkpoint_interval`` steps, and after the first step of a
-        generation whose plan the next failure can break (the agent's ``save_on_entry``)."""
-        interval = self.cfg.checkpoint_interval
-        msg = self.plan_message or {}
-        return bool(interval) and ((step + 1) % interval == 0 or
-                                   (bool(msg.get("save_on_entry")) and step == int(msg["resume_step"])))
+        """Save a checkpoint after ``step`` (``plan_message.checkpoint_due``, the rule the agent expects)."""
+        return checkpoint_due(step, self.cfg.checkpoint_interval, self.plan_message)
 
     def _committed(self, step: int) -> bool:
         key = f"{self.k['commit']}/{step}"

@@ -177,7 +177,7 @@ class GradientSync:
             reduced = flight.finish()
         if self.trace is not None:
             self.trace.all_reduced(unit, flight.entered, time.time())
-        for p, g, part in zip(self.params[unit], flight.tensors, reduced):
+        for p, part in zip(self.params[unit], reduced):
             self._store(p, part)
 
     def _store(self, p: torch.nn.Parameter, reduced: torch.Tensor) -> None:
@@ -200,23 +200,12 @@ class GradientSync:
             self._next = 0
             return len(self.order)
         joined = 0
-        for round_units in self.rounds:
+        for round_units in self.rounds:  # the units of a round live on disjoint ranks: side by side
             for unit in round_units:
-                entry = self.groups.unit_groups.get(unit)
-                if entry is None or unit not in self.params:
-                    continue
-                group, _ = entry
-                params = self.params[unit]
-                grads = [getattr(p, self.attr, None) for p in params]
-                entered = time.time()
-                with communicating():
-                    reduced = all_reduce_flat([g if g is not None else torch.zeros_like(p)
-                                               for g, p in zip(grads, params)], group, self.staged)
-                if self.trace is not None:
-                    self.trace.all_reduced(unit, entered, time.time())
-                for p, part in zip(params, reduced):
-                    self._store(p, part)
-                joined += 1
+                if unit in self.groups.unit_groups and unit in self.params:
+                    self._start(unit)
+                    self._finish(unit)
+                    joined += 1
         return joined
 
 

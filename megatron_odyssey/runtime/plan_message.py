@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from typing import Any
+from typing import Any, Mapping
 
 
 def encode_plan_message(msg: dict[str, Any]) -> bytes:
@@ -16,3 +16,11 @@ def encode_plan_message(msg: dict[str, Any]) -> bytes:
 def decode_plan_message(value: bytes) -> dict[str, Any]:
     """The message :func:`encode_plan_message` stored, or a plain JSON one (the agent's give-up)."""
     return json.loads(value if value[:1] == b"{" else zlib.decompress(value))
+
+
+def checkpoint_due(step: int, interval: int, msg: Mapping[str, Any] | None) -> bool:
+    """Whether a checkpoint follows ``step``: every ``interval`` steps, and after the first step of a generation
+    whose plan the next failure can break (``save_on_entry`` in its message ``msg``; None in generation 0).
+    The agent expects it and the ranks write it by this one rule."""
+    on_entry = bool(msg and msg.get("save_on_entry")) and step == int(msg["resume_step"])  # type: ignore[index]
+    return bool(interval) and ((step + 1) % interval == 0 or on_entry)
