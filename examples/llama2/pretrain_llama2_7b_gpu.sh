@@ -10,8 +10,9 @@
 # node's micro-batches go to its data-parallel twins); with DP=1 only re-arranging pipelines or a
 # restart remain. The distributed optimizer runs in two instances of two ranks, so every shard of the
 # Adam state survives any single failure: 6 + 12 x 2 / 4 = 12 bytes/parameter of static memory until the
-# first failure, 18 after it (rebuilt stages use the plain optimizer); 1.7 B parameters per GPU here
-# (about 20 GB, then 30 GB). Gradient reduction overlaps backward, also after a failure (per layer).
+# first failure; after it each layer's state stays sharded over its holders h, every shard on two of them
+# (6 + 24 / h: 14 with a stage's three survivors, 12 with four); 1.7 B parameters per GPU here (about 20 GB,
+# 24 GB on a rerouted stage). Gradient reduction overlaps backward, also after a failure (per layer).
 # With the distributed optimizer in two instances and --overlap-grad-reduce, stock Megatron-LM <= core_r0.16 reduces
 # gradients differently on CPU ranks (README, --overlap-param-gather); the pair is unchecked on a GPU.
 set -euo pipefail

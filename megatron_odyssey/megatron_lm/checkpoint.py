@@ -129,3 +129,23 @@ def original_layout_rng(sharded: Any, runtime: Any) -> list[Any]:
 __all__ = ["mark_replicas", "original_layout_rng", "rng_state_objects", "rng_writers",
            "rewrite_sharded_state_dict", "sharded_unit", "with_plan_replicas"]
 
+
+
+#: distributed-optimizer checkpoint formats a re-arranged job's optimizer reads (megatron_lm.replica_optimizer)
+LAYOUT_FREE_OPTIMIZER_FORMATS = ("fully_reshardable",)
+
+
+def optimizer_format(save_dir: str, iteration: int) -> str | None:
+    """How the ``torch_dist`` checkpoint of ``iteration`` holds a distributed optimizer's state (its content
+    metadata's ``distrib_optim_sharding_type``: ``dp_reshardable`` by Megatron's default, ``fully_reshardable``
+    with ``--dist-ckpt-optim-fully-reshardable`` and after a failure); None if it cannot be read."""
+    from pathlib import Path
+
+    import torch
+
+    common = Path(save_dir) / f"iter_{iteration:07d}" / "common.pt"
+    try:
+        state = torch.load(common, map_location="cpu", weights_only=False)
+    except Exception:  # unreadable here (missing, or pickled classes this process cannot import): unknown
+        return None
+    return ((state or {}).get("content_metadata") or {}).get("distrib_optim_sharding_type")

@@ -12,9 +12,11 @@ At a failure every rank keeps its own pieces (:func:`capture_pieces`, no collect
 groups are broken). In the next generation the live ranks that held the same stage and tensor-parallel
 rank exchange them over a group of their own and each assembles its stage's full state
 (:func:`reassemble`), from which the planner's transfers proceed as for the plain optimizer. Rebuilt
-stages run Megatron's plain optimizer: an asymmetric plan holds each layer on a different set of ranks,
-which Megatron's flat-buffer sharding over one data-parallel group cannot express (so after the first
-failure the planner's memory model, Eq. 14, counts the full optimizer state, as it does).
+stages keep the state sharded in a layout of their own (an asymmetric plan holds each layer on a different
+set of ranks, which Megatron's flat-buffer sharding over one data-parallel group cannot express): each
+unit's state over the unit's holders, every shard on two of them (``replica_optimizer``); a failure in a
+later generation is recovered from those pieces the same way, grouped by the units' live holders
+(:func:`unit_holder_groups`).
 """
 from __future__ import annotations
 
@@ -47,8 +49,8 @@ class Piece:
 
 
 class ShardedState(dict):
-    """name -> :class:`Piece`: a rank's share of its stage's state; ``expected`` lists every parameter of
-    the stage (name -> (numel, shape)), including those of which this rank holds no slice."""
+    """name -> [:class:`Piece`, ...]: a rank's share of its stage's state; ``expected`` lists every parameter
+    of the stage (name -> (numel, shape)), including those of which this rank holds no slice."""
 
     def __init__(self, expected: dict[str, tuple[int, tuple[int, ...]]]):
         super().__init__()
@@ -77,9 +79,9 @@ def capture_pieces(named: list[tuple[str, torch.nn.Parameter]], megatron_optimiz
                     return (torch.zeros(shard.numel()) if t is None else t.detach().reshape(-1).to("cpu", copy=True)
                             .float())
 
-                out[name_of[id(model_param)]] = Piece(
+                out[name_of[id(model_param)]] = [Piece(
                     span.start, span.end, model_param.numel(), tuple(model_param.shape), host(shard),
-                    host(st.get("exp_avg")), host(st.get("exp_avg_sq")), float(st["step"]) if "step" in st else 0.0)
+                    host(st.get("exp_avg")), host(st.get("exp_avg_sq")), float(st["step"]) if "step" in st else 0.0)]
     return out
 
 
@@ -88,8 +90,8 @@ def assemble(shares: list[ShardedState]) -> dict[str, dict[str, Any]]:
     expected = shares[0].expected
     pieces: dict[str, list[Piece]] = defaultdict(list)
     for share in shares:
-        for name, piece in share.items():
-            pieces[name].append(piece)
+        for name, held in share.items():
+            pieces[name] += held
     out: dict[str, dict[str, Any]] = {}
     for name, (numel, shape) in expected.items():
         covered = torch.zeros(numel, dtype=torch.bool)
@@ -110,19 +112,32 @@ def assemble(shares: list[ShardedState]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def reassemble(share: ShardedState, stage_groups: list[list[int]], my_rank: int) -> dict[str, dict[str, Any]]:
-    """Collective over the new world: one group per (generation-0 stage, tensor-parallel rank) of its live
-    holders' new ranks, created by every rank in the same order; returns this rank's stage's full state."""
-    mine: dict[str, dict[str, Any]] | None = None
-    for ranks in stage_groups:
+def reassemble(share: ShardedState, groups: list[list[int]], my_rank: int,
+               parts: list[Callable[[str], bool]] | None = None) -> dict[str, dict[str, Any]]:
+    """Collective over the new world: one group per set of live ranks that kept pieces of the same
+    parameters (a generation-0 stage's holders, per tensor-parallel rank; or, after a later generation, the
+    holders of the same units: ``parts[i]`` says which names group ``i`` assembles), created by every rank
+    in the same order; returns the full state of every parameter this rank kept pieces of."""
+    mine: dict[str, dict[str, Any]] = {}
+    member = False
+    for i, ranks in enumerate(groups):
         group = dist.new_group(ranks)
-        if my_rank in ranks:
-            shares: list[Any] = [None] * len(ranks)
-            dist.all_gather_object(shares, share, group=group)
-            mine = assemble(shares)
-    if mine is None:
-        raise RuntimeError(f"rank {my_rank} is in no generation-0 stage group {stage_groups}")
+        if my_rank not in ranks:
+            continue
+        member = True
+        part = share if parts is None else _restricted(share, parts[i])
+        shares: list[Any] = [None] * len(ranks)
+        dist.all_gather_object(shares, part, group=group)
+        mine.update(assemble(shares))
+    if not member:
+        raise RuntimeError(f"rank {my_rank} is in no group of live holders {groups}")
     return mine
+
+
+def _restricted(share: ShardedState, keep: Callable[[str], bool]) -> ShardedState:
+    out = ShardedState({n: e for n, e in share.expected.items() if keep(n)})
+    out.update({n: pieces for n, pieces in share.items() if keep(n)})
+    return out
 
 
 def stage_holder_groups(pp: int, dp: int, tp: int, live_nodes: set[int], rank_of: Callable[[int, int], int]
@@ -131,6 +146,27 @@ def stage_holder_groups(pp: int, dp: int, tp: int, live_nodes: set[int], rank_of
     per tensor-parallel rank, in one global order."""
     return [[rank_of(s * dp + d, t) for d in range(dp) if s * dp + d in live_nodes]
             for s in range(pp) for t in range(tp)]
+
+
+def unit_holder_groups(plan: Any, live_nodes: set[int], tp: int, rank_of: Callable[[int, int], int], num_layers: int
+                       ) -> tuple[list[list[int]], list[Callable[[str], bool]]]:
+    """For state captured in ``plan``'s layout (``replica_optimizer``): one group per set of live nodes that
+    held the same units, per tensor-parallel rank, in one global order, and which parameter names each
+    group assembles."""
+    from ..runtime.grad_sync import unit_of
+
+    by_set: dict[tuple[int, ...], set[int]] = defaultdict(set)
+    for unit, nodes in plan.holders().items():
+        live = tuple(n for n in nodes if n in live_nodes)
+        if live:
+            by_set[live].add(unit)
+    groups, parts = [], []
+    for nodes in sorted(by_set):
+        units = frozenset(by_set[nodes])
+        for t in range(tp):
+            groups.append([rank_of(n, t) for n in nodes])
+            parts.append(lambda name, units=units: unit_of(name, num_layers) in units)
+    return groups, parts
 
 
 def shards_lost(pp: int, dp: int, instances: int, dead_nodes: set[int]) -> list[int]:

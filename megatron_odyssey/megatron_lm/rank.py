@@ -36,8 +36,10 @@ from ..planning.plan import ExecutionPlan, symmetric_plan
 from ..runtime.config import TrainConfig
 from ..runtime.executor import PipelineExecutor
 from ..runtime.grad_sync import GradientSync, all_reduce_flat, params_by_unit, unit_of
+from ..runtime.device_profile import REPLICA_COPIES
 from .distributed_optimizer import (ShardedState, capture_pieces, deferred_param_sync, distributed_optimizers,
-                                    reassemble, stage_holder_groups)
+                                    reassemble, stage_holder_groups, unit_holder_groups)
+from .replica_optimizer import ReplicaShards
 from .hooks import ORIGINAL_ATTR, STATE, overridden
 from .interleaved import InterleavedCapture, chunk_layer_start, reshuffle_transfers, shapes_for_layers
 from ..runtime.errors import GIVEUP_KEY, STARTED_KEY, fail_locally, giveup_reason, is_peer_failure, stop_now
@@ -201,6 +203,7 @@ class MegatronRank(GenerationRank):
     """The shared protocol over the objects Megatron's ``train()`` holds (see module docstring)."""
 
     started = False  # set once the first iteration begins (start-up failures end the job instead)
+    shards: ReplicaShards | None = None  # a rebuilt stage's sharded optimizer state (replica_optimizer)
 
     def __init__(self, args: Any, model: list, optimizer: Any, scheduler: Any, joining: bool = False):
         """``joining``: a rank of a machine that comes back (megatron_lm.joining), set up in a private world; it
@@ -326,7 +329,7 @@ class MegatronRank(GenerationRank):
         """A joining rank before admission: Megatron's objects in its private world are placeholders that
         :meth:`enter` rebuilds on the admitted generation's groups; nothing is captured from them."""
         self.gen, self.k = -1, keys(-1)  # no generation of the job's yet (the abort watcher watches none)
-        self.model, self.named, self.optimizer = None, [], None
+        self.model, self.named, self.optimizer, self.shards = None, [], None, None
         STATE.plan = None
         self.train_pgs = _pg_collection_of(self.megatron_model[0])  # the object train() will hold (see teardown)
 
@@ -410,15 +413,19 @@ class MegatronRank(GenerationRank):
         # Megatron's get_model derives the DDP config from args: from now on each layer is all-reduced over
         # the ranks holding it (runtime.grad_sync), so the new DDP must not start bucket reductions of its own
         # during backward (--overlap-grad-reduce, which generation 0 ran as it is)
-        # (and generation 0's distributed optimizer gives way to the plain one: see megatron_lm.distributed_optimizer;
-        # args keep saying so, for the checkpoints written from now on)
-        self.args.use_distributed_optimizer, self.args.num_distributed_optimizer_instances = False, 1
+        # (and generation 0's distributed optimizer gives way to Megatron's plain one cut down to replicated shards,
+        # see megatron_lm.replica_optimizer: its DDP must not lay out buffers for the distributed optimizer's groups;
+        # args go on saying the job runs the distributed optimizer, whose layout-free checkpoint format the
+        # checkpoints written from now on use, so the job's own command line relaunches from them)
+        if self.args.use_distributed_optimizer:
+            self.args.dist_ckpt_optim_fully_reshardable = True
         # (and interleaving ends: a plan's stage is one contiguous layer range)
         self.args.virtual_pipeline_model_parallel_size = None
         for name in ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank"):
             if hasattr(self.args, name):
                 setattr(self.args, name, None)
-        with overridden(self.args, overlap_grad_reduce=False, overlap_param_gather=False):
+        with overridden(self.args, overlap_grad_reduce=False, overlap_param_gather=False,
+                        use_distributed_optimizer=False, num_distributed_optimizer_instances=1):
             if "pg_collection" in inspect.signature(mt.get_model).parameters:
                 chunks = mt.get_model(provider, captured.model_type, pg_collection=plan_process_groups(self.groups))
             else:  # Megatron-LM <= 0.15: get_model reads the groups from parallel_state (installed above)
@@ -435,8 +442,12 @@ class MegatronRank(GenerationRank):
         self.megatron_optimizer.__dict__.clear()
         self.megatron_optimizer.__dict__.update(fresh.__dict__)
         self._adopt_chunk(chunks[0])
-        # named now refers to fp32 params the optimizer steps (restore writes values and Adam state there)
-        self.named = [(n, self.optimizer.main_param(p)) for n, p in self.named]
+        if self.cfg.extra.get("distopt_instances"):  # the job asked for sharded optimizer state: keep it sharded
+            self.shards = ReplicaShards(self.megatron_optimizer, self.named, self.groups.unit_groups, dist.get_rank(),
+                                        self.cfg.layers, REPLICA_COPIES, staged=self.p2p.staged)
+        else:
+            # named now refers to fp32 params the optimizer steps (restore writes values and Adam state there)
+            self.named = [(n, self.optimizer.main_param(p)) for n, p in self.named]
 
     def enter(self, gen: int, plan: ExecutionPlan, policy: str, transfers: list, checkpoint_step: int | None) -> None:
         self.stock = False  # one-way hand-off: Odyssey's executor from now on
@@ -499,8 +510,11 @@ class MegatronRank(GenerationRank):
     def _capture(self) -> Any:
         from ..runtime.state import capture
 
-        if distributed_optimizers(self.megatron_optimizer):  # generation 0 only: rebuilt stages run the plain one
+        if distributed_optimizers(self.megatron_optimizer):  # generation 0's distributed optimizer
             state = capture_pieces(self.named, self.megatron_optimizer)
+        elif self.shards is not None:  # a rebuilt stage's replicated shards, in this plan's layout
+            state = self.shards.capture()
+            state.plan = self.plan
         else:
             view = self.optimizer  # keyed by the fp32 parameters the optimizer steps (main copies under bf16)
             state = capture([(n, view.main_param(p)) for n, p in self.named], view)
@@ -513,7 +527,11 @@ class MegatronRank(GenerationRank):
         pipeline rank (megatron_lm.interleaved)."""
         interleaved = isinstance(saved, InterleavedCapture)
         state = saved.inner if interleaved else saved
-        if isinstance(state, ShardedState):
+        if isinstance(state, ShardedState) and getattr(state, "plan", None) is not None:
+            groups, parts = unit_holder_groups(state.plan, set(self.rank_map.live_nodes), self.cfg.tp,
+                                               self.rank_map.rank, self.cfg.layers)
+            state = reassemble(state, groups, dist.get_rank(), parts)
+        elif isinstance(state, ShardedState):
             groups = stage_holder_groups(self.cfg.pp, self.cfg.dp, self.cfg.tp, set(self.rank_map.live_nodes),
                                          self.rank_map.rank)
             state = reassemble(state, groups, dist.get_rank())
@@ -555,7 +573,7 @@ class MegatronRank(GenerationRank):
         self.megatron_optimizer.__dict__.clear()
         if self.train_pgs is not None:
             self.train_pgs.__dict__.clear()
-        self.named, self.optimizer = [], None
+        self.named, self.optimizer, self.shards = [], None, None
         STATE.last_losses = None  # the failed step's losses hold its autograd graph
 
     # -- steps -----------------------------------------------------------------------------------------
@@ -822,7 +840,20 @@ class MegatronRank(GenerationRank):
         if ok:
             self.scheduler.step(increment=self.cfg.global_batch)
         self.committed, self.pending, self.saved = step, None, None
+        if ok and self.shards is not None:  # a collective, after the step is this rank's own
+            self.shards.gather_params()
         return ok, norm
+
+    def _rebuild_facts(self) -> dict[str, Any]:
+        if self.shards is None:
+            return {}
+        return {"optimizer_share": self.shards.kept_numel() / max(1, sum(p.numel() for _, p in self.named))}
+
+    def _restore(self, state: Any) -> None:
+        if self.shards is not None:
+            self.shards.restore(state)
+        else:
+            super()._restore(state)
 
     def _megatron_result(self, loss: float, ok: bool, norm: float) -> tuple:
         """What Megatron's ``train_step`` returns, and the consumed-sample count kept right: ``train()``

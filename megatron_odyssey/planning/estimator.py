@@ -15,6 +15,7 @@ from typing import Mapping
 
 from .plan import ExecutionPlan
 from .profile import LayerCost, ModelProfile
+from .sharding import loss_sets, optimizer_share
 from .schedule import (BACKWARD, FORWARD, WEIGHT_GRAD, Op, coupled_orders, coupled_pipelines, deferred, dependency,
                        fault_free_slots, lone_filled_plan, one_f_one_b)
 
@@ -246,13 +247,19 @@ class StepEstimate:
 def node_memory(plan: ExecutionPlan, profile: ModelProfile, peak_in_flight: dict[int, int]) -> dict[int, int]:
     """Eq. 14 per node, with the in-flight count taken from the node's actual operation order. A staggered
     plan also holds a copy of each unit's state (weights and optimizer state) from its speculative update
-    until the step's commit, to roll back to (``runtime.generation``)."""
+    until the step's commit, to roll back to (``runtime.generation``). With a sharded optimizer
+    (``profile.optimizer_shard_copies``) a node keeps only its share of each unit's optimizer state, which
+    depends on how many nodes hold the unit (``planning.sharding``)."""
     units = profile.units()
+    copies = profile.optimizer_shard_copies
+    holders = plan.holders()
     per_units: dict[frozenset[int], tuple[int, int]] = {}
     out = {}
     for node, held in plan.holdings().items():
         if held not in per_units:
-            static = sum(units[u].static_bytes + (units[u].state_bytes if plan.stagger else 0) for u in held)
+            static = sum(units[u].param_bytes + units[u].grad_bytes
+                         + round(units[u].optimizer_bytes * optimizer_share(len(holders[u]), copies))
+                         + (units[u].state_bytes if plan.stagger else 0) for u in held)
             per_units[held] = (static, sum(units[u].activation_bytes for u in held))
         static, act = per_units[held]
         out[node] = static + peak_in_flight.get(node, 0) * act
@@ -307,15 +314,17 @@ def score(global_batch: int, step_time_s: float, transition_s: float, time_to_ne
 SINGLE_FAILURES: tuple[tuple[int, float], ...] = ((1, 1.0),)
 
 
-def fatal_probability(plan: ExecutionPlan, bursts: tuple[tuple[int, float], ...] = SINGLE_FAILURES) -> float:
+def fatal_probability(plan: ExecutionPlan, bursts: tuple[tuple[int, float], ...] = SINGLE_FAILURES,
+                      shard_copies: int = 0) -> float:
     """Probability that the next failure event, which takes k live nodes uniformly at random (k drawn
-    from ``bursts``; spot reclaims take several at once), removes every live copy of some layer.
-    Layers held by the same nodes are one event; the union over different holder sets is bounded by
+    from ``bursts``; spot reclaims take several at once), removes every live copy of some layer (or, with
+    a sharded optimizer, every keeper of some shard of its state: ``planning.sharding.loss_sets``).
+    Layers held by the same nodes are one event; the union over different node sets is bounded by
     the sum (exact for one failure at a time: the sets are then disjoint single nodes)."""
     n = len(plan._live_nodes)
     if n == 0:
         return 0.0
-    sets = {tuple(nodes) for nodes in plan._holders.values() if nodes}
+    sets = {keepers for nodes in plan._holders.values() for keepers in loss_sets(nodes, shard_copies)}
     total = 0.0
     for k, p in bursts:
         k = min(k, n)
@@ -324,15 +333,15 @@ def fatal_probability(plan: ExecutionPlan, bursts: tuple[tuple[int, float], ...]
     return total
 
 
-def fragile(plan: ExecutionPlan, bursts: tuple[tuple[int, float], ...] = SINGLE_FAILURES) -> bool:
+def fragile(plan: ExecutionPlan, bursts: tuple[tuple[int, float], ...] = SINGLE_FAILURES, shard_copies: int = 0) -> bool:
     """Whether the next failure event can take every live copy of some layer: the runtime then checkpoints
     right after the plan's first step (``save_on_entry``), so the restart that failure would force loses a
     step or two instead of up to a checkpoint interval (the simulator's Odyssey does the same)."""
-    return fatal_probability(plan, bursts) > 0
+    return fatal_probability(plan, bursts, shard_copies) > 0
 
 
 def restart_risk(plan: ExecutionPlan, restart_cost_s: float,
-                 bursts: tuple[tuple[int, float], ...] = SINGLE_FAILURES) -> float:
+                 bursts: tuple[tuple[int, float], ...] = SINGLE_FAILURES, shard_copies: int = 0) -> float:
     """Expected cost of the restart the next failure event forces in ``plan``: its probability
     (:func:`fatal_probability`) x (relaunch + load + half a checkpoint interval of lost work)."""
-    return fatal_probability(plan, bursts) * restart_cost_s
+    return fatal_probability(plan, bursts, shard_copies) * restart_cost_s

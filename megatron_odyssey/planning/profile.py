@@ -67,6 +67,10 @@ class ModelProfile:
     tp: int = 1
     micro_batch: int = 1
     seq_length: int = 4096
+    # 0: every holder of a unit keeps the unit's whole optimizer state (the plain optimizer); c >= 1: the state is
+    # sharded over the unit's holders, each shard kept by c of them (planning.sharding; Megatron's distributed
+    # optimizer after a failure keeps 2)
+    optimizer_shard_copies: int = 0
     schema_version: int = PROFILE_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -131,7 +135,8 @@ _POSITIVE_FIELDS = ("allreduce_bandwidth_Bps", "transfer_bandwidth_Bps", "device
                     "micro_batch", "seq_length")
 _NON_NEGATIVE_FIELDS = ("p2p_s", "allreduce_latency_s", "reroute_overhead_s", "rebuild_overhead_s",
                         "restart_overhead_s", "checkpoint_interval_s")
-_INTEGER_FIELDS = ("device_memory_bytes", "tp", "micro_batch", "seq_length")
+_NON_NEGATIVE_FIELDS += ("optimizer_shard_copies",)
+_INTEGER_FIELDS = ("device_memory_bytes", "tp", "micro_batch", "seq_length", "optimizer_shard_copies")
 _LAYER_NUMBERS = ("forward_s", "backward_s", "param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes",
                   "optimizer_s")
 

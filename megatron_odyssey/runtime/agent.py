@@ -46,6 +46,7 @@ from ..planning.plan import ExecutionPlan
 from ..planning.cache import PlanCache
 from ..planning.planner import Decision, Planner, PlannerOptions
 from ..planning.schedule import overlapped_nodes
+from ..planning.sharding import lost_units
 from .config import TrainConfig
 from .control_plane import Deposed, Replica, free_port, listening
 from .plan_message import checkpoint_due, encode_plan_message
@@ -131,6 +132,8 @@ class FailureRecord:
     candidates: list[dict[str, Any]] = field(default_factory=list)
     cached: bool = False  # the decision came from the precomputed plan cache
     rebuild: dict[str, float] = field(default_factory=dict)  # slowest rank's world/groups/model time
+    # rank -> the fraction of its stage's optimizer state it keeps (sharded optimizer: megatron_lm.replica_optimizer)
+    optimizer_shares: dict[int, float] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)  # since the failure: sealed, published, first step
     error: dict[str, Any] | None = None  # a failed rank's own error (type, place, message, traceback)
     time_to_next_failure_s: float = 0.0  # what Eq. 8 assumed (per-device MTBF / live devices)
@@ -155,6 +158,7 @@ class Agent:
         self.cfg, self.cfg_path, self.workdir, self.echo = cfg, cfg_path, workdir, echo_rank0
         self.plan = cfg.validate()
         self.state_plan = self.plan  # layout of the newest committed state (what survivors hold)
+        self.state_gen = 0  # the generation that committed it (its optimizer state's scheme: see _lost_shards)
         # generation 0's state sharded by Megatron's distributed optimizer (until a later generation commits)
         self.sharded_state = bool(cfg.extra.get("distopt_instances"))
         self.exiting: dict[int, float] = {}  # rank -> when it was first seen finished but not yet exited
@@ -589,7 +593,7 @@ class Agent:
                   "wall_s": now - self.started, "t": now, "redone": redone, "agent_rss_mb": resident_mb()}
         new_layout = self.state_plan is not self.plan
         self.state_plan = self.plan  # once committed, survivors hold their state in this generation's layout
-        self.sharded_state = self.sharded_state and self.gen == 0
+        self.state_gen = self.gen
         if self.replica is not None:  # ahead of the commit: whatever a rank sees, the standby knows
             if first_of_generation:
                 self._replicate_state()
@@ -789,7 +793,9 @@ class Agent:
                 rec.recovery_s = now - rec.started
                 rec.transfer_s = max((float(v) for v in self._read_all("transfer_s")), default=0.0)
                 parts = [json.loads(v) for v in self._read_all("rebuild")]
-                rec.rebuild = {name: max(p[name] for p in parts) for name in parts[0]} if parts else {}
+                rec.rebuild = {name: max(p[name] for p in parts) for name in ("world_s", "groups_s", "model_s")
+                               } if parts else {}
+                rec.optimizer_shares = {int(p["rank"]): p["optimizer_share"] for p in parts if "optimizer_share" in p}
                 rec.phases = {"sealed_s": rec.sealed_at - rec.started, "published_s": rec.published_at - rec.started,
                               "joined_s": rec.joined_at - rec.started if rec.joined_at else None,
                               "first_step_s": rec.recovery_s}
@@ -945,12 +951,19 @@ class Agent:
         if chosen.policy == "restart" and self.cfg.extra.get("megatron"):  # a Megatron job: its own checkpoint
             ckpt = megatron_checkpoint_iteration(self.cfg.extra.get("save_dir"))
             if ckpt is not None and lost:
-                self.stop_reason = (f"cannot continue in-process: {chosen.reason}; the checkpoint of iteration {ckpt} "
-                                    f"holds the distributed optimizer's shards, which the plain optimizer of a "
-                                    f"re-arranged job cannot load: relaunch with --load "
-                                    f"{self.cfg.extra.get('save_dir')} on the surviving machines")
-                self.failures.append(rec)
-                return False
+                from ..megatron_lm.checkpoint import LAYOUT_FREE_OPTIMIZER_FORMATS, optimizer_format
+
+                kind = optimizer_format(self.cfg.extra["save_dir"], ckpt)
+                if kind not in LAYOUT_FREE_OPTIMIZER_FORMATS:
+                    self.stop_reason = (
+                        f"cannot continue in-process: {chosen.reason}; the checkpoint of iteration {ckpt} holds the "
+                        f"distributed optimizer's state as {kind or 'an unknown format'}, bound to the layout that "
+                        f"wrote it, which a re-arranged job cannot load: relaunch with --load "
+                        f"{self.cfg.extra.get('save_dir')} on the surviving machines (checkpoints saved with "
+                        f"--dist-ckpt-optim-fully-reshardable, and every checkpoint saved after a failure, are "
+                        f"loaded in-process instead)")
+                    self.failures.append(rec)
+                    return False
             if ckpt is None:
                 self.stop_reason = (f"cannot continue: {chosen.reason}, and there is no Megatron checkpoint to "
                                     f"restore (no --save, or nothing saved yet); relaunch from the start")
@@ -998,12 +1011,16 @@ class Agent:
         return sorted({i // tp for i in ranks if all(i // tp * tp + t in ranks for t in range(tp))})
 
     def _lost_shards(self, dead_nodes: set[int]) -> frozenset[int]:
-        """Units whose generation-0 distributed-optimizer state died with every instance holding it."""
+        """Units part of whose sharded optimizer state died with every rank keeping it: generation 0's
+        distributed optimizer (each shard on its N instances), or, once a later generation has committed, the
+        replicated shards over each unit's holders (``planning.sharding``)."""
         if not self.sharded_state:
             return frozenset()
         from ..megatron_lm.distributed_optimizer import shards_lost
 
         base = self.state_plan
+        if self.state_gen > 0:
+            return frozenset(lost_units(base.holders(), dead_nodes, self.profile.optimizer_shard_copies))
         stages = shards_lost(self.cfg.pp, self.cfg.dp, int(self.cfg.extra["distopt_instances"]), set(dead_nodes))
         return frozenset(u for s in stages for u in base.stage_units(0, s))
 
@@ -1045,12 +1062,14 @@ class Agent:
     def _fragile(self, plan: ExecutionPlan) -> bool:
         """``estimator.fragile`` in a job that checkpoints (Oobleck saves and stops below (f+1) n0 nodes for the
         same reason; Odyssey goes on training)."""
-        return bool(self.cfg.checkpoint_interval) and fragile(plan, self.options.failure_bursts)
+        return bool(self.cfg.checkpoint_interval) and fragile(plan, self.options.failure_bursts,
+                                                              self.profile.optimizer_shard_copies)
 
     # -- the standby (control_plane) ------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
         """What a standby needs to go on from this agent's last decision (JSON)."""
         return {"gen": self.gen, "plan": self.plan.to_dict(), "state_plan": self.state_plan.to_dict(),
+                "state_gen": self.state_gen,
                 "published": self.published, "next_step": self.next_step,
                 "dead": sorted(self.dead), "fenced": sorted(self.fenced), "started": self.started,
                 "failures": [vars(f) for f in self.failures], "errors": {i: vars(r) for i, r in self.errors.items()},
@@ -1109,6 +1128,7 @@ class Agent:
         self.plan = ExecutionPlan.from_dict(state["plan"])
         committed_here = state.get("generation") == self.gen and "committed" in state
         self.state_plan = self.plan if committed_here else ExecutionPlan.from_dict(state["state_plan"])
+        self.state_gen = self.gen if committed_here else int(state.get("state_gen", 0))
         self.next_step = int(state.get("next_step", self.next_step))
         self.dead, self.fenced = set(state["dead"]), set(state["fenced"])
         self.failures = [FailureRecord(**f) for f in state["failures"]]

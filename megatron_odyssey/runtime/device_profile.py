@@ -68,6 +68,10 @@ def symmetric(cfg: TrainConfig) -> ExecutionPlan:
     return symmetric_plan(cfg.pp, cfg.dp, cfg.layers, cfg.num_micro_batches)
 
 
+#: keepers of each shard of the optimizer state once Megatron's distributed optimizer is rebuilt after a failure
+REPLICA_COPIES = 2
+
+
 def job_profile(cfg: TrainConfig, **overrides: Any) -> ModelProfile:
     """The analytic profile of ``cfg`` on its device (see module docstring); ``overrides`` replace fields."""
     dev = cfg.extra.get("device", {})
@@ -81,6 +85,8 @@ def job_profile(cfg: TrainConfig, **overrides: Any) -> ModelProfile:
     profile = analytic_profile(model_shape(cfg), precision, device,
                                name=f"{kind}-{precision.name}-L{cfg.layers}-h{cfg.hidden}-tp{cfg.tp}")
     profile = with_checkpoint_interval(profile, cfg)
+    if cfg.extra.get("distopt_instances"):  # sharded after a failure too: megatron_lm.replica_optimizer
+        profile = replace(profile, optimizer_shard_copies=REPLICA_COPIES)
     return replace(profile, **overrides) if overrides else profile
 
 

@@ -148,6 +148,16 @@ class GenerationRank(abc.ABC):
         over the new world, before any transfer."""
         return saved
 
+    def _rebuild_facts(self) -> dict[str, Any]:
+        """What the host reports about the stage it built (the failure record shows it)."""
+        return {}
+
+    def _restore(self, state: Any) -> None:
+        """Full per-parameter state (``runtime.state`` format) into the stage just built."""
+        from . import state as st
+
+        st.restore(self.named, self.optimizer, state)
+
     def _release(self) -> None:
         """Drop the host's objects that hold the broken generation's groups (called at teardown)."""
 
@@ -218,16 +228,17 @@ class GenerationRank(abc.ABC):
         t0 = time.perf_counter()
         if policy == "restart":
             if checkpoint_step is not None and checkpoint_step >= 0:
-                st.restore(self.named, self.optimizer, st.load_checkpoint(self._ckpt_root(), checkpoint_step,
-                                                                          self.tp_rank, dict(self.named), self.device))
+                self._restore(st.load_checkpoint(self._ckpt_root(), checkpoint_step, self.tp_rank, dict(self.named),
+                                                 self.device))
         elif old is not None or any(dst == self.node for _, _, dst in transfers):  # (a joining rank holds nothing)
             old = old or {}
             received = st.transfer(transfers, self.node, self.tp_rank, self.rank_map.rank, cfg.layers, old,
                                    {n: p.shape for n, p in self.named}, self.device, self.p2p)
-            st.restore(self.named, self.optimizer, {**old, **received})
+            self._restore({**old, **received})
         self.store.set(f"{self.k['transfer']}/{self.ident}", repr(time.perf_counter() - t0))
         self.store.set(f"odyssey/gen{gen}/rebuild/{self.ident}", json.dumps(
-            {"world_s": marks[1] - marks[0], "groups_s": marks[2] - marks[1], "model_s": marks[3] - marks[2]}))
+            {"world_s": marks[1] - marks[0], "groups_s": marks[2] - marks[1], "model_s": marks[3] - marks[2],
+             "rank": self.ident, **self._rebuild_facts()}))
         self._attach_stage()
         self.progress.set_state(IDLE)
 

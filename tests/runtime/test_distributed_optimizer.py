@@ -45,8 +45,8 @@ def _share(full: dict[str, dict], spans: dict[str, tuple[int, int]]) -> ShardedS
     share = ShardedState({n: (st["param"].numel(), tuple(st["param"].shape)) for n, st in full.items()})
     for name, (a, b) in spans.items():
         st = full[name]
-        share[name] = Piece(a, b, st["param"].numel(), tuple(st["param"].shape),
-                            *(st[k].reshape(-1)[a:b].clone() for k in ("param", "exp_avg", "exp_avg_sq")), st["step"])
+        share[name] = [Piece(a, b, st["param"].numel(), tuple(st["param"].shape),
+                             *(st[k].reshape(-1)[a:b].clone() for k in ("param", "exp_avg", "exp_avg_sq")), st["step"])]
     return share
 
 
@@ -74,6 +74,6 @@ def test_assemble_refuses_disagreeing_step_counts() -> None:
     full = _state(2)
     a = _share(full, {"layer.weight": (0, 15), "layer.bias": (0, 2)})
     b = _share(full, {"layer.bias": (2, 5)})
-    b["layer.bias"].step = 6.0
+    b["layer.bias"][0].step = 6.0
     with pytest.raises(RuntimeError, match="disagree on the Adam step count"):
         assemble([a, b])

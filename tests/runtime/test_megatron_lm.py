@@ -248,26 +248,62 @@ def stock_distopt(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[s
 
 def test_distributed_optimizer_survives_a_kill(stock_distopt: dict, tmp_path: Path) -> None:
     """Rank 1 holds one shard of stage 0's Adam state, also held by rank 3 (the other instance): the
-    survivors assemble their stage's full state from the live shards and train on with the plain optimizer,
-    equal to stock Megatron-LM with the distributed optimizer."""
-    job = run_odyssey(MLM, tmp_path, [*ODYSSEY, *DISTOPT, "--odyssey-inject-fault",
+    survivors assemble their stage's full state from the live shards and train on with Megatron's optimizer
+    cut down to replicated shards (each unit's state split over its holders, every shard on two), equal to
+    stock Megatron-LM with the distributed optimizer."""
+    job = run_odyssey(MLM, tmp_path, [*ODYSSEY, *DISTOPT, "--odyssey-policy", "reroute", "--odyssey-inject-fault",
                                       "step=2,rank=1,phase=backward,kind=kill"], _port(610), nproc=8)
     assert job.returncode == 0, job.logs[-4000:]
     (failure,) = job.report["failures"]
-    assert failure["ranks"] == [1] and failure["policy"] in ("reroute", "reconfigure")
+    assert failure["ranks"] == [1] and failure["policy"] == "reroute"
     assert [s["step"] for s in job.report["steps"]] == list(range(ITERS))
+    assert same_training(job.iterations(), stock_distopt)
+    # stage 0's three survivors keep two thirds of its optimizer state each, stage 1's four ranks half
+    shares = {int(r): v for r, v in failure["optimizer_shares"].items()}
+    assert sorted(shares) == [0, 2, 3, 4, 5, 6, 7]
+    assert all(abs(shares[r] - 2 / 3) < 1e-3 for r in (0, 2, 3)) and all(shares[r] == 0.5 for r in (4, 5, 6, 7))
+
+
+def test_replicated_shards_survive_a_second_failure(stock_distopt: dict, tmp_path: Path) -> None:
+    """After the first failure the state lives in replicated shards; a second kill (rank 5, stage 1) takes one
+    copy of two of them, and the survivors reassemble stage 1 from the other copies: equal to stock."""
+    job = run_odyssey(MLM, tmp_path, [*ODYSSEY, *DISTOPT, "--odyssey-inject-fault", "step=1,rank=1,phase=backward,kind=kill",
+                                      "--odyssey-inject-fault", "step=3,rank=5,phase=forward,kind=kill"], _port(630), nproc=8)
+    assert job.returncode == 0, job.logs[-4000:]
+    assert [f["ranks"] for f in job.report["failures"]] == [[1], [5]]
+    assert [s["step"] for s in job.report["steps"]] == list(range(ITERS))
+    assert same_training(job.iterations(), stock_distopt)
+    assert all(v < 0.7 for v in job.report["failures"][1]["optimizer_shares"].values())
+
+
+def test_replicated_shards_lost_restart_in_process_from_the_checkpoint_saved_after_the_failure(
+        stock_distopt: dict, tmp_path: Path) -> None:
+    """Ranks 2 and 3 keep both copies of a shard of stage 0 (with rank 0, after rank 1's failure): when both die
+    the state is gone, and the survivors load the checkpoint saved after the first failure (the distributed
+    optimizer's layout-free format) in-process, and train on equal to stock."""
+    job = run_odyssey(MLM, tmp_path, [*ODYSSEY, *DISTOPT, "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
+                                      "--odyssey-inject-fault", "step=1,rank=1,phase=backward,kind=kill",
+                                      "--odyssey-inject-fault", "step=3,rank=2,phase=backward,kind=kill",
+                                      "--odyssey-inject-fault", "step=3,rank=3,phase=backward,kind=kill"],
+                      _port(640), nproc=8)
+    assert job.returncode == 0, job.logs[-4000:]
+    first, second = job.report["failures"]
+    assert second["ranks"] == [2, 3] and second["policy"] == "restart"
+    assert "lost their distributed-optimizer shards with every replica" in second["reason"]
     assert same_training(job.iterations(), stock_distopt)
 
 
 def test_distributed_optimizer_shard_lost_with_every_replica_stops_clearly(tmp_path: Path) -> None:
     """Ranks 1 and 3 are both holders of stage 0's shard 1: the state is gone although ranks 0 and 2 hold
-    the layers. The job stops with the reason and the checkpoint to relaunch from, on the terminal."""
+    the layers, and the checkpoint (generation 0's, in Megatron's default dp_reshardable format) is bound to
+    the PP=2 x DP=4 layout. The job stops with the reason and the checkpoint to relaunch from, on the terminal."""
     job = run_odyssey(MLM, tmp_path, [*ODYSSEY, *DISTOPT, "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
                                       "--odyssey-inject-fault", "step=3,rank=1,phase=backward,kind=kill",
                                       "--odyssey-inject-fault", "step=3,rank=3,phase=backward,kind=kill"],
                       _port(620), nproc=8)
     assert job.returncode != 0
     assert "lost their distributed-optimizer shards with every replica" in job.logs
+    assert "distributed optimizer's state as dp_reshardable" in job.logs
     assert f"relaunch with --load {tmp_path / 'ckpt'}" in job.logs
     assert job.report["failures"][0]["policy"] == "restart"
 

@@ -1,0 +1,79 @@
+"""The replicated-shard layout of the optimizer state after a failure (planning.sharding), by hand and against
+brute force, and what the memory model and the restart risk make of it."""
+import itertools
+import random
+from dataclasses import replace
+
+import pytest
+
+from megatron_odyssey.planning.estimator import estimate_step, fatal_probability
+from megatron_odyssey.planning.plan import symmetric_plan
+from megatron_odyssey.planning.profile import uniform_profile
+from megatron_odyssey.planning.sharding import kept_shards, loss_sets, lost_units, optimizer_share, shard_bounds
+
+
+def test_shard_bounds_hand_computed():
+    assert shard_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert shard_bounds(2, 3) == [(0, 1), (1, 2), (2, 2)]  # fewer elements than holders: an empty shard
+    assert shard_bounds(5, 1) == [(0, 5)]
+    with pytest.raises(ValueError, match="at least one holder"):
+        shard_bounds(5, 0)
+
+
+def test_each_holder_keeps_its_shard_and_the_next():
+    assert kept_shards(0, 3, 2) == [0, 1] and kept_shards(2, 3, 2) == [2, 0]
+    assert kept_shards(1, 2, 2) == [0, 1]  # two holders: both keep everything
+    assert kept_shards(1, 4, 0) == [0, 1, 2, 3]  # not sharded
+    assert [optimizer_share(h, 2) for h in (1, 2, 3, 4, 8)] == [1.0, 1.0, 2 / 3, 0.5, 0.25]
+    assert optimizer_share(8, 0) == 1.0
+
+
+def test_loss_sets_hand_computed():
+    # shard j is kept by holders j and j-1: nodes (5, 6, 7) -> shard 0 by 5 and 7, shard 1 by 6 and 5, ...
+    assert loss_sets((5, 6, 7), 2) == [(5, 7), (6, 5), (7, 6)]
+    assert loss_sets((5, 6), 2) == [(5, 6)] and loss_sets((5,), 2) == [(5,)]
+    assert loss_sets((5, 6, 7), 0) == [(5, 6, 7)]
+
+
+def test_lost_units_agree_with_the_keepers_the_runtime_uses():
+    """For random holder lists and dead sets: a unit is lost exactly when, with the shards each holder keeps
+    (kept_shards, what the runtime keeps), some shard has no live keeper."""
+    rng = random.Random(0)
+    for _ in range(300):
+        copies = rng.choice([0, 1, 2, 3])
+        holders = {u: sorted(rng.sample(range(10), rng.randint(1, 6))) for u in range(4)}
+        dead = set(rng.sample(range(10), rng.randint(0, 5)))
+        brute = []
+        for u, nodes in holders.items():
+            kept = {s for i, n in enumerate(nodes) if n not in dead for s in kept_shards(i, len(nodes), copies)}
+            if kept != set(range(len(nodes))):
+                brute.append(u)
+        assert lost_units(holders, dead, copies) == brute, (holders, dead, copies)
+
+
+def test_node_memory_counts_each_holders_share_of_the_optimizer_state():
+    """Eq. 14 with the state sharded two ways over four replicas: every node holds half of its units'
+    optimizer bytes (20 per layer of uniform_profile(layer_bytes=10)), weights and gradients in full."""
+    prof = uniform_profile(8, layer_bytes=10, activation_bytes=3)
+    plan = symmetric_plan(2, 4, 8, 8)
+    plain = estimate_step(plan, prof).peak_memory_bytes
+    sharded = estimate_step(plan, replace(prof, optimizer_shard_copies=2)).peak_memory_bytes
+    units = prof.units()
+    for node, held in plan.holdings().items():
+        assert plain[node] - sharded[node] == sum(units[u].optimizer_bytes // 2 for u in held)
+    # two replicas: each keeps everything, as without sharding
+    two = symmetric_plan(2, 2, 8, 8)
+    assert estimate_step(two, replace(prof, optimizer_shard_copies=2)).peak_memory_bytes == \
+        estimate_step(two, prof).peak_memory_bytes
+
+
+def test_fatal_probability_counts_the_keepers_of_a_shard():
+    """One stage on three replicas: two failures at once never take every copy of a layer, but always both
+    keepers of some shard (any two of three are neighbours); on four replicas 4 of the 6 pairs are."""
+    three, four = symmetric_plan(1, 3, 4, 3), symmetric_plan(1, 4, 4, 4)
+    assert fatal_probability(three, ((2, 1.0),)) == 0.0
+    assert fatal_probability(three, ((2, 1.0),), shard_copies=2) == 1.0
+    assert fatal_probability(four, ((2, 1.0),), shard_copies=2) == pytest.approx(4 / 6)
+    assert fatal_probability(four, shard_copies=2) == 0.0  # one node at a time loses nothing
+    pairs = [set(p) for p in itertools.combinations(range(4), 2)]
+    assert sum(bool(lost_units(four.holders(), p, 2)) for p in pairs) == 4
