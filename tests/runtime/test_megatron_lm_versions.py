@@ -1,7 +1,7 @@
 """Every Megatron-LM release the adaptor knows, each with its own megatron.core: stock ``pretrain_gpt.py``
 (no ``--odyssey``) is the reference, and the same job under ``odyssey-launch`` with one rank SIGKILLed
 mid-iteration trains exactly as it (loss and grad norm to the printed digit, learning rate, samples), also
-when the lost machine comes back (`odyssey-launch --join`).
+when the lost machine comes back (`odyssey-launch --join`), and with the distributed optimizer through two kills.
 
 Needs checkouts: ``MEGATRON_LM_CHECKOUTS=/path/core_r0.12.0:/path/core_r0.19.0:...`` (``os.pathsep``
 separated; ``git archive`` of each branch is enough), plus Megatron-LM's own requirements (``einops``
@@ -96,3 +96,24 @@ def test_release_takes_back_a_machine_that_comes_back(checkout: str, references:
     (joined,) = job.report["joins"]
     assert joined["ranks"] == [3] and joined["step"] == 4
     assert same_training(job.iterations(), stock), (job.iterations(), stock)
+
+
+DISTOPT = ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"]
+
+
+@pytest.mark.parametrize("checkout", CHECKOUTS, ids=[Path(c).name for c in CHECKOUTS])
+def test_release_distributed_optimizer_through_two_kills(checkout: str, tmp_path_factory: pytest.TempPathFactory
+                                                         ) -> None:
+    """Eight ranks (PP=2 x DP=4) on this release's distributed optimizer in two instances: rank 1 killed (the
+    survivors reassemble generation 0's shards and cut this release's optimizer down to replicated shards),
+    then rank 5 (stage 1 reassembled from those): equal to this release's stock job."""
+    flags = [*_flags(checkout), *DISTOPT]
+    stock = run_stock(checkout, tmp_path_factory.mktemp("stock_distopt"), flags, _port(checkout, 40), nproc=8)
+    assert stock.returncode == 0, stock.logs[-4000:]
+    job = run_odyssey(checkout, tmp_path_factory.mktemp("distopt"), [
+        *flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-inject-fault", "step=1,rank=1,phase=backward,kind=kill",
+        "--odyssey-inject-fault", "step=3,rank=5,phase=forward,kind=kill"], _port(checkout, 50), nproc=8)
+    assert job.returncode == 0, job.logs[-4000:]
+    assert [f["ranks"] for f in job.report["failures"]] == [[1], [5]]
+    assert all(0 < v < 0.7 for v in job.report["failures"][1]["optimizer_shares"].values())
+    assert same_training(job.iterations(), stock.iterations()), (job.iterations(), stock.iterations())
