@@ -148,6 +148,21 @@ class _WrapOriginal:
         return f"_WrapOriginal({self.build.__name__})"
 
 
+def _no_fp8_params_to_quantize(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``fp8_utils._quantize_param_shard_impl``: megatron-core 0.12's distributed optimizer calls it after
+    every step, also with no fp8 parameter at all, and without Transformer Engine (every CPU) it raises
+    "Invalid Transformer Engine version for FP8 distributed optimizer" whatever it is given. Nothing to
+    quantize is nothing to do."""
+
+    @functools.wraps(original)
+    def quantize(model_params: Any, *args: Any, **kwargs: Any) -> Any:
+        if not model_params:
+            return None
+        return original(model_params, *args, **kwargs)
+
+    return quantize
+
+
 def _cuda_type_names(original: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap ``Float16OptimizerWithFloat16Params.__init__``: it sorts parameters by ``param.type()``
     and accepts only ``torch.cuda.*`` names; while it runs, a CPU tensor's ``type()`` answers with
@@ -328,6 +343,8 @@ MEGATRON_LM_CPU_PATCHES: Tuple[Patch, ...] = (
           "--bf16: the mixed-precision optimizer accepts only torch.cuda.* parameter type names"),
     Patch(f"{_MC}.optimizer.distrib_optimizer.DistributedOptimizer.__init__", _WrapOriginal(_cuda_type_names),
           "--use-distributed-optimizer: its shard groups accept only torch.cuda.* parameter type names"),
+    Patch(f"{_MC}.fp8_utils._quantize_param_shard_impl", _WrapOriginal(_no_fp8_params_to_quantize),
+          "0.12 --use-distributed-optimizer: each step quantizes its (no) fp8 params, which raises without TE"),
     Patch(f"{_MC}.optimizer.clip_grads.torch", _CORE_TORCH_VIEW,
           "get_grad_norm_fp32()/count_zeros_fp32() accumulate into device='cuda' tensors"),
     Patch(f"{_MC}.dist_checkpointing.strategies.filesystem_async.torch", _CORE_TORCH_VIEW,

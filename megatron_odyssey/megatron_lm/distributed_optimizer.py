@@ -12,7 +12,7 @@ At a failure every rank keeps its own pieces (:func:`capture_pieces`, no collect
 groups are broken). In the next generation the live ranks that held the same stage and tensor-parallel
 rank exchange them over a group of their own and each assembles its stage's full state
 (:func:`reassemble`), from which the planner's transfers proceed as for the plain optimizer. Rebuilt
-stages keep the state sharded in a layout of their own (an asymmetric plan holds each layer on a different
+stages keep the state sharded (megatron-core 0.15+) in a layout of their own (an asymmetric plan holds each layer on a different
 set of ranks, which Megatron's flat-buffer sharding over one data-parallel group cannot express): each
 unit's state over the unit's holders, every shard on two of them (``replica_optimizer``); a failure in a
 later generation is recovered from those pieces the same way, grouped by the units' live holders

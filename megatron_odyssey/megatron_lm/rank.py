@@ -416,9 +416,12 @@ class MegatronRank(GenerationRank):
         # (and generation 0's distributed optimizer gives way to Megatron's plain one cut down to replicated shards,
         # see megatron_lm.replica_optimizer: its DDP must not lay out buffers for the distributed optimizer's groups;
         # args go on saying the job runs the distributed optimizer, whose layout-free checkpoint format the
-        # checkpoints written from now on use, so the job's own command line relaunches from them)
-        if self.args.use_distributed_optimizer:
+        # checkpoints written from now on use, so the job's own command line relaunches from them. megatron-core
+        # before 0.15 has no such format: there the plain optimizer takes over, and args say so)
+        if self.cfg.extra.get("replica_optimizer"):
             self.args.dist_ckpt_optim_fully_reshardable = True
+        else:
+            self.args.use_distributed_optimizer, self.args.num_distributed_optimizer_instances = False, 1
         # (and interleaving ends: a plan's stage is one contiguous layer range)
         self.args.virtual_pipeline_model_parallel_size = None
         for name in ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank"):
@@ -442,7 +445,7 @@ class MegatronRank(GenerationRank):
         self.megatron_optimizer.__dict__.clear()
         self.megatron_optimizer.__dict__.update(fresh.__dict__)
         self._adopt_chunk(chunks[0])
-        if self.cfg.extra.get("distopt_instances"):  # the job asked for sharded optimizer state: keep it sharded
+        if self.cfg.extra.get("replica_optimizer"):  # the job asked for sharded optimizer state: keep it sharded
             self.shards = ReplicaShards(self.megatron_optimizer, self.named, self.groups.unit_groups, dist.get_rank(),
                                         self.cfg.layers, REPLICA_COPIES, staged=self.p2p.staged)
         else:

@@ -13,7 +13,9 @@ gradient norm is the whole model's, as before). After the committed step every h
 shards it owns into the full model parameters (:meth:`ReplicaShards.gather_params`).
 
 Static memory per parameter of a unit with h holders: 2 (bf16 weight) + 4 (fp32 gradient buffer) +
-12 x min(2, h) / h, against 18 for the plain optimizer. A failure keeps the pieces (:meth:`capture`); the next
+12 x min(2, h) / h, against 18 for the plain optimizer. Transient: Megatron builds the plain optimizer's fp32
+main copies (4 bytes per parameter) before they are cut, and a recovery assembles the stage's full state on
+the host before restoring the kept shards from it. A failure keeps the pieces (:meth:`capture`); the next
 generation's live keepers exchange them (``distributed_optimizer.reassemble``). Checkpoints are written (and
 read) in the distributed optimizer's layout-free ``fully_reshardable`` format, so the job's own command line
 relaunches from them: the full state is gathered for the call (a transient full copy while a checkpoint is
@@ -32,6 +34,15 @@ import torch.distributed as dist
 from ..planning.sharding import kept_shards, shard_bounds
 from ..runtime.grad_sync import unit_of
 from .distributed_optimizer import Piece, ShardedState
+
+
+def supported() -> bool:
+    """Whether this megatron-core's distributed optimizer reads the layout-free ``fully_reshardable`` format the
+    cut-down optimizer writes its checkpoints in (0.15+); older releases run Megatron's plain optimizer after a
+    failure instead."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return "fully_reshardable" in getattr(DistributedOptimizer, "checkpoint_fully_reshardable_formats", ())
 
 
 @dataclass

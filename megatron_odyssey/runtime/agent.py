@@ -159,7 +159,7 @@ class Agent:
         self.plan = cfg.validate()
         self.state_plan = self.plan  # layout of the newest committed state (what survivors hold)
         self.state_gen = 0  # the generation that committed it (its optimizer state's scheme: see _lost_shards)
-        # generation 0's state sharded by Megatron's distributed optimizer (until a later generation commits)
+        # the optimizer state is sharded: generation 0's distributed optimizer, then replicated shards (_lost_shards)
         self.sharded_state = bool(cfg.extra.get("distopt_instances"))
         self.exiting: dict[int, float] = {}  # rank -> when it was first seen finished but not yet exited
         self.killed_after_done: set[int] = set()
@@ -1019,8 +1019,9 @@ class Agent:
         from ..megatron_lm.distributed_optimizer import shards_lost
 
         base = self.state_plan
-        if self.state_gen > 0:
-            return frozenset(lost_units(base.holders(), dead_nodes, self.profile.optimizer_shard_copies))
+        if self.state_gen > 0:  # (megatron-core < 0.15: the plain optimizer, whose state is whole on every holder)
+            copies = self.profile.optimizer_shard_copies
+            return frozenset(lost_units(base.holders(), dead_nodes, copies)) if copies else frozenset()
         stages = shards_lost(self.cfg.pp, self.cfg.dp, int(self.cfg.extra["distopt_instances"]), set(dead_nodes))
         return frozenset(u for s in stages for u in base.stage_units(0, s))
 

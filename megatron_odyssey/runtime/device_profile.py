@@ -85,7 +85,7 @@ def job_profile(cfg: TrainConfig, **overrides: Any) -> ModelProfile:
     profile = analytic_profile(model_shape(cfg), precision, device,
                                name=f"{kind}-{precision.name}-L{cfg.layers}-h{cfg.hidden}-tp{cfg.tp}")
     profile = with_checkpoint_interval(profile, cfg)
-    if cfg.extra.get("distopt_instances"):  # sharded after a failure too: megatron_lm.replica_optimizer
+    if cfg.extra.get("replica_optimizer"):  # sharded after a failure too: megatron_lm.replica_optimizer
         profile = replace(profile, optimizer_shard_copies=REPLICA_COPIES)
     return replace(profile, **overrides) if overrides else profile
 
@@ -134,4 +134,12 @@ def megatron_job_fields(args: Any) -> dict[str, Any]:
             "save_interval": getattr(args, "save_interval", None) if getattr(args, "save", None) else None,
             # generation 0's distributed optimizer: each shard on this many ranks (megatron_lm.distributed_optimizer)
             "distopt_instances": (int(getattr(args, "num_distributed_optimizer_instances", 1))
-                                  if getattr(args, "use_distributed_optimizer", False) else None)}
+                                  if getattr(args, "use_distributed_optimizer", False) else None),
+            # ... and after a failure, replicated shards (megatron-core 0.15+: megatron_lm.replica_optimizer)
+            "replica_optimizer": bool(getattr(args, "use_distributed_optimizer", False)) and _replica_supported()}
+
+
+def _replica_supported() -> bool:
+    from ..megatron_lm.replica_optimizer import supported
+
+    return supported()

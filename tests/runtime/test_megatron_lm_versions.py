@@ -105,8 +105,13 @@ DISTOPT = ["--use-distributed-optimizer", "--num-distributed-optimizer-instances
 def test_release_distributed_optimizer_through_two_kills(checkout: str, tmp_path_factory: pytest.TempPathFactory
                                                          ) -> None:
     """Eight ranks (PP=2 x DP=4) on this release's distributed optimizer in two instances: rank 1 killed (the
-    survivors reassemble generation 0's shards and cut this release's optimizer down to replicated shards),
-    then rank 5 (stage 1 reassembled from those): equal to this release's stock job."""
+    survivors reassemble generation 0's shards and cut this release's optimizer down to replicated shards;
+    before megatron-core 0.15, which has no layout-free checkpoint format for them, the plain optimizer takes
+    over), then rank 5 (stage 1 reassembled from those): equal to this release's stock job."""
+    if _minor(checkout) == 12:
+        pytest.skip("stock core_r0.12.0's distributed optimizer in two instances clips by sqrt(2) x the gradient norm "
+                    "(each shard counted once per instance: 1.380 against the plain optimizer's 0.976 at iteration 1 "
+                    "of this job), fixed in 0.13; after a failure Odyssey clips by the true norm, so the two differ")
     flags = [*_flags(checkout), *DISTOPT]
     stock = run_stock(checkout, tmp_path_factory.mktemp("stock_distopt"), flags, _port(checkout, 40), nproc=8)
     assert stock.returncode == 0, stock.logs[-4000:]
@@ -115,5 +120,9 @@ def test_release_distributed_optimizer_through_two_kills(checkout: str, tmp_path
         "--odyssey-inject-fault", "step=3,rank=5,phase=forward,kind=kill"], _port(checkout, 50), nproc=8)
     assert job.returncode == 0, job.logs[-4000:]
     assert [f["ranks"] for f in job.report["failures"]] == [[1], [5]]
-    assert all(0 < v < 0.7 for v in job.report["failures"][1]["optimizer_shares"].values())
+    shares = job.report["failures"][1]["optimizer_shares"]
+    if _minor(checkout) >= 15:
+        assert len(shares) == 6 and all(0 < v < 0.7 for v in shares.values()), shares
+    else:
+        assert shares == {}
     assert same_training(job.iterations(), stock.iterations()), (job.iterations(), stock.iterations())
