@@ -85,6 +85,10 @@ def add_odyssey_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--odyssey-hard-timeout", type=float, default=90.0, metavar="S",
                    help="seconds without progress inside an iteration before the rank is fenced (SIGKILL) and "
                         "the job recovers without it (default 90, as --inprocess-hard-timeout)")
+    g.add_argument("--odyssey-first-step-timeout", type=float, default=600.0, metavar="S",
+                   help="seconds the first iteration of the job, and the first after each recovery, may take (it "
+                        "connects, allocates and compiles) before progress is judged in it as in any other "
+                        "(default 600)")
     g.add_argument("--odyssey-slow-action", choices=SLOW_ACTION_CHOICES, default="auto",
                    help="what to do about a rank the diagnosis names slow (its compute per micro-batch at least twice "
                         "its data-parallel twins' over 5 iterations): auto (the planner chooses by Eq. 8 between "
@@ -195,6 +199,8 @@ def validate_odyssey_args(args: Any) -> None:
         raise OdysseyArgumentError(f"--odyssey-max-cached-failures must be >= 0, got {args.odyssey_max_cached_failures}")
     if args.odyssey_mtbf_hours is not None and not args.odyssey_mtbf_hours > 0:
         raise OdysseyArgumentError(f"--odyssey-mtbf-hours must be > 0, got {args.odyssey_mtbf_hours}")
+    if not getattr(args, "odyssey_first_step_timeout", 600.0) > 0:
+        raise OdysseyArgumentError(f"--odyssey-first-step-timeout must be positive, got {args.odyssey_first_step_timeout}")
     if not 0 < args.odyssey_soft_timeout < args.odyssey_hard_timeout:
         raise OdysseyArgumentError(f"--odyssey-soft-timeout must be positive and shorter than --odyssey-hard-timeout, "
                                    f"got {args.odyssey_soft_timeout} and {args.odyssey_hard_timeout}")

@@ -76,6 +76,8 @@ def add_train_arguments(p: argparse.ArgumentParser, defaults: TrainConfig) -> No
                                                       "before it is named and its stacks dumped to its log")
     number("--hard-timeout", float, d.hard_timeout_s, "seconds without progress inside a step before a rank is "
                                                       "fenced (SIGKILL) and the job recovers without it")
+    number("--first-step-timeout", float, d.first_step_timeout_s, "seconds a generation's first step (connecting, "
+           "allocating, compiling) may take before progress is judged in it too")
     p.add_argument("--mtbf-hours", type=float, default=d.mtbf_hours,
                    help="per-device mean time between failures for the policy choice (default "
                         + (f"{d.mtbf_hours})" if d.mtbf_hours else "the planner's 50,000)"))
@@ -104,7 +106,8 @@ def config_from_args(args: argparse.Namespace, defaults: TrainConfig) -> TrainCo
                        save_params=args.save_params, report=args.report, plan=read_plan(args.plan),
                        data_path=args.data_path, checkpoint_interval=args.checkpoint_interval,
                        heartbeat_timeout_s=args.heartbeat_timeout, soft_timeout_s=args.soft_timeout,
-                       hard_timeout_s=args.hard_timeout, mtbf_hours=args.mtbf_hours, workdir=args.workdir,
+                       hard_timeout_s=args.hard_timeout,
+                       first_step_timeout_s=args.first_step_timeout, mtbf_hours=args.mtbf_hours, workdir=args.workdir,
                        profile_out=args.profile_out, shared_device=args.shared_device,
                        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
                        extra={**({"control": {}} if getattr(args, "standby_agent", False) else {}),

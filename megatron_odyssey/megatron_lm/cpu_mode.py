@@ -472,4 +472,7 @@ def tiny_gpt_flags(train_iters: int, pipeline_parallel: int = 2, vocab_size: int
         "--attention-dropout", "0", "--hidden-dropout", "0",
         "--pipeline-model-parallel-size", str(pipeline_parallel), "--log-interval", "1",
         "--eval-iters", "0", "--eval-interval", "1000",
+        # the data loaded in the main process: a worker forked while gloo's own thread holds a lock can deadlock
+        # at its start (seen once: a rank waiting forever for the first batch)
+        "--num-workers", "0",
     ]

@@ -189,6 +189,7 @@ def config_from_megatron_args(args: Any) -> TrainConfig:
         stagger=False,  # Megatron's update clips by the plan-wide norm: every stage's gradients first
         overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
         soft_timeout_s=args.odyssey_soft_timeout, hard_timeout_s=args.odyssey_hard_timeout,
+        first_step_timeout_s=args.odyssey_first_step_timeout,
         workdir=os.environ.get(WORKDIR_ENV), mtbf_hours=args.odyssey_mtbf_hours,
         extra={"megatron": True, "start_step": int(args.iteration), "save_dir": getattr(args, "save", None),
                "max_cached_failures": args.odyssey_max_cached_failures,

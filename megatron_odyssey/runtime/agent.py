@@ -422,7 +422,8 @@ class Agent:
         """The member at fault for a stop in progress, once it has been stopped for the hard timeout.
 
         Judged: members inside a step (not those waiting on the agent), from the first commit of a
-        generation on (its first step connects, allocates and compiles), only while no member is starting
+        generation on (its first step connects, allocates and compiles: judged too once it has run past
+        ``first_step_timeout_s``), only while no member is starting
         up or outside a step (the others may be waiting on it), and only since the last abort (ranks blocked
         on a fenced peer need a moment to notice). Who waits tells who is at fault (C4D): ranks blocked in
         communication wait on a peer; a rank stopped while *working* (in its own computation, or in a
@@ -430,7 +431,9 @@ class Agent:
         hang inside the collective itself) the first to stop is taken. The culprit is named at the soft
         timeout, with its stacks dumped to its log (SIGUSR1, faulthandler)."""
         live = [i for i in self.members() if i not in self.dead]
-        if not self.warm:  # a generation's first step connects, allocates and compiles: not judged
+        if not self.warm and now - self.step_started < self.cfg.first_step_timeout_s:
+            # a generation's first step connects, allocates and compiles: judged only once it has taken longer
+            # than --first-step-timeout (a data loader deadlocked at its fork, a first collective that never forms)
             self.judged_from = now
             return None
         if any(i not in self.beats or self.beats[i].state == IDLE for i in live):

@@ -58,6 +58,8 @@ class TrainConfig:
     # named and its stacks dumped; for hard_timeout_s it is fenced (runtime.liveness)
     soft_timeout_s: float = 20.0
     hard_timeout_s: float = 40.0
+    # a generation's first step connects, allocates and compiles: judged by progress only after this long
+    first_step_timeout_s: float = 600.0
     checkpoint_interval: int = 2  # steps between checkpoints (0: never)
     workdir: str | None = None  # checkpoints and logs
     mtbf_hours: float | None = None  # per device, for Eq. 8; None: planner default
@@ -108,6 +110,8 @@ class TrainConfig:
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise PlanningError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
+        if not self.first_step_timeout_s > 0:
+            raise PlanningError(f"--first-step-timeout must be positive, got {self.first_step_timeout_s}")
         if not 0 < self.soft_timeout_s < self.hard_timeout_s:
             raise PlanningError(f"--soft-timeout must be positive and shorter than --hard-timeout, got "
                                 f"{self.soft_timeout_s} and {self.hard_timeout_s}")

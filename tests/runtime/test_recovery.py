@@ -41,6 +41,19 @@ def test_stall_inside_a_collective_is_fenced_by_progress(reference, tmp_path, ph
     assert (diagnosis["kind"], diagnosis["ranks"], diagnosis["action"]) == ("comm-hang", [rank], "drop")
 
 
+def test_stall_in_the_first_step_is_fenced_once_the_first_step_timeout_has_passed(reference, tmp_path):
+    """A generation's first step is not judged by progress while it may still be connecting and compiling, but
+    not forever: a rank stalled in the job's very first step (as a data loader that deadlocks at its fork) is
+    named and fenced once --first-step-timeout has passed, and training goes on exactly."""
+    params, report = run(tmp_path, ["step=0,rank=1,phase=forward,kind=stall"], soft_timeout_s=3.0, hard_timeout_s=6.0,
+                         first_step_timeout_s=12.0)
+    assert_exact(reference, params, report)
+    (failure,) = report["failures"]
+    assert failure["ranks"] == [1] and failure["step"] == 0
+    # judged from the first-step timeout on (12 s after the ranks started), fenced a hard timeout later
+    assert 6.0 <= failure["detection_s"] < 40, failure
+
+
 def test_hang_is_fenced_and_training_goes_on(reference, tmp_path):
     params, report = run(tmp_path, ["step=1,rank=2,phase=backward,kind=hang"])
     assert_exact(reference, params, report)
