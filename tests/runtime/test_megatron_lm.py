@@ -146,11 +146,11 @@ def test_a_slow_rank_is_named_in_megatrons_own_schedule(stock: dict, tmp_path: P
 
 
 def test_a_slow_link_is_named_in_megatrons_own_schedule(stock: dict, tmp_path: Path) -> None:
-    """Megatron's own pipeline messages are noted too (hooks.traced_p2p): rank 2's messages held back 20x from
+    """Megatron's own pipeline messages are noted too (hooks.traced_p2p): rank 2's messages held back 40x from
     iteration 0 are named comm-slow (its link to rank 0, whose gradients it sends) while its compute is
     normal, and training equals stock."""
     job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--odyssey-slow-action", "none",
-                                      "--odyssey-inject-fault", "step=0,rank=2,kind=slow-link,factor=20"], _port(740))
+                                      "--odyssey-inject-fault", "step=0,rank=2,kind=slow-link,factor=40"], _port(740))
     assert job.returncode == 0, job.logs[-4000:]
     found = job.report["diagnoses"]
     assert [(d["kind"], d["ranks"], d["action"]) for d in found] == [("comm-slow", [2], "none")], found
@@ -224,10 +224,10 @@ def test_interleaved_stages_hand_off(stock_vpp: dict, tmp_path: Path, policy: st
 def test_a_slow_link_is_named_under_interleaving(stock_vpp: dict, tmp_path: Path) -> None:
     """With virtual stages Megatron's schedule overlaps its receives (--overlap-p2p-comm, on by default): it
     posts them and waits later, through our timing wrapper of each request (stock_trace.TimedReceive; its timing
-    alone: test_diagnosis_units). Rank 2's messages held back 20x are named comm-slow before any failure, and
+    alone: test_diagnosis_units). Rank 2's messages held back 40x are named comm-slow before any failure, and
     Megatron's schedule with the wrapped requests trains equal to stock interleaved Megatron-LM."""
     job = run_odyssey(MLM, tmp_path, [*ODYSSEY, *VPP, "--odyssey-slow-action", "none",
-                                      "--odyssey-inject-fault", "step=0,rank=2,kind=slow-link,factor=20"], _port(780))
+                                      "--odyssey-inject-fault", "step=0,rank=2,kind=slow-link,factor=40"], _port(780))
     assert job.returncode == 0, job.logs[-4000:]
     found = job.report["diagnoses"]
     assert [(d["kind"], d["ranks"], d["action"]) for d in found] == [("comm-slow", [2], "none")], found
