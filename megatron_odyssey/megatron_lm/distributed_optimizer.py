@@ -50,11 +50,24 @@ class Piece:
 
 class ShardedState(dict):
     """name -> [:class:`Piece`, ...]: a rank's share of its stage's state; ``expected`` lists every parameter
-    of the stage (name -> (numel, shape)), including those of which this rank holds no slice."""
+    of the stage (name -> (numel, shape)), including those of which this rank holds no slice; ``plan`` is the
+    layout of a rebuilt stage's replicated shards (None: generation 0's distributed optimizer)."""
 
-    def __init__(self, expected: dict[str, tuple[int, tuple[int, ...]]]):
+    def __init__(self, expected: dict[str, tuple[int, tuple[int, ...]]], plan: Any = None):
         super().__init__()
         self.expected = expected
+        self.plan = plan
+
+
+def host_piece(start: int, end: int, model_param: torch.Tensor, value: torch.Tensor, state: Any) -> Piece:
+    """Elements ``[start, end)`` of ``model_param``'s flattened state: host fp32 copies (they travel by pickling)
+    of ``value`` and of the Adam moments in ``state`` (zeros before the first step)."""
+
+    def host(t: torch.Tensor | None) -> torch.Tensor:
+        return torch.zeros(end - start) if t is None else t.detach().reshape(-1).to("cpu", copy=True).float()
+
+    return Piece(start, end, model_param.numel(), tuple(model_param.shape), host(value), host(state.get("exp_avg")),
+                 host(state.get("exp_avg_sq")), float(state["step"]) if "step" in state else 0.0)
 
 
 def distributed_optimizers(megatron_optimizer: Any) -> list[Any]:
@@ -73,15 +86,8 @@ def capture_pieces(named: list[tuple[str, torch.nn.Parameter]], megatron_optimiz
         for model_group, shard_group in zip(models, shards):
             for model_param, shard in zip(model_group, shard_group):
                 span = opt._get_model_param_range_map(model_param)["param"]
-                st = opt.optimizer.state.get(shard, {})
-
-                def host(t: torch.Tensor | None) -> torch.Tensor:
-                    return (torch.zeros(shard.numel()) if t is None else t.detach().reshape(-1).to("cpu", copy=True)
-                            .float())
-
-                out[name_of[id(model_param)]] = [Piece(
-                    span.start, span.end, model_param.numel(), tuple(model_param.shape), host(shard),
-                    host(st.get("exp_avg")), host(st.get("exp_avg_sq")), float(st["step"]) if "step" in st else 0.0)]
+                out[name_of[id(model_param)]] = [host_piece(span.start, span.end, model_param, shard,
+                                                            opt.optimizer.state.get(shard, {}))]
     return out
 
 
@@ -135,7 +141,7 @@ def reassemble(share: ShardedState, groups: list[list[int]], my_rank: int,
 
 
 def _restricted(share: ShardedState, keep: Callable[[str], bool]) -> ShardedState:
-    out = ShardedState({n: e for n, e in share.expected.items() if keep(n)})
+    out = ShardedState({n: e for n, e in share.expected.items() if keep(n)}, share.plan)
     out.update({n: pieces for n, pieces in share.items() if keep(n)})
     return out
 

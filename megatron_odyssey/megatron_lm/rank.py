@@ -517,8 +517,7 @@ class MegatronRank(GenerationRank):
         if distributed_optimizers(self.megatron_optimizer):  # generation 0's distributed optimizer
             state = capture_pieces(self.named, self.megatron_optimizer)
         elif self.shards is not None:  # a rebuilt stage's replicated shards, in this plan's layout
-            state = self.shards.capture()
-            state.plan = self.plan
+            state = self.shards.capture(self.plan)
         else:
             view = self.optimizer  # keyed by the fp32 parameters the optimizer steps (main copies under bf16)
             state = capture([(n, view.main_param(p)) for n, p in self.named], view)
@@ -531,7 +530,7 @@ class MegatronRank(GenerationRank):
         pipeline rank (megatron_lm.interleaved)."""
         interleaved = isinstance(saved, InterleavedCapture)
         state = saved.inner if interleaved else saved
-        if isinstance(state, ShardedState) and getattr(state, "plan", None) is not None:
+        if isinstance(state, ShardedState) and state.plan is not None:
             groups, parts = unit_holder_groups(state.plan, set(self.rank_map.live_nodes), self.cfg.tp,
                                                self.rank_map.rank, self.cfg.layers)
             state = reassemble(state, groups, dist.get_rank(), parts)

@@ -24,6 +24,7 @@ written).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -33,7 +34,8 @@ import torch.distributed as dist
 
 from ..planning.sharding import kept_shards, shard_bounds
 from ..runtime.grad_sync import unit_of
-from .distributed_optimizer import Piece, ShardedState
+from ..runtime.state import adam_state
+from .distributed_optimizer import ShardedState, host_piece
 
 
 def supported() -> bool:
@@ -66,10 +68,10 @@ class Holding:
     unit: int
     ranks: list[int]  # the unit's holders (this tensor-parallel rank's), in plan order: shard i is owned by ranks[i]
     position: int
+    bounds: list[tuple[int, int]] = dataclasses.field(init=False)  # every holder's shard, by position
 
-    @property
-    def bounds(self) -> list[tuple[int, int]]:
-        return shard_bounds(self.param.numel(), len(self.ranks))
+    def __post_init__(self) -> None:
+        self.bounds = shard_bounds(self.param.numel(), len(self.ranks))
 
 
 class ReplicaShards:
@@ -88,6 +90,11 @@ class ReplicaShards:
             unit = unit_of(n, num_layers)
             ranks = list(unit_groups[unit][1]) if unit in unit_groups else [my_rank]
             self.holdings[n] = Holding(n, p, unit, ranks, ranks.index(my_rank))
+        # the units more than one rank holds, with their parameters (what the collectives run over)
+        self.shared: dict[int, list[Holding]] = defaultdict(list)
+        for h in self.holdings.values():
+            if len(h.ranks) > 1:
+                self.shared[h.unit].append(h)
         self.slices: dict[str, list[Slice]] = defaultdict(list)
         self.full_groups: list[tuple[Any, list[list[torch.nn.Parameter]]]] = []  # per optimizer: model params by group
         for opt in self.optimizers:
@@ -144,9 +151,9 @@ class ReplicaShards:
                 opt.float16_groups[g], opt.fp32_from_float16_groups[g], opt.fp32_from_fp32_groups[g] = (
                     new_f16, new_main, new_fp32)
         self.full_groups.append((opt, full_models))
-        opt.sharded_state_dict = _bound(self._sharded_state_dict, opt)
-        opt.load_state_dict = _bound(self._load_state_dict, opt)
-        opt.state_dict = _bound(self._state_dict, opt)
+        opt.sharded_state_dict = functools.partial(self._sharded_state_dict, opt)
+        opt.load_state_dict = functools.partial(self._load_state_dict, opt)
+        opt.state_dict = functools.partial(self._state_dict, opt)
 
     @staticmethod
     def _view(model: torch.nn.Parameter, a: int, b: int) -> torch.nn.Parameter:
@@ -176,39 +183,21 @@ class ReplicaShards:
             for s in self.slices[name]:
                 s.main.copy_(st["param"].reshape(-1)[s.start:s.end])
                 if st["step"] > 0:
-                    s.torch_optimizer.state[s.main] = {
-                        "step": torch.tensor(float(st["step"])),
-                        "exp_avg": st["exp_avg"].reshape(-1)[s.start:s.end].to(s.main.device, copy=True),
-                        "exp_avg_sq": st["exp_avg_sq"].reshape(-1)[s.start:s.end].to(s.main.device, copy=True)}
+                    s.torch_optimizer.state[s.main] = adam_state(
+                        st["step"], st["exp_avg"].reshape(-1)[s.start:s.end], st["exp_avg_sq"].reshape(-1)[s.start:s.end],
+                        s.main.device)
                 else:
                     s.torch_optimizer.state.pop(s.main, None)
 
-    def capture(self) -> ShardedState:
-        """This rank's pieces (host copies) for the next generation's reassembly."""
-        out = ShardedState({n: (h.param.numel(), tuple(h.param.shape)) for n, h in self.holdings.items()})
+    def capture(self, plan: Any) -> ShardedState:
+        """This rank's pieces (host copies) for the next generation's reassembly; ``plan``: the layout they are in."""
+        out = ShardedState({n: (h.param.numel(), tuple(h.param.shape)) for n, h in self.holdings.items()}, plan)
         for name, slices in self.slices.items():
-            pieces = []
-            for s in slices:
-                st = s.torch_optimizer.state.get(s.main, {})
-
-                def host(t: torch.Tensor | None, s: Slice = s) -> torch.Tensor:
-                    return (torch.zeros(s.end - s.start) if t is None
-                            else t.detach().reshape(-1).to("cpu", copy=True).float())
-
-                pieces.append(Piece(s.start, s.end, self.holdings[name].param.numel(),
-                                    tuple(self.holdings[name].param.shape), host(s.main), host(st.get("exp_avg")),
-                                    host(st.get("exp_avg_sq")), float(st["step"]) if "step" in st else 0.0))
-            out[name] = pieces
+            out[name] = [host_piece(s.start, s.end, self.holdings[name].param, s.main,
+                                    s.torch_optimizer.state.get(s.main, {})) for s in slices]
         return out
 
     # -- collectives over each unit's holders ----------------------------------------------------------------
-    def _by_unit(self) -> dict[int, list[Holding]]:
-        out: dict[int, list[Holding]] = defaultdict(list)
-        for h in self.holdings.values():
-            if len(h.ranks) > 1:
-                out[h.unit].append(h)
-        return dict(out)
-
     @torch.no_grad()
     def _all_gather_owned(self, unit: int, holdings: list[Holding], fields: list[Callable[[Holding], torch.Tensor]],
                           ) -> list[list[torch.Tensor]]:
@@ -218,8 +207,8 @@ class ReplicaShards:
         h, me = len(ranks), holdings[0].position
         sizes = [sum(b - a for a, b in (x.bounds[j] for x in holdings)) for j in range(h)]
         longest = max(sizes)
-        flats = [f(x).reshape(-1) for f in fields for x in holdings]
-        dtype, device = flats[0].dtype, flats[0].device
+        first = fields[0](holdings[0])
+        dtype, device = first.dtype, first.device
         mine = torch.zeros(len(fields), longest, dtype=dtype, device=device)
         for i, f in enumerate(fields):
             offset = 0
@@ -246,7 +235,7 @@ class ReplicaShards:
     def gather_params(self) -> None:
         """After the step: every holder's owned shard of the model parameters, to every holder of the unit
         (a collective per shared unit, in ascending unit order on every rank)."""
-        for unit, holdings in sorted(self._by_unit().items()):
+        for unit, holdings in sorted(self.shared.items()):
             (fulls,) = self._all_gather_owned(unit, holdings, [lambda x: x.param.detach()])
             for x, full in zip(holdings, fulls):
                 x.param.view(-1).copy_(full)
@@ -256,7 +245,7 @@ class ReplicaShards:
         """The whole state of every parameter of this rank's stage, gathered from the holders (collective)."""
         local = self._local_full()
         out = {n: dict(v) for n, v in local.items()}
-        for unit, holdings in sorted(self._by_unit().items()):
+        for unit, holdings in sorted(self.shared.items()):
             keys = ("param", "exp_avg", "exp_avg_sq")
             gathered = self._all_gather_owned(unit, holdings, [lambda x, k=k: local[x.name][k] for k in keys])
             for k, fulls in zip(keys, gathered):
@@ -344,9 +333,3 @@ class ReplicaShards:
         by_param = {id(h.param): h for h in self.holdings.values()}
         return [by_param[id(m)] for models in full_models for m in models]
 
-
-def _bound(method: Callable[..., Any], opt: Any) -> Callable[..., Any]:
-    def call(*args: Any, **kwargs: Any) -> Any:
-        return method(opt, *args, **kwargs)
-
-    return call

@@ -114,6 +114,8 @@ def megatron_job_fields(args: Any) -> dict[str, Any]:
     """What ``job_profile`` needs from Megatron's arguments beyond TrainConfig (``extra`` entries)."""
     import os
 
+    from ..megatron_lm.replica_optimizer import supported as replica_supported
+
     backend = str(getattr(args, "attention_backend", "auto")).rsplit(".", 1)[-1]
     local = getattr(args, "transformer_impl", "transformer_engine") == "local"
     flash = bool(getattr(args, "use_flash_attn", False)) or (not local and backend not in ("unfused", "local"))
@@ -136,10 +138,4 @@ def megatron_job_fields(args: Any) -> dict[str, Any]:
             "distopt_instances": (int(getattr(args, "num_distributed_optimizer_instances", 1))
                                   if getattr(args, "use_distributed_optimizer", False) else None),
             # ... and after a failure, replicated shards (megatron-core 0.15+: megatron_lm.replica_optimizer)
-            "replica_optimizer": bool(getattr(args, "use_distributed_optimizer", False)) and _replica_supported()}
-
-
-def _replica_supported() -> bool:
-    from ..megatron_lm.replica_optimizer import supported
-
-    return supported()
+            "replica_optimizer": bool(getattr(args, "use_distributed_optimizer", False)) and replica_supported()}

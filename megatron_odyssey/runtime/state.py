@@ -44,13 +44,17 @@ def restore(named_params: Iterable[tuple[str, torch.nn.Parameter]], optimizer: t
             continue
         p.copy_(st["param"])
         if st["step"] > 0:
-            # torch's Adam keeps ``step`` on the host (unless capturable/fused) and the moments beside p
-            optimizer.state[p] = {"step": torch.tensor(float(st["step"])),
-                                  "exp_avg": st["exp_avg"].to(p.device, copy=True),
-                                  "exp_avg_sq": st["exp_avg_sq"].to(p.device, copy=True)}
+            optimizer.state[p] = adam_state(st["step"], st["exp_avg"], st["exp_avg_sq"], p.device)
     if strict and missing:
         raise KeyError(f"no state for {missing}")
     return missing
+
+
+def adam_state(step: float, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, device: torch.device | str) -> ParamState:
+    """torch's Adam state of a parameter on ``device``: the step on the host (unless capturable/fused), copies of
+    the moments beside the parameter."""
+    return {"step": torch.tensor(float(step)), "exp_avg": exp_avg.to(device, copy=True),
+            "exp_avg_sq": exp_avg_sq.to(device, copy=True)}
 
 
 def transfer(transfers: list[tuple[int, int, int]], my_node: int, tp_rank: int, rank_of, num_layers: int,

@@ -282,7 +282,7 @@ def replica_optimizer_worker(rank: int, world: int, store_file: str, out: str, d
     import copy
 
     import torch.distributed as dist
-    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
 
@@ -375,11 +375,11 @@ def replica_optimizer_worker(rank: int, world: int, store_file: str, out: str, d
     named_l, opt_l, shards_l = build(True)
     template = opt_l.sharded_state_dict({n: ShardedTensor.from_rank_offsets(n, p) for n, p in named_l}, is_loading=True)
     opt_l.load_state_dict({**filled(template, saved), **copy.deepcopy(common)})  # (common: the checkpoint's own)
-    share = shards.capture()
+    share = shards.capture(plan)
     shares = [None] * world
     dist.all_gather_object(shares, share)
     loaded = [None] * world
-    dist.all_gather_object(loaded, shards_l.capture())
+    dist.all_gather_object(loaded, shards_l.capture(plan))
     main_of = ({id(m): f for mg, fg in zip(opt_p.float16_groups, opt_p.fp32_from_float16_groups) for m, f in zip(mg, fg)}
                if dtype == "bfloat16" else {id(p): p for _, p in named_p})
     reference = {n: {"param": main_of[id(p)].detach().clone(),
