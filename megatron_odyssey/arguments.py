@@ -23,10 +23,6 @@ SLOW_ACTION_CHOICES = ("auto", *SLOW_ACTIONS, "off")
 # Megatron features whose state or communication is laid out for one uniform grid; each would be
 # silently wrong (or hang) on a rerouted or asymmetric plan. (attribute, flag, why)
 _INCOMPATIBLE: tuple[tuple[str, str, str], ...] = (
-    ("overlap_param_gather", "--overlap-param-gather", "it needs the distributed optimizer with "
-     "--overlap-grad-reduce, whose stock gradients Odyssey could not yet check itself against (on CPU ranks "
-     "Megatron-LM <= core_r0.16 logs other gradient norms with that pair than with the plain optimizer); use "
-     "--overlap-grad-reduce with the distributed optimizer's all-gather after each step"),
     ("use_torch_fsdp2", "--use-torch-fsdp2", "FSDP shards parameters over one uniform data-parallel group"),
     ("use_megatron_fsdp", "--use-megatron-fsdp", "FSDP shards parameters over one uniform data-parallel group"),
     ("fp16", "--fp16", "the dynamic loss scaler's skip/scale decisions are not part of the step commit; use --bf16 or fp32"),

@@ -49,7 +49,7 @@ TRAINING=(
   --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" --sequence-parallel
   --micro-batch-size "$MBS" --global-batch-size "$GBS" --train-iters "$ITERS"
   --use-distributed-optimizer --num-distributed-optimizer-instances 2   # every Adam shard on two ranks
-  --overlap-grad-reduce
+  --overlap-grad-reduce --overlap-param-gather
   --lr 3.0e-4 --min-lr 3.0e-5 --lr-decay-style cosine --lr-warmup-iters 2000
   --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0
   --bf16 --recompute-granularity full --recompute-method uniform --recompute-num-layers 1

@@ -12,9 +12,10 @@
 # Adam state survives any single failure: 6 + 12 x 2 / 4 = 12 bytes/parameter of static memory until the
 # first failure; after it each layer's state stays sharded over its holders h, every shard on two of them
 # (6 + 24 / h: 14 with a stage's three survivors, 12 with four); 1.7 B parameters per GPU here (about 20 GB,
-# 24 GB on a rerouted stage). Gradient reduction overlaps backward, also after a failure (per layer).
-# With the distributed optimizer in two instances and --overlap-grad-reduce, stock Megatron-LM <= core_r0.16 reduces
-# gradients differently on CPU ranks (README, --overlap-param-gather); the pair is unchecked on a GPU.
+# 24 GB on a rerouted stage). Gradient reduction overlaps backward, also after a failure (per layer); the
+# weight all-gather overlaps the next forward until the first failure (after it each rebuilt stage gathers its
+# shards right after the step). With two instances and --overlap-grad-reduce stock Megatron-LM reduces each
+# step's gradients twice under pipeline parallelism; with --odyssey they are reduced once (README, Production flags).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 : "${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM checkout with patches/pretrain_gpt.core_r0.19.0.patch applied}"
@@ -42,7 +43,7 @@ TRAINING=(
   --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" --sequence-parallel
   --micro-batch-size "$MBS" --global-batch-size "$GBS" --train-iters "$ITERS"
   --use-distributed-optimizer --num-distributed-optimizer-instances 2   # every Adam shard on two ranks
-  --overlap-grad-reduce
+  --overlap-grad-reduce --overlap-param-gather
   --lr 3.0e-4 --min-lr 3.0e-5 --lr-decay-style cosine --lr-warmup-iters 2000
   --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0
   --bf16 --transformer-impl transformer_engine --attention-backend auto

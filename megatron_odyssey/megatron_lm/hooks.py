@@ -112,6 +112,72 @@ def grad_norm_fp32(original: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+# -- one gradient reduction per step (generation 0) ------------------------------------------------------
+
+_REDUCED = "_odyssey_grads_reduced"
+
+
+def _reduces_inside_backward_synchronously(bucket_group: Any) -> bool:
+    """Megatron's bucket groups with --overlap-grad-reduce and --num-distributed-optimizer-instances > 1 reduce
+    synchronously (on a side stream) and leave no handle behind: its own guard against a second dispatch
+    (``grad_reduce_handle is not None``) never fires there."""
+    ddp_config = bucket_group.ddp_config
+    return bool(ddp_config.overlap_grad_reduce) and ddp_config.num_distributed_optimizer_instances > 1
+
+
+def grad_sync_once(original: Callable[..., Any]) -> Callable[..., Any]:
+    """megatron's ``_ParamAndGradBucketGroup.start_grad_sync``: with --overlap-grad-reduce and 2+ distributed-
+    optimizer instances, stock Megatron-LM (every release to main) reduces a step's gradients twice under pipeline
+    parallelism: the backward hook (or, in the first step, ``finish_grad_sync``) and the schedule's
+    ``grad_sync_func`` (--align-grad-reduce, the default) both start it. The second reduce-scatter runs over
+    already-reduced shards and the step trains on other gradients (grad norm 1.110 against 1.326 at iteration 1
+    of the tiny test job; with --no-align-grad-reduce or one instance, 1.326). Under --odyssey a bucket group's
+    gradients are reduced once per step, as the plain optimizer and every later generation reduce them."""
+
+    @functools.wraps(original)
+    def start_grad_sync(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if STATE.runtime is None or not _reduces_inside_backward_synchronously(self):
+            return original(self, *args, **kwargs)
+        if getattr(self, _REDUCED, False):
+            return None
+        out = original(self, *args, **kwargs)
+        setattr(self, _REDUCED, True)
+        return out
+
+    return start_grad_sync
+
+
+def grad_sync_finished(original: Callable[..., Any]) -> Callable[..., Any]:
+    """megatron's ``_ParamAndGradBucketGroup.finish_grad_sync``: unchanged; it ends the step's one reduction
+    (:func:`grad_sync_once`)."""
+
+    @functools.wraps(original)
+    def finish_grad_sync(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            self.__dict__.pop(_REDUCED, None)
+
+    return finish_grad_sync
+
+
+def stock_param_gather_only(original: Callable[..., Any]) -> Callable[..., Any]:
+    """megatron's ``training.should_disable_forward_pre_hook`` and ``disable_forward_pre_hook``: with
+    --overlap-param-gather, ``train()`` turns the model chunks' forward pre-hooks (which finish the deferred
+    weight all-gather) off and on around saves and at its end, and forces the all-gather before a save.
+    Rebuilt stages have no such hooks and nothing deferred (their weights are gathered right after each step:
+    ``replica_optimizer``), and Megatron's DDP asserts on the calls; after the first failure they are no-ops."""
+
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        runtime = STATE.runtime
+        if runtime is not None and not runtime.stock:
+            return None
+        return original(*args, **kwargs)
+
+    return wrapper
+
+
 # -- the diagnosis in Megatron's own schedule (generation 0) ---------------------------------------------
 
 def _stock_recorder(name: str) -> Any:

@@ -174,9 +174,22 @@ PATCHES: tuple[Patch, ...] = (
           "DDP all-reduces whole buckets over one data-parallel group; after a failure, layers of "
           "non-uniform plans are held by different rank sets and are all-reduced per layer (generation 0 "
           "keeps Megatron's own reduction)"),
+    Patch(f"{_C}.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.start_grad_sync", hooks.grad_sync_once,
+          "with --overlap-grad-reduce and 2+ distributed-optimizer instances stock Megatron-LM reduces each step's "
+          "gradients twice under pipeline parallelism (backward hook and the schedule's grad_sync_func; its "
+          "second-dispatch guard needs an async handle those instances never leave): reduced once under --odyssey"),
+    Patch(f"{_C}.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.finish_grad_sync",
+          hooks.grad_sync_finished, "ends the step's one reduction (start_grad_sync above); behaviour unchanged"),
     Patch(f"{_C}.optimizer.optimizer:get_grad_norm_fp32", hooks.grad_norm_fp32,
           "the stock norm all-reduces over the uniform model-parallel group, after the commit; Odyssey "
           "computes it over the plan before the commit and the optimizer reuses it"),
+    Patch(f"{_T}.training:should_disable_forward_pre_hook", hooks.stock_param_gather_only,
+          "with --overlap-param-gather train() switches the chunks' forward pre-hooks (the deferred weight "
+          "all-gather) around saves and forces the all-gather; rebuilt stages gather right after the step and have "
+          "no such hooks: False after the first failure"),
+    Patch(f"{_T}.training:disable_forward_pre_hook", hooks.stock_param_gather_only,
+          "train()'s end removes the pre-hooks it enabled after its first step, on chunks a failure replaced: "
+          "a no-op after the first failure"),
     # stages of any layer range (group installation itself is runtime.world.install_parallel_state)
     Patch(f"{_C}.transformer.transformer_block:get_num_layers_to_build", hooks.num_layers_to_build,
           "derives a stage's layer count from a uniform split; asymmetric plans give each stage its own"),

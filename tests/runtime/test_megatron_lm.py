@@ -308,6 +308,50 @@ def test_distributed_optimizer_shard_lost_with_every_replica_stops_clearly(tmp_p
     assert job.report["failures"][0]["policy"] == "restart"
 
 
+OVERLAPPED = ["--overlap-grad-reduce", "--overlap-param-gather"]
+
+
+@pytest.fixture(scope="module")
+def stock_overlapped_distopt(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[str, ...]]:
+    """The distributed optimizer in two instances with both overlaps, reducing once per step: stock Megatron-LM
+    with --no-align-grad-reduce (its default reduces twice there; see the test below)."""
+    job = run_stock(MLM, tmp_path_factory.mktemp("stock_overlapped"),
+                    [*TINY_GPT, *DISTOPT, *OVERLAPPED, "--no-align-grad-reduce"], _port(650), nproc=8)
+    assert job.returncode == 0, job.logs[-4000:]
+    return job.iterations()
+
+
+def test_stock_reduces_twice_with_overlapped_reduce_over_optimizer_instances(
+        stock_distopt: dict, stock_overlapped_distopt: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Why Odyssey patches _ParamAndGradBucketGroup.start_grad_sync: with --overlap-grad-reduce and two instances,
+    stock Megatron-LM's pipeline schedule (grad_sync_func, --align-grad-reduce) starts a second reduction of
+    gradients its backward hook (or finish_grad_sync) already reduced, and trains on other gradients than
+    without overlap. With --no-align-grad-reduce it reduces once and equals the run without overlap. When this
+    test fails, Megatron-LM fixed it: the patch can go."""
+    assert same_training(stock_overlapped_distopt, stock_distopt)
+    aligned = run_stock(MLM, tmp_path_factory.mktemp("stock_aligned"), [*TINY_GPT, *DISTOPT, *OVERLAPPED],
+                        _port(660), nproc=8)
+    assert aligned.returncode == 0, aligned.logs[-4000:]
+    assert aligned.iterations()[1][3] != stock_distopt[1][3]  # the grad norm of the very first step differs
+
+
+def test_overlapped_distributed_optimizer_survives_a_kill(stock_overlapped_distopt: dict, tmp_path: Path) -> None:
+    """--overlap-grad-reduce with --overlap-param-gather: generation 0 reduces inside backward and defers the weight
+    all-gather into the next forward; rank 1 dies in that forward (its weights half gathered), the survivors
+    rebuild from the fp32 shards, and train() keeps switching forward pre-hooks and forcing the all-gather around
+    the saves after the failure, which rebuilt stages have no use for. Every iteration equals stock's."""
+    job = run_odyssey(MLM, tmp_path, [*ODYSSEY, *DISTOPT, *OVERLAPPED, "--save", str(tmp_path / "ckpt"),
+                                      "--save-interval", "2",
+                                      "--odyssey-inject-fault", "step=2,rank=1,phase=forward,kind=kill"],
+                      _port(670), nproc=8)
+    assert job.returncode == 0, job.logs[-4000:]
+    (failure,) = job.report["failures"]
+    assert failure["ranks"] == [1] and failure["phase"] == "forward"
+    assert [s["step"] for s in job.report["steps"]] == list(range(ITERS))
+    assert same_training(job.iterations(), stock_overlapped_distopt)
+    assert (tmp_path / "ckpt" / "iter_0000004").is_dir()  # saved after the failure
+
+
 def test_per_token_loss_after_a_reroute(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
     """--calculate-per-token-loss: after the failure the executor normalises by the global batch's loss
     tokens, which the rank counts from the dataset (GenerationRank.token_count); every logged iteration
