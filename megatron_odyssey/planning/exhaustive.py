@@ -24,6 +24,7 @@ from .estimator import estimate_step
 from .partition import PipelineModel, _front, compositions, length_multisets
 from .plan import ExecutionPlan, layout
 from .profile import ModelProfile
+from .sharding import optimizer_share
 
 CALIBRATE_S = 0.25  # how long the search runs before it estimates its total time
 COUNT_FLOPS = 5e7  # past this, the layout count is computed on fewer micro-batches: a lower bound
@@ -138,13 +139,22 @@ def count_layouts(num_nodes: int, num_micro_batches: int, num_layers: int, floor
     return (total if math.isfinite(total) else math.inf), exact
 
 
-def count_layer_splits(num_nodes: int, num_micro_batches: int, num_layers: int, floor: int = 1) -> float:
+def count_layer_splits(num_nodes: int, num_micro_batches: int, num_layers: int, floor: int = 1,
+                       shard_copies: int = 0) -> float:
     """Layer splits the Pareto fronts examine: every composition of L layers for each (pipeline
-    length, micro-batches) pair a layout can contain (an upper estimate: nearly every pair occurs)."""
-    spare = max(floor, 1) - 1
-    longest = min(num_layers, num_nodes - spare)
-    per_batch = sum(math.comb(num_layers - 1, k - 1) for k in range(1, longest + 1))
-    return float(per_batch) * max(1, num_micro_batches - spare)
+    length, micro-batches) pair a layout can contain (an upper estimate: nearly every pair occurs), once per
+    share of a sharded optimizer's state the pipeline counts give (one share without sharding)."""
+    def pairs(fewest_pipelines: int) -> float:
+        spare = fewest_pipelines - 1
+        longest = min(num_layers, num_nodes - spare)
+        per_batch = sum(math.comb(num_layers - 1, k - 1) for k in range(1, longest + 1))
+        return float(per_batch) * max(1, num_micro_batches - spare)
+
+    counts = range(max(floor, 1), max(floor, min(num_nodes, num_micro_batches)) + 1)
+    fewest_by_share: dict[float, int] = {}
+    for k in counts:
+        fewest_by_share.setdefault(optimizer_share(k, shard_copies), k)
+    return sum(pairs(k) for k in fewest_by_share.values())
 
 
 # -- the search ----------------------------------------------------------------------------------
@@ -159,11 +169,14 @@ class ExhaustiveSearch:
         self.num_nodes, self.num_micro_batches, self.floor = num_nodes, num_micro_batches, floor
         L = profile.num_layers
         total, exact = count_layouts(num_nodes, num_micro_batches, L, floor)
-        self.status = SearchStatus(total, exact, count_layer_splits(num_nodes, num_micro_batches, L, floor))
+        self.status = SearchStatus(total, exact, count_layer_splits(num_nodes, num_micro_batches, L, floor,
+                                                                    profile.optimizer_shard_copies))
         self.best_plan = seed
         self.best_t = estimate_step(seed, profile).step_time_s if seed is not None else math.inf
         self.status.best_step_s = self.best_t
-        self.fronts: dict[tuple[int, int], list[tuple[int, ...]]] = {}
+        # (stages, micro-batches, model) -> Pareto front; the model differs by pipeline count only when a
+        # sharded optimizer's share does (PipelineModel.with_pipelines)
+        self.fronts: dict[tuple[int, int, PipelineModel], list[tuple[int, ...]]] = {}
 
     def run(self, time_limit_s: float | None = None, budget_s: float | None = 60.0,
             on_progress: Callable[[SearchStatus], None] | None = None,
@@ -219,12 +232,13 @@ class ExhaustiveSearch:
         L, m_total, st = self.profile.num_layers, self.num_micro_batches, self.status
         for dp in range(self.floor, min(self.num_nodes, m_total) + 1):
             for lengths in length_multisets(self.num_nodes, dp, 1, L):
+                model = self.model.with_pipelines(dp)
                 for batch in batch_splits(lengths, m_total):
                     options = []
                     for length, m in zip(lengths, batch):
-                        if (length, m) not in self.fronts:
-                            yield from self._front(length, m)
-                        options.append(self.fronts[(length, m)])
+                        if (length, m, model) not in self.fronts:
+                            yield from self._front(length, m, model)
+                        options.append(self.fronts[(length, m, model)])
                     st.layouts_done += 1
                     if not all(options):
                         yield "layout"
@@ -240,17 +254,17 @@ class ExhaustiveSearch:
                             yield "estimate"
                     yield "layout"
 
-    def _front(self, length: int, m: int) -> Iterator[str]:
+    def _front(self, length: int, m: int, model: PipelineModel) -> Iterator[str]:
         """Every memory-feasible split of the layers over ``length`` stages, reduced to its Pareto front
         in (pipeline time, most units on one node): that second coordinate sets the whole plan's
         gradient-sync rounds and optimizer time, so keeping only the fastest split could miss the best."""
         feasible = []
         for split in compositions(self.profile.num_layers, length):
             self.status.splits_done += 1
-            if self.model.fits(split, m):
+            if model.fits(split, m):
                 feasible.append(split)
             yield "split"
-        self.fronts[(length, m)] = list(_front(feasible, self.model, m))
+        self.fronts[(length, m, model)] = list(_front(feasible, model, m))
 
 
 def batch_splits(lengths: tuple[int, ...], total: int) -> Iterator[list[int]]:

@@ -37,29 +37,18 @@ def fits(profile: ModelProfile, pp: int, dp: int, num_micro_batches: int) -> boo
     if pp > profile.num_layers or num_micro_batches % dp:
         return False
     m = num_micro_batches // dp
-    split = split_layers(PipelineModel(profile), pp, m)
+    split = split_layers(PipelineModel(profile, pipelines=dp), pp, m)
     if split is None:
         return False
     plan = symmetric_plan(pp, dp, profile.num_layers, num_micro_batches, layer_split=split)
     return estimate_step(plan, profile).fits_memory
 
 
-def least_peak_bytes(profile: ModelProfile, pp: int, micro_batches: int) -> int:
-    """Memory of the fullest stage under the best placement of the layers: what a pipeline needs."""
-    model, best = PipelineModel(profile), None
-    for split in remainder_placements(profile.num_layers, pp) or [(profile.num_layers,)]:
-        peak, start = 0, 0
-        for i, n in enumerate(split):
-            static = model.static[start + n] - model.static[start]
-            act = model.act[start + n] - model.act[start]
-            if i == 0:
-                static, act = static + profile.embedding.static_bytes, act + profile.embedding.activation_bytes
-            if i == len(split) - 1:
-                static, act = static + profile.output.static_bytes, act + profile.output.activation_bytes
-            peak = max(peak, static + min(len(split) - i, micro_batches) * act)
-            start += n
-        best = peak if best is None else min(best, peak)
-    return int(best or 0)
+def least_peak_bytes(profile: ModelProfile, pp: int, dp: int, micro_batches: int) -> int:
+    """Memory of the fullest stage under the best placement of the layers: what a pipeline of ``dp`` needs."""
+    model = PipelineModel(profile, pipelines=dp)
+    return min(model.peak_bytes(split, micro_batches)
+               for split in remainder_placements(profile.num_layers, pp) or [(profile.num_layers,)])
 
 
 def suggest_layout(profile_for_tp: ProfileForTp, devices: int, num_micro_batches: int, dp_hint: int) -> Grid | None:
@@ -89,7 +78,7 @@ def explain_misfit(profile: ModelProfile, grid: Grid, num_micro_batches: int, su
                    devices_flag: str, devices_of: Callable[[Grid], int], label: str | None = None) -> str:
     """One line: what does not fit, by how much, and what to type instead (``label``: the model as the
     user named it)."""
-    need = least_peak_bytes(profile, grid.pp, max(1, num_micro_batches // grid.dp))
+    need = least_peak_bytes(profile, grid.pp, grid.dp, max(1, num_micro_batches // grid.dp))
     have = profile.device_memory_bytes
     head = (f"--tp {grid.tp} --pp {grid.pp} --dp {grid.dp} does not fit {label or profile.name} in memory: its fullest "
             f"stage needs {need / GiB:.1f} GiB, a device has {have / GiB:.1f} GiB")

@@ -12,7 +12,8 @@ from typing import Iterable, Iterator
 
 from .errors import PlanningError
 from .estimator import _plain_pipeline
-from .profile import ModelProfile
+from .profile import LayerCost, ModelProfile
+from .sharding import optimizer_share
 
 # -- pipelines ------------------------------------------------------------------------------------
 
@@ -87,14 +88,34 @@ def compositions(total: int, parts: int, minimum: int = 1) -> Iterator[tuple[int
 
 
 class PipelineModel:
-    """Prefix sums over a profile so a layer split's stage costs and memory are O(stages)."""
+    """Prefix sums over a profile so a layer split's stage costs and memory are O(stages).
 
-    def __init__(self, profile: ModelProfile):
+    ``pipelines``: how many pipelines the plan has. Each holds every unit once, so every unit has that many
+    holders, and with a sharded optimizer (``profile.optimizer_shard_copies``) a stage keeps only its share of
+    each unit's optimizer state (``planning.sharding``), as the final plan check (``estimator.node_memory``)
+    counts it: a layer split that fits only with shares is not thrown away early."""
+
+    def __init__(self, profile: ModelProfile, pipelines: int = 1,
+                 _family: dict[float, PipelineModel] | None = None):
         self.profile = profile
+        share = optimizer_share(pipelines, profile.optimizer_shard_copies)
+
+        def static(u: LayerCost) -> int:  # as estimator.node_memory counts it
+            return u.param_bytes + u.grad_bytes + round(u.optimizer_bytes * share)
+
         self.fwd = _prefix([u.forward_s for u in profile.layers])
         self.bwd = _prefix([u.backward_s for u in profile.layers])
-        self.static = _prefix([u.static_bytes for u in profile.layers])
+        self.static = _prefix([static(u) for u in profile.layers])
         self.act = _prefix([u.activation_bytes for u in profile.layers])
+        self.embedding_static, self.output_static = static(profile.embedding), static(profile.output)
+        self._family = {} if _family is None else _family  # share -> model, shared by every pipeline count
+        self._family.setdefault(share, self)
+
+    def with_pipelines(self, pipelines: int) -> PipelineModel:
+        """This model in a plan of ``pipelines`` pipelines (the same object wherever the share is the same, so
+        the split caches keyed by it stay warm)."""
+        share = optimizer_share(pipelines, self.profile.optimizer_shard_copies)
+        return self._family.get(share) or PipelineModel(self.profile, pipelines, self._family)
 
     def stage_costs(self, split: tuple[int, ...]) -> tuple[tuple[float, float], ...]:
         prof, out, start = self.profile, [], 0
@@ -109,20 +130,22 @@ class PipelineModel:
             start += n
         return tuple(out)
 
-    def fits(self, split: tuple[int, ...], micro_batches: int) -> bool:
-        """Eq. 14 for every stage of a 1F1B pipeline: stage i holds min(p - i, m) micro-batches."""
-        prof, p, start = self.profile, len(split), 0
+    def peak_bytes(self, split: tuple[int, ...], micro_batches: int) -> int:
+        """Eq. 14 of the fullest stage of a 1F1B pipeline: stage i holds min(p - i, m) micro-batches."""
+        prof, p, start, peak = self.profile, len(split), 0, 0
         for i, n in enumerate(split):
             static = self.static[start + n] - self.static[start]
             act = self.act[start + n] - self.act[start]
             if i == 0:
-                static, act = static + prof.embedding.static_bytes, act + prof.embedding.activation_bytes
+                static, act = static + self.embedding_static, act + prof.embedding.activation_bytes
             if i == p - 1:
-                static, act = static + prof.output.static_bytes, act + prof.output.activation_bytes
-            if static + min(p - i, micro_batches) * act > prof.device_memory_bytes:
-                return False
+                static, act = static + self.output_static, act + prof.output.activation_bytes
+            peak = max(peak, static + min(p - i, micro_batches) * act)
             start += n
-        return True
+        return peak
+
+    def fits(self, split: tuple[int, ...], micro_batches: int) -> bool:
+        return self.peak_bytes(split, micro_batches) <= self.profile.device_memory_bytes
 
     def time(self, split: tuple[int, ...], micro_batches: int) -> float:
         return _plain_pipeline(self.stage_costs(split), micro_batches, self.profile.p2p_s)[0]

@@ -553,9 +553,9 @@ class Planner:
         that different layer splits imply, and misses by a few percent there."""
         if len(lengths) > FEW_PIPELINES or max(lengths) * self.num_micro_batches > self.options.cheap_play_slots:
             return []  # many pipelines, or long plays: each batch split's layer split would cost seconds
-        out = []
+        out, model = [], self.model.with_pipelines(len(lengths))
         for batch in islice(batch_splits(lengths, self.num_micro_batches), self.options.few_batch_splits + 1):
-            splits = [split_layers(self.model, n, m) for n, m in zip(lengths, batch)]
+            splits = [split_layers(model, n, m) for n, m in zip(lengths, batch)]
             if all(s is not None for s in splits):
                 out.append((batch, splits))
         return out if len(out) <= self.options.few_batch_splits else []
@@ -585,16 +585,16 @@ class Planner:
     def _unit_balanced(self, lengths: tuple[int, ...], batch: list[int], splits: list[tuple[int, ...]]):
         """The layout as refined, plus, for each cap R on units per node, every pipeline's fastest split
         within the cap (fewer units per node = fewer sync rounds for the whole plan)."""
-        L = self.profile.num_layers
+        L, model = self.profile.num_layers, self.model.with_pipelines(len(lengths))
         yield layout(list(zip(splits, batch)), num_layers=L)
-        fronts = [split_front(self.model, n, m) for n, m in zip(lengths, batch)]
+        fronts = [split_front(model, n, m) for n, m in zip(lengths, batch)]
         for cap in sorted({max_units(s) for f in fronts for s in f}):
             chosen = []
             for front, m in zip(fronts, batch):
                 within = [s for s in front if max_units(s) <= cap]
                 if not within:
                     break
-                chosen.append(min(within, key=lambda s, m=m: self.model.time(s, m)))
+                chosen.append(min(within, key=lambda s, m=m: model.time(s, m)))
             else:
                 yield layout(list(zip(chosen, batch)), num_layers=L)
 
@@ -608,20 +608,20 @@ class Planner:
 
     def _evaluate(self, lengths: tuple[int, ...], batch: list[int]) -> tuple[float, list[tuple[int, ...]]] | None:
         """Slowest pipeline time with each pipeline's best layer split; None if one cannot fit."""
-        splits, worst = [], 0.0
+        splits, worst, model = [], 0.0, self.model.with_pipelines(len(lengths))
         for length, m in zip(lengths, batch):
-            split = split_layers(self.model, length, m)
+            split = split_layers(model, length, m)
             if split is None:
                 return None
             splits.append(split)
-            worst = max(worst, self.model.time(split, m))
+            worst = max(worst, model.time(split, m))
         return worst, splits
 
     def _refine_batch(self, lengths: tuple[int, ...], batch: list[int], splits: list[tuple[int, ...]]):
         """Move single micro-batches from the slowest pipeline to the one that stays fastest while the
         slowest pipeline gets faster (fixes rounding in the proportional split)."""
-        batch, splits = list(batch), list(splits)
-        times = [self.model.time(s, m) for s, m in zip(splits, batch)]
+        batch, splits, model = list(batch), list(splits), self.model.with_pipelines(len(lengths))
+        times = [model.time(s, m) for s, m in zip(splits, batch)]
         while True:
             slow = max(range(len(batch)), key=lambda k: times[k])
             if batch[slow] <= 1:
@@ -630,16 +630,16 @@ class Planner:
             for k in range(len(batch)):
                 if k == slow:
                     continue
-                split = split_layers(self.model, lengths[k], batch[k] + 1)
+                split = split_layers(model, lengths[k], batch[k] + 1)
                 if split is None:
                     continue
-                t = self.model.time(split, batch[k] + 1)
+                t = model.time(split, batch[k] + 1)
                 if best is None or t < best[0]:
                     best = (t, k, split)
-            slow_split = split_layers(self.model, lengths[slow], batch[slow] - 1)
+            slow_split = split_layers(model, lengths[slow], batch[slow] - 1)
             if best is None or slow_split is None:
                 return batch, splits
-            new_slow = self.model.time(slow_split, batch[slow] - 1)
+            new_slow = model.time(slow_split, batch[slow] - 1)
             if max(best[0], new_slow, *(t for k, t in enumerate(times) if k not in (slow, best[1]))) >= times[slow] - 1e-12:
                 return batch, splits
             t, k, split = best

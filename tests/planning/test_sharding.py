@@ -7,7 +7,9 @@ from dataclasses import replace
 import pytest
 
 from megatron_odyssey.planning.estimator import estimate_step, fatal_probability
+from megatron_odyssey.planning.partition import PipelineModel
 from megatron_odyssey.planning.plan import symmetric_plan
+from megatron_odyssey.planning.planner import Planner, PlannerOptions
 from megatron_odyssey.planning.profile import uniform_profile
 from megatron_odyssey.planning.sharding import kept_shards, loss_sets, lost_units, optimizer_share, shard_bounds
 
@@ -77,3 +79,39 @@ def test_fatal_probability_counts_the_keepers_of_a_shard():
     assert fatal_probability(four, shard_copies=2) == 0.0  # one node at a time loses nothing
     pairs = [set(p) for p in itertools.combinations(range(4), 2)]
     assert sum(bool(lost_units(four.holders(), p, 2)) for p in pairs) == 4
+
+
+def test_layer_split_memory_counts_the_share_of_a_plan_of_that_many_pipelines():
+    """Algorithm 1's per-pipeline memory filter (PipelineModel) counts what the final check (Eq. 14,
+    node_memory) counts: in a plan of k pipelines every unit has k holders, each keeping its share."""
+    prof = replace(uniform_profile(8, layer_bytes=10, activation_bytes=3), optimizer_shard_copies=2)
+    model = PipelineModel(prof)
+    for k, per_layer in ((1, 40), (2, 40), (3, 20 + 13), (4, 30)):  # 10 + 10 + round(20 x share)
+        # two stages of four layers; the first holds min(p - i, m) = 2 micro-batches' activations
+        assert model.with_pipelines(k).peak_bytes((4, 4), 5) == 4 * per_layer + 2 * 4 * 3
+        plan = symmetric_plan(2, k, 8, 5 * k)
+        assert model.with_pipelines(k).peak_bytes((4, 4), 5) == max(estimate_step(plan, prof).peak_memory_bytes.values())
+    assert model.with_pipelines(2) is model and model.with_pipelines(4) is model.with_pipelines(4)
+    assert PipelineModel(uniform_profile(8, layer_bytes=10)).with_pipelines(4).peak_bytes((4, 4), 5) == 160
+
+
+@pytest.mark.parametrize("search", ["heuristic", "exhaustive"])
+def test_planner_finds_layouts_that_fit_only_with_the_shards(search):
+    """Six survivors, 135 bytes a device: three pipelines of two stages (four layers a stage) need 4 x 40 = 160
+    bytes with whole optimizer states, 4 x 33 = 132 with a third of each layer's state kept twice over three
+    holders, and are faster (204 s against 228 s for two pipelines of three stages). The heuristic finds them,
+    and equals the exhaustive search."""
+    plain = uniform_profile(8, layer_bytes=10, device_memory_bytes=135)
+    sharded = replace(plain, optimizer_shard_copies=2)
+    best_plain = Planner(plain, 48, 1, PlannerOptions(search=search)).search_layout(6, 4, 2)
+    planner = Planner(sharded, 48, 1, PlannerOptions(search=search))
+    best = planner.search_layout(6, 4, 2)
+    if search == "exhaustive":  # a front per share of the state: 1 for one or two pipelines, 2/3, 1/2, ...
+        st = planner.last_search
+        assert st.complete and 0 < st.splits_done <= st.splits_total
+    assert [len(p.stages) for p in best_plain.pipelines] == [3, 3]
+    assert [len(p.stages) for p in best.pipelines] == [2, 2, 2]
+    estimate = estimate_step(best, sharded)
+    assert estimate.fits_memory and max(estimate.peak_memory_bytes.values()) == 132
+    assert estimate.step_time_s == pytest.approx(204.0) and estimate_step(best_plain, plain).step_time_s == pytest.approx(228.0)
+    assert not estimate_step(best, plain).fits_memory
