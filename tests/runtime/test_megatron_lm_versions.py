@@ -1,7 +1,8 @@
 """Every Megatron-LM release the adaptor knows, each with its own megatron.core: stock ``pretrain_gpt.py``
 (no ``--odyssey``) is the reference, and the same job under ``odyssey-launch`` with one rank SIGKILLed
 mid-iteration trains exactly as it (loss and grad norm to the printed digit, learning rate, samples), also
-when the lost machine comes back (`odyssey-launch --join`), and with the distributed optimizer through two kills.
+when the lost machine comes back (`odyssey-launch --join`), and with the distributed optimizer (also with both
+overlaps) through two kills.
 
 Needs checkouts: ``MEGATRON_LM_CHECKOUTS=/path/core_r0.12.0:/path/core_r0.19.0:...`` (``os.pathsep``
 separated; ``git archive`` of each branch is enough), plus Megatron-LM's own requirements (``einops``
@@ -101,23 +102,33 @@ def test_release_takes_back_a_machine_that_comes_back(checkout: str, references:
 DISTOPT = ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"]
 
 
+OVERLAPPED = ["--overlap-grad-reduce", "--overlap-param-gather"]
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
 @pytest.mark.parametrize("checkout", CHECKOUTS, ids=[Path(c).name for c in CHECKOUTS])
-def test_release_distributed_optimizer_through_two_kills(checkout: str, tmp_path_factory: pytest.TempPathFactory
-                                                         ) -> None:
+def test_release_distributed_optimizer_through_two_kills(checkout: str, overlap: bool,
+                                                         tmp_path_factory: pytest.TempPathFactory) -> None:
     """Eight ranks (PP=2 x DP=4) on this release's distributed optimizer in two instances: rank 1 killed (the
     survivors reassemble generation 0's shards and cut this release's optimizer down to replicated shards;
     before megatron-core 0.15, which has no layout-free checkpoint format for them, the plain optimizer takes
-    over), then rank 5 (stage 1 reassembled from those): equal to this release's stock job."""
+    over), then rank 5 (stage 1 reassembled from those): equal to this release's stock job. ``overlapped``: with
+    --overlap-grad-reduce and --overlap-param-gather too, rank 5 dying in the forward that finishes the deferred
+    weight all-gather; stock runs with --no-align-grad-reduce, without which it reduces each step's gradients
+    twice (test_megatron_lm.py; Odyssey reduces them once)."""
     if _minor(checkout) == 12:
         pytest.skip("stock core_r0.12.0's distributed optimizer in two instances clips by sqrt(2) x the gradient norm "
                     "(each shard counted once per instance: 1.380 against the plain optimizer's 0.976 at iteration 1 "
                     "of this job), fixed in 0.13; after a failure Odyssey clips by the true norm, so the two differ")
-    flags = [*_flags(checkout), *DISTOPT]
-    stock = run_stock(checkout, tmp_path_factory.mktemp("stock_distopt"), flags, _port(checkout, 40), nproc=8)
+    flags = [*_flags(checkout), *DISTOPT, *(OVERLAPPED if overlap else [])]
+    stock = run_stock(checkout, tmp_path_factory.mktemp("stock_distopt"),
+                      [*flags, *(["--no-align-grad-reduce"] if overlap else [])], _port(checkout, 60 if overlap else 40),
+                      nproc=8)
     assert stock.returncode == 0, stock.logs[-4000:]
     job = run_odyssey(checkout, tmp_path_factory.mktemp("distopt"), [
         *flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-inject-fault", "step=1,rank=1,phase=backward,kind=kill",
-        "--odyssey-inject-fault", "step=3,rank=5,phase=forward,kind=kill"], _port(checkout, 50), nproc=8)
+        "--odyssey-inject-fault", "step=3,rank=5,phase=forward,kind=kill"], _port(checkout, 70 if overlap else 50),
+        nproc=8)
     assert job.returncode == 0, job.logs[-4000:]
     assert [f["ranks"] for f in job.report["failures"]] == [[1], [5]]
     shares = job.report["failures"][1]["optimizer_shares"]
