@@ -166,11 +166,10 @@ def megatron_feature_refusals(args: Any) -> list[str]:
         out.append(f"--odyssey cannot be combined with --tensor-parallel-num-weight-shards {shards} (more than "
                    f"--tensor-model-parallel-size {tp}): its weight-rematerialising groups are laid out for one "
                    f"uniform grid (leave it out)")
-    if getattr(args, "dataloader_type", "single") not in (None, "single"):
-        out.append(f"--odyssey reads rerouted micro-batches in the global order of --dataloader-type single; "
-                   f"--dataloader-type {args.dataloader_type} draws each data-parallel rank's samples from its own "
-                   f"shuffled or external stream, keyed to the rank and the data-parallel size, which a survivor "
-                   f"cannot reproduce for a dead peer. Use --dataloader-type single (Megatron's default)")
+    if getattr(args, "dataloader_type", "single") not in (None, "single", "cyclic"):
+        out.append(f"--odyssey reads a dead peer's micro-batches as Megatron's own sampler would have given them "
+                   f"(--dataloader-type single or cyclic); --dataloader-type {args.dataloader_type} is the script's own "
+                   f"data loader, which a survivor cannot ask for another rank's samples")
     return out
 
 

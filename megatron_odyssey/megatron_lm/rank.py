@@ -40,6 +40,7 @@ from ..runtime.device_profile import REPLICA_COPIES
 from .distributed_optimizer import (ShardedState, capture_pieces, deferred_param_sync, distributed_optimizers,
                                     reassemble, stage_holder_groups, unit_holder_groups)
 from .replica_optimizer import ReplicaShards
+from .samples import GlobalMicroBatches
 from .hooks import ORIGINAL_ATTR, STATE, overridden
 from .interleaved import InterleavedCapture, chunk_layer_start, reshuffle_transfers, shapes_for_layers
 from ..runtime.errors import GIVEUP_KEY, STARTED_KEY, fail_locally, giveup_reason, is_peer_failure, stop_now
@@ -238,6 +239,9 @@ class MegatronRank(GenerationRank):
         self.timed_iterations = 0  # iterations timed on odyssey-forward-backward (profile window)
         self.committed, self.pending, self.saved = int(args.iteration) - 1, None, None
         self.pending_norm = 0.0
+        self.samples: GlobalMicroBatches | None = None  # which samples a global micro-batch holds
+        if STATE.captured.train_ds is not None:  # now: a --dataloader-type it cannot follow fails the start
+            self._global_micro_batches()
         # --odyssey-profile-iters: time iterations [first, end) with Megatron's timers (the first one
         # after start-up is a warm-up), then publish this stage's per-layer costs to the agent
         first = int(args.iteration) + 1
@@ -299,13 +303,19 @@ class MegatronRank(GenerationRank):
     # -- data ------------------------------------------------------------------------------------------
     def micro_batch(self, step: int, j: int) -> dict[str, torch.Tensor]:
         """Global micro-batch ``j`` of iteration ``step``: the same samples Megatron's sampler gives the
-        global batch, whichever pipeline runs it (so a rerouted step trains on exactly the same data)."""
+        global batch, whichever pipeline runs it (so a rerouted step trains on exactly the same data;
+        ``samples.GlobalMicroBatches``)."""
         from torch.utils.data import default_collate
 
         self.at(step, "data")
-        mbs, gbs = self.cfg.micro_batch, self.cfg.global_batch
-        first = step * gbs + j * mbs
-        return default_collate([STATE.captured.train_ds[first + i] for i in range(mbs)])
+        return default_collate([STATE.captured.train_ds[i] for i in self._global_micro_batches().indices(step, j)])
+
+    def _global_micro_batches(self) -> GlobalMicroBatches:
+        if self.samples is None:
+            self.samples = GlobalMicroBatches(STATE.captured.train_ds, self.cfg.micro_batch, self.cfg.global_batch,
+                                              self.cfg.dp, getattr(self.args, "dataloader_type", None) or "single",
+                                              bool(getattr(self.args, "data_sharding", True)))
+        return self.samples
 
     # -- generations -----------------------------------------------------------------------------------
     def _adopt_generation0(self, plan: ExecutionPlan) -> None:

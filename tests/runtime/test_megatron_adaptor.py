@@ -130,7 +130,7 @@ def test_bad_policy_is_rejected_by_argparse(capsys: pytest.CaptureFixture, polic
     (["--odyssey"], {"enable_ft_package": True}, "--enable-ft-package"),
     (["--odyssey"], {"log_straggler": True}, "--log-straggler"),
     (["--odyssey"], {"tensor_parallel_num_weight_shards": 2}, "--tensor-parallel-num-weight-shards 2"),
-    (["--odyssey"], {"dataloader_type": "cyclic"}, "--dataloader-type cyclic draws each data-parallel rank's"),
+    (["--odyssey"], {"dataloader_type": "external"}, "--dataloader-type external is the script's own data loader"),
     (["--odyssey"], {"save": "/ckpt", "ckpt_format": "torch"}, "--ckpt-format torch writes one file per pipeline rank"),
     (["--odyssey"], {"async_save": True}, "--async-save"),
     (["--odyssey"], {"untie_embeddings_and_output_weights": False}, "--untie-embeddings-and-output-weights"),
@@ -175,12 +175,12 @@ def test_distributed_optimizer_with_both_overlaps_is_accepted() -> None:
 
 def test_every_refused_flag_is_named_at_once() -> None:
     """A job with several refused flags learns all of them from one launch, not one per attempt."""
-    ns = _megatron_like_args(["--odyssey"], use_distributed_optimizer=True, fp16=True, dataloader_type="cyclic")
+    ns = _megatron_like_args(["--odyssey"], use_distributed_optimizer=True, fp16=True, dataloader_type="external")
     with pytest.raises(OdysseyArgumentError) as info:
         validate_odyssey_args(ns)
     text = str(info.value)
     assert text.startswith("3 flags cannot be used with --odyssey")
-    for flag in ("--num-distributed-optimizer-instances", "--fp16", "--dataloader-type cyclic"):
+    for flag in ("--num-distributed-optimizer-instances", "--fp16", "--dataloader-type external"):
         assert flag in text
 
 

@@ -11,12 +11,14 @@ reference's (loss and grad norm to the last printed digit).
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from megatron_odyssey.testing.megatron_lm_job import (max_tensor_difference, read_torch_dist, run_odyssey, run_stock,
-                                                      same_training)
+from megatron_odyssey.testing.megatron_lm_job import (job_env, max_tensor_difference, read_torch_dist, run_odyssey,
+                                                      run_stock, same_training)
 from megatron_odyssey.megatron_lm.cpu_mode import tiny_gpt_flags
 
 MLM = os.environ.get("MEGATRON_LM_PATH")
@@ -293,6 +295,31 @@ def test_replicated_shards_lost_restart_in_process_from_the_checkpoint_saved_aft
     assert same_training(job.iterations(), stock_distopt)
 
 
+def test_distributed_optimizer_checkpoint_after_a_failure_holds_what_stock_writes(
+        tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    """A save after the failure (the replicated-shard optimizer's state, in the distributed optimizer's layout-free
+    format) holds the keys and tensors stock Megatron-LM writes at that iteration with
+    --dist-ckpt-optim-fully-reshardable: a relaunch with --load reads it as one of stock's own (Megatron's load
+    itself is not run here: with torch's Adam, as on every CPU, stock cannot load its own such checkpoints)."""
+    def flags(work: Path) -> list[str]:
+        return [*TINY_GPT, *DISTOPT, "--dist-ckpt-optim-fully-reshardable", "--save", str(work / "ckpt"),
+                "--save-interval", "4"]
+
+    stock_work = tmp_path_factory.mktemp("stock_reshardable")
+    stock = run_stock(MLM, stock_work, flags(stock_work), _port(680), nproc=8)
+    assert stock.returncode == 0, stock.logs[-4000:]
+    job = run_odyssey(MLM, tmp_path, [*flags(tmp_path), "--odyssey-heartbeat-timeout", "10",
+                                      "--odyssey-inject-fault", "step=1,rank=1,phase=backward,kind=kill"],
+                      _port(690), nproc=8)
+    assert job.returncode == 0, job.logs[-4000:]
+    assert same_training(job.iterations(), stock.iterations())
+    ours, theirs = (read_torch_dist(w / "ckpt" / "iter_0000004") for w in (tmp_path, stock_work))
+    assert any(k.startswith("optimizer.state.exp_avg_sq.") for k in theirs)
+    # the same keys (max_tensor_difference is inf otherwise); fp32 weights and moments to rounding (stock reduces
+    # gradients by reduce-scatter, Odyssey by all-reduce after the failure)
+    assert max_tensor_difference(ours, theirs) < 1e-6
+
+
 def test_distributed_optimizer_shard_lost_with_every_replica_stops_clearly(tmp_path: Path) -> None:
     """Ranks 1 and 3 are both holders of stage 0's shard 1: the state is gone although ranks 0 and 2 hold
     the layers, and the checkpoint (generation 0's, in Megatron's default dp_reshardable format) is bound to
@@ -350,6 +377,65 @@ def test_overlapped_distributed_optimizer_survives_a_kill(stock_overlapped_disto
     assert [s["step"] for s in job.report["steps"]] == list(range(ITERS))
     assert same_training(job.iterations(), stock_overlapped_distopt)
     assert (tmp_path / "ckpt" / "iter_0000004").is_dir()  # saved after the failure
+
+
+CYCLIC_STREAMS = """
+import random, sys
+from megatron.training.datasets.data_samplers import MegatronPretrainingRandomSampler
+from megatron_odyssey.megatron_lm.samples import GlobalMicroBatches
+
+rng = random.Random(0)
+for size, mbs, dp, sharding in ((40, 1, 4, True), (37, 1, 4, True), (38, 2, 2, True), (40, 1, 4, False), (42, 2, 3, False)):
+    gbs = mbs * dp * 2
+    data = list(range(size))
+    streams = []  # each rank's micro-batches as Megatron's cyclic_iter gives them, over several epochs
+    for d in range(dp):
+        sampler = MegatronPretrainingRandomSampler(data, total_samples=size, consumed_samples=0, micro_batch_size=mbs,
+                                                   data_parallel_rank=d, data_parallel_size=dp, data_sharding=sharding)
+        out = []
+        while len(out) < 4 * size:
+            out += list(sampler)
+        streams.append(out)
+    steps = 3 * size // gbs
+    wanted = [(step, j) for step in range(steps) for j in range(gbs // mbs)]
+    for order in (wanted, rng.sample(wanted, len(wanted)), [w for w in wanted if w[1] % dp != 1]):
+        samples = GlobalMicroBatches(data, mbs, gbs, dp, "cyclic", sharding)
+        for step, j in order:
+            k, d = divmod(j, dp)
+            assert samples.indices(step, j) == streams[d][step * (gbs // (mbs * dp)) + k], (size, mbs, dp, step, j)
+try:
+    GlobalMicroBatches(list(range(41)), 1, 8, 4, "cyclic", False)
+except ValueError as exc:
+    assert "drop --no-data-sharding" in str(exc)
+else:
+    sys.exit("no error for a split whose ranks start their epochs at different samples")
+print("ok")
+"""
+
+
+def test_cyclic_micro_batches_are_the_samples_megatrons_sampler_gives_each_rank() -> None:
+    """Any global micro-batch, asked for in order, shuffled, or with a rank's share skipped, holds the samples
+    Megatron's own cyclic sampler gives its data-parallel rank, across several epochs, with and without data
+    sharding (Megatron-LM's sampler, run in a process with the checkout importable)."""
+    out = subprocess.run([sys.executable, "-c", CYCLIC_STREAMS], env=job_env(MLM), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stdout + out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("policy", ["reroute", "reconfigure"])
+def test_cyclic_data_loader_through_a_kill(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path,
+                                          policy: str) -> None:
+    """--dataloader-type cyclic: each rank reads a shuffled stream keyed to its data-parallel rank; after the
+    failure a survivor reads the dead rank's micro-batches from a sampler built for that rank. Equal to stock."""
+    flags = [*TINY_GPT, "--dataloader-type", "cyclic"]
+    stock = run_stock(MLM, tmp_path_factory.mktemp(f"stock_cyclic_{policy}"), flags, _port(800))
+    assert stock.returncode == 0, stock.logs[-4000:]
+    job = run_odyssey(MLM, tmp_path, [*flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-policy", policy,
+                                      "--odyssey-inject-fault", "step=2,rank=1,phase=backward,kind=kill"],
+                      _port(810 if policy == "reroute" else 820))
+    assert job.returncode == 0, job.logs[-4000:]
+    assert [f["policy"] for f in job.report["failures"]] == [policy]
+    assert same_training(job.iterations(), stock.iterations())
 
 
 def test_per_token_loss_after_a_reroute(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:

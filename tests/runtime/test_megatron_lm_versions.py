@@ -1,8 +1,8 @@
 """Every Megatron-LM release the adaptor knows, each with its own megatron.core: stock ``pretrain_gpt.py``
 (no ``--odyssey``) is the reference, and the same job under ``odyssey-launch`` with one rank SIGKILLed
 mid-iteration trains exactly as it (loss and grad norm to the printed digit, learning rate, samples), also
-when the lost machine comes back (`odyssey-launch --join`), and with the distributed optimizer (also with both
-overlaps) through two kills.
+when the lost machine comes back (`odyssey-launch --join`), with --dataloader-type cyclic, and with the
+distributed optimizer (also with both overlaps) through two kills.
 
 Needs checkouts: ``MEGATRON_LM_CHECKOUTS=/path/core_r0.12.0:/path/core_r0.19.0:...`` (``os.pathsep``
 separated; ``git archive`` of each branch is enough), plus Megatron-LM's own requirements (``einops``
@@ -97,6 +97,20 @@ def test_release_takes_back_a_machine_that_comes_back(checkout: str, references:
     (joined,) = job.report["joins"]
     assert joined["ranks"] == [3] and joined["step"] == 4
     assert same_training(job.iterations(), stock), (job.iterations(), stock)
+
+
+@pytest.mark.parametrize("checkout", CHECKOUTS, ids=[Path(c).name for c in CHECKOUTS])
+def test_release_cyclic_data_loader_through_a_kill(checkout: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """--dataloader-type cyclic: the survivors read the dead rank's shuffled stream from this release's own
+    sampler (megatron.legacy.data to core_r0.15.0, megatron.training.datasets after): equal to stock."""
+    flags = [*_flags(checkout), "--dataloader-type", "cyclic"]
+    stock = run_stock(checkout, tmp_path_factory.mktemp("stock_cyclic"), flags, _port(checkout, 80))
+    assert stock.returncode == 0, stock.logs[-4000:]
+    job = run_odyssey(checkout, tmp_path_factory.mktemp("cyclic"), [
+        *flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-policy", "reroute",
+        "--odyssey-inject-fault", "step=2,rank=1,phase=backward,kind=kill"], _port(checkout, 90))
+    assert job.returncode == 0, job.logs[-4000:]
+    assert same_training(job.iterations(), stock.iterations()), (job.iterations(), stock.iterations())
 
 
 DISTOPT = ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"]
