@@ -4,36 +4,21 @@ Megatron's sampler gives data-parallel rank ``d`` (of generation 0's ``DP``) the
 iteration; Odyssey numbers it ``j = k * DP + d`` and any rank may run it once a plan reroutes or re-arranges
 the pipelines. With ``--dataloader-type single`` that micro-batch is a contiguous run of samples of the
 global order. With ``--dataloader-type cyclic`` each rank's samples are a shuffled stream keyed to its rank
-and the data-parallel size (per epoch, with or without ``--data-sharding``): a survivor asks Megatron's own
-``MegatronPretrainingRandomSampler``, built for rank ``d`` at the start of the epoch, for rank ``d``'s
-micro-batches of that epoch, and keeps the list (rank ``d`` kept the same shuffle), so micro-batches may be
-asked for in any order.
+and the data-parallel size: Megatron's ``MegatronPretrainingRandomSampler`` draws, per epoch, a permutation
+seeded by the epoch number, of the rank's own bucket of samples (``--data-sharding``, the default) or of all
+samples, of which rank ``d`` takes every ``DP``-th from ``d``; a sampler started mid-epoch yields the rest of
+the same order. A survivor computes rank ``d``'s order of the epoch once, as a tensor (the sampler's own
+Python list of every index costs seconds per million samples and would land in the first step after a
+recovery), and answers any position of it. The arithmetic mirrors the sampler's of every release
+(core_r0.12.0 to main, the same code); the tests compare it with the sampler itself.
 """
 from __future__ import annotations
 
-import importlib
-from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 DATALOADER_TYPES = ("single", "cyclic")
-
-
-def _random_sampler_class() -> Any:
-    """Megatron-LM's cyclic sampler: megatron.training.datasets from core_r0.16.0, megatron.legacy.data before."""
-    for module in ("megatron.training.datasets.data_samplers", "megatron.legacy.data.data_samplers"):
-        try:
-            return importlib.import_module(module).MegatronPretrainingRandomSampler
-        except (ImportError, AttributeError):
-            continue
-    raise ImportError("Megatron-LM's MegatronPretrainingRandomSampler (--dataloader-type cyclic) was not found")
-
-
-@dataclass
-class _Epoch:
-    """Rank ``d``'s micro-batches (sample indices) of one epoch, as Megatron's sampler lists them from its start."""
-
-    epoch: int
-    batches: list[list[int]]
 
 
 class GlobalMicroBatches:
@@ -54,7 +39,8 @@ class GlobalMicroBatches:
                              f"drop --no-data-sharding")
         self.dataset, self.micro_batch, self.global_batch = dataset, micro_batch, global_batch
         self.data_parallel, self.dataloader_type, self.data_sharding = data_parallel, dataloader_type, data_sharding
-        self._epochs: dict[int, _Epoch] = {}
+        self._epoch: int | None = None  # the epoch whose orders are kept
+        self._orders: dict[int | str, torch.Tensor] = {}  # rank d -> its samples of that epoch, in order
 
     def indices(self, step: int, j: int) -> list[int]:
         if self.dataloader_type == "single":
@@ -64,16 +50,25 @@ class GlobalMicroBatches:
         return self._batch_of(d, step * self.global_batch + k * self.micro_batch * self.data_parallel)
 
     def _batch_of(self, d: int, consumed: int) -> list[int]:
-        """Rank ``d``'s micro-batch at ``consumed`` samples: a sampler started mid-epoch lists the rest of what one
-        started at the epoch's beginning lists, so one list per epoch answers every position of it."""
-        stride = self.micro_batch * self.data_parallel  # each of its micro-batches counts for every rank's
-        active = len(self.dataset) - len(self.dataset) % stride  # an epoch's samples (the ragged end is dropped)
-        epoch, offset = divmod(consumed, active)
-        kept = self._epochs.get(d)
-        if kept is None or kept.epoch != epoch:
-            sampler = _random_sampler_class()(self.dataset, total_samples=len(self.dataset),
-                                              consumed_samples=epoch * active, micro_batch_size=self.micro_batch,
-                                              data_parallel_rank=d, data_parallel_size=self.data_parallel,
-                                              data_sharding=self.data_sharding)
-            kept = self._epochs[d] = _Epoch(epoch, list(sampler))  # (one shuffle, as Megatron's rank d keeps)
-        return kept.batches[offset // stride]
+        """Rank ``d``'s micro-batch at ``consumed`` samples (the job's count, as every rank's sampler keeps it)."""
+        n, mbs, stride = len(self.dataset), self.micro_batch, self.micro_batch * self.data_parallel
+        epoch, offset = divmod(consumed, n - n % stride)  # an epoch's samples: the ragged end is dropped
+        i = offset // stride  # rank d's i-th micro-batch of the epoch
+        return self._order(d, epoch)[i * mbs:(i + 1) * mbs].tolist()
+
+    def _order(self, d: int, epoch: int) -> torch.Tensor:
+        """Rank ``d``'s samples of ``epoch`` in the order its sampler yields them from the epoch's start."""
+        if self._epoch != epoch:
+            self._epoch, self._orders = epoch, {}
+        if d not in self._orders:
+            n, mbs, dp = len(self.dataset), self.micro_batch, self.data_parallel
+            g = torch.Generator()
+            g.manual_seed(epoch)
+            if self.data_sharding:  # the rank's own bucket of (n // (mbs dp)) micro-batches, shuffled
+                bucket = (n // (mbs * dp)) * mbs
+                self._orders[d] = torch.randperm(bucket, generator=g) + d * bucket
+            else:  # every dp-th of one shuffle of all whole micro-batches' samples
+                if "all" not in self._orders:
+                    self._orders["all"] = torch.randperm((n // mbs) * mbs, generator=g)
+                self._orders[d] = self._orders["all"][d::dp]
+        return self._orders[d]

@@ -8,8 +8,10 @@ A slow node is not dead: the agent's diagnosis measures how much slower its comp
 - **rebalance**: the same layout, the global batch's micro-batches moved from the slow node's pipeline to the
   others until the slowest pipeline is as fast as it gets; no weights move, but every rank rebuilds its
   groups and one step is redone (the runtime re-plans at a step boundary).
-- **drop**: the slow nodes taken out as if they had failed: the planner's own failure decision (reroute,
-  reconfigure or restart) on the others.
+- **drop**: the slow nodes taken out as if they had failed: the planner's own failure decision (reroute or
+  reconfigure) on the others. Never a restart: a slow node still holds its layers, which a restart would load
+  from the last checkpoint (losing the work since, or everything when there is none), on a diagnosis that
+  may be wrong (the restart risk Eq. 8 prices is a chance, this one a certainty).
 
 A node whose factor falls back to 1 is *readmitted* by the same rule: with no slowdown left, the balanced
 split scores best again. Moving layers off a slow node (an asymmetric layer split with per-node speeds) is
@@ -72,8 +74,13 @@ def decide_slow(planner: Planner, current: ExecutionPlan, slowdown: Mapping[int,
         try:
             dropped = planner.decide(current, frozenset(slow))
             c = dropped.chosen
-            options.append(ActionOption("drop", replace(c, reason=f"drop slow node(s) {sorted(slow)} as failed: "
-                                                               f"{c.kind}, {c.reason}")))
+            if c.kind == "restart":  # a slow node still holds what a restart would have to load from disk
+                options.append(ActionOption("drop", Candidate("restart", None, reason=(
+                    f"not dropping slow node(s) {sorted(slow)}: without them {c.reason}; a diagnosis never "
+                    f"restarts the job"))))
+            else:
+                options.append(ActionOption("drop", replace(c, reason=f"drop slow node(s) {sorted(slow)} as "
+                                                                   f"failed: {c.kind}, {c.reason}")))
         except PlanningError as exc:
             options.append(ActionOption("drop", Candidate("reroute", None, reason=f"cannot drop: {exc}")))
     for o in options:

@@ -91,6 +91,22 @@ def test_rebalance_scores_best_when_dropping_is_impossible():
     assert d.action in ("rebalance", "drop")
 
 
+def test_dropping_the_last_copy_of_a_stage_is_never_chosen():
+    """A rerouted plan whose stage 0 is left on node 0 alone (node 2 dead): dropping node 0, however slow, would
+    lose every copy of stage 0's layers, i.e. restart the job from its last checkpoint (or from scratch). The
+    diagnosis carries on or rebalances instead, and says why."""
+    from megatron_odyssey.planning.planner import reroute_plan
+
+    prof = uniform_profile(8)
+    planner = _planner(prof)
+    plan = reroute_plan(_grid(dp=2, pp=2, mbs=8), frozenset({2}))  # pipelines (0, 1) and (2, 3)
+    for factor in (2.0, 10.0, 100.0):
+        d = decide_slow(planner, plan, {0: factor})
+        assert d.action in ("none", "rebalance"), d.to_json()
+        (drop,) = [o.candidate for o in d.options if o.action == "drop"]
+        assert not drop.feasible and "a diagnosis never restarts the job" in drop.reason
+
+
 def test_a_recovered_node_is_readmitted_by_rebalancing_back():
     prof = uniform_profile(8)
     planner = _planner(prof)

@@ -379,46 +379,12 @@ def test_overlapped_distributed_optimizer_survives_a_kill(stock_overlapped_disto
     assert (tmp_path / "ckpt" / "iter_0000004").is_dir()  # saved after the failure
 
 
-CYCLIC_STREAMS = """
-import random, sys
-from megatron.training.datasets.data_samplers import MegatronPretrainingRandomSampler
-from megatron_odyssey.megatron_lm.samples import GlobalMicroBatches
-
-rng = random.Random(0)
-for size, mbs, dp, sharding in ((40, 1, 4, True), (37, 1, 4, True), (38, 2, 2, True), (40, 1, 4, False), (42, 2, 3, False)):
-    gbs = mbs * dp * 2
-    data = list(range(size))
-    streams = []  # each rank's micro-batches as Megatron's cyclic_iter gives them, over several epochs
-    for d in range(dp):
-        sampler = MegatronPretrainingRandomSampler(data, total_samples=size, consumed_samples=0, micro_batch_size=mbs,
-                                                   data_parallel_rank=d, data_parallel_size=dp, data_sharding=sharding)
-        out = []
-        while len(out) < 4 * size:
-            out += list(sampler)
-        streams.append(out)
-    steps = 3 * size // gbs
-    wanted = [(step, j) for step in range(steps) for j in range(gbs // mbs)]
-    for order in (wanted, rng.sample(wanted, len(wanted)), [w for w in wanted if w[1] % dp != 1]):
-        samples = GlobalMicroBatches(data, mbs, gbs, dp, "cyclic", sharding)
-        for step, j in order:
-            k, d = divmod(j, dp)
-            assert samples.indices(step, j) == streams[d][step * (gbs // (mbs * dp)) + k], (size, mbs, dp, step, j)
-try:
-    GlobalMicroBatches(list(range(41)), 1, 8, 4, "cyclic", False)
-except ValueError as exc:
-    assert "drop --no-data-sharding" in str(exc)
-else:
-    sys.exit("no error for a split whose ranks start their epochs at different samples")
-print("ok")
-"""
-
-
 def test_cyclic_micro_batches_are_the_samples_megatrons_sampler_gives_each_rank() -> None:
     """Any global micro-batch, asked for in order, shuffled, or with a rank's share skipped, holds the samples
     Megatron's own cyclic sampler gives its data-parallel rank, across several epochs, with and without data
-    sharding (Megatron-LM's sampler, run in a process with the checkout importable)."""
-    out = subprocess.run([sys.executable, "-c", CYCLIC_STREAMS], env=job_env(MLM), capture_output=True, text=True,
-                         timeout=300)
+    sharding (testing.cyclic_check, in a process with the checkout importable)."""
+    out = subprocess.run([sys.executable, "-m", "megatron_odyssey.testing.cyclic_check"], env=job_env(MLM),
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stdout + out.stderr[-3000:]
 
 

@@ -101,8 +101,12 @@ def test_release_takes_back_a_machine_that_comes_back(checkout: str, references:
 
 @pytest.mark.parametrize("checkout", CHECKOUTS, ids=[Path(c).name for c in CHECKOUTS])
 def test_release_cyclic_data_loader_through_a_kill(checkout: str, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """--dataloader-type cyclic: the survivors read the dead rank's shuffled stream from this release's own
-    sampler (megatron.legacy.data to core_r0.15.0, megatron.training.datasets after): equal to stock."""
+    """--dataloader-type cyclic: the survivors read the dead rank's shuffled stream as this release's own sampler
+    (megatron.legacy.data to core_r0.15.0, megatron.training.datasets after) gives it (testing.cyclic_check):
+    equal to stock."""
+    check = subprocess.run([sys.executable, "-m", "megatron_odyssey.testing.cyclic_check"], env=job_env(checkout),
+                           capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0 and check.stdout.strip() == "ok", check.stdout + check.stderr[-3000:]
     flags = [*_flags(checkout), "--dataloader-type", "cyclic"]
     stock = run_stock(checkout, tmp_path_factory.mktemp("stock_cyclic"), flags, _port(checkout, 80))
     assert stock.returncode == 0, stock.logs[-4000:]
