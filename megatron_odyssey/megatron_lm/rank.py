@@ -808,7 +808,7 @@ class MegatronRank(GenerationRank):
         self.sync()
         self._sync_sequence_parallel_grads()
         self.pending_norm = plan_grad_norm(self.named, self.owners, self.node, self.tp_rank, self.cfg.layers, self.device)
-        self._publish_ready(step, result.loss_sum if self.tp_rank == 0 else 0.0)
+        self._publish_ready(step, 0.0, parts=result.loss_parts if self.tp_rank == 0 else [])
         loss = self._wait_commit(step)
         self.at(step, "optimizer")
         timers("optimizer", log_level=1).start(barrier=False)

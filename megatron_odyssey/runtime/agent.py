@@ -32,6 +32,7 @@ import multiprocessing as mp
 import os
 import signal
 import statistics
+import struct
 import sys
 import time
 import traceback
@@ -580,7 +581,8 @@ class Agent:
                 self.named_mismatch.add((self.gen, t))
                 self.log_error(f"step {t}: ready from ranks {sorted(shares)}, but the members are {members}")
             return
-        loss = committed_loss([shares[i] for i in members])  # in rank order, as before: the same float sum
+        # in rank order, as before: the same float sum
+        loss = committed_loss([shares[i] for i in members], self.cfg.dp)
         # the ranks' operation records of step t: read before the commit (a rank overwrites its record with
         # step t + 1's once it has it), judged after
         summaries = SlowNodes.read(self.store, self.key("ops"), members, t) if self.warm and self.slow_nodes.on else {}
@@ -1315,17 +1317,38 @@ def ready_shares(value: bytes) -> dict[int, bytes]:
     return out
 
 
-def committed_loss(shares: list[bytes]) -> float:
-    """The step's loss from every rank's *ready* value: a share of the normalised loss (``"x"``), or a loss
-    sum and its token count (``"x n"``, Megatron's own step) whose totals are divided."""
+def committed_loss(shares: list[bytes], data_parallel: int = 1) -> float:
+    """The step's loss from every rank's *ready* value: a share of the normalised loss (``"x"``), a loss sum and
+    its token count (``"x n"``, Megatron's own step) whose totals are divided, or each micro-batch's loss sum and
+    tokens (``"p j:x:n ..."``, a Megatron-LM plan step), added up as Megatron-LM's ``train_step`` does on the
+    ``data_parallel`` ranks of generation 0: in fp32, each rank over its micro-batches j = k * DP + d in order,
+    then over the ranks, and divided in fp32 (the printed loss is that float32)."""
     plain, numerator, tokens = 0.0, 0.0, 0.0
+    parts: dict[int, tuple[float, float]] = {}
     for share in shares:
-        parts = share.split()
-        if len(parts) == 2:
-            numerator, tokens = numerator + float(parts[0]), tokens + float(parts[1])
+        fields = share.split()
+        if fields and fields[0] == b"p":
+            for item in fields[1:]:
+                j, n, t = item.split(b":")
+                parts[int(j)] = (float(n), float(t))
+        elif len(fields) == 2:
+            numerator, tokens = numerator + float(fields[0]), tokens + float(fields[1])
         else:
-            plain += float(parts[0])
+            plain += float(fields[0])
+    if parts:
+        total_n = total_t = 0.0
+        for d in range(data_parallel):
+            rank_n = rank_t = 0.0
+            for j in sorted(j for j in parts if j % data_parallel == d):
+                rank_n, rank_t = _f32(rank_n + parts[j][0]), _f32(rank_t + parts[j][1])
+            total_n, total_t = _f32(total_n + rank_n), _f32(total_t + rank_t)
+        plain += _f32(total_n / total_t) if total_t else 0.0
     return plain + (numerator / tokens if tokens else 0.0)
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to float32 (a sum or quotient of two float32 values, exact in float64, rounded once)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 def megatron_checkpoint_iteration(save_dir: str | None) -> int | None:

@@ -54,6 +54,9 @@ PHASE_OF_OP = {FORWARD: "forward", BACKWARD: "backward", WEIGHT_GRAD: "weight-gr
 @dataclass
 class StepResult:
     loss_sum: float = 0.0  # sum of this rank's normalised micro-batch losses (last stage only)
+    # (global micro-batch, fp32 sum of its token losses, its loss tokens) of each micro-batch ending here: how
+    # Megatron-LM reports a step's loss (runtime.agent.committed_loss redoes its fp32 sums)
+    loss_parts: list[tuple[int, float, float]] = field(default_factory=list)
     forward_s: float = 0.0
     backward_s: float = 0.0
     weight_grad_s: float = 0.0  # deferred W operations (filled reroutes)
@@ -121,6 +124,7 @@ class PipelineExecutor:
         weight_grads: dict[tuple[int, int, int], DeferredWeightGrads] = {}  # B done, W to come
         pending: list = []
         loss_sum: torch.Tensor | None = None  # on the device: one host sync per step, not per micro-batch
+        parts: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (global micro-batch, loss sum, tokens)
         self._inbox.reset()
         if self.trace is not None:
             self.trace.begin(step)
@@ -148,6 +152,8 @@ class PipelineExecutor:
                 out = self.runner.forward(batch, inp)
                 if last_stage:
                     mask = batch["loss_mask"].to(out.dtype)
+                    parts.append((self._offsets[op.pipeline] + op.micro_batch,
+                                  (out.detach().float() * mask.float()).sum(), mask.float().sum()))
                     if not self.per_token_loss:
                         out = (out.float() * mask).sum() / mask.sum() / self.plan.num_micro_batches
                     else:
@@ -191,6 +197,9 @@ class PipelineExecutor:
             for work in pending:
                 work.wait()
         result.loss_sum = float(loss_sum) if loss_sum is not None else 0.0
+        if parts:
+            sums = torch.stack([torch.stack([n, t]) for _, n, t in parts]).tolist()
+            result.loss_parts = [(j, n, t) for (j, _, _), (n, t) in zip(parts, sums)]
         return result
 
 

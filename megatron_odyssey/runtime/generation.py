@@ -276,10 +276,16 @@ class GenerationRank(abc.ABC):
         return os.path.join(self.cfg.workdir or ".", "checkpoints")
 
     # -- the commit ---------------------------------------------------------------------------------
-    def _publish_ready(self, step: int, loss_share: float, tokens: float | None = None) -> None:
+    def _publish_ready(self, step: int, loss_share: float, tokens: float | None = None,
+                       parts: list[tuple[int, float, float]] | None = None) -> None:
         """Gradients of ``step`` are synchronised here; ``loss_share`` is this rank's part of its loss (a sum
-        over ``tokens`` loss tokens when given: the agent then divides the totals, as Megatron does)."""
-        value = repr(loss_share) if tokens is None else f"{loss_share!r} {tokens!r}"
+        over ``tokens`` loss tokens when given: the agent then divides the totals, as Megatron does); or
+        ``parts``: each of its micro-batches' loss sum and tokens, which the agent adds up in fp32 the way
+        Megatron-LM's data-parallel ranks would have (``agent.committed_loss``)."""
+        if parts is not None:
+            value = "p" + "".join(f" {j}:{n!r}:{t!r}" for j, n, t in parts)
+        else:
+            value = repr(loss_share) if tokens is None else f"{loss_share!r} {tokens!r}"
         summary = self.trace.summary() if self.trace is not None and self.trace.step == step else None
         if summary is not None:  # the agent reads it when it commits the step (diagnosis)
             self.store.set(f"{self.k['ops']}/{self.ident}", summary)

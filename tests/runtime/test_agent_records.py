@@ -19,6 +19,26 @@ def test_committed_loss_is_megatrons_token_weighted_mean() -> None:
     assert shares == {3: b"1.25", 0: b"0.75", 12: b"12.5 5.0"}
 
 
+def test_plan_step_loss_is_added_up_in_fp32_as_megatrons_ranks_would() -> None:
+    """Micro-batch loss sums from wherever a plan ran them, added up as Megatron-LM's train_step on DP=2 ranks
+    does: each rank's micro-batches j = 2 k + d in fp32 (vstack + sum), the two ranks' totals (all-reduce), an
+    fp32 quotient. Summing the means, or in float64, differs in the last printed digit of such losses."""
+    import random
+
+    import torch
+
+    rng = random.Random(3)
+    for _ in range(200):
+        parts = {j: (float(torch.tensor(rng.uniform(150.0, 300.0), dtype=torch.float32)), 32.0) for j in range(8)}
+        per_rank = [torch.vstack([torch.tensor(parts[j]) for j in range(d, 8, 2)]).sum(dim=0) for d in range(2)]
+        total = per_rank[0] + per_rank[1]
+        expected = float(total[0] / total[1])
+        # the plan ran micro-batches 0-2 and 6 on one last stage, 3-5 and 7 on another; a third rank has none
+        shares = [b"p" + b"".join(b" %d:%r:%r" % (j, *parts[j]) for j in (6, 0, 1, 2)), b"p",
+                  b"p" + b"".join(b" %d:%r:%r" % (j, *parts[j]) for j in (3, 4, 5, 7))]
+        assert committed_loss(shares, data_parallel=2) == expected
+
+
 def test_megatron_checkpoint_tracker(tmp_path) -> None:
     assert megatron_checkpoint_iteration(None) is None
     assert megatron_checkpoint_iteration(str(tmp_path)) is None  # nothing saved yet
