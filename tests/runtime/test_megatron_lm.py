@@ -32,7 +32,8 @@ ODYSSEY = [*TINY_GPT, "--odyssey-heartbeat-timeout", "10"]
 
 
 def _port(offset: int) -> int:
-    return 20000 + (os.getpid() * 7) % 20000 + offset
+    # below Linux's ephemeral range (32768+), where any socket of a running job may already hold a fixed port
+    return 20000 + (os.getpid() * 7) % 11000 + offset
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,8 @@ def _minor(checkout: str) -> int:
 
 
 def _port(checkout: str, offset: int) -> int:
-    return 20000 + (os.getpid() * 7 + 97 * _minor(checkout)) % 20000 + offset
+    # below Linux's ephemeral range (32768+), where any socket of a running job may already hold a fixed port
+    return 20000 + (os.getpid() * 7 + 97 * _minor(checkout)) % 12000 + offset
 
 
 @pytest.fixture(scope="module")
