@@ -152,14 +152,14 @@ class PipelineExecutor:
                 out = self.runner.forward(batch, inp)
                 if last_stage:
                     mask = batch["loss_mask"].to(out.dtype)
-                    parts.append((self._offsets[op.pipeline] + op.micro_batch,
-                                  (out.detach().float() * mask.float()).sum(), mask.float().sum()))
+                    summed = (out.float() * mask).sum()  # the micro-batch's loss sum, as Megatron reports it
+                    parts.append((self._offsets[op.pipeline] + op.micro_batch, summed.detach(), mask.float().sum()))
                     if not self.per_token_loss:
-                        out = (out.float() * mask).sum() / mask.sum() / self.plan.num_micro_batches
+                        out = summed / mask.sum() / self.plan.num_micro_batches
                     else:
                         if tokens is None:
                             tokens = token_count()
-                        out = (out.float() * mask).sum() / tokens
+                        out = summed / tokens
                     loss_sum = out.detach() if loss_sum is None else loss_sum + out.detach()
                     self._timer.stop(phase, c0)
                 else:
