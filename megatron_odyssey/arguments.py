@@ -103,7 +103,7 @@ def add_odyssey_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--odyssey-report", default=None, metavar="FILE",
                    help="write per-iteration and per-failure records (JSON) here")
     g.add_argument("--odyssey-inject-fault", action="append", default=[], metavar="SPEC",
-                   help="testing: step=I,rank=R,phase=forward|backward|grad-sync|optimizer|recovery,"
+                   help="testing: step=I,rank=R,phase=forward|backward|grad-sync|optimizer|recovery|log|save|eval,"
                         "kind=kill|hang|slow|error (repeatable; rank is the launch-time global rank; error: "
                         "the rank raises, as a local bug would; kind=slow,factor=F[,steps=N]: its compute F times "
                         "slower from iteration I on, for N iterations or to the end)")
@@ -144,11 +144,7 @@ def megatron_feature_refusals(args: Any) -> list[str]:
     if getattr(args, "log_num_zeros_in_grad", False):
         out.append("--odyssey cannot be combined with --log-num-zeros-in-grad: the count is a "
                    "collective over the uniform model-parallel group after the step's commit")
-    eval_interval, train_iters_ = getattr(args, "eval_interval", None), getattr(args, "train_iters", None)
-    if getattr(args, "eval_iters", 0) and eval_interval and (train_iters_ is None or eval_interval <= train_iters_):
-        out.append(f"--odyssey runs no evaluation during training yet, but --eval-iters "
-                   f"{args.eval_iters} would evaluate every {eval_interval} iterations; set "
-                   f"--eval-iters 0 and evaluate saved checkpoints separately")
+    out.extend(evaluation_refusals(args))
     if getattr(args, "save", None) and getattr(args, "ckpt_format", "torch_dist") != "torch_dist":
         out.append(f"--odyssey saves checkpoints in the torch_dist format only: --ckpt-format "
                    f"{args.ckpt_format} writes one file per pipeline rank, which a job re-arranged "
@@ -170,6 +166,27 @@ def megatron_feature_refusals(args: Any) -> list[str]:
         out.append(f"--odyssey reads a dead peer's micro-batches as Megatron's own sampler would have given them "
                    f"(--dataloader-type single or cyclic); --dataloader-type {args.dataloader_type} is the script's own "
                    f"data loader, which a survivor cannot ask for another rank's samples")
+    return out
+
+
+def evaluation_refusals(args: Any) -> list[str]:
+    """Evaluation runs in any layout (megatron_lm.evaluation) with the training batch's micro-batches and the
+    loss alone; these ways of evaluating cannot."""
+    out = []
+    for attr, flag, why in (
+            ("full_validation", "--full-validation", "it reads the whole validation split from sample 0 in "
+             "batches that need not split like the training batch"),
+            ("multiple_validation_sets", "--multiple-validation-sets", "it evaluates several validation splits, "
+             "which Odyssey does not keep apart"),
+            ("sft", "--sft", "its evaluation averages per-micro-batch means over the data-parallel ranks")):
+        if getattr(args, attr, False) and getattr(args, "eval_iters", 0):
+            out.append(f"--odyssey cannot evaluate with {flag}: {why}. Remove {flag} or set --eval-iters 0.")
+    for attr, flag, train_attr in (("eval_global_batch_size", "--eval-global-batch-size", "global_batch_size"),
+                                   ("eval_micro_batch_size", "--eval-micro-batch-size", "micro_batch_size")):
+        value, train = getattr(args, attr, None), getattr(args, train_attr, None)
+        if value is not None and train is not None and value != train and getattr(args, "eval_iters", 0):
+            out.append(f"--odyssey evaluates with the training batch's micro-batches (every plan splits those): "
+                       f"{flag} {value} differs from --{train_attr.replace('_', '-')} {train}; leave {flag} out")
     return out
 
 

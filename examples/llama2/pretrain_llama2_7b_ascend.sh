@@ -55,7 +55,7 @@ TRAINING=(
   --bf16 --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
   --data-path "$DATA_PREFIX" --split 990,8,2
   --save "$CKPT" --load "$CKPT" --save-interval 1000
-  --log-interval 10 --eval-iters 0 --eval-interval 1000000
+  --log-interval 10 --eval-iters 10 --eval-interval 1000   # evaluates in any layout after a failure
   --distributed-backend nccl --distributed-timeout-minutes 10
 )
 ODYSSEY=(

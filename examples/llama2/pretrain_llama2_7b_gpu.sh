@@ -50,7 +50,7 @@ TRAINING=(
   --recompute-granularity selective
   --data-path "$DATA_PREFIX" --split 990,8,2
   --save "$CKPT" --load "$CKPT" --save-interval 1000
-  --log-interval 10 --eval-iters 0 --eval-interval 1000000
+  --log-interval 10 --eval-iters 10 --eval-interval 1000   # evaluates in any layout after a failure
   --distributed-backend nccl --distributed-timeout-minutes 10
 )
 ODYSSEY=(
@@ -61,7 +61,5 @@ ODYSSEY=(
   --odyssey-profile-iters 10               # plan from measured layer times after 10 iterations
   --odyssey-report odyssey-report.json
 )
-# Evaluation during training is not supported with --odyssey yet (--eval-iters 0); evaluate saved
-# checkpoints separately.
 cd "$MEGATRON_LM"
 exec "$HERE/../../scripts/odyssey_launch.sh" pretrain_gpt.py "${MODEL[@]}" "${TRAINING[@]}" "${ODYSSEY[@]}" "$@"

@@ -28,6 +28,8 @@ class Captured:
     model_type: Any = None
     optimizer_call: tuple[tuple, dict] | None = None  # get_megatron_optimizer's arguments after model_chunks
     train_ds: Any = None
+    valid_ds: Any = None  # the evaluation splits (megatron_lm.evaluation)
+    test_ds: Any = None
 
 
 @dataclass
@@ -321,12 +323,14 @@ def _always() -> bool:
 
 
 def capture_datasets(original: Callable[..., Any]) -> Callable[..., Any]:
-    """megatron's ``build_train_valid_test_datasets``: unchanged, but keeps the training dataset."""
+    """megatron's ``build_train_valid_test_datasets``: unchanged, but keeps the splits (0.16+ may give a list
+    of validation splits: one, unless --multiple-validation-sets, which --odyssey refuses)."""
 
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         out = original(*args, **kwargs)
-        STATE.captured.train_ds = out[0]
+        valid = out[1][0] if isinstance(out[1], list) and len(out[1]) == 1 else out[1]
+        STATE.captured.train_ds, STATE.captured.valid_ds, STATE.captured.test_ds = out[0], valid, out[2]
         return out
 
     return wrapper

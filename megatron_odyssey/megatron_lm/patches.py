@@ -127,6 +127,15 @@ def _between_steps(name: str) -> Callable[[Callable[..., Any]], Callable[..., An
     return wrap
 
 
+def _evaluation(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+        from . import evaluation
+
+        return getattr(evaluation, name)(original)
+
+    return wrap
+
+
 def _weight_grad_patch(original: Callable[..., Any]) -> Callable[..., Any]:
     from ..runtime.weight_grad import linear_backward
 
@@ -206,6 +215,13 @@ PATCHES: tuple[Patch, ...] = (
           "recovered from and the save redone by the survivors"),
     Patch(f"{_T}.training:save_checkpoint", _between_steps("save_checkpoint"),
           "the final save (pretrain) and every interval save: an interrupted save is redone, never marked latest"),
+    Patch(f"{_T}.training:evaluate", _evaluation("evaluate"),
+          "its barrier, schedule and reductions run over the world outside train_step: a peer's failure there is "
+          "recovered from and the evaluation redone from where it began (its schedule call after a failure runs "
+          "the plan forward-only: megatron_lm.evaluation)"),
+    Patch(f"{_T}.training:build_train_valid_test_data_iterators", _evaluation("capture_eval_iterators"),
+          "remembers which iterator is the validation split's and which the test split's, so that an evaluation "
+          "after a failure reads the right split by index"),
     # checkpoints written after a recovery (megatron_lm.checkpoint)
     Patch(f"{_T}.checkpointing:generate_state_dict", hooks.plan_replica_state_dict,
           "replica ids come from the data-parallel rank, 0 on every rank under our parallel_state: after a "

@@ -240,6 +240,7 @@ class MegatronRank(GenerationRank):
         self.committed, self.pending, self.saved = int(args.iteration) - 1, None, None
         self.pending_norm = 0.0
         self.samples: GlobalMicroBatches | None = None  # which samples a global micro-batch holds
+        self.eval_samples: dict[str, GlobalMicroBatches] = {}  # ... of the evaluation splits (run_evaluation)
         if STATE.captured.train_ds is not None:  # now: a --dataloader-type it cannot follow fails the start
             self._global_micro_batches()
         # --odyssey-profile-iters: time iterations [first, end) with Megatron's timers (the first one
@@ -309,6 +310,42 @@ class MegatronRank(GenerationRank):
 
         self.at(step, "data")
         return default_collate([STATE.captured.train_ds[i] for i in self._global_micro_batches().indices(step, j)])
+
+    def run_evaluation(self, forward_step_func: Callable[..., Any], data_iterator: Any) -> list[dict[str, Any]]:
+        """One of ``evaluate``'s iterations over the current plan: the loss dictionaries that make its own
+        arithmetic give stock's figure on every rank (megatron_lm.evaluation)."""
+        from torch.utils.data import default_collate
+
+        from .evaluation import EVAL, stock_loss_dicts
+        from .versions import installed_version
+
+        split = EVAL.current or EVAL.kind_of(data_iterator)
+        dataset = STATE.captured.valid_ds if split == "valid" else STATE.captured.test_ds
+        if dataset is None:
+            raise RuntimeError(f"no {split} split was built (Megatron's build_train_valid_test_datasets), so "
+                               f"Odyssey cannot read its samples after a failure")
+        samples = self.eval_samples.get(split)
+        if samples is None or samples.dataset is not dataset:
+            samples = self.eval_samples[split] = GlobalMicroBatches(
+                dataset, self.cfg.micro_batch, self.cfg.global_batch, self.cfg.dp,
+                getattr(self.args, "dataloader_type", None) or "single", bool(getattr(self.args, "data_sharding", True)))
+        position = EVAL.position(self.args)
+        if position % self.cfg.global_batch:
+            raise RuntimeError(f"the {split} split is at sample {position}, not a whole number of evaluation batches "
+                               f"of {self.cfg.global_batch}")
+
+        def micro_batch(at: int, j: int) -> dict[str, torch.Tensor]:
+            return default_collate([dataset[i] for i in samples.indices(at // self.cfg.global_batch, j)])
+
+        self.runner.forward_step_func = forward_step_func
+        parts = self.executor.run_forward_only(micro_batch, position)
+        pairs = torch.zeros(self.cfg.num_micro_batches, 2, dtype=torch.float32, device=self.device)
+        if self.tp_rank == 0:  # (every TP rank of a last stage computes the same pairs)
+            for j, loss_sum, tokens in parts:
+                pairs[j, 0], pairs[j, 1] = loss_sum, tokens
+        dist.all_reduce(pairs)  # each row comes from one rank, zeros from the others: exact
+        version = installed_version()
+        return stock_loss_dicts(pairs, self.cfg.dp, per_micro_batch=version is not None and version.minor == 12)
 
     def _global_micro_batches(self) -> GlobalMicroBatches:
         if self.samples is None:

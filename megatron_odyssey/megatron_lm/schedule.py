@@ -33,12 +33,15 @@ class PlanSchedule:
         self.operations = node_operations(self.plan)[self.node]
 
     def __call__(self, *, forward_step_func: Callable[..., Any], forward_only: bool = False,
-                 odyssey_step: int | None = None, **_: Any) -> list[dict[str, Any]]:
-        if forward_only:
-            raise NotImplementedError("Odyssey runs no forward-only (evaluation) passes during training; "
-                                      "set --eval-iters 0")
+                 odyssey_step: int | None = None, data_iterator: Any = None, collect_non_loss_data: bool = False,
+                 **_: Any) -> list[dict[str, Any]]:
         if self.runtime is None:
             raise RuntimeError("PlanSchedule called without an Odyssey runtime on this rank")
+        if collect_non_loss_data:
+            raise NotImplementedError("Odyssey evaluates the loss only after a failure: the script's "
+                                      "process_non_loss_data_func / non_loss_data_func cannot run")
+        if forward_only:  # evaluate(): one evaluation iteration over the plan (megatron_lm.evaluation)
+            return self.runtime.run_evaluation(forward_step_func, data_iterator)
         step = odyssey_step if odyssey_step is not None else int(_current_iteration())
         return self.runtime.run_schedule(forward_step_func, step)
 

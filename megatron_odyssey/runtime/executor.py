@@ -101,6 +101,7 @@ class PipelineExecutor:
         self._inbox = Mailbox(self.p2p, receive_orders(self.plan, self.groups.node),
                               functools.partial(_rank_of_node, self.groups.rank_map, self.groups.tp_rank),
                               functools.partial(_empty, self.activation_shape, self.dtype, torch.device(self.device)))
+        self._forward_inbox: Mailbox | None = None  # forward-only passes (run_forward_only), made at the first
 
     # -- addressing -------------------------------------------------------------------------------
     def _node_of(self, pipeline: int, stage: int, micro_batch: int) -> int:
@@ -202,6 +203,49 @@ class PipelineExecutor:
             result.loss_parts = [(j, n, t) for (j, _, _), (n, t) in zip(parts, sums)]
         return result
 
+
+    def run_forward_only(self, micro_batch: MicroBatchFn, position: int,
+                         on_op: Callable[[str], None] | None = None) -> list[tuple[int, float, float]]:
+        """This rank's forward operations of the plan over other data (an evaluation: Megatron's
+        ``forward_only`` schedule): global micro-batch ``j`` is ``micro_batch(position, j)``. Returns the
+        ``(j, fp32 loss sum, loss tokens)`` of each micro-batch ending here. Each sender's forward messages keep
+        their order in the training schedule, so the pass cannot deadlock where the step cannot; it is neither
+        timed nor traced (the diagnosis judges training steps)."""
+        if self._forward_inbox is None:
+            orders = {src: [m for m in msgs if m[0] == FORWARD]
+                      for src, msgs in receive_orders(self.plan, self.groups.node).items()}
+            self._forward_inbox = Mailbox(self.p2p, orders, self._inbox.rank_of, self._inbox.make_buffer)
+        inbox, pending, parts = self._forward_inbox, [], []
+        inbox.reset()
+        with torch.no_grad():
+            for op in self._ops:
+                if op.kind != FORWARD:
+                    continue
+                if on_op is not None:
+                    on_op("eval")
+                j = self._offsets[op.pipeline] + op.micro_batch
+                inp = None
+                if op.stage > 0:
+                    with communicating():
+                        inp = inbox.receive(self._node_of(op.pipeline, op.stage - 1, op.micro_batch),
+                                            (FORWARD, op.pipeline, op.stage - 1, op.micro_batch))
+                batch = {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                         for k, v in micro_batch(position, j).items()}
+                set_micro_batch(position, j)
+                out = self.runner.forward(batch, inp)
+                if op.stage == self.plan.pipelines[op.pipeline].length - 1:
+                    mask = batch["loss_mask"].to(out.dtype)
+                    parts.append((j, (out.float() * mask).sum(), mask.float().sum()))
+                else:
+                    dst = self._node_of(op.pipeline, op.stage + 1, op.micro_batch)
+                    pending.append(self.p2p.isend(out.to(self.dtype), self.groups.rank_map.rank(dst, self.groups.tp_rank)))
+        with communicating():
+            for work in pending:
+                work.wait()
+        if not parts:
+            return []
+        sums = torch.stack([torch.stack([n, t]) for _, n, t in parts]).tolist()
+        return [(j, n, t) for (j, _, _), (n, t) in zip(parts, sums)]
 
     # -- one operation's messages, timed for the diagnosis (op_trace; its compute: ComputeTimer) -------------
     def _receive(self, src: int, key: tuple[str, int, int, int]) -> torch.Tensor:

@@ -31,6 +31,9 @@ def patch_for(megatron_lm: str | Path) -> Path:
 _LOG = re.compile(r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) .*?elapsed time per iteration \(ms\): "
                   r"(\S+) .*?learning rate: (\S+) .*?lm loss: (\S+) .*?grad norm: (\S+)")
 
+# one of evaluate_and_print_results' lines: "validation loss at iteration 4 | lm loss value: ... | lm loss PPL: ..."
+_VALIDATION = re.compile(r"validation loss at (.+?) \| lm loss value: (\S+) \| lm loss PPL: (\S+)")
+
 
 @dataclass
 class JobResult:
@@ -42,6 +45,10 @@ class JobResult:
     def iterations(self) -> dict[int, tuple[str, ...]]:
         """iteration -> (consumed samples, learning rate, lm loss, grad norm) as Megatron printed them."""
         return {int(m.group(1)): (m.group(2), *m.groups()[3:]) for m in _LOG.finditer(self.logs)}
+
+    def validations(self) -> list[tuple[str, str, str]]:
+        """(where, lm loss, perplexity) of each evaluation Megatron printed, in order."""
+        return [m.groups() for m in _VALIDATION.finditer(self.logs)]
 
     def iteration_ms(self) -> dict[int, float]:
         return {int(m.group(1)): float(m.group(3)) for m in _LOG.finditer(self.logs)}
@@ -69,6 +76,24 @@ def same_training(a: dict[int, tuple[str, ...]], b: dict[int, tuple[str, ...]], 
             if abs(float(x) - float(y)) > allowed:
                 return False
     return True
+
+
+def same_evaluations(a: list[tuple[str, str, str]], b: list[tuple[str, str, str]]) -> bool:
+    """Two runs printed the same evaluations (where, lm loss, perplexity): in the same places, with losses equal
+    to within one printed digit (a model trained through a failure may differ from stock's in its last bits) and
+    perplexities exp(loss) as close as those losses allow (printed to more digits than a loss's fp32 ulp moves)."""
+    def close(x: str, y: str, rel: float = 0.0) -> bool:
+        return abs(float(x) - float(y)) <= 1.01 * max(_printed_ulp(x), _printed_ulp(y)) + rel * abs(float(x))
+
+    return len(a) == len(b) and all(wa == wb and close(la, lb) and close(pa, pb, rel=1.01 * _printed_ulp(la))
+                                    for (wa, la, pa), (wb, lb, pb) in zip(a, b))
+
+
+def with_evaluation(flags: list[str], iters: int, interval: int) -> list[str]:
+    """``flags`` evaluating ``iters`` iterations every ``interval`` (and at the end, on validation and test)."""
+    out = list(flags)
+    out[out.index("--eval-iters") + 1], out[out.index("--eval-interval") + 1] = str(iters), str(interval)
+    return out
 
 
 def patched_script(megatron_lm: str | Path, work: Path) -> Path:

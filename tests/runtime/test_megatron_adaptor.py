@@ -136,7 +136,10 @@ def test_bad_policy_is_rejected_by_argparse(capsys: pytest.CaptureFixture, polic
     (["--odyssey"], {"untie_embeddings_and_output_weights": False}, "--untie-embeddings-and-output-weights"),
     (["--odyssey"], {"log_num_zeros_in_grad": True}, "--log-num-zeros-in-grad"),
     (["--odyssey"], {"rampup_batch_size": ["16", "8", "1000"]}, "--rampup-batch-size"),
-    (["--odyssey"], {"eval_iters": 100, "eval_interval": 5}, "--eval-iters 0"),
+    (["--odyssey"], {"eval_iters": 100, "full_validation": True}, "--full-validation: it reads the whole"),
+    (["--odyssey"], {"eval_iters": 100, "multiple_validation_sets": True}, "--multiple-validation-sets"),
+    (["--odyssey"], {"eval_iters": 100, "global_batch_size": 8, "eval_global_batch_size": 64},
+     "--eval-global-batch-size 64 differs from --global-batch-size"),
     (["--odyssey-policy", "reroute"], {}, "without --odyssey"),
     (["--odyssey", "--odyssey-heartbeat-timeout", "0"], {}, "heartbeat"),
     (["--odyssey", "--odyssey-max-cached-failures", "-1"], {}, "max-cached"),
@@ -152,6 +155,11 @@ def test_invalid_combinations_fail_clearly(argv: list[str], megatron: dict, mess
     ns = _megatron_like_args(argv, **megatron)
     with pytest.raises(OdysseyArgumentError, match=message.replace("-", r"\-")):
         validate_odyssey_args(ns)
+
+
+def test_evaluation_during_training_is_accepted() -> None:
+    """Megatron's defaults evaluate (100 iterations every 1000): --odyssey runs it in any layout."""
+    validate_odyssey_args(_megatron_like_args(["--odyssey"], eval_iters=100, eval_interval=5))
 
 
 def test_tensor_parallelism_without_extra_weight_shards_is_accepted() -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from megatron_odyssey.testing.megatron_lm_job import (job_env, max_tensor_difference, read_torch_dist, run_odyssey,
-                                                      run_stock, same_training)
+                                                      run_stock, same_evaluations, same_training, with_evaluation)
 from megatron_odyssey.megatron_lm.cpu_mode import tiny_gpt_flags
 
 MLM = os.environ.get("MEGATRON_LM_PATH")
@@ -402,6 +402,34 @@ def test_cyclic_data_loader_through_a_kill(tmp_path_factory: pytest.TempPathFact
                       _port(810 if policy == "reroute" else 820))
     assert job.returncode == 0, job.logs[-4000:]
     assert [f["policy"] for f in job.report["failures"]] == [policy]
+    assert same_training(job.iterations(), stock.iterations())
+
+
+@pytest.mark.parametrize("phase", ["backward", "eval"])
+def test_evaluation_during_training_through_a_kill(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path,
+                                                    phase: str) -> None:
+    """Megatron evaluates 2 iterations after every 2nd one, and at the end on the validation and the test split.
+    backward: rank 1 dies in iteration 3 and its peer takes over its micro-batches (a reroute: one rank runs two
+    pipelines' forwards), so the evaluations after iterations 4 and 5 run forward-only over that plan. eval: rank 1 dies as the evaluation after iteration 2 begins; the survivors fail inside stock's
+    evaluation, recover and run it again in the new layout, where the model is still bit for bit stock's, so
+    that evaluation prints exactly stock's figures. Every evaluation and iteration equal to stock's."""
+    flags = with_evaluation(TINY_GPT, 2, 2)
+    stock = run_stock(MLM, tmp_path_factory.mktemp(f"stock_eval_{phase}"), flags, _port(840 + 20 * (phase == "eval")))
+    assert stock.returncode == 0, stock.logs[-4000:]
+    step = {"backward": 2, "eval": 1}[phase]  # (0-based: iteration 3; the evaluation after iteration 2)
+    policy = {"backward": "reroute", "eval": "reconfigure"}[phase]
+    job = run_odyssey(MLM, tmp_path, [*flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-policy", policy,
+                                      "--odyssey-inject-fault", f"step={step},rank=1,phase={phase},kind=kill"],
+                      _port(850 + 20 * (phase == "eval")))
+    assert job.returncode == 0, job.logs[-4000:]
+    assert [(f["ranks"], f["policy"]) for f in job.report["failures"]] == [([1], policy)]
+    where = [w for w, _, _ in stock.validations()]
+    assert where == ["iteration 2", "iteration 4", f"iteration {ITERS} on validation set",
+                     f"iteration {ITERS} on test set"]
+    assert same_evaluations(job.validations(), stock.validations()), (job.validations(), stock.validations())
+    if phase == "eval":
+        assert "the evaluation of iteration 2 was interrupted by a failure; the survivors run it again" in job.logs
+        assert job.validations()[0] == stock.validations()[0]
     assert same_training(job.iterations(), stock.iterations())
 
 

@@ -2,7 +2,7 @@
 (no ``--odyssey``) is the reference, and the same job under ``odyssey-launch`` with one rank SIGKILLed
 mid-iteration trains exactly as it (loss and grad norm to the printed digit, learning rate, samples), also
 when the lost machine comes back (`odyssey-launch --join`), with --dataloader-type cyclic, and with the
-distributed optimizer (also with both overlaps) through two kills.
+distributed optimizer (also with both overlaps) through two kills, and evaluating during training.
 
 Needs checkouts: ``MEGATRON_LM_CHECKOUTS=/path/core_r0.12.0:/path/core_r0.19.0:...`` (``os.pathsep``
 separated; ``git archive`` of each branch is enough), plus Megatron-LM's own requirements (``einops``
@@ -19,7 +19,8 @@ import pytest
 
 from megatron_odyssey.megatron_lm.cpu_mode import tiny_gpt_flags
 from megatron_odyssey.megatron_lm.versions import KNOWN_RELEASES
-from megatron_odyssey.testing.megatron_lm_job import job_env, run_odyssey, run_stock, same_training
+from megatron_odyssey.testing.megatron_lm_job import (job_env, run_odyssey, run_stock, same_evaluations, same_training,
+                                                      with_evaluation)
 
 CHECKOUTS = [p for p in os.environ.get("MEGATRON_LM_CHECKOUTS", "").split(os.pathsep) if p]
 
@@ -115,6 +116,24 @@ def test_release_cyclic_data_loader_through_a_kill(checkout: str, tmp_path_facto
         *flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-policy", "reroute",
         "--odyssey-inject-fault", "step=2,rank=1,phase=backward,kind=kill"], _port(checkout, 90))
     assert job.returncode == 0, job.logs[-4000:]
+    assert same_training(job.iterations(), stock.iterations()), (job.iterations(), stock.iterations())
+
+
+@pytest.mark.parametrize("checkout", CHECKOUTS, ids=[Path(c).name for c in CHECKOUTS])
+def test_release_evaluates_as_stock_through_a_kill(checkout: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Evaluation every 2 iterations: rank 1 dies as the evaluation after iteration 2 begins; the survivors run it
+    again over the new plan, forward-only, and answer this release's evaluate() in its own format (core_r0.12: a
+    pair per micro-batch; later: one total), so it prints exactly stock's figures; the later evaluations, on a
+    model trained through the failure, equal stock's to the printed digit."""
+    flags = with_evaluation(_flags(checkout), 2, 2)
+    stock = run_stock(checkout, tmp_path_factory.mktemp("stock_eval"), flags, _port(checkout, 100))
+    assert stock.returncode == 0, stock.logs[-4000:]
+    job = run_odyssey(checkout, tmp_path_factory.mktemp("eval"), [
+        *flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-inject-fault", "step=1,rank=1,phase=eval,kind=kill"],
+        _port(checkout, 110))
+    assert job.returncode == 0, job.logs[-4000:]
+    assert len(stock.validations()) == 4 and job.validations()[0] == stock.validations()[0]
+    assert same_evaluations(job.validations(), stock.validations()), (job.validations(), stock.validations())
     assert same_training(job.iterations(), stock.iterations()), (job.iterations(), stock.iterations())
 
 
