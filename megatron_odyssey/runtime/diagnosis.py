@@ -6,7 +6,11 @@ Synchronous training repeats the same operations every step, so an anomaly can b
   for the same work, and its receivers wait. Each rank's compute per micro-batch (forward, backward and
   weight gradients, without waiting) is divided by what the profile expects for the layers it holds, and
   compared with the ranks holding the same layers (its data-parallel twins), or, where it has none, with
-  every other rank: the ratio is its *slowdown factor* in that step.
+  every other rank: the ratio is its *slowdown factor* in that step. The profile can misjudge one stage's
+  layers against another's (the analytic profile of a tiny model does, by 2.5x), which only the comparison
+  with other ranks sees: so while a node has twins and keeps pace with them, its ratio to every other rank is
+  recorded as its *baseline* for those layers, and once it has lost its twins its factor is that ratio over
+  its baseline (a node that lost its data-parallel peer to a failure is not "slow" for holding the embedding).
 - **comm-slow** (communication slow): a message handed to the transport on time arrives late. Matching each
   receive with its send gives the delay of every link (source node -> destination node); a link much slower
   than the others is named, and a node all of whose outgoing links are slow is named as the slow one.
@@ -69,6 +73,8 @@ class Diagnoser:
         self.options = options or DiagnosisOptions()
         self.tracks: dict[tuple[str, Any], _Track] = defaultdict(_Track)
         self.last_factors: dict[int, float] = {}  # node -> its compute factor in the newest step
+        # (node, its units) -> its ratios to every other node in recent steps where twins judged it normal
+        self.baselines: dict[tuple[int, frozenset[int]], deque] = defaultdict(lambda: deque(maxlen=16))
 
     # -- per step ---------------------------------------------------------------------------------------
     def observe(self, step: int, summaries: Mapping[int, dict[str, Any]], plan: ExecutionPlan,
@@ -77,6 +83,7 @@ class Diagnoser:
         found (or found again with a factor changed by more than half)."""
         found: list[Finding] = []
         factors, waits = self.compute_factors(summaries, plan, profile)
+        factors = self._against_baselines(factors, summaries, plan, profile)
         held_up = self.reduce_waits(summaries)
         self.last_factors = factors
         for node, factor in factors.items():
@@ -102,9 +109,32 @@ class Diagnoser:
         return out
 
     def forget(self, node: int) -> None:
-        """The node left the job (dropped, failed): its tracks go."""
+        """The node left the job (dropped, failed): its tracks and baselines go."""
         for key in [k for k in self.tracks if k[1] == node or (isinstance(k[1], tuple) and node in k[1])]:
             del self.tracks[key]
+        for key in [k for k in self.baselines if k[0] == node]:
+            del self.baselines[key]
+
+    def _against_baselines(self, factors: dict[int, float], summaries: Mapping[int, dict[str, Any]],
+                           plan: ExecutionPlan, profile: ModelProfile) -> dict[int, float]:
+        """Record each twinned, normal node's ratio to every other node; judge each twinless node by its ratio
+        over that baseline (where it has one for the layers it holds: ``needed`` steps of them)."""
+        speed = self.speeds(summaries, plan, profile)
+        holdings = plan.holdings()
+        out = dict(factors)
+        for node, x in speed.items():
+            others = [speed[n] for n in speed if n != node]
+            if not others or statistics.median(others) <= 0:
+                continue
+            ratio = x / statistics.median(others)
+            key = (node, holdings.get(node, frozenset()))
+            twinned = any(holdings.get(n) == holdings.get(node) for n in speed if n != node)
+            if twinned:
+                if factors.get(node, 1.0) < self.options.slow_factor:
+                    self.baselines[key].append(ratio)
+            elif len(self.baselines.get(key, ())) >= self.options.needed:
+                out[node] = ratio / statistics.median(self.baselines[key])
+        return out
 
     def _update(self, key: tuple[str, Any], step: int, factor: float, limit: float, make) -> list[Finding]:
         track = self.tracks[key]
@@ -126,15 +156,10 @@ class Diagnoser:
                         profile: ModelProfile) -> tuple[dict[int, float], dict[int, float]]:
         """Per node: its median forward time over what its layers should take, relative to its twins' (or,
         without twins, every other node's); and how long receivers waited on its messages this step."""
-        units = profile.units()
         holdings = plan.holdings()
-        speed: dict[int, float] = {}  # node -> measured / expected compute (the slowest of its TP ranks)
+        speed = Diagnoser.speeds(summaries, plan, profile)
         waits: dict[int, float] = defaultdict(float)
         for s in summaries.values():
-            node = int(s["node"])
-            expected = sum(units[u].forward_s + units[u].backward_s for u in holdings.get(node, ()))
-            if s["f"][0] and expected > 0:
-                speed[node] = max(speed.get(node, 0.0), s["c"] / expected)
             for src, _, entered, done in s["rx"]:
                 waits[int(src)] += done - entered
         factors = {}
@@ -145,6 +170,20 @@ class Diagnoser:
                 ref = statistics.median(others)
                 factors[node] = x / ref if ref > 0 else 1.0
         return factors, dict(waits)
+
+    @staticmethod
+    def speeds(summaries: Mapping[int, dict[str, Any]], plan: ExecutionPlan, profile: ModelProfile) -> dict[int, float]:
+        """node -> its measured compute per micro-batch over what the profile expects for its layers (the
+        slowest of its TP ranks)."""
+        units = profile.units()
+        holdings = plan.holdings()
+        speed: dict[int, float] = {}
+        for s in summaries.values():
+            node = int(s["node"])
+            expected = sum(units[u].forward_s + units[u].backward_s for u in holdings.get(node, ()))
+            if s["f"][0] and expected > 0:
+                speed[node] = max(speed.get(node, 0.0), s["c"] / expected)
+        return speed
 
     @staticmethod
     def reduce_waits(summaries: Mapping[int, dict[str, Any]]) -> dict[int, float]:
