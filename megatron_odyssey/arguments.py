@@ -134,10 +134,12 @@ def megatron_feature_refusals(args: Any) -> list[str]:
         if getattr(args, attr, 1) not in (None, 1):
             out.append(f"--odyssey supports tensor, pipeline and data parallelism; {flag} "
                                        f"{getattr(args, attr)} is not supported (set it to 1)")
-    if not getattr(args, "untie_embeddings_and_output_weights", True):
-        out.append("--odyssey needs --untie-embeddings-and-output-weights (as Llama-2 uses): tied "
-                   "weights live on the first and the last stage and are kept equal over Megatron's "
-                   "embedding group, which a re-arranged plan does not have")
+    if not getattr(args, "untie_embeddings_and_output_weights", True) and getattr(args, "use_distributed_optimizer", False):
+        out.append("--odyssey cannot shard the optimizer state of tied embeddings (--use-distributed-optimizer "
+                   "without --untie-embeddings-and-output-weights): after a failure each layer's state is sharded "
+                   "over the ranks holding it, and a stage holding both ends of the model has no separate output "
+                   "weight to shard like the others' copies; add --untie-embeddings-and-output-weights, or drop "
+                   "--use-distributed-optimizer")
     if getattr(args, "rampup_batch_size", None):
         out.append("--odyssey keeps the global batch fixed through failures (every plan splits the "
                    "same micro-batches); --rampup-batch-size is not supported")

@@ -99,6 +99,36 @@ def layer_offset(original: Callable[..., int]) -> Callable[..., int]:
     return wrapper
 
 
+def tied_embedding_setup(original: Callable[..., Any]) -> Callable[..., Any]:
+    """megatron's ``LanguageModule.setup_embeddings_and_output_layer`` for a stage being rebuilt with tied
+    embeddings. Stock Megatron zero-fills the output layer's copy of the word embeddings on a last stage that is
+    not also the first, and all-reduces it over the embedding group to copy the first stage's values; under our
+    parallel_state every rank is pipeline stage 0 of 1 (0.14+ asserts the last stage is not also the first) and
+    the values come from live copies instead (the restore after the rebuild). So only the parameter marks are
+    set, as stock sets them for each kind of stage: the copy is ``shared`` (the gradient norm counts the pair
+    once), and a stage holding both ends uses one weight twice (``zero_out_wgrad``)."""
+
+    @functools.wraps(original)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if STATE.stage_range is None or not getattr(self, "share_embeddings_and_output_weights", False):
+            return original(self, *args, **kwargs)
+        self.share_embeddings_and_output_weights = False  # the original then only marks embedding/output params
+        try:
+            original(self, *args, **kwargs)
+        finally:
+            self.share_embeddings_and_output_weights = True
+        weight = self.shared_embedding_or_output_weight()
+        if self.pre_process and self.post_process:
+            weight.zero_out_wgrad = True
+        elif self.pre_process:
+            weight.shared_embedding = True
+        elif self.post_process:
+            weight.shared, weight.shared_embedding = True, True
+        return None
+
+    return wrapper
+
+
 # -- gradient norm over a plan --------------------------------------------------------------------------
 
 def grad_norm_fp32(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -238,6 +238,11 @@ PATCHES: tuple[Patch, ...] = (
     Patch(f"{_C}.utils:get_batch_on_this_tp_rank", hooks.whole_batch_on_every_stage,
           "0.18+ keeps labels only where is_pipeline_last_stage(); after a failure every rank is stage 0 of 1 "
           "to Megatron, so each stage reads the whole batch", releases=(18, 20)),
+    Patch(f"{_C}.models.common.language_module.language_module:LanguageModule.setup_embeddings_and_output_layer",
+          hooks.tied_embedding_setup,
+          "with tied embeddings it zero-fills a last stage's copy of the word embeddings and all-reduces it over the "
+          "embedding group (asserting, from 0.14, that the stage is not also the first); a rebuilt stage gets its "
+          "values from live copies, so only the parameter marks are set"),
     # capture what a rebuild needs
     Patch(f"{_T}.training:get_model", hooks.capture_get_model,
           "remembers the model provider, to rebuild a stage after a failure with Megatron's own get_model"),

@@ -150,6 +150,10 @@ def megatron_global_names(chunk: Any, layer_start: int) -> list[tuple[str, torch
     return [(to_global_name(name, layer_start), p) for name, p in chunk.named_parameters()]
 
 
+#: the tied embedding weight's names: the word embeddings, and the output layer's copy on a stage without them
+TIED_NAMES = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
 def unit_owners(plan: ExecutionPlan) -> dict[int, int]:
     """unit -> the node that counts it in the gradient norm (the lowest live node holding it)."""
     return {unit: min(nodes) for unit, nodes in plan.holders().items()}
@@ -158,7 +162,8 @@ def unit_owners(plan: ExecutionPlan) -> dict[int, int]:
 def plan_grad_norm(named: list[tuple[str, torch.nn.Parameter]], owner: dict[int, int], node: int, tp_rank: int,
                    num_layers: int, device: Any) -> float:
     """L2 norm of the whole model's gradient for any plan: every unit is counted once, by the lowest
-    live node holding it (and tensor-parallel duplicates once, by TP rank 0); one SUM all-reduce over
+    live node holding it (and tensor-parallel duplicates once, by TP rank 0; a tied output layer's copy of
+    the word embeddings, marked ``shared``, not at all, as in Megatron); one SUM all-reduce over
     the world. Replaces Megatron's norm over the uniform model-parallel group."""
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
@@ -166,7 +171,7 @@ def plan_grad_norm(named: list[tuple[str, torch.nn.Parameter]], owner: dict[int,
     for name, p in named:
         g = getattr(p, "main_grad", None)
         g = p.grad if g is None else g
-        if g is None or owner.get(unit_of(name, num_layers)) != node:
+        if g is None or owner.get(unit_of(name, num_layers)) != node or getattr(p, "shared", False):
             continue
         if tp_rank == 0 or param_is_not_tensor_parallel_duplicate(p):
             total += g.detach().double().pow(2).sum()
@@ -193,6 +198,7 @@ def config_from_megatron_args(args: Any) -> TrainConfig:
         first_step_timeout_s=args.odyssey_first_step_timeout,
         workdir=os.environ.get(WORKDIR_ENV), mtbf_hours=args.odyssey_mtbf_hours,
         extra={"megatron": True, "start_step": int(args.iteration), "save_dir": getattr(args, "save", None),
+               "tied_embeddings": not getattr(args, "untie_embeddings_and_output_weights", True),
                "max_cached_failures": args.odyssey_max_cached_failures,
                "profile_iters": args.odyssey_profile_iters, **megatron_job_fields(args),
                **({"rejoin": parse_rejoin(args.odyssey_rejoin, "--odyssey-rejoin")}
@@ -224,6 +230,7 @@ class MegatronRank(GenerationRank):
         self.cfg, self.ident, self.store, self.store_addr = cfg, ident, store, (host, int(port))
         self.args, self.megatron_model, self.megatron_optimizer, self.scheduler = args, model, optimizer, scheduler
         self.node, self.tp_rank = divmod(self.ident, cfg.tp)
+        self.tied_embeddings = bool(cfg.extra.get("tied_embeddings", False))
         self.injector = Injector(cfg.fail_specs(), self.ident, store)
         self.progress = Progress()
         track(self.progress)  # marked by the executor and gradient sync around communication (liveness)
@@ -433,7 +440,8 @@ class MegatronRank(GenerationRank):
         """Executor and per-layer gradient sync over Megatron's chunk and buffers (GenerationRank's hook)."""
         self._adopt_chunk(self.megatron_model[0])  # named back to model parameters after the restore
         self.sync = GradientSync(self.plan, self.groups, params_by_unit(self.named, self.cfg.layers), attr="main_grad",
-                                 staged=self.p2p.staged, trace=self.trace, overlap=self.cfg.overlap_grad_reduce)
+                                 staged=self.p2p.staged, trace=self.trace, overlap=self.cfg.overlap_grad_reduce,
+                                 tied=[p for n, p in self.named if self.tied_embeddings and n in TIED_NAMES])
         self.executor = PipelineExecutor(self.plan, self.groups, self.runner, self.micro_batch,
                                          (self.cfg.seq, self.cfg.micro_batch, self.cfg.hidden),
                                          dtype=_activation_dtype(self.args),

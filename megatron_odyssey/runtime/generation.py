@@ -116,6 +116,7 @@ class GenerationRank(abc.ABC):
     control: Any = None  # control_plane.ControlPlane when a standby agent can take over
     trace: OpTrace | None = None  # this rank's operations per step, for the agent's diagnosis
     uses_parallel_state = True  # point megatron-core's parallel_state at each generation's groups
+    tied_embeddings = False  # the output layer's weight is the word embeddings' (grad_sync, state.TIED_ALIASES)
     between_steps = False  # recovering from a failure met between two steps (Megatron-LM's loop: log, save)
     plan_message: dict | None = None  # the agent's message of the generation entered last
 
@@ -212,7 +213,7 @@ class GenerationRank(abc.ABC):
         init_world(self.store, gen, rank, self.rank_map.world_size, self.backend, cfg.timeout_s)
         self.progress.mark(self.progress.step, "recovery")  # each part of a rebuild is progress
         marks.append(time.perf_counter())
-        self.groups = build_plan_groups(plan, self.rank_map, rank)
+        self.groups = build_plan_groups(plan, self.rank_map, rank, tied=self.tied_embeddings)
         if self.backend != "gloo":  # NCCL/HCCL open pair communicators lazily: open them in one global order
             connect_peers(peer_pairs(plan, self.rank_map, transfers), rank, self.p2p, self.device)
         if self.uses_parallel_state:
@@ -233,7 +234,8 @@ class GenerationRank(abc.ABC):
         elif old is not None or any(dst == self.node for _, _, dst in transfers):  # (a joining rank holds nothing)
             old = old or {}
             received = st.transfer(transfers, self.node, self.tp_rank, self.rank_map.rank, cfg.layers, old,
-                                   {n: p.shape for n, p in self.named}, self.device, self.p2p)
+                                   {n: p.shape for n, p in self.named}, self.device, self.p2p,
+                                   aliases=st.TIED_ALIASES if self.tied_embeddings else None)
             self._restore({**old, **received})
         self.store.set(f"{self.k['transfer']}/{self.ident}", repr(time.perf_counter() - t0))
         self.store.set(f"odyssey/gen{gen}/rebuild/{self.ident}", json.dumps(

@@ -14,6 +14,11 @@ layers below (as Megatron's DDP starts a bucket's reduction). Every rank starts 
 order, highest unit first (the order a backward pass finishes them in): two ranks sharing units issue
 their collectives in the same order, so NCCL communicators cannot wait on each other in a cycle. The sums
 are the same collectives over the same buffers as without overlap, so the result is bit for bit the same.
+
+Tied embeddings (Megatron-LM without ``--untie-embeddings-and-output-weights``): the word embeddings and the
+output layer are one weight, a copy of it on every stage holding either end (one parameter on a stage holding
+both). Its gradient is the sum of every copy's, so it leaves its units' all-reduces and is summed, after them,
+over every holder of either end (``PlanGroups.tied_group``): each copy then takes the same step.
 """
 from __future__ import annotations
 
@@ -98,15 +103,19 @@ def all_reduce_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup | None
 
 class GradientSync:
     def __init__(self, plan: ExecutionPlan, groups: PlanGroups, params: dict[int, list[torch.nn.Parameter]],
-                 attr: str = "grad", staged: bool = False, trace: Any = None, overlap: bool = False):
+                 attr: str = "grad", staged: bool = False, trace: Any = None, overlap: bool = False,
+                 tied: Iterable[torch.nn.Parameter] = ()):
         self.rounds, _, self.lower_bound = colour_units(plan)
         self.groups = groups
-        self.params = params
+        self.tied = list(tied)  # this rank's copy of the tied embedding weight (see the module docstring)
+        tied_ids = {id(p) for p in self.tied}
+        self.params = {u: [p for p in ps if id(p) not in tied_ids] for u, ps in params.items()}
+        self.params = {u: ps for u, ps in self.params.items() if ps}
         self.attr = attr  # "main_grad": Megatron DDP's fp32 gradient buffers, reduced in place
         self.staged = staged  # through host memory (see all_reduce_flat)
         self.trace = trace  # op_trace.OpTrace: when each all-reduce was entered and left (diagnosis)
         # overlap: this rank's shared units, highest first (the one order every rank starts them in)
-        self.order = sorted((u for u in params if u in groups.unit_groups), reverse=True)
+        self.order = sorted((u for u in self.params if u in groups.unit_groups), reverse=True)
         self.overlap = overlap and bool(self.order)
         self._in_flight: dict[int, _InFlight] = {}
         self._next = 0  # index in ``order`` of the next unit to start
@@ -198,7 +207,7 @@ class GradientSync:
             for unit in self.order:
                 self._finish(unit)
             self._next = 0
-            return len(self.order)
+            return len(self.order) + self._sync_tied()
         joined = 0
         for round_units in self.rounds:  # the units of a round live on disjoint ranks: side by side
             for unit in round_units:
@@ -206,7 +215,21 @@ class GradientSync:
                     self._start(unit)
                     self._finish(unit)
                     joined += 1
-        return joined
+        return joined + self._sync_tied()
+
+    def _sync_tied(self) -> int:
+        """Sum the tied weight's gradient over every copy (after every unit's all-reduce, on every member: one
+        order for all)."""
+        if self.groups.tied_group is None or not self.tied:
+            return 0
+        grads = [getattr(p, self.attr, None) for p in self.tied]
+        flight = start_all_reduce_flat([g if g is not None else torch.zeros_like(p) for g, p in zip(grads, self.tied)],
+                                       self.groups.tied_group[0], self.staged)
+        with communicating():
+            reduced = flight.finish()
+        for p, part in zip(self.tied, reduced):
+            self._store(p, part)
+        return 1
 
 
 def _param_ready(sync: "weakref.ref[GradientSync]", unit: int, param_id: int, *_: Any) -> None:

@@ -18,6 +18,11 @@ from .transport import P2P
 ParamState = dict[str, torch.Tensor | float]
 State = dict[str, ParamState]  # global name -> state of this rank's shard
 
+#: with tied embeddings the output layer's weight is a copy of the word embeddings (same values, same Adam
+#: state), and a stage holding both ends has only the embedding: a transfer of the output unit names the copy
+#: on both sides whichever of the two each side holds
+TIED_ALIASES = {"output_layer.weight": "embedding.word_embeddings.weight"}
+
 
 def capture(named_params: Iterable[tuple[str, torch.nn.Parameter]], optimizer: torch.optim.Optimizer) -> State:
     out: State = {}
@@ -59,13 +64,18 @@ def adam_state(step: float, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, dev
 
 def transfer(transfers: list[tuple[int, int, int]], my_node: int, tp_rank: int, rank_of, num_layers: int,
              old: State, wanted: dict[str, torch.Size], device: torch.device | str = "cpu",
-             p2p: P2P | None = None) -> State:
+             p2p: P2P | None = None, aliases: dict[str, str] | None = None) -> State:
     """Move unit states along the schedule ``[(unit, src node, dst node), ...]`` (same order on every
     rank). Each TP rank moves its own shards. All sends are posted before any receive, so no order
     of roles can deadlock. Messages carry no tags (NCCL ignores them): between two nodes, units go in
     schedule order and a unit's tensors in sorted-name order, the same on both sides. ``wanted``
-    gives the shapes of this rank's new parameters; received state lands on ``device``."""
+    gives the shapes of this rank's new parameters; received state lands on ``device``. ``aliases``
+    (name -> the name of the parameter it copies, :data:`TIED_ALIASES`): a side holding only the copied
+    parameter sends (or receives) it under the alias too."""
     p2p = p2p or P2P()
+    aliases = aliases or {}
+    old = {**{a: old[t] for a, t in aliases.items() if a not in old and t in old}, **old}
+    wanted = {**{a: wanted[t] for a, t in aliases.items() if a not in wanted and t in wanted}, **wanted}
     sends, received = [], {}
     plan = list(transfers)
     for unit, src, dst in plan:

@@ -58,6 +58,9 @@ class PlanGroups:
     # unit -> (group, member ranks) for every unit this rank holds that more than one node holds
     unit_groups: dict[int, tuple[dist.ProcessGroup, list[int]]] = field(default_factory=dict)
     self_group: dist.ProcessGroup | None = None
+    # tied embeddings: (group, member ranks) of every holder of the embedding or the output layer, when this rank
+    # is one and there are two or more (the pair's gradients are summed over all of them)
+    tied_group: tuple[dist.ProcessGroup, list[int]] | None = None
 
 
 def init_world(store: dist.Store, generation: int, rank: int, world_size: int, backend: str,
@@ -68,9 +71,9 @@ def init_world(store: dist.Store, generation: int, rank: int, world_size: int, b
                             timeout=timedelta(seconds=timeout_s))
 
 
-def build_plan_groups(plan: ExecutionPlan, rank_map: RankMap, my_rank: int) -> PlanGroups:
+def build_plan_groups(plan: ExecutionPlan, rank_map: RankMap, my_rank: int, tied: bool = False) -> PlanGroups:
     """Create (collectively, in the same order on every rank) the TP groups and the per-unit
-    gradient-sync groups of ``plan``, and return this rank's handles."""
+    gradient-sync groups of ``plan`` (``tied``: and the tied embeddings' group), and return this rank's handles."""
     node, tp_rank = rank_map.node(my_rank), rank_map.tp_rank(my_rank)
     groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
 
@@ -93,7 +96,15 @@ def build_plan_groups(plan: ExecutionPlan, rank_map: RankMap, my_rank: int) -> P
         unit_ranks[unit] = [[rank_map.rank(n, t) for n in nodes] for t in range(rank_map.tp)]
         for ranks in unit_ranks[unit]:
             group(ranks)
-    # 3. a group of just this rank for megatron's data/pipeline/context groups, which our own
+    # 3. tied embeddings: every node holding the embedding or the output layer, one group per TP rank
+    tied_ranks: list[list[int]] = []
+    if tied:
+        ends = sorted(set(holders.get(0, [])) | set(holders.get(plan.num_layers + 1, [])))
+        if len(ends) >= 2:
+            tied_ranks = [[rank_map.rank(n, t) for n in ends] for t in range(rank_map.tp)]
+            for ranks in tied_ranks:
+                group(ranks)
+    # 4. a group of just this rank for megatron's data/pipeline/context groups, which our own
     #    executor replaces (each rank creates only its own, hence local synchronisation)
     me = dist.new_group([my_rank], use_local_synchronization=True) if rank_map.world_size > 1 else dist.group.WORLD
     mine = {}
@@ -101,7 +112,10 @@ def build_plan_groups(plan: ExecutionPlan, rank_map: RankMap, my_rank: int) -> P
         ranks = per_tp[tp_rank]
         if my_rank in ranks:
             mine[unit] = (groups[tuple(sorted(ranks))], ranks)
-    return PlanGroups(rank_map, node, tp_rank, tp_groups.get(node, me), mine, me)
+    tied_group = None
+    if tied_ranks and my_rank in tied_ranks[tp_rank]:
+        tied_group = (groups[tuple(sorted(tied_ranks[tp_rank]))], tied_ranks[tp_rank])
+    return PlanGroups(rank_map, node, tp_rank, tp_groups.get(node, me), mine, me, tied_group)
 
 
 # -- megatron-core's parallel_state ----------------------------------------------------------------

@@ -393,3 +393,42 @@ def replica_optimizer_worker(rank: int, world: int, store_file: str, out: str, d
                     "saved": saved, "common": common}, out)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def tied_embeddings_worker(rank: int, world: int, store_file: str, out: str) -> None:
+    """Three nodes of a plan with tied embeddings: node 0 holds the whole 4-layer model (one weight for both
+    ends), nodes 1 and 2 a two-stage pipeline (embedding | output layer, each with its own copy). Each gives its
+    copy a known gradient; then node 0 hands the output unit to node 2 and back (state.transfer with the aliases).
+    Rank 0 saves what every rank ended with."""
+    import torch.distributed as dist
+
+    from megatron_odyssey.planning.plan import layout
+    from megatron_odyssey.runtime import state as st
+    from megatron_odyssey.runtime.grad_sync import GradientSync, params_by_unit
+    from megatron_odyssey.runtime.world import RankMap, build_plan_groups
+
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
+    plan = layout([((4,), 2), ((2, 2), 2)], num_layers=4)
+    groups = build_plan_groups(plan, RankMap.for_plan(plan, 1), rank, tied=True)
+    names = {0: ["embedding.word_embeddings.weight", *(f"decoder.layers.{k}.w" for k in range(4)),
+                 "decoder.final_layernorm.weight"],
+             1: ["embedding.word_embeddings.weight", "decoder.layers.0.w", "decoder.layers.1.w"],
+             2: ["decoder.layers.2.w", "decoder.layers.3.w", "decoder.final_layernorm.weight", "output_layer.weight"]}
+    named = [(n, torch.nn.Parameter(torch.full((3,), float(rank + 1)))) for n in names[rank]]
+    for i, (n, p) in enumerate(named):
+        p.grad = torch.full((3,), 10.0 ** rank * (i + 1))  # every rank's and parameter's gradient differ
+    tied = [p for n, p in named if n in ("embedding.word_embeddings.weight", "output_layer.weight")]
+    sync = GradientSync(plan, groups, params_by_unit(named, 4), tied=tied)
+    joined = sync()
+    grads = {n: p.grad.clone() for n, p in named}
+    # the output unit (5) from node 0 (no output weight of its own) to node 2, and from node 2 back to node 0
+    old = st.capture(named, torch.optim.Adam([p for _, p in named]))
+    wanted = {n: p.shape for n, p in named}
+    received = st.transfer([(5, 0, 2), (5, 2, 0)], rank, 0, lambda node, tp: node, 4, old, wanted,
+                           aliases=st.TIED_ALIASES)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, {"grads": grads, "joined": joined,
+                                      "received": {n: s["param"] for n, s in received.items()}})
+    if rank == 0:
+        torch.save(everyone, out)
+    dist.destroy_process_group()

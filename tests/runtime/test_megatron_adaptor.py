@@ -133,7 +133,8 @@ def test_bad_policy_is_rejected_by_argparse(capsys: pytest.CaptureFixture, polic
     (["--odyssey"], {"dataloader_type": "external"}, "--dataloader-type external is the script's own data loader"),
     (["--odyssey"], {"save": "/ckpt", "ckpt_format": "torch"}, "--ckpt-format torch writes one file per pipeline rank"),
     (["--odyssey"], {"async_save": True}, "--async-save"),
-    (["--odyssey"], {"untie_embeddings_and_output_weights": False}, "--untie-embeddings-and-output-weights"),
+    (["--odyssey"], {"untie_embeddings_and_output_weights": False, "use_distributed_optimizer": True,
+                     "num_distributed_optimizer_instances": 2}, "cannot shard the optimizer state of tied embeddings"),
     (["--odyssey"], {"log_num_zeros_in_grad": True}, "--log-num-zeros-in-grad"),
     (["--odyssey"], {"rampup_batch_size": ["16", "8", "1000"]}, "--rampup-batch-size"),
     (["--odyssey"], {"eval_iters": 100, "full_validation": True}, "--full-validation: it reads the whole"),
@@ -155,6 +156,11 @@ def test_invalid_combinations_fail_clearly(argv: list[str], megatron: dict, mess
     ns = _megatron_like_args(argv, **megatron)
     with pytest.raises(OdysseyArgumentError, match=message.replace("-", r"\-")):
         validate_odyssey_args(ns)
+
+
+def test_tied_embeddings_are_accepted() -> None:
+    """Megatron's default for GPT models (no --untie-embeddings-and-output-weights)."""
+    validate_odyssey_args(_megatron_like_args(["--odyssey"], untie_embeddings_and_output_weights=False))
 
 
 def test_evaluation_during_training_is_accepted() -> None:

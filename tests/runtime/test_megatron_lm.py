@@ -499,6 +499,43 @@ def test_checkpoint_saved_after_a_recovery_resumes_like_stock(stock_saved: tuple
     assert max_tensor_difference(final, stock_final) < 1e-6
 
 
+# -- tied embeddings (Megatron's default for GPT models) ------------------------------------------------
+
+TIED = [f for f in tiny_gpt_flags(ITERS) if f != "--untie-embeddings-and-output-weights"]
+
+
+def _tied_saving(work: Path) -> list[str]:
+    return [*TIED, "--save", str(work / "ckpt"), "--save-interval", str(ITERS)]
+
+
+@pytest.fixture(scope="module")
+def stock_tied(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
+    """Stock Megatron-LM with tied embeddings: its logged iterations and final checkpoint."""
+    work = tmp_path_factory.mktemp("stock_tied")
+    job = run_stock(MLM, work, _tied_saving(work), _port(900))
+    assert job.returncode == 0, job.logs[-4000:]
+    return job.iterations(), read_torch_dist(work / "ckpt" / f"iter_{ITERS:07d}")
+
+
+@pytest.mark.parametrize("policy, rank", [("reroute", 1), ("reconfigure", 3)])
+def test_tied_embeddings_through_a_kill(stock_tied: tuple, tmp_path: Path, policy: str, rank: int) -> None:
+    """Without --untie-embeddings-and-output-weights the output layer's weight is the word embeddings', kept as a
+    copy on the last stage. After the failure every copy (first stages', last stages', one weight on a stage
+    holding the whole model) takes the gradient summed over all of them (grad_sync), a stage that takes over the
+    output layer from one holding both ends gets the copy (state.TIED_ALIASES), and the checkpoint written at the
+    end holds the pair once. reroute: rank 1's stage-0 twin runs its micro-batches; reconfigure: rank 3 (stage 1)
+    dies and the three survivors are re-arranged. Every logged iteration and the final checkpoint equal stock's."""
+    stock, stock_final = stock_tied
+    job = run_odyssey(MLM, tmp_path, [*_tied_saving(tmp_path), "--odyssey-heartbeat-timeout", "10", "--odyssey-policy",
+                                      policy, "--odyssey-inject-fault", f"step=1,rank={rank},phase=backward,kind=kill"],
+                      _port(910 + 10 * rank))
+    assert job.returncode == 0, job.logs[-4000:]
+    assert [f["policy"] for f in job.report["failures"]] == [policy]
+    assert same_training(job.iterations(), stock)
+    final = read_torch_dist(tmp_path / "ckpt" / f"iter_{ITERS:07d}")
+    assert set(final) == set(stock_final) and max_tensor_difference(final, stock_final) < 1e-6
+
+
 # -- randomness is state too ---------------------------------------------------------------------------
 
 DROPOUT = [*TINY_GPT, "--odyssey-heartbeat-timeout", "10"]

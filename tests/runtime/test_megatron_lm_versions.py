@@ -2,7 +2,8 @@
 (no ``--odyssey``) is the reference, and the same job under ``odyssey-launch`` with one rank SIGKILLed
 mid-iteration trains exactly as it (loss and grad norm to the printed digit, learning rate, samples), also
 when the lost machine comes back (`odyssey-launch --join`), with --dataloader-type cyclic, and with the
-distributed optimizer (also with both overlaps) through two kills, and evaluating during training.
+distributed optimizer (also with both overlaps) through two kills, evaluating during training, and with tied
+embeddings.
 
 Needs checkouts: ``MEGATRON_LM_CHECKOUTS=/path/core_r0.12.0:/path/core_r0.19.0:...`` (``os.pathsep``
 separated; ``git archive`` of each branch is enough), plus Megatron-LM's own requirements (``einops``
@@ -134,6 +135,23 @@ def test_release_evaluates_as_stock_through_a_kill(checkout: str, tmp_path_facto
     assert job.returncode == 0, job.logs[-4000:]
     assert len(stock.validations()) == 4 and job.validations()[0] == stock.validations()[0]
     assert same_evaluations(job.validations(), stock.validations()), (job.validations(), stock.validations())
+    assert same_training(job.iterations(), stock.iterations()), (job.iterations(), stock.iterations())
+
+
+@pytest.mark.parametrize("checkout", CHECKOUTS, ids=[Path(c).name for c in CHECKOUTS])
+def test_release_tied_embeddings_through_a_kill(checkout: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Tied embeddings (Megatron's default for GPT): rank 3 (stage 1) dies and the survivors are re-arranged;
+    the pair's copies are summed over every holder, and the release's own set-up of a rebuilt stage's copy
+    (0.14+ asserts a last stage is not the first, which every stage is under our parallel_state) is replaced by
+    marks only. Equal to stock."""
+    flags = [f for f in _flags(checkout) if f != "--untie-embeddings-and-output-weights"]
+    stock = run_stock(checkout, tmp_path_factory.mktemp("stock_tied"), flags, _port(checkout, 120))
+    assert stock.returncode == 0, stock.logs[-4000:]
+    job = run_odyssey(checkout, tmp_path_factory.mktemp("tied"), [
+        *flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-policy", "reconfigure",
+        "--odyssey-inject-fault", "step=1,rank=3,phase=backward,kind=kill"], _port(checkout, 130))
+    assert job.returncode == 0, job.logs[-4000:]
+    assert [f["policy"] for f in job.report["failures"]] == ["reconfigure"]
     assert same_training(job.iterations(), stock.iterations()), (job.iterations(), stock.iterations())
 
 
