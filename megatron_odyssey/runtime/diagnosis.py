@@ -118,7 +118,8 @@ class Diagnoser:
     def _against_baselines(self, factors: dict[int, float], summaries: Mapping[int, dict[str, Any]],
                            plan: ExecutionPlan, profile: ModelProfile) -> dict[int, float]:
         """Record each twinned, normal node's ratio to every other node; judge each twinless node by its ratio
-        over that baseline (where it has one for the layers it holds: ``needed`` steps of them)."""
+        over the median of that baseline where it has one for the layers it holds (one judged step is enough: a
+        failure may come at the second step, and any baseline is nearer the truth than the profile alone)."""
         speed = self.speeds(summaries, plan, profile)
         holdings = plan.holdings()
         out = dict(factors)
@@ -132,7 +133,7 @@ class Diagnoser:
             if twinned:
                 if factors.get(node, 1.0) < self.options.slow_factor:
                     self.baselines[key].append(ratio)
-            elif len(self.baselines.get(key, ())) >= self.options.needed:
+            elif self.baselines.get(key):
                 out[node] = ratio / statistics.median(self.baselines[key])
         return out
 

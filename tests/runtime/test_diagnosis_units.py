@@ -251,6 +251,12 @@ def test_a_node_that_lost_its_twins_is_judged_against_its_own_baseline():
         named += d.observe(step, biased(step, rerouted, slow=3.0), rerouted, PROFILE)
     (finding,) = named
     assert finding.nodes == [0] and finding.factor == pytest.approx(3.0)
+    # one judged step with twins is baseline enough (a failure can come at a job's second step)
+    early = Diagnoser()
+    early.observe(0, biased(0, PLAN), PLAN, PROFILE)
+    early.forget(2), early.forget(4)
+    early.observe(1, biased(1, rerouted), rerouted, PROFILE)
+    assert early.last_factors[0] == pytest.approx(1.0)
     # without a baseline (a node new to its layers) the comparison with every other node stands
     fresh = Diagnoser()
     for step in range(3):
