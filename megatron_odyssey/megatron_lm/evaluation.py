@@ -78,9 +78,12 @@ class EvalSplits:
             if it is not None:
                 self.kinds[id(it)] = kind
 
-    def kind_of(self, data_iterator: Any) -> str:
+    def lookup(self, data_iterator: Any) -> str | None:
         first = data_iterator[0] if isinstance(data_iterator, (list, tuple)) and data_iterator else data_iterator
-        kind = self.kinds.get(id(first))
+        return self.kinds.get(id(first))
+
+    def kind_of(self, data_iterator: Any) -> str:
+        kind = self.lookup(data_iterator)
         if kind is None:
             raise RuntimeError("Odyssey evaluates after a failure only over the validation and test iterators that "
                                "Megatron's build_train_valid_test_data_iterators made; this evaluate() was given "
@@ -152,7 +155,8 @@ def evaluate(original: Callable[..., Any]) -> Callable[..., Any]:
         from megatron.training.global_vars import get_args
 
         margs = get_args()
-        EVAL.current, EVAL.valid_at_start = EVAL.kind_of(data_iterator), int(margs.consumed_valid_samples)
+        # (an iterator of the script's own is fine before a failure: stock evaluates it; after one it is refused)
+        EVAL.current, EVAL.valid_at_start = EVAL.lookup(data_iterator), int(margs.consumed_valid_samples)
         try:
             return guarded_original(forward_step_func, data_iterator, *args, **kwargs)
         finally:

@@ -326,7 +326,7 @@ class MegatronRank(GenerationRank):
         from .evaluation import EVAL, stock_loss_dicts
         from .versions import installed_version
 
-        split = EVAL.current or EVAL.kind_of(data_iterator)
+        split = EVAL.kind_of(data_iterator)
         dataset = STATE.captured.valid_ds if split == "valid" else STATE.captured.test_ds
         if dataset is None:
             raise RuntimeError(f"no {split} split was built (Megatron's build_train_valid_test_datasets), so "

@@ -108,8 +108,16 @@ class PipelineExecutor:
         return self._executor.get((pipeline, stage, micro_batch), self.plan.pipelines[pipeline].stages[stage].node)
 
     def _batch(self, step: int, pipeline: int, micro_batch: int) -> dict[str, torch.Tensor]:
-        batch = self.micro_batch(step, self._offsets[pipeline] + micro_batch)
+        return self._on_device(self.micro_batch(step, self._offsets[pipeline] + micro_batch))
+
+    def _on_device(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         return {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+    @staticmethod
+    def _loss_part(batch: Mapping[str, torch.Tensor], out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A last stage's micro-batch: (fp32 sum of its token losses, as Megatron reports it; its loss tokens)."""
+        mask = batch["loss_mask"].to(out.dtype)
+        return (out.float() * mask).sum(), mask.float().sum()
 
     # -- one step ---------------------------------------------------------------------------------
     def run_step(self, step: int, token_count: Callable[[], float],
@@ -152,11 +160,10 @@ class PipelineExecutor:
                 set_micro_batch(step, self._offsets[op.pipeline] + op.micro_batch)  # keys dropout (dropout_rng)
                 out = self.runner.forward(batch, inp)
                 if last_stage:
-                    mask = batch["loss_mask"].to(out.dtype)
-                    summed = (out.float() * mask).sum()  # the micro-batch's loss sum, as Megatron reports it
-                    parts.append((self._offsets[op.pipeline] + op.micro_batch, summed.detach(), mask.float().sum()))
+                    summed, loss_tokens = self._loss_part(batch, out)
+                    parts.append((self._offsets[op.pipeline] + op.micro_batch, summed.detach(), loss_tokens))
                     if not self.per_token_loss:
-                        out = summed / mask.sum() / self.plan.num_micro_batches
+                        out = summed / loss_tokens / self.plan.num_micro_batches
                     else:
                         if tokens is None:
                             tokens = token_count()
@@ -203,9 +210,7 @@ class PipelineExecutor:
             result.loss_parts = [(j, n, t) for (j, _, _), (n, t) in zip(parts, sums)]
         return result
 
-
-    def run_forward_only(self, micro_batch: MicroBatchFn, position: int,
-                         on_op: Callable[[str], None] | None = None) -> list[tuple[int, float, float]]:
+    def run_forward_only(self, micro_batch: MicroBatchFn, position: int) -> list[tuple[int, float, float]]:
         """This rank's forward operations of the plan over other data (an evaluation: Megatron's
         ``forward_only`` schedule): global micro-batch ``j`` is ``micro_batch(position, j)``. Returns the
         ``(j, fp32 loss sum, loss tokens)`` of each micro-batch ending here. Each sender's forward messages keep
@@ -221,21 +226,17 @@ class PipelineExecutor:
             for op in self._ops:
                 if op.kind != FORWARD:
                     continue
-                if on_op is not None:
-                    on_op("eval")
                 j = self._offsets[op.pipeline] + op.micro_batch
                 inp = None
                 if op.stage > 0:
                     with communicating():
                         inp = inbox.receive(self._node_of(op.pipeline, op.stage - 1, op.micro_batch),
                                             (FORWARD, op.pipeline, op.stage - 1, op.micro_batch))
-                batch = {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-                         for k, v in micro_batch(position, j).items()}
+                batch = self._on_device(micro_batch(position, j))
                 set_micro_batch(position, j)
                 out = self.runner.forward(batch, inp)
                 if op.stage == self.plan.pipelines[op.pipeline].length - 1:
-                    mask = batch["loss_mask"].to(out.dtype)
-                    parts.append((j, (out.float() * mask).sum(), mask.float().sum()))
+                    parts.append((j, *self._loss_part(batch, out)))
                 else:
                     dst = self._node_of(op.pipeline, op.stage + 1, op.micro_batch)
                     pending.append(self.p2p.isend(out.to(self.dtype), self.groups.rank_map.rank(dst, self.groups.tp_rank)))

@@ -174,19 +174,22 @@ class GradientSync:
             self._next += 1
 
     def _start(self, unit: int) -> None:
-        params = self.params[unit]
+        self._in_flight[unit] = self._start_sum(self.params[unit], self.groups.unit_groups[unit][0])
+
+    def _start_sum(self, params: list[torch.nn.Parameter], group: Any) -> _InFlight:
         grads = [getattr(p, self.attr, None) for p in params]
-        self._in_flight[unit] = start_all_reduce_flat([g if g is not None else torch.zeros_like(p)
-                                                       for g, p in zip(grads, params)],
-                                                      self.groups.unit_groups[unit][0], self.staged)
+        return start_all_reduce_flat([g if g is not None else torch.zeros_like(p) for g, p in zip(grads, params)],
+                                     group, self.staged)
 
     def _finish(self, unit: int) -> None:
-        flight = self._in_flight.pop(unit)
+        self._finish_sum(self.params[unit], self._in_flight.pop(unit), unit)
+
+    def _finish_sum(self, params: list[torch.nn.Parameter], flight: _InFlight, unit: int | None = None) -> None:
         with communicating():
             reduced = flight.finish()
-        if self.trace is not None:
+        if self.trace is not None and unit is not None:
             self.trace.all_reduced(unit, flight.entered, time.time())
-        for p, part in zip(self.params[unit], reduced):
+        for p, part in zip(params, reduced):
             self._store(p, part)
 
     def _store(self, p: torch.nn.Parameter, reduced: torch.Tensor) -> None:
@@ -222,13 +225,7 @@ class GradientSync:
         order for all)."""
         if self.groups.tied_group is None or not self.tied:
             return 0
-        grads = [getattr(p, self.attr, None) for p in self.tied]
-        flight = start_all_reduce_flat([g if g is not None else torch.zeros_like(p) for g, p in zip(grads, self.tied)],
-                                       self.groups.tied_group[0], self.staged)
-        with communicating():
-            reduced = flight.finish()
-        for p, part in zip(self.tied, reduced):
-            self._store(p, part)
+        self._finish_sum(self.tied, self._start_sum(self.tied, self.groups.tied_group[0]))
         return 1
 
 
