@@ -82,8 +82,9 @@ class Diagnoser:
         """Take one committed step's summaries (rank -> ``OpTrace.summary`` parsed); returns what is newly
         found (or found again with a factor changed by more than half)."""
         found: list[Finding] = []
-        factors, waits = self.compute_factors(summaries, plan, profile)
-        factors = self._against_baselines(factors, summaries, plan, profile)
+        speed, holdings = self.speeds(summaries, plan, profile), plan.holdings()
+        factors = self._against_baselines(self.relative_speeds(speed, holdings), speed, holdings)
+        waits = self.receive_waits(summaries)
         held_up = self.reduce_waits(summaries)
         self.last_factors = factors
         for node, factor in factors.items():
@@ -115,26 +116,23 @@ class Diagnoser:
         for key in [k for k in self.baselines if k[0] == node]:
             del self.baselines[key]
 
-    def _against_baselines(self, factors: dict[int, float], summaries: Mapping[int, dict[str, Any]],
-                           plan: ExecutionPlan, profile: ModelProfile) -> dict[int, float]:
-        """Record each twinned, normal node's ratio to every other node; judge each twinless node by its ratio
-        over the median of that baseline where it has one for the layers it holds (one judged step is enough: a
-        failure may come at the second step, and any baseline is nearer the truth than the profile alone)."""
-        speed = self.speeds(summaries, plan, profile)
-        holdings = plan.holdings()
+    def _against_baselines(self, factors: dict[int, float], speed: dict[int, float],
+                           holdings: Mapping[int, frozenset[int]]) -> dict[int, float]:
+        """Record each twinned, normal node's ratio to every other node; judge each twinless node (whose factor
+        is that ratio) by it over the median of its baseline where it has one for the layers it holds (one
+        judged step is enough: a failure may come at the second step, and any baseline is nearer the truth
+        than the profile alone)."""
         out = dict(factors)
         for node, x in speed.items():
             others = [speed[n] for n in speed if n != node]
             if not others or statistics.median(others) <= 0:
                 continue
-            ratio = x / statistics.median(others)
             key = (node, holdings.get(node, frozenset()))
-            twinned = any(holdings.get(n) == holdings.get(node) for n in speed if n != node)
-            if twinned:
+            if any(holdings.get(n) == holdings.get(node) for n in speed if n != node):  # twinned
                 if factors.get(node, 1.0) < self.options.slow_factor:
-                    self.baselines[key].append(ratio)
+                    self.baselines[key].append(x / statistics.median(others))
             elif self.baselines.get(key):
-                out[node] = ratio / statistics.median(self.baselines[key])
+                out[node] = factors[node] / statistics.median(self.baselines[key])
         return out
 
     def _update(self, key: tuple[str, Any], step: int, factor: float, limit: float, make) -> list[Finding]:
@@ -157,12 +155,12 @@ class Diagnoser:
                         profile: ModelProfile) -> tuple[dict[int, float], dict[int, float]]:
         """Per node: its median forward time over what its layers should take, relative to its twins' (or,
         without twins, every other node's); and how long receivers waited on its messages this step."""
-        holdings = plan.holdings()
         speed = Diagnoser.speeds(summaries, plan, profile)
-        waits: dict[int, float] = defaultdict(float)
-        for s in summaries.values():
-            for src, _, entered, done in s["rx"]:
-                waits[int(src)] += done - entered
+        return Diagnoser.relative_speeds(speed, plan.holdings()), Diagnoser.receive_waits(summaries)
+
+    @staticmethod
+    def relative_speeds(speed: Mapping[int, float], holdings: Mapping[int, frozenset[int]]) -> dict[int, float]:
+        """Each node's speed over the median of its twins' (or, without twins, every other node's)."""
         factors = {}
         for node, x in speed.items():
             twins = [speed[n] for n in speed if n != node and holdings.get(n) == holdings.get(node)]
@@ -170,7 +168,16 @@ class Diagnoser:
             if others:
                 ref = statistics.median(others)
                 factors[node] = x / ref if ref > 0 else 1.0
-        return factors, dict(waits)
+        return factors
+
+    @staticmethod
+    def receive_waits(summaries: Mapping[int, dict[str, Any]]) -> dict[int, float]:
+        """node -> how long receivers waited on its messages this step."""
+        waits: dict[int, float] = defaultdict(float)
+        for s in summaries.values():
+            for src, _, entered, done in s["rx"]:
+                waits[int(src)] += done - entered
+        return dict(waits)
 
     @staticmethod
     def speeds(summaries: Mapping[int, dict[str, Any]], plan: ExecutionPlan, profile: ModelProfile) -> dict[int, float]:

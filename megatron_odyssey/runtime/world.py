@@ -86,35 +86,28 @@ def build_plan_groups(plan: ExecutionPlan, rank_map: RankMap, my_rank: int, tied
     # 1. TP groups, one per live node (every rank takes part in every creation); with TP=1 a node's
     #    group is the rank itself, created locally below (N collective creations saved per recovery)
     tp_groups = {n: group(rank_map.node_ranks(n)) for n in rank_map.live_nodes} if rank_map.tp > 1 else {}
+    def per_tp(nodes: list[int]) -> list[list[int]]:
+        """One group of ``nodes``' ranks per TP rank, created now (collectively)."""
+        out = [[rank_map.rank(n, t) for n in nodes] for t in range(rank_map.tp)]
+        for ranks in out:
+            group(ranks)
+        return out
+
+    def of_mine(per_tp_ranks: list[list[int]]) -> tuple[dist.ProcessGroup, list[int]] | None:
+        ranks = per_tp_ranks[tp_rank]
+        return (groups[tuple(sorted(ranks))], ranks) if my_rank in ranks else None
+
     # 2. gradient-sync groups: for each unit held by >= 2 nodes, one group per TP rank
     holders = plan.holders()
-    unit_ranks: dict[int, list[list[int]]] = {}
-    for unit in sorted(holders):
-        nodes = holders[unit]
-        if len(nodes) < 2:
-            continue
-        unit_ranks[unit] = [[rank_map.rank(n, t) for n in nodes] for t in range(rank_map.tp)]
-        for ranks in unit_ranks[unit]:
-            group(ranks)
+    unit_ranks = {unit: per_tp(holders[unit]) for unit in sorted(holders) if len(holders[unit]) >= 2}
     # 3. tied embeddings: every node holding the embedding or the output layer, one group per TP rank
-    tied_ranks: list[list[int]] = []
-    if tied:
-        ends = sorted(set(holders.get(0, [])) | set(holders.get(plan.num_layers + 1, [])))
-        if len(ends) >= 2:
-            tied_ranks = [[rank_map.rank(n, t) for n in ends] for t in range(rank_map.tp)]
-            for ranks in tied_ranks:
-                group(ranks)
+    ends = sorted(set(holders.get(0, [])) | set(holders.get(plan.num_layers + 1, []))) if tied else []
+    tied_ranks = per_tp(ends) if len(ends) >= 2 else None
     # 4. a group of just this rank for megatron's data/pipeline/context groups, which our own
     #    executor replaces (each rank creates only its own, hence local synchronisation)
     me = dist.new_group([my_rank], use_local_synchronization=True) if rank_map.world_size > 1 else dist.group.WORLD
-    mine = {}
-    for unit, per_tp in unit_ranks.items():
-        ranks = per_tp[tp_rank]
-        if my_rank in ranks:
-            mine[unit] = (groups[tuple(sorted(ranks))], ranks)
-    tied_group = None
-    if tied_ranks and my_rank in tied_ranks[tp_rank]:
-        tied_group = (groups[tuple(sorted(tied_ranks[tp_rank]))], tied_ranks[tp_rank])
+    mine = {unit: g for unit, g in ((u, of_mine(r)) for u, r in unit_ranks.items()) if g is not None}
+    tied_group = of_mine(tied_ranks) if tied_ranks else None
     return PlanGroups(rank_map, node, tp_rank, tp_groups.get(node, me), mine, me, tied_group)
 
 
