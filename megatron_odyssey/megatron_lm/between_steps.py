@@ -51,8 +51,10 @@ def _say(runtime: Any, text: str) -> None:
 
 
 def guarded(phase: str, what: str, keep: Callable[..., Callable[[], None]] | None = None,
-            prepare: Callable[..., None] | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Wrap a Megatron function that runs between iterations: fault injection point ``phase``; a peer's
+            prepare: Callable[..., None] | None = None, at_rest: bool = True
+            ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Wrap a Megatron function that runs between iterations: fault injection point ``phase``, at rest (not
+    judged by progress; ``at_rest=False``: the call marks its own progress and injection points); a peer's
     failure inside it is recovered from, then the call is redone from the state it began in (Megatron's
     timers, and what ``keep(*args, **kwargs)`` saves and its returned callable puts back);
     ``prepare(runtime, *args, **kwargs)`` runs before every attempt."""
@@ -67,7 +69,8 @@ def guarded(phase: str, what: str, keep: Callable[..., Callable[[], None]] | Non
                 timers = _timer_states()
                 restore = keep(*args, **kwargs) if keep is not None else None
                 try:
-                    runtime.at_between_steps(phase)
+                    if at_rest:
+                        runtime.at_between_steps(phase)
                     if prepare is not None:
                         prepare(runtime, *args, **kwargs)
                     return original(*args, **kwargs)

@@ -24,7 +24,7 @@ import contextlib
 from collections import defaultdict
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Collection, Iterator
 
 import torch
 import torch.distributed as dist
@@ -119,11 +119,32 @@ def assemble(shares: list[ShardedState]) -> dict[str, dict[str, Any]]:
 
 
 def reassemble(share: ShardedState, groups: list[list[int]], my_rank: int,
-               parts: list[Callable[[str], bool]] | None = None) -> dict[str, dict[str, Any]]:
+               parts: list[Callable[[str], bool]] | None = None,
+               aliases: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
     """Collective over the new world: one group per set of live ranks that kept pieces of the same
     parameters (a generation-0 stage's holders, per tensor-parallel rank; or, after a later generation, the
     holders of the same units: ``parts[i]`` says which names group ``i`` assembles), created by every rank
-    in the same order; returns the full state of every parameter this rank kept pieces of."""
+    in the same order; returns the full state of every parameter this rank kept pieces of. ``aliases``
+    (name -> the name of the parameter it copies, ``state.TIED_ALIASES``): pieces kept under either name are
+    one parameter's (tied embeddings), and come back under the name this rank has."""
+    share, renamed = _canonical(share, aliases or {})
+    mine = _reassemble(share, groups, my_rank, parts)
+    for alias, target in renamed.items():
+        mine[alias] = mine.pop(target)
+    return mine
+
+
+def _canonical(share: ShardedState, aliases: dict[str, str]) -> tuple[ShardedState, dict[str, str]]:
+    renamed = {a: t for a, t in aliases.items() if a in share.expected and t not in share.expected}
+    if not renamed:
+        return share, {}
+    out = ShardedState({renamed.get(n, n): e for n, e in share.expected.items()}, share.plan)
+    out.update({renamed.get(n, n): pieces for n, pieces in share.items()})
+    return out, renamed
+
+
+def _reassemble(share: ShardedState, groups: list[list[int]], my_rank: int,
+                parts: list[Callable[[str], bool]] | None) -> dict[str, dict[str, Any]]:
     mine: dict[str, dict[str, Any]] = {}
     member = False
     for i, ranks in enumerate(groups):
@@ -154,11 +175,13 @@ def stage_holder_groups(pp: int, dp: int, tp: int, live_nodes: set[int], rank_of
             for s in range(pp) for t in range(tp)]
 
 
-def unit_holder_groups(plan: Any, live_nodes: set[int], tp: int, rank_of: Callable[[int, int], int], num_layers: int
-                       ) -> tuple[list[list[int]], list[Callable[[str], bool]]]:
+def unit_holder_groups(plan: Any, live_nodes: set[int], tp: int, rank_of: Callable[[int, int], int], num_layers: int,
+                       tied_names: Collection[str] = ()) -> tuple[list[list[int]], list[Callable[[str], bool]]]:
     """For state captured in ``plan``'s layout (``replica_optimizer``): one group per set of live nodes that
     held the same units, per tensor-parallel rank, in one global order, and which parameter names each
-    group assembles."""
+    group assembles. ``tied_names``: the tied embedding weight's names, whose shards were kept over the
+    holders of either end (``replica_optimizer.TIED_UNIT``): one more group of those, last."""
+    from ..planning.sharding import tied_holders
     from ..runtime.grad_sync import unit_of
 
     by_set: dict[tuple[int, ...], set[int]] = defaultdict(set)
@@ -171,7 +194,11 @@ def unit_holder_groups(plan: Any, live_nodes: set[int], tp: int, rank_of: Callab
         units = frozenset(by_set[nodes])
         for t in range(tp):
             groups.append([rank_of(n, t) for n in nodes])
-            parts.append(lambda name, units=units: unit_of(name, num_layers) in units)
+            parts.append(lambda name, units=units: unit_of(name, num_layers) in units and name not in tied_names)
+    ends = [n for n in tied_holders(plan.holders(), num_layers) if n in live_nodes] if tied_names else []
+    for t in range(tp if ends else 0):
+        groups.append([rank_of(n, t) for n in ends])
+        parts.append(lambda name: name in tied_names)
     return groups, parts
 
 

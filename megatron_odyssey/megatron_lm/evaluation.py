@@ -13,6 +13,9 @@ that make ``evaluate``'s own arithmetic give stock's figure. Under our parallel_
 pipeline stage of a data-parallel world of one, so ``evaluate``'s reduction over data-parallel ranks does
 nothing; what stock spreads over its ranks is summed here in stock's order (:func:`stock_loss_dicts`).
 
+An evaluation is watched like a step: each micro-batch's forward marks progress (phase ``eval``, also where
+``--odyssey-inject-fault ...,phase=eval`` fires), so a rank that stops inside it while its heartbeat goes on is
+named and fenced after the soft and hard timeouts; the rank is at rest again when ``evaluate`` returns.
 A failure during an evaluation (stock's, or one of ours) is recovered from like any between iterations
 (``between_steps``); the survivors then run the whole evaluation again, in the new layout, from the position it
 began at. Where a split's position comes from: the validation split's is Megatron's own
@@ -28,6 +31,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..runtime.liveness import IDLE
 from .between_steps import guarded
 from .hooks import STATE
 
@@ -140,7 +144,19 @@ def _rerun_machine() -> Any:
     return get_rerun_state_machine()
 
 
-_guarded_evaluate = guarded("eval", "the evaluation", keep=_keep_evaluation_state)
+_guarded_evaluate = guarded("eval", "the evaluation", keep=_keep_evaluation_state, at_rest=False)
+
+
+def _watched(runtime: Any, forward_step_func: Callable[..., Any]) -> Callable[..., Any]:
+    """Megatron's forward step, marking progress (and the ``eval`` injection point) before each micro-batch:
+    in stock's forward-only schedule before the first failure, in ``PlanSchedule``'s after it."""
+
+    @functools.wraps(forward_step_func)
+    def forward_step(*args: Any, **kwargs: Any) -> Any:
+        runtime.at(runtime.committed, "eval")
+        return forward_step_func(*args, **kwargs)
+
+    return forward_step
 
 
 def evaluate(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -158,8 +174,9 @@ def evaluate(original: Callable[..., Any]) -> Callable[..., Any]:
         # (an iterator of the script's own is fine before a failure: stock evaluates it; after one it is refused)
         EVAL.current, EVAL.valid_at_start = EVAL.lookup(data_iterator), int(margs.consumed_valid_samples)
         try:
-            return guarded_original(forward_step_func, data_iterator, *args, **kwargs)
+            return guarded_original(_watched(STATE.runtime, forward_step_func), data_iterator, *args, **kwargs)
         finally:
+            STATE.runtime.progress.set_state(IDLE)  # at rest again (Megatron's logging follows)
             if EVAL.current == "test":
                 EVAL.test_consumed += int(margs.consumed_valid_samples) - EVAL.valid_at_start
             EVAL.current = None

@@ -237,16 +237,20 @@ def timed_backward_step(original: Callable[..., Any]) -> Callable[..., Any]:
 def traced_p2p(original: Callable[..., Any]) -> Callable[..., Any]:
     """megatron's ``_communicate`` (a function of ``p2p_communication`` to 0.13, ``P2PCommunicator``'s method
     from 0.14): unchanged, but while Megatron's own schedule runs its messages are noted for the diagnosis'
-    link matrix, and held back by an injected slow link (``stock_trace.StockMessages``)."""
+    link matrix, and held back by an injected slow link (``stock_trace.StockMessages``); a rank blocked in it
+    waits on a peer (``liveness.communicating``: the agent then blames the peer that stopped, not the waiter)."""
+    from ..runtime.liveness import communicating
 
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         log = _stock_recorder("stock_messages")
         if log is None:
-            return original(*args, **kwargs)
+            with communicating():
+                return original(*args, **kwargs)
         log.sending(kwargs)
         entered = time.time()
-        out = original(*args, **kwargs)
+        with communicating():
+            out = original(*args, **kwargs)
         posted = log.received_all(kwargs, entered, time.time(), waited=kwargs.get("wait_on_reqs", True))
         requests = out[2] if isinstance(out, tuple) and len(out) == 3 else None
         if posted and isinstance(requests, dict):  # overlapped receives: timed when the schedule waits for them

@@ -45,8 +45,9 @@ from .hooks import ORIGINAL_ATTR, STATE, overridden
 from .interleaved import InterleavedCapture, chunk_layer_start, reshuffle_transfers, shapes_for_layers
 from ..runtime.errors import GIVEUP_KEY, STARTED_KEY, fail_locally, giveup_reason, is_peer_failure, stop_now
 from ..runtime.generation import GenerationRank, keys, node_stage
-from ..runtime.liveness import Heartbeat, Progress, StoreThread, track
+from ..runtime.liveness import Heartbeat, Progress, StoreThread, communicating, track
 from ..runtime.transport import P2P
+from ..runtime.state import TIED_ALIASES
 from ..runtime.world import RankMap, abort_all_groups, plan_process_groups
 
 STORE_ENV = "ODYSSEY_STORE"  # HOST:PORT of the agent's store, set by the launcher
@@ -350,7 +351,8 @@ class MegatronRank(GenerationRank):
         if self.tp_rank == 0:  # (every TP rank of a last stage computes the same pairs)
             for j, loss_sum, tokens in parts:
                 pairs[j, 0], pairs[j, 1] = loss_sum, tokens
-        dist.all_reduce(pairs)  # each row comes from one rank, zeros from the others: exact
+        with communicating():
+            dist.all_reduce(pairs)  # each row comes from one rank, zeros from the others: exact
         version = installed_version()
         return stock_loss_dicts(pairs, self.cfg.dp, per_micro_batch=version is not None and version.minor == 12)
 
@@ -503,7 +505,9 @@ class MegatronRank(GenerationRank):
         self._adopt_chunk(chunks[0])
         if self.cfg.extra.get("replica_optimizer"):  # the job asked for sharded optimizer state: keep it sharded
             self.shards = ReplicaShards(self.megatron_optimizer, self.named, self.groups.unit_groups, dist.get_rank(),
-                                        self.cfg.layers, REPLICA_COPIES, staged=self.p2p.staged)
+                                        self.cfg.layers, REPLICA_COPIES, staged=self.p2p.staged,
+                                        tied_names=TIED_NAMES if self.tied_embeddings else (),
+                                        tied_group=self.groups.tied_group)
         else:
             # named now refers to fp32 params the optimizer steps (restore writes values and Adam state there)
             self.named = [(n, self.optimizer.main_param(p)) for n, p in self.named]
@@ -586,9 +590,10 @@ class MegatronRank(GenerationRank):
         interleaved = isinstance(saved, InterleavedCapture)
         state = saved.inner if interleaved else saved
         if isinstance(state, ShardedState) and state.plan is not None:
+            tied = TIED_NAMES if self.tied_embeddings else ()
             groups, parts = unit_holder_groups(state.plan, set(self.rank_map.live_nodes), self.cfg.tp,
-                                               self.rank_map.rank, self.cfg.layers)
-            state = reassemble(state, groups, dist.get_rank(), parts)
+                                               self.rank_map.rank, self.cfg.layers, tied)
+            state = reassemble(state, groups, dist.get_rank(), parts, aliases=TIED_ALIASES if tied else None)
         elif isinstance(state, ShardedState):
             groups = stage_holder_groups(self.cfg.pp, self.cfg.dp, self.cfg.tp, set(self.rank_map.live_nodes),
                                          self.rank_map.rank)

@@ -10,7 +10,10 @@ replica optimizer). Megatron's optimizer then steps *shard parameters*: views of
 of its ``main_grad``) over the kept range, with fp32 main copies and Adam moments of that range only. Adam
 is elementwise, so a shard's update is the plain optimizer's update of those elements (the plan-wide
 gradient norm is the whole model's, as before). After the committed step every holder all-gathers the
-shards it owns into the full model parameters (:meth:`ReplicaShards.gather_params`).
+shards it owns into the full model parameters (:meth:`ReplicaShards.gather_params`). With tied embeddings the
+shared weight (a first stage's word embeddings, a last stage's copy, or the one weight of a stage holding both
+ends) is sharded the same way over every holder of either end, as the pseudo-unit :data:`TIED_UNIT`: every copy
+takes the same step (``grad_sync`` sums the gradient over all of them), so one sharding serves them all.
 
 Static memory per parameter of a unit with h holders: 2 (bf16 weight) + 4 (fp32 gradient buffer) +
 12 x min(2, h) / h, against 18 for the plain optimizer. Transient: Megatron builds the plain optimizer's fp32
@@ -27,7 +30,7 @@ import dataclasses
 import functools
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import torch
 import torch.distributed as dist
@@ -36,6 +39,10 @@ from ..planning.sharding import kept_shards, shard_bounds
 from ..runtime.grad_sync import unit_of
 from ..runtime.state import adam_state
 from .distributed_optimizer import ShardedState, host_piece
+
+
+#: the shard key of the tied embedding weight (``planning.sharding.tied_holders``), beside the units 0..L+1
+TIED_UNIT = -1
 
 
 def supported() -> bool:
@@ -80,15 +87,22 @@ class ReplicaShards:
 
     def __init__(self, megatron_optimizer: Any, named: list[tuple[str, torch.nn.Parameter]],
                  unit_groups: dict[int, tuple[Any, list[int]]], my_rank: int, num_layers: int, copies: int,
-                 staged: bool = False):
+                 staged: bool = False, tied_names: Collection[str] = (),
+                 tied_group: tuple[Any, list[int]] | None = None):
+        """``tied_names``: with tied embeddings, the names this stage's copy of the shared weight may have; it
+        is sharded over ``tied_group`` (every holder of either end, ``PlanGroups.tied_group``; None: this rank
+        is the only one) as the pseudo-unit :data:`TIED_UNIT`, since a stage holding both ends has one weight
+        for the two units."""
         self.copies, self.staged = copies, staged
-        self.unit_groups = unit_groups
+        self.unit_groups = dict(unit_groups)
+        if tied_group is not None:
+            self.unit_groups[TIED_UNIT] = tied_group
         self.optimizers = list(getattr(megatron_optimizer, "chained_optimizers", [megatron_optimizer]))
         self.holdings: dict[str, Holding] = {}
         name_of = {id(p): n for n, p in named}
         for n, p in named:
-            unit = unit_of(n, num_layers)
-            ranks = list(unit_groups[unit][1]) if unit in unit_groups else [my_rank]
+            unit = TIED_UNIT if n in tied_names else unit_of(n, num_layers)
+            ranks = list(self.unit_groups[unit][1]) if unit in self.unit_groups else [my_rank]
             self.holdings[n] = Holding(n, p, unit, ranks, ranks.index(my_rank))
         # the units more than one rank holds, with their parameters (what the collectives run over)
         self.shared: dict[int, list[Holding]] = defaultdict(list)

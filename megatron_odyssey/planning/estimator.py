@@ -15,7 +15,7 @@ from typing import Mapping
 
 from .plan import ExecutionPlan
 from .profile import LayerCost, ModelProfile
-from .sharding import loss_sets, optimizer_share
+from .sharding import loss_sets, optimizer_share, tied_holders
 from .schedule import (BACKWARD, FORWARD, WEIGHT_GRAD, Op, coupled_orders, coupled_pipelines, deferred, dependency,
                        fault_free_slots, lone_filled_plan, one_f_one_b)
 
@@ -249,10 +249,14 @@ def node_memory(plan: ExecutionPlan, profile: ModelProfile, peak_in_flight: dict
     plan also holds a copy of each unit's state (weights and optimizer state) from its speculative update
     until the step's commit, to roll back to (``runtime.generation``). With a sharded optimizer
     (``profile.optimizer_shard_copies``) a node keeps only its share of each unit's optimizer state, which
-    depends on how many nodes hold the unit (``planning.sharding``)."""
+    depends on how many nodes hold the unit (``planning.sharding``; with tied embeddings the end units' state
+    is counted as sharded over the holders of either end, as the shared weight's is)."""
     units = profile.units()
     copies = profile.optimizer_shard_copies
     holders = plan.holders()
+    if profile.tied_embeddings and copies:
+        ends = tied_holders(holders, plan.num_layers)
+        holders = {**holders, 0: ends, plan.num_layers + 1: ends}
     per_units: dict[frozenset[int], tuple[int, int]] = {}
     out = {}
     for node, held in plan.holdings().items():
@@ -315,16 +319,19 @@ SINGLE_FAILURES: tuple[tuple[int, float], ...] = ((1, 1.0),)
 
 
 def fatal_probability(plan: ExecutionPlan, bursts: tuple[tuple[int, float], ...] = SINGLE_FAILURES,
-                      shard_copies: int = 0) -> float:
+                      shard_copies: int = 0, tied: bool = False) -> float:
     """Probability that the next failure event, which takes k live nodes uniformly at random (k drawn
     from ``bursts``; spot reclaims take several at once), removes every live copy of some layer (or, with
     a sharded optimizer, every keeper of some shard of its state: ``planning.sharding.loss_sets``).
     Layers held by the same nodes are one event; the union over different node sets is bounded by
-    the sum (exact for one failure at a time: the sets are then disjoint single nodes)."""
+    the sum (exact for one failure at a time: the sets are then disjoint single nodes). ``tied``: the
+    embeddings are tied, and the shared weight's shards are kept over the holders of either end."""
     n = len(plan._live_nodes)
     if n == 0:
         return 0.0
-    sets = {keepers for nodes in plan._holders.values() for keepers in loss_sets(nodes, shard_copies)}
+    sets = {frozenset(keepers) for nodes in plan._holders.values() for keepers in loss_sets(nodes, shard_copies)}
+    if tied and shard_copies:  # (frozensets: the same keepers found twice are one event)
+        sets |= {frozenset(k) for k in loss_sets(tied_holders(plan._holders, plan.num_layers), shard_copies)}
     total = 0.0
     for k, p in bursts:
         k = min(k, n)
@@ -333,15 +340,17 @@ def fatal_probability(plan: ExecutionPlan, bursts: tuple[tuple[int, float], ...]
     return total
 
 
-def fragile(plan: ExecutionPlan, bursts: tuple[tuple[int, float], ...] = SINGLE_FAILURES, shard_copies: int = 0) -> bool:
+def fragile(plan: ExecutionPlan, bursts: tuple[tuple[int, float], ...] = SINGLE_FAILURES, shard_copies: int = 0,
+            tied: bool = False) -> bool:
     """Whether the next failure event can take every live copy of some layer: the runtime then checkpoints
     right after the plan's first step (``save_on_entry``), so the restart that failure would force loses a
     step or two instead of up to a checkpoint interval (the simulator's Odyssey does the same)."""
-    return fatal_probability(plan, bursts, shard_copies) > 0
+    return fatal_probability(plan, bursts, shard_copies, tied) > 0
 
 
 def restart_risk(plan: ExecutionPlan, restart_cost_s: float,
-                 bursts: tuple[tuple[int, float], ...] = SINGLE_FAILURES, shard_copies: int = 0) -> float:
+                 bursts: tuple[tuple[int, float], ...] = SINGLE_FAILURES, shard_copies: int = 0,
+                 tied: bool = False) -> float:
     """Expected cost of the restart the next failure event forces in ``plan``: its probability
     (:func:`fatal_probability`) x (relaunch + load + half a checkpoint interval of lost work)."""
-    return fatal_probability(plan, bursts, shard_copies) * restart_cost_s
+    return fatal_probability(plan, bursts, shard_copies, tied) * restart_cost_s

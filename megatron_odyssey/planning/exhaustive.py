@@ -140,10 +140,11 @@ def count_layouts(num_nodes: int, num_micro_batches: int, num_layers: int, floor
 
 
 def count_layer_splits(num_nodes: int, num_micro_batches: int, num_layers: int, floor: int = 1,
-                       shard_copies: int = 0) -> float:
+                       shard_copies: int = 0, tied: bool = False) -> float:
     """Layer splits the Pareto fronts examine: every composition of L layers for each (pipeline
     length, micro-batches) pair a layout can contain (an upper estimate: nearly every pair occurs), once per
-    share of a sharded optimizer's state the pipeline counts give (one share without sharding)."""
+    share of a sharded optimizer's state the pipeline counts give (one share without sharding; with tied
+    embeddings, per pair of a unit's and an end unit's share: ``PipelineModel``)."""
     def pairs(fewest_pipelines: int) -> float:
         spare = fewest_pipelines - 1
         longest = min(num_layers, num_nodes - spare)
@@ -151,9 +152,10 @@ def count_layer_splits(num_nodes: int, num_micro_batches: int, num_layers: int, 
         return float(per_batch) * max(1, num_micro_batches - spare)
 
     counts = range(max(floor, 1), max(floor, min(num_nodes, num_micro_batches)) + 1)
-    fewest_by_share: dict[float, int] = {}
+    fewest_by_share: dict[tuple[float, float], int] = {}
     for k in counts:
-        fewest_by_share.setdefault(optimizer_share(k, shard_copies), k)
+        share = optimizer_share(k, shard_copies)
+        fewest_by_share.setdefault((share, optimizer_share(2 * k, shard_copies) if tied else share), k)
     return sum(pairs(k) for k in fewest_by_share.values())
 
 
@@ -170,7 +172,8 @@ class ExhaustiveSearch:
         L = profile.num_layers
         total, exact = count_layouts(num_nodes, num_micro_batches, L, floor)
         self.status = SearchStatus(total, exact, count_layer_splits(num_nodes, num_micro_batches, L, floor,
-                                                                    profile.optimizer_shard_copies))
+                                                                    profile.optimizer_shard_copies,
+                                                                    profile.tied_embeddings))
         self.best_plan = seed
         self.best_t = estimate_step(seed, profile).step_time_s if seed is not None else math.inf
         self.status.best_step_s = self.best_t

@@ -93,29 +93,41 @@ class PipelineModel:
     ``pipelines``: how many pipelines the plan has. Each holds every unit once, so every unit has that many
     holders, and with a sharded optimizer (``profile.optimizer_shard_copies``) a stage keeps only its share of
     each unit's optimizer state (``planning.sharding``), as the final plan check (``estimator.node_memory``)
-    counts it: a layer split that fits only with shares is not thrown away early."""
+    counts it: a layer split that fits only with shares is not thrown away early. With tied embeddings the end
+    units' state is shared over the holders of either end: twice the pipelines, when a pipeline has two
+    stages or more."""
 
     def __init__(self, profile: ModelProfile, pipelines: int = 1,
-                 _family: dict[float, PipelineModel] | None = None):
+                 _family: dict[tuple[float, float], PipelineModel] | None = None):
         self.profile = profile
-        share = optimizer_share(pipelines, profile.optimizer_shard_copies)
+        key = self._shares(profile, pipelines)
+        share, ends_share = key
 
-        def static(u: LayerCost) -> int:  # as estimator.node_memory counts it
+        def static(u: LayerCost, share: float = share) -> int:  # as estimator.node_memory counts it
             return u.param_bytes + u.grad_bytes + round(u.optimizer_bytes * share)
 
         self.fwd = _prefix([u.forward_s for u in profile.layers])
         self.bwd = _prefix([u.backward_s for u in profile.layers])
         self.static = _prefix([static(u) for u in profile.layers])
         self.act = _prefix([u.activation_bytes for u in profile.layers])
-        self.embedding_static, self.output_static = static(profile.embedding), static(profile.output)
-        self._family = {} if _family is None else _family  # share -> model, shared by every pipeline count
-        self._family.setdefault(share, self)
+        # (a one-stage pipeline holds both ends: the tied weight then has as many holders as there are pipelines)
+        self.ends_static = {1: (static(profile.embedding), static(profile.output)),
+                            2: (static(profile.embedding, ends_share), static(profile.output, ends_share))}
+        self._family = {} if _family is None else _family  # shares -> model, shared by every pipeline count
+        self._family.setdefault(key, self)
+
+    @staticmethod
+    def _shares(profile: ModelProfile, pipelines: int) -> tuple[float, float]:
+        """A unit's share of its optimizer state, and an end unit's in pipelines of two stages or more."""
+        copies = profile.optimizer_shard_copies
+        share = optimizer_share(pipelines, copies)
+        return share, (optimizer_share(2 * pipelines, copies) if profile.tied_embeddings else share)
 
     def with_pipelines(self, pipelines: int) -> PipelineModel:
-        """This model in a plan of ``pipelines`` pipelines (the same object wherever the share is the same, so
+        """This model in a plan of ``pipelines`` pipelines (the same object wherever the shares are the same, so
         the split caches keyed by it stay warm)."""
-        share = optimizer_share(pipelines, self.profile.optimizer_shard_copies)
-        return self._family.get(share) or PipelineModel(self.profile, pipelines, self._family)
+        return (self._family.get(self._shares(self.profile, pipelines))
+                or PipelineModel(self.profile, pipelines, self._family))
 
     def stage_costs(self, split: tuple[int, ...]) -> tuple[tuple[float, float], ...]:
         prof, out, start = self.profile, [], 0
@@ -133,13 +145,14 @@ class PipelineModel:
     def peak_bytes(self, split: tuple[int, ...], micro_batches: int) -> int:
         """Eq. 14 of the fullest stage of a 1F1B pipeline: stage i holds min(p - i, m) micro-batches."""
         prof, p, start, peak = self.profile, len(split), 0, 0
+        embedding_static, output_static = self.ends_static[min(p, 2)]
         for i, n in enumerate(split):
             static = self.static[start + n] - self.static[start]
             act = self.act[start + n] - self.act[start]
             if i == 0:
-                static, act = static + self.embedding_static, act + prof.embedding.activation_bytes
+                static, act = static + embedding_static, act + prof.embedding.activation_bytes
             if i == p - 1:
-                static, act = static + self.output_static, act + prof.output.activation_bytes
+                static, act = static + output_static, act + prof.output.activation_bytes
             peak = max(peak, static + min(p - i, micro_batches) * act)
             start += n
         return peak

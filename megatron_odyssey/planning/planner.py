@@ -440,7 +440,8 @@ class Planner:
         if not self.options.price_restart_risk:
             return 0.0
         return restart_risk(plan, self.profile.restart_overhead_s + self.profile.checkpoint_interval_s / 2,
-                            self.options.failure_bursts, self.profile.optimizer_shard_copies)
+                            self.options.failure_bursts, self.profile.optimizer_shard_copies,
+                            self.profile.tied_embeddings)
 
     def search_layout(self, num_nodes: int, current_dp: int, current_pp: int) -> ExecutionPlan | None:
         """Algorithm 1: the fastest layout (node ids are placeholders 0..N-1), or None if none fits."""

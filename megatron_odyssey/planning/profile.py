@@ -71,6 +71,9 @@ class ModelProfile:
     # sharded over the unit's holders, each shard kept by c of them (planning.sharding; Megatron's distributed
     # optimizer after a failure keeps 2)
     optimizer_shard_copies: int = 0
+    # the output layer's weight is the word embeddings' (Megatron's default for GPT): with a sharded optimizer the
+    # shared weight's state is sharded over every holder of either end (planning.sharding.tied_holders)
+    tied_embeddings: bool = False
     schema_version: int = PROFILE_SCHEMA_VERSION
 
     def __post_init__(self) -> None:

@@ -8,6 +8,10 @@ MindSpeed's replica optimizer. With ``copies`` = 2 any single failure leaves a l
 state is lost only when all keepers of one shard die together. ``copies`` = 0 means no sharding: every holder
 keeps its units' whole state (the plain optimizer). The memory model (Eq. 14) and the restart risk both read
 this module, the runtime cuts its shards with :func:`shard_bounds` and :func:`kept_shards`.
+
+With tied embeddings (the output layer's weight is the word embeddings') every holder of either end holds a
+copy of one weight, and a stage holding both ends has a single weight for both: that weight's state is sharded
+over every holder of either end (:func:`tied_holders`) instead of over its unit's holders, like a unit of its own.
 """
 from __future__ import annotations
 
@@ -51,8 +55,22 @@ def loss_sets(holders: Sequence[int], copies: int) -> list[tuple[int, ...]]:
     return [tuple(holders[(j - c) % h] for c in range(copies)) for j in range(h)]
 
 
-def lost_units(holders: Mapping[int, Sequence[int]], dead: Iterable[int], copies: int) -> list[int]:
-    """Units some part of whose state died with every node keeping it."""
+def tied_holders(holders: Mapping[int, Sequence[int]], num_layers: int) -> list[int]:
+    """The nodes the tied embedding weight's state is sharded over: every holder of the embedding (unit 0) or
+    the output layer (unit ``num_layers + 1``), in node order."""
+    return sorted(set(holders.get(0, ())) | set(holders.get(num_layers + 1, ())))
+
+
+def lost_units(holders: Mapping[int, Sequence[int]], dead: Iterable[int], copies: int,
+               tied_layers: int | None = None) -> list[int]:
+    """Units some part of whose state died with every node keeping it; ``tied_layers``: the model's layer count
+    when its embeddings are tied, whose shared weight's loss loses both end units."""
     dead = set(dead)
-    return sorted(u for u, nodes in holders.items()
-                  if any(all(n in dead for n in keepers) for keepers in loss_sets(nodes, copies)))
+
+    def gone(nodes: Sequence[int]) -> bool:
+        return any(all(n in dead for n in keepers) for keepers in loss_sets(nodes, copies))
+
+    lost = {u for u, nodes in holders.items() if gone(nodes)}
+    if tied_layers is not None and copies > 0 and gone(tied_holders(holders, tied_layers)):
+        lost |= {0, tied_layers + 1}
+    return sorted(lost)

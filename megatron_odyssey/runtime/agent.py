@@ -1026,7 +1026,8 @@ class Agent:
         base = self.state_plan
         if self.state_gen > 0:  # (megatron-core < 0.15: the plain optimizer, whose state is whole on every holder)
             copies = self.profile.optimizer_shard_copies
-            return frozenset(lost_units(base.holders(), dead_nodes, copies)) if copies else frozenset()
+            tied = self.cfg.layers if self.profile.tied_embeddings else None
+            return frozenset(lost_units(base.holders(), dead_nodes, copies, tied)) if copies else frozenset()
         stages = shards_lost(self.cfg.pp, self.cfg.dp, int(self.cfg.extra["distopt_instances"]), set(dead_nodes))
         return frozenset(u for s in stages for u in base.stage_units(0, s))
 
@@ -1069,7 +1070,8 @@ class Agent:
         """``estimator.fragile`` in a job that checkpoints (Oobleck saves and stops below (f+1) n0 nodes for the
         same reason; Odyssey goes on training)."""
         return bool(self.cfg.checkpoint_interval) and fragile(plan, self.options.failure_bursts,
-                                                              self.profile.optimizer_shard_copies)
+                                                              self.profile.optimizer_shard_copies,
+                                                              self.profile.tied_embeddings)
 
     # -- the standby (control_plane) ------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:

@@ -86,7 +86,8 @@ def job_profile(cfg: TrainConfig, **overrides: Any) -> ModelProfile:
                                name=f"{kind}-{precision.name}-L{cfg.layers}-h{cfg.hidden}-tp{cfg.tp}")
     profile = with_checkpoint_interval(profile, cfg)
     if cfg.extra.get("replica_optimizer"):  # sharded after a failure too: megatron_lm.replica_optimizer
-        profile = replace(profile, optimizer_shard_copies=REPLICA_COPIES)
+        profile = replace(profile, optimizer_shard_copies=REPLICA_COPIES,
+                          tied_embeddings=bool(cfg.extra.get("tied_embeddings", False)))
     return replace(profile, **overrides) if overrides else profile
 
 

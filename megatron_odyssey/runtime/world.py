@@ -17,6 +17,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ..planning.plan import ExecutionPlan
+from ..planning.sharding import tied_holders
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ def build_plan_groups(plan: ExecutionPlan, rank_map: RankMap, my_rank: int, tied
     holders = plan.holders()
     unit_ranks = {unit: per_tp(holders[unit]) for unit in sorted(holders) if len(holders[unit]) >= 2}
     # 3. tied embeddings: every node holding the embedding or the output layer, one group per TP rank
-    ends = sorted(set(holders.get(0, [])) | set(holders.get(plan.num_layers + 1, []))) if tied else []
+    ends = tied_holders(holders, plan.num_layers) if tied else []
     tied_ranks = per_tp(ends) if len(ends) >= 2 else None
     # 4. a group of just this rank for megatron's data/pipeline/context groups, which our own
     #    executor replaces (each rank creates only its own, hence local synchronisation)

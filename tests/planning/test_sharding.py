@@ -11,7 +11,8 @@ from megatron_odyssey.planning.partition import PipelineModel
 from megatron_odyssey.planning.plan import symmetric_plan
 from megatron_odyssey.planning.planner import Planner, PlannerOptions
 from megatron_odyssey.planning.profile import uniform_profile
-from megatron_odyssey.planning.sharding import kept_shards, loss_sets, lost_units, optimizer_share, shard_bounds
+from megatron_odyssey.planning.sharding import (kept_shards, loss_sets, lost_units, optimizer_share, shard_bounds,
+                                                tied_holders)
 
 
 def test_shard_bounds_hand_computed():
@@ -51,6 +52,58 @@ def test_lost_units_agree_with_the_keepers_the_runtime_uses():
             if kept != set(range(len(nodes))):
                 brute.append(u)
         assert lost_units(holders, dead, copies) == brute, (holders, dead, copies)
+
+
+def test_lost_units_with_tied_embeddings_agree_with_the_keepers_the_runtime_uses():
+    """With tied embeddings the shared weight's shards are kept over every holder of either end (in node order,
+    as the runtime's tied group): losing some shard of it loses both end units, even where each end unit's own
+    keepers survive."""
+    rng = random.Random(1)
+    L = 3
+    for _ in range(300):
+        copies = rng.choice([1, 2, 3])
+        holders = {u: sorted(rng.sample(range(10), rng.randint(1, 5))) for u in range(L + 2)}
+        dead = set(rng.sample(range(10), rng.randint(0, 5)))
+
+        def lost(nodes):
+            kept = {s for i, n in enumerate(nodes) if n not in dead for s in kept_shards(i, len(nodes), copies)}
+            return kept != set(range(len(nodes)))
+
+        brute = {u for u, nodes in holders.items() if lost(nodes)}
+        ends = sorted(set(holders[0]) | set(holders[L + 1]))
+        if lost(ends):
+            brute |= {0, L + 1}
+        assert tied_holders(holders, L) == ends
+        assert lost_units(holders, dead, copies, tied_layers=L) == sorted(brute), (holders, dead, copies)
+    # two stages on two replicas: nodes 1 and 2 keep every shard of their stages between them with their twins,
+    # but both keepers of one shard of the tied weight (ends 0, 1, 2, 3: shard 2 on nodes 1 and 2)
+    two = symmetric_plan(2, 2, 4, 4).holders()
+    assert lost_units(two, {1, 2}, 2) == [] and lost_units(two, {1, 2}, 2, tied_layers=4) == [0, 5]
+
+
+def test_tied_embeddings_shard_the_end_units_over_both_ends():
+    """Two stages on two replicas: an end unit's state is sharded over its stage's two holders (each keeps it
+    all) without tied embeddings, and over the four holders of either end with them (each keeps half). Two
+    failures at once then lose some shard in 4 of the 6 pairs instead of 2 (the twins {0, 1} and {2, 3}, and
+    the tied weight's neighbours {0, 3} and {1, 2}). Algorithm 1's layer-split filter counts the same bytes."""
+    prof = uniform_profile(4, layer_bytes=10, activation_bytes=3)
+    ends = replace(prof.layers[0], forward_s=0.0, backward_s=0.0)  # (uniform_profile's ends weigh nothing)
+    prof = replace(prof, embedding=replace(ends, name="embedding"), output=replace(ends, name="output"),
+                   optimizer_shard_copies=2)
+    tied = replace(prof, tied_embeddings=True)
+    plan = symmetric_plan(2, 2, 4, 4)
+    units = prof.units()
+    untied_mem, tied_mem = (estimate_step(plan, p).peak_memory_bytes for p in (prof, tied))
+    for node, held in plan.holdings().items():
+        assert untied_mem[node] - tied_mem[node] == sum(units[u].optimizer_bytes // 2 for u in held if u in (0, 5)) > 0
+    assert fatal_probability(plan, ((2, 1.0),), shard_copies=2) == pytest.approx(2 / 6)
+    assert fatal_probability(plan, ((2, 1.0),), shard_copies=2, tied=True) == pytest.approx(4 / 6)
+    assert fatal_probability(plan, shard_copies=2, tied=True) == 0.0  # any single failure is survived
+    model = PipelineModel(tied).with_pipelines(2)
+    assert model.peak_bytes((2, 2), 5) == max(tied_mem.values())
+    one_stage = symmetric_plan(1, 2, 4, 2)  # each node holds both ends: the tied weight has two holders
+    assert PipelineModel(tied).with_pipelines(2).peak_bytes((4,), 5) == \
+        max(estimate_step(one_stage, tied).peak_memory_bytes.values())
 
 
 def test_node_memory_counts_each_holders_share_of_the_optimizer_state():

@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_odyssey.megatron_lm.distributed_optimizer import (Piece, ShardedState, ShardLost, assemble, shards_lost,
-                                                                stage_holder_groups)
+from megatron_odyssey.megatron_lm.distributed_optimizer import (Piece, ShardedState, ShardLost, _canonical, assemble,
+                                                                shards_lost, stage_holder_groups, unit_holder_groups)
+from megatron_odyssey.planning.plan import symmetric_plan
+from megatron_odyssey.runtime.state import TIED_ALIASES
 
 
 @pytest.mark.parametrize("dead, lost", [
@@ -77,3 +79,37 @@ def test_assemble_refuses_disagreeing_step_counts() -> None:
     b["layer.bias"][0].step = 6.0
     with pytest.raises(RuntimeError, match="disagree on the Adam step count"):
         assemble([a, b])
+
+
+TIED = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def test_unit_holder_groups_gather_the_tied_weight_over_both_ends_last() -> None:
+    """PP=2 x DP=2 after a failure (layers 0-1 on nodes 0, 1; layers 2-3 and the output on nodes 2, 3): one group
+    per holder set, and with tied embeddings one more, last, of every live holder of either end; the shared
+    weight leaves its units' groups for it, the position embeddings stay."""
+    plan = symmetric_plan(2, 2, 4, 4)
+    groups, parts = unit_holder_groups(plan, {0, 1, 2, 3}, 1, lambda n, t: n, 4, TIED)
+    assert groups == [[0, 1], [2, 3], [0, 1, 2, 3]]
+    first, last, tied = parts
+    assert first("embedding.position_embeddings.weight") and not first(TIED[0])
+    assert last("decoder.final_layernorm.weight") and not last(TIED[1])
+    assert tied(TIED[0]) and tied(TIED[1]) and not tied("embedding.position_embeddings.weight")
+    # node 1 dead: it is left out of every group; untied: no extra group
+    assert unit_holder_groups(plan, {0, 2, 3}, 1, lambda n, t: n, 4, TIED)[0] == [[0], [2, 3], [0, 2, 3]]
+    assert unit_holder_groups(plan, {0, 1, 2, 3}, 1, lambda n, t: n, 4)[0] == [[0, 1], [2, 3]]
+
+
+def test_pieces_of_the_tied_weight_kept_under_either_name_assemble() -> None:
+    """A first stage keeps shard [0, 9) of the word embeddings, a last stage shard [9, 15) of its copy (the output
+    layer's weight): under one name (state.TIED_ALIASES) they are the whole state, given back under the name the
+    rank has."""
+    full = _state(2)["layer.weight"]
+    first = _share({TIED[0]: full}, {TIED[0]: (0, 9)})
+    last = _share({TIED[1]: full}, {TIED[1]: (9, 15)})
+    renamed_first, none = _canonical(first, TIED_ALIASES)
+    renamed_last, renamed = _canonical(last, TIED_ALIASES)
+    assert none == {} and renamed == {TIED[1]: TIED[0]} and list(renamed_last.expected) == [TIED[0]]
+    out = assemble([renamed_first, renamed_last])
+    for key in ("param", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(out[TIED[0]][key], full[key])

@@ -133,8 +133,6 @@ def test_bad_policy_is_rejected_by_argparse(capsys: pytest.CaptureFixture, polic
     (["--odyssey"], {"dataloader_type": "external"}, "--dataloader-type external is the script's own data loader"),
     (["--odyssey"], {"save": "/ckpt", "ckpt_format": "torch"}, "--ckpt-format torch writes one file per pipeline rank"),
     (["--odyssey"], {"async_save": True}, "--async-save"),
-    (["--odyssey"], {"untie_embeddings_and_output_weights": False, "use_distributed_optimizer": True,
-                     "num_distributed_optimizer_instances": 2}, "cannot shard the optimizer state of tied embeddings"),
     (["--odyssey"], {"log_num_zeros_in_grad": True}, "--log-num-zeros-in-grad"),
     (["--odyssey"], {"rampup_batch_size": ["16", "8", "1000"]}, "--rampup-batch-size"),
     (["--odyssey"], {"eval_iters": 100, "full_validation": True}, "--full-validation: it reads the whole"),
@@ -159,8 +157,28 @@ def test_invalid_combinations_fail_clearly(argv: list[str], megatron: dict, mess
 
 
 def test_tied_embeddings_are_accepted() -> None:
-    """Megatron's default for GPT models (no --untie-embeddings-and-output-weights)."""
+    """Megatron's default for GPT models (no --untie-embeddings-and-output-weights), with either optimizer."""
     validate_odyssey_args(_megatron_like_args(["--odyssey"], untie_embeddings_and_output_weights=False))
+    validate_odyssey_args(_megatron_like_args(["--odyssey"], untie_embeddings_and_output_weights=False,
+                                              use_distributed_optimizer=True, num_distributed_optimizer_instances=2))
+
+
+def test_tied_embeddings_with_core_r0_12s_distributed_optimizer_instances_are_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """core_r0.12.0's distributed optimizer in two instances computes another gradient for tied embeddings than
+    its plain optimizer (docs/benchmarks.md): refused on that release only, with the way out."""
+    from megatron_odyssey import arguments
+    from megatron_odyssey.megatron_lm.versions import MegatronVersion
+
+    tied_distopt = dict(untie_embeddings_and_output_weights=False, use_distributed_optimizer=True,
+                        num_distributed_optimizer_instances=2)
+    monkeypatch.setattr("megatron_odyssey.megatron_lm.versions.installed_version", lambda: MegatronVersion(0, 12, 0))
+    with pytest.raises(OdysseyArgumentError, match="core_r0.12.0's distributed optimizer in several instances"):
+        validate_odyssey_args(_megatron_like_args(["--odyssey"], **tied_distopt))
+    validate_odyssey_args(_megatron_like_args(["--odyssey"], untie_embeddings_and_output_weights=False))
+    monkeypatch.setattr("megatron_odyssey.megatron_lm.versions.installed_version", lambda: MegatronVersion(0, 13, 0))
+    assert arguments._megatron_minor() == 13
+    validate_odyssey_args(_megatron_like_args(["--odyssey"], **tied_distopt))
 
 
 def test_evaluation_during_training_is_accepted() -> None:

@@ -14,11 +14,13 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
-from megatron_odyssey.testing.megatron_lm_job import (job_env, max_tensor_difference, read_torch_dist, run_odyssey,
-                                                      run_stock, same_evaluations, same_training, with_evaluation)
+from megatron_odyssey.testing.megatron_lm_job import (JobResult, job_env, max_tensor_difference, read_torch_dist,
+                                                      run_odyssey, run_stock, same_evaluations, same_training,
+                                                      with_evaluation)
 from megatron_odyssey.megatron_lm.cpu_mode import tiny_gpt_flags
 
 MLM = os.environ.get("MEGATRON_LM_PATH")
@@ -405,17 +407,23 @@ def test_cyclic_data_loader_through_a_kill(tmp_path_factory: pytest.TempPathFact
     assert same_training(job.iterations(), stock.iterations())
 
 
+@pytest.fixture(scope="module")
+def stock_evaluating(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], JobResult]:
+    """Stock Megatron-LM evaluating 2 iterations after every 2nd one: its flags and its run."""
+    flags = with_evaluation(TINY_GPT, 2, 2)
+    stock = run_stock(MLM, tmp_path_factory.mktemp("stock_eval"), flags, _port(840))
+    assert stock.returncode == 0, stock.logs[-4000:]
+    return flags, stock
+
+
 @pytest.mark.parametrize("phase", ["backward", "eval"])
-def test_evaluation_during_training_through_a_kill(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path,
-                                                    phase: str) -> None:
+def test_evaluation_during_training_through_a_kill(stock_evaluating: tuple, tmp_path: Path, phase: str) -> None:
     """Megatron evaluates 2 iterations after every 2nd one, and at the end on the validation and the test split.
     backward: rank 1 dies in iteration 3 and its peer takes over its micro-batches (a reroute: one rank runs two
     pipelines' forwards), so the evaluations after iterations 4 and 5 run forward-only over that plan. eval: rank 1 dies as the evaluation after iteration 2 begins; the survivors fail inside stock's
     evaluation, recover and run it again in the new layout, where the model is still bit for bit stock's, so
     that evaluation prints exactly stock's figures. Every evaluation and iteration equal to stock's."""
-    flags = with_evaluation(TINY_GPT, 2, 2)
-    stock = run_stock(MLM, tmp_path_factory.mktemp(f"stock_eval_{phase}"), flags, _port(840 + 20 * (phase == "eval")))
-    assert stock.returncode == 0, stock.logs[-4000:]
+    flags, stock = stock_evaluating
     step = {"backward": 2, "eval": 1}[phase]  # (0-based: iteration 3; the evaluation after iteration 2)
     policy = {"backward": "reroute", "eval": "reconfigure"}[phase]
     job = run_odyssey(MLM, tmp_path, [*flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-policy", policy,
@@ -430,6 +438,29 @@ def test_evaluation_during_training_through_a_kill(tmp_path_factory: pytest.Temp
     if phase == "eval":
         assert "the evaluation of iteration 2 was interrupted by a failure; the survivors run it again" in job.logs
         assert job.validations()[0] == stock.validations()[0]
+    assert same_training(job.iterations(), stock.iterations())
+
+
+@pytest.mark.parametrize("schedule", ["stock", "plan"])
+def test_a_rank_stalled_in_an_evaluation_is_fenced(stock_evaluating: tuple, tmp_path: Path, schedule: str) -> None:
+    """Rank 2's main thread stops in the evaluation after iteration 2 while its process and heartbeat live on
+    (kind=stall): the evaluation marks progress like a step, so the agent names it after the soft timeout and
+    fences it after the hard one, and the survivors run the evaluation again. stock: in generation 0, inside
+    Megatron's own forward-only schedule; plan: after rank 1 died in iteration 1, inside the plan's forward-only
+    pass. Every evaluation and iteration equal to stock's."""
+    flags, stock = stock_evaluating
+    faults = ["step=1,rank=2,phase=eval,kind=stall"]
+    if schedule == "plan":
+        faults.insert(0, "step=0,rank=1,phase=backward,kind=kill")
+    job = run_odyssey(MLM, tmp_path, [*flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-soft-timeout", "5",
+                                      "--odyssey-hard-timeout", "10",
+                                      *[x for f in faults for x in ("--odyssey-inject-fault", f)]],
+                      _port(880 + 20 * (schedule == "plan")))
+    assert job.returncode == 0, job.logs[-4000:]
+    assert [f["ranks"] for f in job.report["failures"]] == [[1], [2]][-len(faults):]
+    assert "rank 2 has made no progress" in job.logs and "last operation: eval" in job.logs
+    assert "the evaluation of iteration 2 was interrupted by a failure; the survivors run it again" in job.logs
+    assert same_evaluations(job.validations(), stock.validations()), (job.validations(), stock.validations())
     assert same_training(job.iterations(), stock.iterations())
 
 
@@ -534,6 +565,56 @@ def test_tied_embeddings_through_a_kill(stock_tied: tuple, tmp_path: Path, polic
     assert same_training(job.iterations(), stock)
     final = read_torch_dist(tmp_path / "ckpt" / f"iter_{ITERS:07d}")
     assert set(final) == set(stock_final) and max_tensor_difference(final, stock_final) < 1e-6
+
+
+def _tied_distopt(work: Path) -> list[str]:
+    """(The layout-free checkpoint format: what a job that saves after a failure writes, see
+    test_distributed_optimizer_checkpoint_after_a_failure_holds_what_stock_writes.)"""
+    return [*_tied_saving(work), *DISTOPT, "--dist-ckpt-optim-fully-reshardable"]
+
+
+@pytest.fixture(scope="module")
+def stock_tied_distopt(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], tuple[dict, dict]]:
+    """Stock Megatron-LM, tied embeddings and the distributed optimizer in two instances, on ``nproc`` ranks
+    (PP=2 x DP=nproc/2): its logged iterations and final checkpoint."""
+    runs: dict[int, tuple[dict, dict]] = {}
+
+    def run(nproc: int) -> tuple[dict, dict]:
+        if nproc not in runs:
+            work = tmp_path_factory.mktemp(f"stock_tied_distopt{nproc}")
+            job = run_stock(MLM, work, _tied_distopt(work), _port(960 + nproc), nproc=nproc)
+            assert job.returncode == 0, job.logs[-4000:]
+            runs[nproc] = job.iterations(), read_torch_dist(work / "ckpt" / f"iter_{ITERS:07d}")
+        return runs[nproc]
+
+    return run
+
+
+@pytest.mark.parametrize("policy, nproc, faults", [
+    ("reroute", 8, ["step=1,rank=1,phase=backward,kind=kill", "step=3,rank=5,phase=forward,kind=kill"]),
+    ("reconfigure", 4, ["step=1,rank=3,phase=backward,kind=kill", "step=3,rank=2,phase=forward,kind=kill"])])
+def test_tied_embeddings_with_the_distributed_optimizer_through_kills(
+        stock_tied_distopt: Callable[[int], tuple[dict, dict]], tmp_path: Path, policy: str, nproc: int,
+        faults: list[str]) -> None:
+    """With the distributed optimizer the shared weight's state is sharded after the failure like a unit of its
+    own, over every holder of either end (replica_optimizer.TIED_UNIT), each shard kept twice, and a second
+    failure reassembles it from pieces kept under either name. reroute (PP=2 x DP=4): rank 1 (stage 0) dies, the
+    shared weight is sharded over the seven survivors, then rank 5 (stage 1) takes one copy of two of its shards.
+    reconfigure (PP=2 x DP=2): rank 3 (stage 1) dies and node 0 holds the whole model (one weight for both ends)
+    beside nodes 1 and 2 holding one end each; then node 2 dies. Every logged iteration and the final
+    checkpoint equal stock's."""
+    stock, stock_final = stock_tied_distopt(nproc)
+    injected = [x for f in faults for x in ("--odyssey-inject-fault", f)]
+    job = run_odyssey(MLM, tmp_path, [*_tied_distopt(tmp_path), "--odyssey-heartbeat-timeout", "10",
+                                      "--odyssey-policy", policy, *injected],
+                      _port(980 + nproc), nproc=nproc)
+    assert job.returncode == 0, job.logs[-4000:]
+    assert [f["policy"] for f in job.report["failures"]] == [policy] * len(faults)
+    assert same_training(job.iterations(), stock)
+    final = read_torch_dist(tmp_path / "ckpt" / f"iter_{ITERS:07d}")
+    assert set(final) == set(stock_final) and max_tensor_difference(final, stock_final) < 1e-6
+    # after the first failure every survivor keeps part of the shared weight's state (three holders or more)
+    assert all(v < 1.0 for v in job.report["failures"][0]["optimizer_shares"].values())
 
 
 # -- randomness is state too ---------------------------------------------------------------------------
