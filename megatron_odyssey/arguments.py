@@ -104,7 +104,7 @@ def add_odyssey_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="write per-iteration and per-failure records (JSON) here")
     g.add_argument("--odyssey-inject-fault", action="append", default=[], metavar="SPEC",
                    help="testing: step=I,rank=R,phase=forward|backward|grad-sync|optimizer|recovery|log|save|eval,"
-                        "kind=kill|hang|slow|error (repeatable; rank is the launch-time global rank; error: "
+                        "kind=kill|hang|stall|slow|error (repeatable; rank is the launch-time global rank; error: "
                         "the rank raises, as a local bug would; kind=slow,factor=F[,steps=N]: its compute F times "
                         "slower from iteration I on, for N iterations or to the end)")
     g.add_argument("--odyssey-rejoin", action="append", default=[], metavar="RANK@STEP",
@@ -141,9 +141,6 @@ def megatron_feature_refusals(args: Any) -> list[str]:
                    "tiny GPT its gradient norm is 1.41x, and the losses part from the third iteration), which no "
                    "layout after a failure can match; use megatron-core 0.13 or later, "
                    "--untie-embeddings-and-output-weights, or one instance without --odyssey")
-    if getattr(args, "rampup_batch_size", None):
-        out.append("--odyssey keeps the global batch fixed through failures (every plan splits the "
-                   "same micro-batches); --rampup-batch-size is not supported")
     if getattr(args, "log_num_zeros_in_grad", False):
         out.append("--odyssey cannot be combined with --log-num-zeros-in-grad: the count is a "
                    "collective over the uniform model-parallel group after the step's commit")
@@ -198,6 +195,10 @@ def evaluation_refusals(args: Any) -> list[str]:
         if value is not None and train is not None and value != train and getattr(args, "eval_iters", 0):
             out.append(f"--odyssey evaluates with the training batch's micro-batches (every plan splits those): "
                        f"{flag} {value} differs from --{train_attr.replace('_', '-')} {train}; leave {flag} out")
+    if getattr(args, "step_batch_size_schedule", None) and getattr(args, "eval_iters", 0):
+        out.append("--odyssey cannot evaluate with --step-batch-size-schedule: Megatron's evaluate() then reads "
+                   "batches of --global-batch-size's default (micro-batch x data-parallel size), not the schedule's "
+                   "final batch that every plan splits; set --eval-iters 0")
     return out
 
 

@@ -84,13 +84,17 @@ def as_the_job(args: Any) -> ContextManager[None]:
 def resume_where_the_job_is(args: Any, scheduler: Any, ident: int, resume: int) -> None:
     """After admission, before ``train()`` reads them: the job's layout and Megatron's loop counters at
     iteration ``resume``. The learning-rate schedule is a function of the samples consumed: every committed
-    iteration stepped it by the global batch (``--odyssey`` refuses --fp16, whose loss scaler skips steps,
-    and --rampup-batch-size)."""
+    iteration stepped it by its global batch (``--odyssey`` refuses --fp16, whose loss scaler skips steps; a
+    batch-size ramp is over before anyone joins: a failure inside it stops the job, ``batch_ramp``)."""
+    from .batch_ramp import BatchRamp
+
     cfg = job_config()
     args.pipeline_model_parallel_size, args.world_size, args.data_parallel_size = cfg.pp, cfg.nproc, cfg.dp
     args.rank, args.load = ident, (STATE.joining or {}).get("load")
-    args.iteration, args.consumed_train_samples = resume, resume * cfg.global_batch
-    scheduler.step(increment=resume * cfg.global_batch - int(getattr(scheduler, "num_steps", 0)))
+    ramp = BatchRamp.from_list(cfg.extra.get("batch_ramp"))
+    consumed = ramp.samples_before(resume) if ramp else resume * cfg.global_batch
+    args.iteration, args.consumed_train_samples = resume, consumed
+    scheduler.step(increment=consumed - int(getattr(scheduler, "num_steps", 0)))
 
 
 def join_before_train(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -39,6 +39,7 @@ from ..runtime.grad_sync import GradientSync, all_reduce_flat, params_by_unit, u
 from ..runtime.device_profile import REPLICA_COPIES
 from .distributed_optimizer import (ShardedState, capture_pieces, deferred_param_sync, distributed_optimizers,
                                     reassemble, stage_holder_groups, unit_holder_groups)
+from .batch_ramp import BatchRamp, megatron_batch_ramp
 from .replica_optimizer import ReplicaShards
 from .samples import GlobalMicroBatches
 from .hooks import ORIGINAL_ATTR, STATE, overridden
@@ -184,10 +185,12 @@ def config_from_megatron_args(args: Any) -> TrainConfig:
     """The planner's view of a Megatron job (what the agent needs to plan and to report)."""
     from ..runtime.device_profile import megatron_job_fields
 
+    ramp = megatron_batch_ramp(args)
     return TrainConfig(
         nproc=args.world_size, tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
         layers=args.num_layers, hidden=args.hidden_size, heads=args.num_attention_heads, seq=args.seq_length,
-        global_batch=args.global_batch_size, micro_batch=args.micro_batch_size, steps=args.train_iters,
+        global_batch=ramp.global_batch if ramp else args.global_batch_size, micro_batch=args.micro_batch_size,
+        steps=args.train_iters,
         seed=args.seed, ffn_hidden=args.ffn_hidden_size, vocab=getattr(args, "padded_vocab_size", None) or 32000,
         lr=args.lr, report=args.odyssey_report, backend=args.distributed_backend,
         timeout_s=max(120.0, 4 * args.odyssey_heartbeat_timeout, 2 * args.odyssey_hard_timeout), fail=list(args.odyssey_inject_fault),
@@ -200,6 +203,7 @@ def config_from_megatron_args(args: Any) -> TrainConfig:
         workdir=os.environ.get(WORKDIR_ENV), mtbf_hours=args.odyssey_mtbf_hours,
         extra={"megatron": True, "start_step": int(args.iteration), "save_dir": getattr(args, "save", None),
                "tied_embeddings": not getattr(args, "untie_embeddings_and_output_weights", True),
+               **({"batch_ramp": ramp.to_list()} if ramp else {}),
                "max_cached_failures": args.odyssey_max_cached_failures,
                "profile_iters": args.odyssey_profile_iters, **megatron_job_fields(args),
                **({"rejoin": parse_rejoin(args.odyssey_rejoin, "--odyssey-rejoin")}
@@ -252,8 +256,10 @@ class MegatronRank(GenerationRank):
         if STATE.captured.train_ds is not None:  # now: a --dataloader-type it cannot follow fails the start
             self._global_micro_batches()
         # --odyssey-profile-iters: time iterations [first, end) with Megatron's timers (the first one
-        # after start-up is a warm-up), then publish this stage's per-layer costs to the agent
-        first = int(args.iteration) + 1
+        # after start-up is a warm-up), then publish this stage's per-layer costs to the agent (past a batch-size
+        # ramp: the profile is of the final global batch, which every plan splits)
+        ramp = BatchRamp.from_list(cfg.extra.get("batch_ramp"))
+        first = max(int(args.iteration) + 1, ramp.ramp_end + 1 if ramp else 0)
         self.profile_window = range(first, first + (0 if joining else int(args.odyssey_profile_iters)))
         self.timing = False
         self.last_result: Any = None
@@ -360,7 +366,8 @@ class MegatronRank(GenerationRank):
         if self.samples is None:
             self.samples = GlobalMicroBatches(STATE.captured.train_ds, self.cfg.micro_batch, self.cfg.global_batch,
                                               self.cfg.dp, getattr(self.args, "dataloader_type", None) or "single",
-                                              bool(getattr(self.args, "data_sharding", True)))
+                                              bool(getattr(self.args, "data_sharding", True)),
+                                              BatchRamp.from_list(self.cfg.extra.get("batch_ramp")))
         return self.samples
 
     # -- generations -----------------------------------------------------------------------------------

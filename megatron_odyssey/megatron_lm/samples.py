@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from .batch_ramp import BatchRamp
+
 DATALOADER_TYPES = ("single", "cyclic")
 
 
@@ -26,7 +28,8 @@ class GlobalMicroBatches:
     per iteration in micro-batches of ``micro_batch`` over ``data_parallel`` ranks (generation 0's)."""
 
     def __init__(self, dataset: Any, micro_batch: int, global_batch: int, data_parallel: int,
-                 dataloader_type: str = "single", data_sharding: bool = True):
+                 dataloader_type: str = "single", data_sharding: bool = True, ramp: BatchRamp | None = None):
+        """``ramp``: the job's batch-size ramp (``batch_ramp``), past which ``global_batch`` holds."""
         if dataloader_type not in DATALOADER_TYPES:
             raise ValueError(f"--dataloader-type {dataloader_type}: Odyssey reads {' and '.join(DATALOADER_TYPES)}")
         stride = micro_batch * data_parallel
@@ -39,15 +42,17 @@ class GlobalMicroBatches:
                              f"drop --no-data-sharding")
         self.dataset, self.micro_batch, self.global_batch = dataset, micro_batch, global_batch
         self.data_parallel, self.dataloader_type, self.data_sharding = data_parallel, dataloader_type, data_sharding
+        self.ramp = ramp
         self._epoch: int | None = None  # the epoch whose orders are kept
         self._orders: dict[int | str, torch.Tensor] = {}  # rank d -> its samples of that epoch, in order
 
     def indices(self, step: int, j: int) -> list[int]:
+        start = self.ramp.samples_before(step) if self.ramp is not None else step * self.global_batch
         if self.dataloader_type == "single":
-            first = step * self.global_batch + j * self.micro_batch
+            first = start + j * self.micro_batch
             return list(range(first, first + self.micro_batch))
         k, d = divmod(j, self.data_parallel)
-        return self._batch_of(d, step * self.global_batch + k * self.micro_batch * self.data_parallel)
+        return self._batch_of(d, start + k * self.micro_batch * self.data_parallel)
 
     def _batch_of(self, d: int, consumed: int) -> list[int]:
         """Rank ``d``'s micro-batch at ``consumed`` samples (the job's count, as every rank's sampler keeps it)."""

@@ -191,6 +191,7 @@ class Agent:
         self.measured = False
         self.errors: dict[int, ErrorRecord] = {}  # rank -> the local error it left the job with
         self.stop_reason = ""  # why recover() could not go on
+        self.ramp_deferred: set[tuple[str, tuple[int, ...]]] = set()  # actions said to wait for the ramp's end
         self.beats: dict[int, Beat] = {}  # rank -> its last heartbeat (liveness and progress)
         self.named_stalled: set[tuple[int, int]] = set()  # (rank, count) already reported at the soft timeout
         self.named_mismatch: set[tuple[int, int]] = set()  # (generation, step) whose ready shares did not match
@@ -776,9 +777,35 @@ class Agent:
             self.exiting.pop(ident, None)
         self.held -= set(action.ranks)
 
+    def _inside_ramp(self, step: int) -> str | None:
+        """Why ``step`` cannot run on a plan: it is inside Megatron's batch-size ramp, while every plan splits one
+        fixed global batch (``megatron_lm.batch_ramp``); None past the ramp."""
+        ramp = self.cfg.extra.get("batch_ramp")
+        if not ramp or step >= int(ramp[0]):
+            return None
+        return (f"iteration {step + 1} is inside the batch-size ramp (--rampup-batch-size, or "
+                f"--step-batch-size-schedule), which reaches the global batch of {ramp[2]} at iteration "
+                f"{int(ramp[0]) + 1}, and every plan splits one fixed global batch")
+
+    def _relaunch_hint(self) -> str:
+        save = self.cfg.extra.get("save_dir")
+        ckpt = megatron_checkpoint_iteration(save) if save else None
+        where = (f"Megatron loads the checkpoint of iteration {ckpt} ({save}) and ramps on" if ckpt is not None else
+                 "nothing was saved yet (--save, --save-interval), so it starts over")
+        ramp = self.cfg.extra.get("batch_ramp")
+        return (f"relaunch the job's own command line{f' with --load {save}' if save else ''}: {where}; failures "
+                f"from iteration {int(ramp[0]) + 1} on are recovered in-process")
+
     def _act(self, action: Action) -> bool:
         """Drop: fence the slow node's ranks (detected and recovered from like any failure next pass).
-        Re-plan: abort the generation after the step just committed and start the rebalanced plan."""
+        Re-plan: abort the generation after the step just committed and start the rebalanced plan. Neither
+        inside a batch-size ramp (a plan cannot run it; a failure there stops the job anyway)."""
+        ramp = self._inside_ramp(self.next_step)
+        if ramp is not None:
+            if (action.what, tuple(action.ranks)) not in self.ramp_deferred:
+                self.ramp_deferred.add((action.what, tuple(action.ranks)))
+                self.log(f"not acting on {action.what} of rank(s) {list(action.ranks)} yet: {ramp}")
+            return True
         if action.what == "join" and any(self.procs[i].exitcode is not None for i in self.members()):
             return True  # a member left meanwhile: that failure is recovered first; the join is decided again
         if action.what == "drop":
@@ -912,6 +939,12 @@ class Agent:
         if rec.dropped:
             rec.phase = "(slow)"  # taken out by the agent between operations, not hit in a phase
         self.slow_nodes.left(dead_nodes)
+        ramp = self._inside_ramp(last + 1)
+        if ramp is not None:
+            self.stop_reason = f"cannot continue in-process: {ramp}; {self._relaunch_hint()}"
+            rec.reason = ramp
+            self.failures.append(rec)
+            return False
         if not dead_nodes and replan is not None:
             rec.policy, rec.reason = replan.record.action, replan.record.reason
             replan.record.replan = rec
@@ -975,6 +1008,12 @@ class Agent:
                 self.failures.append(rec)
                 return False
             resume = ckpt  # Megatron's iteration N is N steps done: step N is the next
+            ramp = self._inside_ramp(resume)
+            if ramp is not None:  # the redo would train steps of the ramp on a plan
+                self.stop_reason = (f"cannot continue in-process: {chosen.reason}, and the checkpoint of iteration "
+                                    f"{ckpt} is inside the batch-size ramp ({ramp}); {self._relaunch_hint()}")
+                self.failures.append(rec)
+                return False
             self.log(f"restart: {chosen.reason}; the survivors load Megatron's checkpoint of iteration {ckpt} "
                      f"in-process, resuming at step {resume}")
         elif chosen.policy == "restart":

@@ -134,8 +134,9 @@ def test_bad_policy_is_rejected_by_argparse(capsys: pytest.CaptureFixture, polic
     (["--odyssey"], {"save": "/ckpt", "ckpt_format": "torch"}, "--ckpt-format torch writes one file per pipeline rank"),
     (["--odyssey"], {"async_save": True}, "--async-save"),
     (["--odyssey"], {"log_num_zeros_in_grad": True}, "--log-num-zeros-in-grad"),
-    (["--odyssey"], {"rampup_batch_size": ["16", "8", "1000"]}, "--rampup-batch-size"),
     (["--odyssey"], {"eval_iters": 100, "full_validation": True}, "--full-validation: it reads the whole"),
+    (["--odyssey"], {"eval_iters": 100, "step_batch_size_schedule": "0:8 1000:16"},
+     "cannot evaluate with --step-batch-size-schedule"),
     (["--odyssey"], {"eval_iters": 100, "multiple_validation_sets": True}, "--multiple-validation-sets"),
     (["--odyssey"], {"eval_iters": 100, "global_batch_size": 8, "eval_global_batch_size": 64},
      "--eval-global-batch-size 64 differs from --global-batch-size"),
@@ -179,6 +180,13 @@ def test_tied_embeddings_with_core_r0_12s_distributed_optimizer_instances_are_re
     monkeypatch.setattr("megatron_odyssey.megatron_lm.versions.installed_version", lambda: MegatronVersion(0, 13, 0))
     assert arguments._megatron_minor() == 13
     validate_odyssey_args(_megatron_like_args(["--odyssey"], **tied_distopt))
+
+
+def test_a_batch_size_ramp_is_accepted() -> None:
+    """A failure inside the ramp stops the job with the checkpoint to relaunch from; past it, recovery works
+    (megatron_lm.batch_ramp)."""
+    validate_odyssey_args(_megatron_like_args(["--odyssey"], rampup_batch_size=["16", "8", "1000"]))
+    validate_odyssey_args(_megatron_like_args(["--odyssey"], step_batch_size_schedule="0:8 1000:16"))
 
 
 def test_evaluation_during_training_is_accepted() -> None:

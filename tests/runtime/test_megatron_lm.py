@@ -617,6 +617,49 @@ def test_tied_embeddings_with_the_distributed_optimizer_through_kills(
     assert all(v < 1.0 for v in job.report["failures"][0]["optimizer_shares"].values())
 
 
+# -- a growing global batch (--rampup-batch-size) -------------------------------------------------------
+
+def _sample_based(flags: list[str], samples: int) -> list[str]:
+    """Megatron ramps the batch only in sample-based training (--train-samples instead of --train-iters)."""
+    at = flags.index("--train-iters")
+    return [*flags[:at], "--train-samples", str(samples), *flags[at + 2:]]
+
+
+# 4, 4, 6, 6, then 8 from iteration 5: 52 samples are 8 iterations
+RAMP = [*_sample_based(tiny_gpt_flags(8), 52), "--rampup-batch-size", "4", "2", "16"]
+
+
+@pytest.fixture(scope="module")
+def stock_ramp(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    job = run_stock(MLM, tmp_path_factory.mktemp("stock_ramp"), RAMP, _port(1000))
+    assert job.returncode == 0, job.logs[-4000:]
+    return job.iterations()
+
+
+def test_a_failure_past_the_batch_size_ramp_is_recovered(stock_ramp: dict, tmp_path: Path) -> None:
+    """Megatron ramps the global batch 4, 4, 6, 6 and then trains at 8 from iteration 5: rank 1 dies in iteration
+    6 and the plan's micro-batches read from sample 20 + 8 (past the ramp), not 5 x 8. Every logged iteration
+    (with its consumed-sample count) equals stock's."""
+    job = run_odyssey(MLM, tmp_path, [*RAMP, "--odyssey-heartbeat-timeout", "10",
+                                      "--odyssey-inject-fault", "step=5,rank=1,phase=backward,kind=kill"], _port(1010))
+    assert job.returncode == 0, job.logs[-4000:]
+    assert [f["ranks"] for f in job.report["failures"]] == [[1]]
+    assert [stock_ramp[i][0] for i in (1, 2, 3, 4, 5, 6)] == ["4", "8", "14", "20", "28", "36"]
+    assert same_training(job.iterations(), stock_ramp)
+
+
+def test_a_failure_inside_the_batch_size_ramp_stops_with_the_checkpoint_to_relaunch_from(tmp_path: Path) -> None:
+    """Rank 1 dies in iteration 3, at a global batch of 6: no plan can run it, so the job stops and says so on the
+    terminal, naming the checkpoint of iteration 2 to relaunch from and the iteration from which failures are
+    recovered in-process."""
+    job = run_odyssey(MLM, tmp_path, [*RAMP, "--odyssey-heartbeat-timeout", "10", "--save", str(tmp_path / "ckpt"),
+                                      "--save-interval", "2",
+                                      "--odyssey-inject-fault", "step=2,rank=1,phase=backward,kind=kill"], _port(1020))
+    assert job.returncode != 0
+    assert "iteration 3 is inside the batch-size ramp" in job.logs
+    assert "loads the checkpoint of iteration 2" in job.logs and "from iteration 5 on are recovered" in job.logs
+
+
 # -- randomness is state too ---------------------------------------------------------------------------
 
 DROPOUT = [*TINY_GPT, "--odyssey-heartbeat-timeout", "10"]

@@ -169,6 +169,31 @@ def test_release_tied_embeddings_through_a_kill(checkout: str, optimizer: str,
     assert same_training(job.iterations(), stock.iterations()), (job.iterations(), stock.iterations())
 
 
+@pytest.mark.parametrize("checkout", CHECKOUTS, ids=[Path(c).name for c in CHECKOUTS])
+def test_release_batch_size_ramp_through_a_kill(checkout: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A global batch growing 4, 4, 6, 6, then 8 from iteration 5 (--rampup-batch-size 4 2 16 to core_r0.17;
+    core_r0.18 replaced it with --step-batch-size-schedule, thresholds in tokens of 32, and ignores the old flag):
+    rank 1 dies in iteration 6, past the ramp, and the plan reads from where Megatron's own calculator says the
+    ramp ended. Equal to stock."""
+    flags = _flags(checkout)
+    if _minor(checkout) >= 18:
+        at = flags.index("--global-batch-size")
+        flags = [*flags[:at], *flags[at + 2:], "--step-batch-size-schedule", "0:4 256:6 640:8"]
+    else:
+        flags = [*flags, "--rampup-batch-size", "4", "2", "16"]
+    at = flags.index("--train-iters")  # (Megatron ramps only in sample-based training: 52 samples, 8 iterations)
+    flags = [*flags[:at], "--train-samples", "52", *flags[at + 2:]]
+    stock = run_stock(checkout, tmp_path_factory.mktemp("stock_ramp"), flags, _port(checkout, 440))
+    assert stock.returncode == 0, stock.logs[-4000:]
+    assert [stock.iterations()[i][0] for i in range(1, 7)] == ["4", "8", "14", "20", "28", "36"]
+    job = run_odyssey(checkout, tmp_path_factory.mktemp("ramp"), [
+        *flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-inject-fault", "step=5,rank=1,phase=backward,kind=kill"],
+        _port(checkout, 450))
+    assert job.returncode == 0, job.logs[-4000:]
+    assert [f["ranks"] for f in job.report["failures"]] == [[1]]
+    assert same_training(job.iterations(), stock.iterations()), (job.iterations(), stock.iterations())
+
+
 DISTOPT = ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"]
 
 
