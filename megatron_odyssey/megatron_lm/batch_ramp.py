@@ -5,7 +5,8 @@ and so does this module, asking their own calculator).
 Every plan splits one fixed global batch into micro-batches, so a failure is recovered in-process only once the
 schedule has reached its final batch. Before that ("the ramp") Megatron runs as it is, and a failure stops the
 job with the checkpoint to relaunch from: the job's own command line then loads it and ramps on, as stock
-Megatron-LM would (``runtime.agent``; so does an in-process restart that would have to go back into the ramp).
+Megatron-LM would (``runtime.agent``; so does an in-process restart that would have to go back into the ramp, and
+a slow node found inside the ramp is named but not acted on).
 Megatron's own GPT-3 175B example (``--rampup-batch-size 16 16 5859375``, DP=16) reaches its batch of 1536 at
 iteration 19,803 of 500,000: 96% of the run is recoverable in-process.
 

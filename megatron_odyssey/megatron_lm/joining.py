@@ -61,10 +61,16 @@ def private_layout(args: Any) -> None:
     from ..arguments import OdysseyArgumentError
 
     cfg = job_config()
-    for attr, flag, field in _SAME_AS_JOB:
-        if getattr(args, attr, None) != getattr(cfg, field):
-            raise OdysseyArgumentError(f"odyssey-launch --join: {flag} {getattr(args, attr, None)} differs from the "
-                                       f"running job's {getattr(cfg, field)}; join with the job's own command line")
+    checks = [(getattr(args, attr, None), flag, getattr(cfg, field)) for attr, flag, field in _SAME_AS_JOB]
+    schedule = cfg.extra.get("step_batch_size_schedule")
+    if schedule is not None or getattr(args, "step_batch_size_schedule", None) is not None:
+        # (its --global-batch-size is not given: Megatron sets it to micro-batch x DP; the schedule is the batch)
+        checks = [c for c in checks if c[1] != "--global-batch-size"]
+        checks.append((getattr(args, "step_batch_size_schedule", None), "--step-batch-size-schedule", schedule))
+    for mine, flag, theirs in checks:
+        if mine != theirs:
+            raise OdysseyArgumentError(f"odyssey-launch --join: {flag} {mine} differs from the running job's "
+                                       f"{theirs}; join with the job's own command line")
     STATE.joining = {"load": getattr(args, "load", None)}
     args.pipeline_model_parallel_size = 1
     for name in _PIPELINE_SHAPE:

@@ -204,6 +204,8 @@ def config_from_megatron_args(args: Any) -> TrainConfig:
         extra={"megatron": True, "start_step": int(args.iteration), "save_dir": getattr(args, "save", None),
                "tied_embeddings": not getattr(args, "untie_embeddings_and_output_weights", True),
                **({"batch_ramp": ramp.to_list()} if ramp else {}),
+               **({"step_batch_size_schedule": args.step_batch_size_schedule}
+                  if getattr(args, "step_batch_size_schedule", None) else {}),
                "max_cached_failures": args.odyssey_max_cached_failures,
                "profile_iters": args.odyssey_profile_iters, **megatron_job_fields(args),
                **({"rejoin": parse_rejoin(args.odyssey_rejoin, "--odyssey-rejoin")}

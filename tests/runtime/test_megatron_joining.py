@@ -23,10 +23,11 @@ JOB = dict(nproc=8, tp=2, pp=2, layers=8, hidden=64, heads=4, seq=32, global_bat
 
 
 @pytest.fixture
-def job(monkeypatch: pytest.MonkeyPatch):
+def job(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """The running job's store; ``@pytest.mark.parametrize("job", [extra], indirect=True)`` adds config extras."""
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-    store.set(CONFIG_KEY, json.dumps(TrainConfig(**JOB).__dict__))
+    store.set(CONFIG_KEY, json.dumps(TrainConfig(**JOB, extra=getattr(request, "param", {})).__dict__))
     monkeypatch.setenv("ODYSSEY_STORE", f"127.0.0.1:{port}")
     monkeypatch.setenv(joining.JOIN_RANK_ENV, "5")
     joining.job_config.cache_clear()
@@ -107,3 +108,31 @@ def test_megatrons_loop_resumes_at_the_jobs_iteration_and_learning_rate(job) -> 
     assert (args.rank, args.load, args.iteration, args.consumed_train_samples) == (5, "/ckpt", 7, 112)
     assert joined.num_steps == reference.num_steps == 112
     assert joined.optimizer.param_groups[0]["lr"] == reference.optimizer.param_groups[0]["lr"] > 0
+
+
+@pytest.mark.parametrize("job", [{"batch_ramp": [5, 28, 16]}], indirect=True)
+def test_past_a_batch_size_ramp_the_loop_resumes_at_the_samples_megatron_consumed(job) -> None:
+    """The job ramped its batch and reached 16 at iteration 6 (step 5) after 28 samples: admitted at iteration 7,
+    Megatron's counters say 28 + 2 x 16 = 60 samples, not 7 x 16 (megatron_lm.batch_ramp)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    opt = torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
+    joined = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=32,
+                                     lr_decay_steps=320, lr_decay_style="cosine", start_wd=0.01, end_wd=0.01,
+                                     wd_incr_steps=320, wd_incr_style="constant")
+    args = _args()
+    joining.private_layout(args)
+    joining.resume_where_the_job_is(args, joined, ident=5, resume=7)
+    assert (args.iteration, args.consumed_train_samples, joined.num_steps) == (7, 60, 60)
+
+
+@pytest.mark.parametrize("job", [{"step_batch_size_schedule": "0:8 64:16"}], indirect=True)
+def test_a_step_batch_size_schedule_is_checked_instead_of_the_global_batch(job) -> None:
+    """With --step-batch-size-schedule (core_r0.18 on) no --global-batch-size is given (Megatron sets it to
+    micro-batch x DP later): the joining rank's schedule must be the job's."""
+    joining.private_layout(_args(global_batch_size=None, step_batch_size_schedule="0:8 64:16"))
+    with pytest.raises(OdysseyArgumentError, match="--step-batch-size-schedule 0:8 32:16 differs from the running "
+                                                   "job's 0:8 64:16"):
+        joining.private_layout(_args(global_batch_size=None, step_batch_size_schedule="0:8 32:16"))
+    with pytest.raises(OdysseyArgumentError, match="--step-batch-size-schedule None differs"):
+        joining.private_layout(_args())
