@@ -191,7 +191,7 @@ class Agent:
         self.measured = False
         self.errors: dict[int, ErrorRecord] = {}  # rank -> the local error it left the job with
         self.stop_reason = ""  # why recover() could not go on
-        self.ramp_deferred: set[tuple[str, tuple[int, ...]]] = set()  # actions not taken inside a batch-size ramp
+        self.ramp_skipped: set[tuple[str, tuple[int, ...]]] = set()  # actions not taken inside a batch-size ramp
         self.beats: dict[int, Beat] = {}  # rank -> its last heartbeat (liveness and progress)
         self.named_stalled: set[tuple[int, int]] = set()  # (rank, count) already reported at the soft timeout
         self.named_mismatch: set[tuple[int, int]] = set()  # (generation, step) whose ready shares did not match
@@ -802,8 +802,8 @@ class Agent:
         inside a batch-size ramp (a plan cannot run it; a failure there stops the job anyway)."""
         ramp = self._inside_ramp(self.next_step)
         if ramp is not None:
-            if (action.what, tuple(action.ranks)) not in self.ramp_deferred:
-                self.ramp_deferred.add((action.what, tuple(action.ranks)))
+            if (action.what, tuple(action.ranks)) not in self.ramp_skipped:
+                self.ramp_skipped.add((action.what, tuple(action.ranks)))
                 self.log(f"not acting on {action.what} of rank(s) {list(action.ranks)}: {ramp}")
             return True
         if action.what == "join" and any(self.procs[i].exitcode is not None for i in self.members()):
