@@ -153,7 +153,7 @@ def megatron_global_names(chunk: Any, layer_start: int) -> list[tuple[str, torch
 
 
 #: the tied embedding weight's names: the word embeddings, and the output layer's copy on a stage without them
-TIED_NAMES = ("embedding.word_embeddings.weight", "output_layer.weight")
+TIED_NAMES = (*TIED_ALIASES.values(), *TIED_ALIASES)
 
 
 def unit_owners(plan: ExecutionPlan) -> dict[int, int]:
@@ -238,6 +238,7 @@ class MegatronRank(GenerationRank):
         self.args, self.megatron_model, self.megatron_optimizer, self.scheduler = args, model, optimizer, scheduler
         self.node, self.tp_rank = divmod(self.ident, cfg.tp)
         self.tied_embeddings = bool(cfg.extra.get("tied_embeddings", False))
+        self.batch_ramp = BatchRamp.from_list(cfg.extra.get("batch_ramp"))  # a growing global batch (batch_ramp)
         self.injector = Injector(cfg.fail_specs(), self.ident, store)
         self.progress = Progress()
         track(self.progress)  # marked by the executor and gradient sync around communication (liveness)
@@ -260,8 +261,7 @@ class MegatronRank(GenerationRank):
         # --odyssey-profile-iters: time iterations [first, end) with Megatron's timers (the first one
         # after start-up is a warm-up), then publish this stage's per-layer costs to the agent (past a batch-size
         # ramp: the profile is of the final global batch, which every plan splits)
-        ramp = BatchRamp.from_list(cfg.extra.get("batch_ramp"))
-        first = max(int(args.iteration) + 1, ramp.ramp_end + 1 if ramp else 0)
+        first = max(int(args.iteration) + 1, self.batch_ramp.ramp_end + 1 if self.batch_ramp else 0)
         self.profile_window = range(first, first + (0 if joining else int(args.odyssey_profile_iters)))
         self.timing = False
         self.last_result: Any = None
@@ -369,7 +369,7 @@ class MegatronRank(GenerationRank):
             self.samples = GlobalMicroBatches(STATE.captured.train_ds, self.cfg.micro_batch, self.cfg.global_batch,
                                               self.cfg.dp, getattr(self.args, "dataloader_type", None) or "single",
                                               bool(getattr(self.args, "data_sharding", True)),
-                                              BatchRamp.from_list(self.cfg.extra.get("batch_ramp")))
+                                              self.batch_ramp)
         return self.samples
 
     # -- generations -----------------------------------------------------------------------------------

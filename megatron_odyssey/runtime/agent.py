@@ -777,24 +777,29 @@ class Agent:
             self.exiting.pop(ident, None)
         self.held -= set(action.ranks)
 
+    def _batch_ramp(self) -> Any:
+        """The job's batch-size ramp (``megatron_lm.batch_ramp.BatchRamp``), or None for a constant batch."""
+        from ..megatron_lm.batch_ramp import BatchRamp
+
+        return BatchRamp.from_list(self.cfg.extra.get("batch_ramp"))
+
     def _inside_ramp(self, step: int) -> str | None:
         """Why ``step`` cannot run on a plan: it is inside Megatron's batch-size ramp, while every plan splits one
         fixed global batch (``megatron_lm.batch_ramp``); None past the ramp."""
-        ramp = self.cfg.extra.get("batch_ramp")
-        if not ramp or step >= int(ramp[0]):
+        ramp = self._batch_ramp()
+        if ramp is None or step >= ramp.ramp_end:
             return None
         return (f"iteration {step + 1} is inside the batch-size ramp (--rampup-batch-size, or "
-                f"--step-batch-size-schedule), which reaches the global batch of {ramp[2]} at iteration "
-                f"{int(ramp[0]) + 1}, and every plan splits one fixed global batch")
+                f"--step-batch-size-schedule), which reaches the global batch of {ramp.global_batch} at iteration "
+                f"{ramp.ramp_end + 1}, and every plan splits one fixed global batch")
 
     def _relaunch_hint(self) -> str:
         save = self.cfg.extra.get("save_dir")
         ckpt = megatron_checkpoint_iteration(save) if save else None
         where = (f"Megatron loads the checkpoint of iteration {ckpt} ({save}) and ramps on" if ckpt is not None else
                  "nothing was saved yet (--save, --save-interval), so it starts over")
-        ramp = self.cfg.extra.get("batch_ramp")
         return (f"relaunch the job's own command line{f' with --load {save}' if save else ''}: {where}; failures "
-                f"from iteration {int(ramp[0]) + 1} on are recovered in-process")
+                f"from iteration {self._batch_ramp().ramp_end + 1} on are recovered in-process")
 
     def _act(self, action: Action) -> bool:
         """Drop: fence the slow node's ranks (detected and recovered from like any failure next pass).
