@@ -25,7 +25,6 @@ SLOW_ACTION_CHOICES = ("auto", *SLOW_ACTIONS, "off")
 _INCOMPATIBLE: tuple[tuple[str, str, str], ...] = (
     ("use_torch_fsdp2", "--use-torch-fsdp2", "FSDP shards parameters over one uniform data-parallel group"),
     ("use_megatron_fsdp", "--use-megatron-fsdp", "FSDP shards parameters over one uniform data-parallel group"),
-    ("fp16", "--fp16", "the dynamic loss scaler's skip/scale decisions are not part of the step commit; use --bf16 or fp32"),
     # Megatron's own resiliency (README, "Megatron's own resiliency"): one recovery system per failure
     ("inprocess_restart", "--inprocess-restart",
      "nvidia-resiliency-ext's in-process restart re-runs the whole training function on every rank after a "
@@ -141,6 +140,10 @@ def megatron_feature_refusals(args: Any) -> list[str]:
                    "tiny GPT its gradient norm is 1.41x, and the losses part from the third iteration), which no "
                    "layout after a failure can match; use megatron-core 0.13 or later, "
                    "--untie-embeddings-and-output-weights, or one instance without --odyssey")
+    if getattr(args, "fp16", False) and getattr(args, "calculate_per_token_loss", False):
+        out.append("--odyssey cannot be combined with --fp16 and --calculate-per-token-loss together: a plan's backward "
+                   "runs at stock's magnitudes (so the loss scaler overflows where stock's does) only for Megatron's "
+                   "per-micro-batch mean loss; use --bf16, or leave out --calculate-per-token-loss")
     if getattr(args, "log_num_zeros_in_grad", False):
         out.append("--odyssey cannot be combined with --log-num-zeros-in-grad: the count is a "
                    "collective over the uniform model-parallel group after the step's commit")

@@ -336,6 +336,8 @@ MEGATRON_LM_CPU_PATCHES: Tuple[Patch, ...] = (
           "the distributed optimizer gathers its shards (checkpoints) into current_device() buffers"),
     Patch(f"{_MC}.optimizer.optimizer.torch", _CORE_TORCH_VIEW,
           "FP32Optimizer/MixedPrecisionOptimizer create _scale/found_inf with device='cuda'"),
+    Patch(f"{_MC}.optimizer.grad_scaler.torch", _CORE_TORCH_VIEW,
+          "--fp16: the loss scalers keep their scale, bounds and trackers in device='cuda' tensors"),
     Patch(f"{_MC}.optimizer.optimizer.clip_grad_by_total_norm_fp32",
           _cpu_clip_grad_by_total_norm_fp32,
           "optimizer.step()'s clip_grad_by_total_norm_fp32 asserts grads are torch.cuda.FloatTensor"),
@@ -450,6 +452,13 @@ def disable_megatron_lm_cpu_mode() -> None:
 def describe_megatron_lm_cpu_patches() -> List[dict]:
     """The patch table as plain dicts (for logs and docs)."""
     return [{"target": p.target, "why": p.why} for p in MEGATRON_LM_CPU_PATCHES]
+
+
+def with_fp16_loss_scaling(flags: List[str]) -> List[str]:
+    """``flags`` in fp16 with a dynamic loss scale that overflows and grows every few iterations of the tiny GPT
+    (2^20 to start, doubled after 2 clean iterations, halved at each overflow): Megatron skips iterations 3 and 6
+    of 8 on PP=2 x DP=2 with fp32 gradient accumulation, 1, 4 and 7 without."""
+    return [*flags, "--fp16", "--initial-loss-scale", "1048576", "--loss-scale-window", "2", "--hysteresis", "1"]
 
 
 def tiny_gpt_flags(train_iters: int, pipeline_parallel: int = 2, vocab_size: int = 128) -> List[str]:

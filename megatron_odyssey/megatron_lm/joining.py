@@ -90,8 +90,9 @@ def as_the_job(args: Any) -> ContextManager[None]:
 def resume_where_the_job_is(args: Any, scheduler: Any, ident: int, resume: int) -> None:
     """After admission, before ``train()`` reads them: the job's layout and Megatron's loop counters at
     iteration ``resume``. The learning-rate schedule is a function of the samples consumed: every committed
-    iteration stepped it by its global batch (``--odyssey`` refuses --fp16, whose loss scaler skips steps; a
-    batch-size ramp is over before anyone joins: a failure inside it stops the job, ``batch_ramp``)."""
+    iteration stepped it by its global batch (under --fp16 a skipped iteration does not: the generation it joins then
+    hands it the schedule's step count and the loss scale of a rank that trained, ``loss_scale``; a batch-size ramp
+    is over before anyone joins: a failure inside it stops the job, ``batch_ramp``)."""
     from .batch_ramp import BatchRamp
 
     cfg = job_config()

@@ -41,6 +41,7 @@ from .distributed_optimizer import (ShardedState, capture_pieces, deferred_param
                                     reassemble, stage_holder_groups, unit_holder_groups)
 from .batch_ramp import BatchRamp, megatron_batch_ramp
 from .replica_optimizer import ReplicaShards
+from . import loss_scale
 from .samples import GlobalMicroBatches
 from .hooks import ORIGINAL_ATTR, STATE, overridden
 from .interleaved import InterleavedCapture, chunk_layer_start, reshuffle_transfers, shapes_for_layers
@@ -253,7 +254,11 @@ class MegatronRank(GenerationRank):
         self.current_step = int(args.iteration)
         self.timed_iterations = 0  # iterations timed on odyssey-forward-backward (profile window)
         self.committed, self.pending, self.saved = int(args.iteration) - 1, None, None
-        self.pending_norm = 0.0
+        self.pending_norm: float | None = 0.0  # None: the step overflowed (--fp16) and is skipped
+        self.pending_overflow = False
+        self.scaler_updates: list[Callable[[], None]] = []  # generation 0's loss-scaler updates, applied with the step
+        self.scaler_state: list[dict[str, Any]] | None = None  # the loss scalers across a rebuild (loss_scale)
+        self.trained = not joining  # holds the job's loss scale and schedule (loss_scale.share_training_state)
         self.samples: GlobalMicroBatches | None = None  # which samples a global micro-batch holds
         self.eval_samples: dict[str, GlobalMicroBatches] = {}  # ... of the evaluation splits (run_evaluation)
         if STATE.captured.train_ds is not None:  # now: a --dataloader-type it cannot follow fails the start
@@ -459,6 +464,7 @@ class MegatronRank(GenerationRank):
                                          per_token_loss=bool(getattr(self.args, "calculate_per_token_loss", False)),
                                          device=self.device, p2p=self.p2p,
                                          overlap=self.sync.overlapping if self.sync.overlap else None,
+                                         loss_scale=loss_scale.backward_scale(self.megatron_optimizer, self.cfg.dp),
                                          **self.diagnosed())
         self.owners = unit_owners(self.plan)
         STATE.plan = self.plan
@@ -511,6 +517,7 @@ class MegatronRank(GenerationRank):
             self.train_pgs.__dict__.update(fresh_pgs.__dict__)
         self.megatron_optimizer.__dict__.clear()
         self.megatron_optimizer.__dict__.update(fresh.__dict__)
+        loss_scale.load_scaler_states(self.megatron_optimizer, self.scaler_state)  # --fp16: as the last commit left it
         self._adopt_chunk(chunks[0])
         if self.cfg.extra.get("replica_optimizer"):  # the job asked for sharded optimizer state: keep it sharded
             self.shards = ReplicaShards(self.megatron_optimizer, self.named, self.groups.unit_groups, dist.get_rank(),
@@ -530,9 +537,12 @@ class MegatronRank(GenerationRank):
             super().enter(gen, plan, policy, transfers, checkpoint_step)
         # bf16: the restored fp32 main copies -> the bf16 model weights (Megatron >= 0.15 wraps even a single
         # optimizer in a ChainedOptimizer, which does not have this method itself)
-        for opt in getattr(self.megatron_optimizer, "chained_optimizers", [self.megatron_optimizer]):
+        for opt in loss_scale.sub_optimizers(self.megatron_optimizer):
             if hasattr(opt, "_copy_main_params_to_model_params"):
                 opt._copy_main_params_to_model_params()
+        if loss_scale.loss_scaled(self.megatron_optimizer):  # --fp16: a joining rank takes the job's scale
+            loss_scale.share_training_state(self.megatron_optimizer, self.scheduler, self.trained, self.device)
+            self.trained = True
         self.scheduler.step(increment=0)  # the fresh optimizer's groups take the schedule's current lr
 
     def _load_megatron_checkpoint(self, iteration: int) -> None:
@@ -642,6 +652,8 @@ class MegatronRank(GenerationRank):
                 if hasattr(config, name):
                     setattr(config, name, None)  # bound methods of the old DDP chunks
         self.megatron_model[:] = []
+        if self.megatron_optimizer.__dict__:  # (a second release before a rebuild keeps the first one's)
+            self.scaler_state = loss_scale.scaler_states(self.megatron_optimizer)
         self.megatron_optimizer.__dict__.clear()
         if self.train_pgs is not None:
             self.train_pgs.__dict__.clear()
@@ -691,7 +703,7 @@ class MegatronRank(GenerationRank):
                     # Megatron's collectives after its optimizer step): report it, do not redo it
                     loss = float(self.store.get(f"{keys(self.gen - 1)['commit']}/{step}"))
                     self._finish_committed_stock_step()
-                    return self._megatron_result(loss, True, self.pending_norm)
+                    return self._megatron_result(loss, not self.pending_overflow, self.pending_norm)
                 self._catch_up(resume, step)
 
     # -- between iterations (see between_steps) -------------------------------------------------------
@@ -755,14 +767,15 @@ class MegatronRank(GenerationRank):
         if self.timing:
             self._fb_timer().stop(barrier=False)
             self.timed_iterations += 1
-        self.pending_norm = self._megatron_grad_norm()
+        self.pending_overflow, self.pending_norm = self._megatron_grad_norm()
         self._publish_ready(step, *self._stock_loss_share())
         self._wait_commit(step)
         self.scheduled_before = getattr(self.scheduler, "num_steps", None)  # see _finish_committed_stock_step
         self.at(step, "optimizer")
         STATE.grad_norm = self.pending_norm
         try:
-            with deferred_param_sync(self.megatron_optimizer) as param_syncs:
+            with deferred_param_sync(self.megatron_optimizer) as param_syncs, \
+                    loss_scale.decided(self.megatron_optimizer, self.pending_overflow, self.scaler_updates):
                 out = megatron_step()  # local: the distributed optimizer's all-gather is deferred
         finally:
             STATE.grad_norm = None
@@ -779,15 +792,18 @@ class MegatronRank(GenerationRank):
         if before is not None and getattr(self.scheduler, "num_steps", None) == before:
             self.scheduler.step(increment=self.cfg.global_batch)
 
-    def _megatron_grad_norm(self) -> float:
-        """Megatron's own gradient norm (its groups, its fp32 arithmetic: the stock clipping, bit for
-        bit), computed before the commit; ``prepare_grads`` only points the main grads at the reduced
-        buffers, so the step's own call repeats it harmlessly and then reuses this norm."""
+    def _megatron_grad_norm(self) -> tuple[bool, float | None]:
+        """Whether the step overflowed (``--fp16``) and Megatron's own gradient norm (its groups, its fp32
+        arithmetic: the stock clipping, bit for bit; none after an overflow, as stock), computed before the
+        commit by Megatron's ``prepare_grads``, whose loss-scaler updates wait for the step
+        (:mod:`.loss_scale`); the step's own call of it then returns this decision."""
         opt = self.megatron_optimizer
         if hasattr(opt, "prepare_grads") and hasattr(opt, "get_grad_norm"):
-            opt.prepare_grads()
-            return float(opt.get_grad_norm())
-        return plan_grad_norm(self.named, self.owners, self.node, self.tp_rank, self.cfg.layers, self.device)
+            with loss_scale.deferred_scaler_updates(opt) as self.scaler_updates:
+                overflow = bool(opt.prepare_grads())
+            return overflow, (None if overflow else float(opt.get_grad_norm()))
+        self.scaler_updates = []
+        return False, plan_grad_norm(self.named, self.owners, self.node, self.tp_rank, self.cfg.layers, self.device)
 
     def _stock_loss_share(self) -> tuple[float, float | None]:
         """This rank's share of the step's loss as Megatron's ``train_step`` reduces it: the sum of its
@@ -866,7 +882,11 @@ class MegatronRank(GenerationRank):
         self.at(step, "grad-sync")
         self.sync()
         self._sync_sequence_parallel_grads()
-        self.pending_norm = plan_grad_norm(self.named, self.owners, self.node, self.tp_rank, self.cfg.layers, self.device)
+        norm = plan_grad_norm(self.named, self.owners, self.node, self.tp_rank, self.cfg.layers, self.device)
+        # --fp16: the gradients are scaled by the loss scale; a non-finite sum of squares is an overflow, agreed
+        # plan-wide by the norm's all-reduce (loss_scale)
+        self.pending_norm = loss_scale.unscaled_norm(norm, self.megatron_optimizer, self.cfg.dp)
+        self.pending_overflow = self.pending_norm is None
         self._publish_ready(step, 0.0, parts=result.loss_parts if self.tp_rank == 0 else [])
         loss = self._wait_commit(step)
         self.at(step, "optimizer")
@@ -905,7 +925,8 @@ class MegatronRank(GenerationRank):
         try:
             # no collective may run here: generation 0's distributed optimizer updates its shard locally and
             # its parameter all-gather is dropped (this runs in a recovery, whose capture takes the shards)
-            with deferred_param_sync(self.megatron_optimizer):
+            with deferred_param_sync(self.megatron_optimizer), \
+                    loss_scale.agreed_overflow(self.megatron_optimizer, self.pending_overflow, self.cfg.dp):
                 ok, norm, _ = self.megatron_optimizer.step()
         finally:
             STATE.grad_norm = None

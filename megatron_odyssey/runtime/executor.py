@@ -84,6 +84,9 @@ class PipelineExecutor:
     # around this rank's last gradient operation of a step, when it is a whole backward (not a filled reroute's
     # deferred B or W): the gradient sync's overlapped all-reduces start inside it (grad_sync.GradientSync)
     overlap: Callable[[], ContextManager[None]] | None = None
+    # fp16's loss scaling (Megatron's ``config.grad_scale_func``): applied to a last stage's normalised loss
+    # before its backward, as Megatron's ``backward_step`` does; the reported loss stays unscaled
+    loss_scale: Callable[[torch.Tensor], torch.Tensor] | None = None
     _ops: list[Op] = field(init=False)
     _executor: dict[tuple[int, int, int], int] = field(init=False)
 
@@ -169,6 +172,8 @@ class PipelineExecutor:
                             tokens = token_count()
                         out = summed / tokens
                     loss_sum = out.detach() if loss_sum is None else loss_sum + out.detach()
+                    if self.loss_scale is not None:
+                        out = self.loss_scale(out)
                     self._timer.stop(phase, c0)
                 else:
                     compute_s = self._timer.stop(phase, c0)

@@ -31,6 +31,9 @@ def patch_for(megatron_lm: str | Path) -> Path:
 _LOG = re.compile(r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) .*?elapsed time per iteration \(ms\): "
                   r"(\S+) .*?learning rate: (\S+) .*?lm loss: (\S+) .*?grad norm: (\S+)")
 
+# --fp16: a logged iteration's loss scale (the line of a skipped iteration has no loss and no norm)
+_LOSS_SCALE = re.compile(r"iteration\s+(\d+)/[^\n]*?(lm loss: \S+ )?\| loss scale: (\S+) ")
+
 # one of evaluate_and_print_results' lines: "validation loss at iteration 4 | lm loss value: ... | lm loss PPL: ..."
 _VALIDATION = re.compile(r"validation loss at (.+?) \| lm loss value: (\S+) \| lm loss PPL: (\S+)")
 
@@ -45,6 +48,10 @@ class JobResult:
     def iterations(self) -> dict[int, tuple[str, ...]]:
         """iteration -> (consumed samples, learning rate, lm loss, grad norm) as Megatron printed them."""
         return {int(m.group(1)): (m.group(2), *m.groups()[3:]) for m in _LOG.finditer(self.logs)}
+
+    def loss_scales(self) -> dict[int, tuple[str, bool]]:
+        """iteration -> (loss scale as Megatron printed it, whether the iteration was skipped) (``--fp16``)."""
+        return {int(m.group(1)): (m.group(3), m.group(2) is None) for m in _LOSS_SCALE.finditer(self.logs)}
 
     def validations(self) -> list[tuple[str, str, str]]:
         """(where, lm loss, perplexity) of each evaluation Megatron printed, in order."""

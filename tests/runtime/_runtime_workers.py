@@ -432,3 +432,94 @@ def tied_embeddings_worker(rank: int, world: int, store_file: str, out: str) -> 
     if rank == 0:
         torch.save(everyone, out)
     dist.destroy_process_group()
+
+
+def loss_scale_worker(rank: int, world: int, store_file: str, out: str) -> None:
+    """--fp16 under the step commit (megatron_lm.loss_scale) with megatron-core's own mixed-precision optimizer and
+    dynamic loss scaler: rank 0 trains two steps (an overflow, then a finite step), rank 1 is a fresh rank that
+    joins; rank 0 saves what happened."""
+    import torch.distributed as dist
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.grad_scaler import DynamicGradScaler
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from megatron_odyssey.megatron_lm import loss_scale
+    from megatron_odyssey.megatron_lm.cpu_mode import MEGATRON_LM_CPU_PATCHES, _WrapOriginal
+    from megatron_odyssey.runtime.accelerator import _resolve, enable_cpu_mode, install_patch
+
+    enable_cpu_mode()
+    for patch in MEGATRON_LM_CPU_PATCHES:  # the optimizer modules' own CPU patches (no Megatron-LM needed)
+        if patch.target.startswith(("megatron.core.optimizer.optimizer.", "megatron.core.optimizer.grad_scaler.",
+                                    "torch.Tensor.cuda")):
+            value = patch.replacement
+            build = value.build if isinstance(value, _WrapOriginal) else (lambda _o, value=value: value)
+            install_patch(*_resolve(patch.target), build, [])
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
+    rank0 = dist.new_group([0])  # rank 0's model-parallel group (its found-inf all-reduce), made by every rank
+
+    def build():
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(4, 3).half())
+        p.main_grad = torch.zeros(4, 3)  # Megatron DDP's fp32 gradient buffer (--accumulate-allreduce-grads-in-fp32)
+        adam = torch.optim.AdamW([{"params": [p], "weight_decay": 0.0, "wd_mult": 1.0, "lr_mult": 1.0,
+                                   "is_expert_parallel": False, "is_decoupled_lr": False}], lr=0.1)
+
+        def init_state(opt, config=None):
+            for q in opt.param_groups[0]["params"]:
+                if not opt.state[q]:
+                    opt.state[q]["exp_avg"] = torch.zeros_like(q)
+                    opt.state[q]["exp_avg_sq"] = torch.zeros_like(q)
+
+        scaler = DynamicGradScaler(initial_scale=1024.0, min_scale=1.0, growth_factor=2.0, backoff_factor=0.5,
+                                   growth_interval=1, hysteresis=1)
+        opt = Float16OptimizerWithFloat16Params(adam, OptimizerConfig(fp16=True, lr=0.1, clip_grad=0.0), scaler,
+                                                init_state)
+        opt.get_grad_stats_parallel_group = lambda: rank0
+        return p, opt
+
+    p, opt = build()
+    scheduler = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=0.1, min_lr=0.01, lr_warmup_steps=0,
+                                        lr_decay_steps=100, lr_decay_style="constant", start_wd=0.0, end_wd=0.0,
+                                        wd_incr_steps=100, wd_incr_style="constant")
+    record: dict = {}
+    if rank == 0:
+        # generation 0: Megatron's prepare_grads before the commit, its scaler update held back
+        p.main_grad.copy_(torch.tensor(float("inf")).expand(4, 3))
+        p.main_grad[0, 0] = 1.0
+        before = p.detach().clone()
+        with loss_scale.deferred_scaler_updates(opt) as updates:
+            overflow = opt.prepare_grads()
+        record["overflow"], record["scale_before_commit"] = overflow, float(opt.get_loss_scale())
+        with loss_scale.decided(opt, overflow, updates):
+            record["step1"] = opt.step()[0]
+        record["scale_after_skip"], record["unchanged"] = float(opt.get_loss_scale()), torch.equal(p, before)
+        # a plan step: gradients scaled by the loss scale and DP = 2 (backward_scale); a finite agreed decision
+        g = torch.arange(12, dtype=torch.float32).reshape(4, 3) / 8
+        p.main_grad.copy_(g * record["scale_after_skip"] * 2)
+        record["norm"] = loss_scale.unscaled_norm(float(p.main_grad.norm()), opt, 2)
+        record["norm_inf"] = loss_scale.unscaled_norm(float("inf"), opt, 2)
+        record["norm_nan"] = loss_scale.unscaled_norm(float("nan"), opt, 2)
+        with loss_scale.agreed_overflow(opt, False, 2):
+            record["step2"] = opt.step()[0]
+        record["main_grad_unscaled"] = torch.equal(opt.fp32_from_float16_groups[0][0].grad, g)
+        record["scale_after_step"] = float(opt.get_loss_scale())
+        record["changed"] = not torch.equal(p, before)
+        scheduler.step(increment=8)
+        # a rebuild: a fresh optimizer takes the scaler where the last commit left it
+        states = loss_scale.scaler_states(opt)
+        _, fresh = build()
+        loss_scale.load_scaler_states(fresh, states)
+        record["rebuilt_scale"] = float(fresh.get_loss_scale())
+        record["rebuilt_trackers"] = (fresh.grad_scaler._growth_tracker, fresh.grad_scaler._hysteresis_tracker)
+        record["trackers"] = (opt.grad_scaler._growth_tracker, opt.grad_scaler._hysteresis_tracker)
+    # a generation begins: rank 1 (a machine that joined) takes rank 0's scale and schedule
+    loss_scale.share_training_state(opt, scheduler, trained=rank == 0, device="cpu")
+    mine = torch.tensor([float(opt.get_loss_scale()), float(scheduler.num_steps), opt.grad_scaler._growth_tracker,
+                         opt.grad_scaler._hysteresis_tracker], dtype=torch.float64)
+    everyone = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine)
+    record["after_share"] = [t.tolist() for t in everyone]
+    if rank == 0:
+        torch.save(record, out)
+    dist.destroy_process_group()

@@ -3,7 +3,7 @@
 mid-iteration trains exactly as it (loss and grad norm to the printed digit, learning rate, samples), also
 when the lost machine comes back (`odyssey-launch --join`), with --dataloader-type cyclic, and with the
 distributed optimizer (also with both overlaps) through two kills, evaluating during training, and with tied
-embeddings.
+embeddings, and in fp16 with a dynamic loss scale.
 
 Needs checkouts: ``MEGATRON_LM_CHECKOUTS=/path/core_r0.12.0:/path/core_r0.19.0:...`` (``os.pathsep``
 separated; ``git archive`` of each branch is enough), plus Megatron-LM's own requirements (``einops``
@@ -232,3 +232,25 @@ def test_release_distributed_optimizer_through_two_kills(checkout: str, overlap:
     else:
         assert shares == {}
     assert same_training(job.iterations(), stock.iterations()), (job.iterations(), stock.iterations())
+
+
+@pytest.mark.parametrize("checkout", CHECKOUTS, ids=[Path(c).name for c in CHECKOUTS])
+def test_release_fp16_loss_scale_through_a_kill(checkout: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """--fp16 with a loss scale that overflows every third iteration; rank 1 is killed inside an overflowing
+    iteration (logged iteration k is the fault's step k - 1): every iteration's loss scale and skip equal this
+    release's stock job, losses and norms to 5
+    significant digits (test_megatron_lm.test_fp16_loss_scale_skips_and_grows_as_stock)."""
+    from megatron_odyssey.megatron_lm.cpu_mode import with_fp16_loss_scaling
+
+    flags = with_fp16_loss_scaling(tiny_gpt_flags(8, vocab_size=4096 if _minor(checkout) <= 15 else 128))
+    stock = run_stock(checkout, tmp_path_factory.mktemp("stock_fp16"), flags, _port(checkout, 300))
+    assert stock.returncode == 0, stock.logs[-4000:]
+    scales = stock.loss_scales()
+    skipped = sorted(it for it, (_, skip) in scales.items() if skip)
+    assert len(scales) == 8 and skipped and len(skipped) < 8, scales
+    job = run_odyssey(checkout, tmp_path_factory.mktemp("fp16"), [
+        *flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-policy", "reroute",
+        "--odyssey-inject-fault", f"step={skipped[-1] - 1},rank=1,phase=backward,kind=kill"], _port(checkout, 310))
+    assert job.returncode == 0, job.logs[-4000:]
+    assert job.loss_scales() == scales
+    assert same_training(job.iterations(), stock.iterations(), rel=1e-5), (job.iterations(), stock.iterations())
