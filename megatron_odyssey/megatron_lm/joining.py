@@ -60,6 +60,11 @@ def private_layout(args: Any) -> None:
     then make the private world's layout (one pipeline stage of one layer, no checkpoint to load)."""
     from ..arguments import OdysseyArgumentError
 
+    if getattr(args, "fp16", False):
+        raise OdysseyArgumentError("odyssey-launch --join: a --fp16 job cannot take a machine back yet: the joining "
+                                   "rank would need the job's loss scale and its learning-rate schedule's step count "
+                                   "(skipped iterations do not advance it), which no live rank hands over; the job "
+                                   "trains on without this machine")
     cfg = job_config()
     checks = [(getattr(args, attr, None), flag, getattr(cfg, field)) for attr, flag, field in _SAME_AS_JOB]
     schedule = cfg.extra.get("step_batch_size_schedule")
@@ -90,9 +95,9 @@ def as_the_job(args: Any) -> ContextManager[None]:
 def resume_where_the_job_is(args: Any, scheduler: Any, ident: int, resume: int) -> None:
     """After admission, before ``train()`` reads them: the job's layout and Megatron's loop counters at
     iteration ``resume``. The learning-rate schedule is a function of the samples consumed: every committed
-    iteration stepped it by its global batch (under --fp16 a skipped iteration does not: the generation it joins then
-    hands it the schedule's step count and the loss scale of a rank that trained, ``loss_scale``; a batch-size ramp
-    is over before anyone joins: a failure inside it stops the job, ``batch_ramp``)."""
+    iteration stepped it by its global batch (a --fp16 job, whose skipped iterations do not, takes no machine back:
+    ``private_layout``; a batch-size ramp is over before anyone joins: a failure inside it stops the job,
+    ``batch_ramp``)."""
     from .batch_ramp import BatchRamp
 
     cfg = job_config()

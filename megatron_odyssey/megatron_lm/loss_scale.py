@@ -11,10 +11,10 @@ Under Odyssey three things change:
 - after a failure Megatron's model-parallel group no longer spans the plan, and no collective may run after the
   commit: the plan-wide decision comes from the plan-wide gradient norm (a gradient holds an inf or a NaN exactly
   when the sum of squares does), and :func:`agreed_overflow` lets ``prepare_grads`` unscale locally and take it;
-- a rebuilt stage's fresh optimizer starts from ``--initial-loss-scale`` and a machine that joins never trained:
-  the scaler moves with a rebuilt rank (:func:`scaler_states` / :func:`load_scaler_states`), and every generation
-  starts with the state of a rank that trained (:func:`share_training_state`, with the learning-rate schedule's
-  step count, which skipped steps do not advance).
+- a rebuilt stage's fresh optimizer starts from ``--initial-loss-scale``: the scaler's state moves with a rebuilt
+  rank (:func:`scaler_states` / :func:`load_scaler_states`). A machine that joins a running job would need the
+  scale and the learning-rate schedule's step count (which skipped steps do not advance) from a rank that
+  trained; that is not built, and ``--fp16`` jobs refuse ``odyssey-launch --join`` (``megatron_lm.joining``).
 
 Only jobs whose optimizer has a loss scaler (``--fp16``) take any of these paths beyond a no-op.
 """
@@ -25,7 +25,6 @@ import functools
 from typing import Any, Callable, Iterator
 
 import torch
-import torch.distributed as dist
 
 
 def sub_optimizers(megatron_optimizer: Any) -> list[Any]:
@@ -143,34 +142,3 @@ def load_scaler_states(megatron_optimizer: Any, states: list[dict[str, Any]] | N
     for scaler, state in zip(scalers(megatron_optimizer), states or []):
         if state:
             scaler.load_state_dict(state)
-
-
-#: what :func:`share_training_state` sends per rank: whether it trained, the schedule's step count, then per scaler
-_SCALER_FIELDS = ("scale", "growth_tracker", "hysteresis_tracker")
-
-
-def share_training_state(megatron_optimizer: Any, scheduler: Any, trained: bool, device: Any) -> None:
-    """One all-gather over the generation's world (every rank calls it as the generation begins): every rank takes
-    the loss scalers' state and the learning-rate schedule's step count of the lowest rank that trained. Ranks that
-    trained keep theirs (each applied the same committed decisions); a machine that joined knows neither: the
-    scale is no function of the step, and the schedule is not one of the consumed samples once steps were
-    skipped."""
-    kept = scalers(megatron_optimizer)
-    mine = [float(trained), float(getattr(scheduler, "num_steps", 0))]
-    for scaler in kept:
-        state = scaler.state_dict()
-        mine += [float(state.get(name, 0)) if not isinstance(state.get(name), torch.Tensor)
-                 else float(state[name].item()) for name in _SCALER_FIELDS]
-    ours = torch.tensor(mine, dtype=torch.float64, device=device)
-    everyone = [torch.empty_like(ours) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, ours)
-    source = next((row for row in everyone if row[0].item() > 0), None)
-    if trained or source is None:  # a rank that trained keeps its own (one hit between its step and the
-        return                     # schedule's is set right after the recovery: MegatronRank._finish_committed_stock_step)
-    values = source.tolist()
-    scheduler.num_steps = int(values[1])
-    for i, scaler in enumerate(kept):
-        scale, growth, hysteresis = values[2 + 3 * i: 5 + 3 * i]
-        if "scale" in scaler.state_dict():  # a dynamic scaler (a constant one has no state)
-            scaler.load_state_dict({"scale": torch.tensor([scale], dtype=torch.float32, device=scaler.scale.device),
-                                    "growth_tracker": int(growth), "hysteresis_tracker": int(hysteresis)})

@@ -258,7 +258,6 @@ class MegatronRank(GenerationRank):
         self.pending_overflow = False
         self.scaler_updates: list[Callable[[], None]] = []  # generation 0's loss-scaler updates, applied with the step
         self.scaler_state: list[dict[str, Any]] | None = None  # the loss scalers across a rebuild (loss_scale)
-        self.trained = not joining  # holds the job's loss scale and schedule (loss_scale.share_training_state)
         self.samples: GlobalMicroBatches | None = None  # which samples a global micro-batch holds
         self.eval_samples: dict[str, GlobalMicroBatches] = {}  # ... of the evaluation splits (run_evaluation)
         if STATE.captured.train_ds is not None:  # now: a --dataloader-type it cannot follow fails the start
@@ -540,9 +539,6 @@ class MegatronRank(GenerationRank):
         for opt in loss_scale.sub_optimizers(self.megatron_optimizer):
             if hasattr(opt, "_copy_main_params_to_model_params"):
                 opt._copy_main_params_to_model_params()
-        if loss_scale.loss_scaled(self.megatron_optimizer):  # --fp16: a joining rank takes the job's scale
-            loss_scale.share_training_state(self.megatron_optimizer, self.scheduler, self.trained, self.device)
-            self.trained = True
         self.scheduler.step(increment=0)  # the fresh optimizer's groups take the schedule's current lr
 
     def _load_megatron_checkpoint(self, iteration: int) -> None:

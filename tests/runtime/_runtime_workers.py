@@ -436,13 +436,12 @@ def tied_embeddings_worker(rank: int, world: int, store_file: str, out: str) -> 
 
 def loss_scale_worker(rank: int, world: int, store_file: str, out: str) -> None:
     """--fp16 under the step commit (megatron_lm.loss_scale) with megatron-core's own mixed-precision optimizer and
-    dynamic loss scaler: rank 0 trains two steps (an overflow, then a finite step), rank 1 is a fresh rank that
-    joins; rank 0 saves what happened."""
+    dynamic loss scaler: rank 0 trains two steps (an overflow, then a finite step) with a model-parallel group of its
+    own while rank 1 waits; rank 0 saves what happened."""
     import torch.distributed as dist
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer.grad_scaler import DynamicGradScaler
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from megatron_odyssey.megatron_lm import loss_scale
     from megatron_odyssey.megatron_lm.cpu_mode import MEGATRON_LM_CPU_PATCHES, _WrapOriginal
@@ -479,9 +478,6 @@ def loss_scale_worker(rank: int, world: int, store_file: str, out: str) -> None:
         return p, opt
 
     p, opt = build()
-    scheduler = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=0.1, min_lr=0.01, lr_warmup_steps=0,
-                                        lr_decay_steps=100, lr_decay_style="constant", start_wd=0.0, end_wd=0.0,
-                                        wd_incr_steps=100, wd_incr_style="constant")
     record: dict = {}
     if rank == 0:
         # generation 0: Megatron's prepare_grads before the commit, its scaler update held back
@@ -505,7 +501,6 @@ def loss_scale_worker(rank: int, world: int, store_file: str, out: str) -> None:
         record["main_grad_unscaled"] = torch.equal(opt.fp32_from_float16_groups[0][0].grad, g)
         record["scale_after_step"] = float(opt.get_loss_scale())
         record["changed"] = not torch.equal(p, before)
-        scheduler.step(increment=8)
         # a rebuild: a fresh optimizer takes the scaler where the last commit left it
         states = loss_scale.scaler_states(opt)
         _, fresh = build()
@@ -513,13 +508,6 @@ def loss_scale_worker(rank: int, world: int, store_file: str, out: str) -> None:
         record["rebuilt_scale"] = float(fresh.get_loss_scale())
         record["rebuilt_trackers"] = (fresh.grad_scaler._growth_tracker, fresh.grad_scaler._hysteresis_tracker)
         record["trackers"] = (opt.grad_scaler._growth_tracker, opt.grad_scaler._hysteresis_tracker)
-    # a generation begins: rank 1 (a machine that joined) takes rank 0's scale and schedule
-    loss_scale.share_training_state(opt, scheduler, trained=rank == 0, device="cpu")
-    mine = torch.tensor([float(opt.get_loss_scale()), float(scheduler.num_steps), opt.grad_scaler._growth_tracker,
-                         opt.grad_scaler._hysteresis_tracker], dtype=torch.float64)
-    everyone = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(everyone, mine)
-    record["after_share"] = [t.tolist() for t in everyone]
     if rank == 0:
         torch.save(record, out)
     dist.destroy_process_group()

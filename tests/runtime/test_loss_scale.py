@@ -1,7 +1,7 @@
 """--fp16's dynamic loss scale under the step commit (megatron_lm.loss_scale), with megatron-core's own
 mixed-precision optimizer and ``DynamicGradScaler`` on two real gloo ranks: the scaler changes with the committed
 step only, a plan step unscales by the loss scale and the backward's data-parallel factor and takes the decision
-agreed before the commit, a rebuilt optimizer keeps the scale, and a rank that joins takes the job's."""
+agreed before the commit, and a rebuilt optimizer keeps the scale."""
 from __future__ import annotations
 
 import pytest
@@ -44,11 +44,3 @@ def test_a_plan_step_unscales_by_the_scale_and_the_data_parallel_factor(record: 
 def test_a_rebuilt_optimizer_keeps_the_scale_and_its_trackers(record: dict) -> None:
     assert record["rebuilt_scale"] == record["scale_after_step"] == 1024.0
     assert record["rebuilt_trackers"] == record["trackers"]
-
-
-def test_a_rank_that_joins_takes_the_scale_and_schedule_of_one_that_trained(record: dict) -> None:
-    """Rank 1 never trained (scale 1024 fresh, schedule at 0); after the generation's all-gather it holds rank 0's
-    scale, trackers and the schedule's 8 samples, and rank 0 kept its own."""
-    trained, joined = record["after_share"]
-    assert trained == [1024.0, 8.0, *record["trackers"]]
-    assert joined == trained

@@ -124,6 +124,7 @@ def test_bad_policy_is_rejected_by_argparse(capsys: pytest.CaptureFixture, polic
 @pytest.mark.parametrize("argv, megatron, message", [
     (["--odyssey"], {"use_distributed_optimizer": True}, "--num-distributed-optimizer-instances 2"),
     (["--odyssey"], {"fp16": True, "calculate_per_token_loss": True}, "--fp16 and --calculate-per-token-loss"),
+    (["--odyssey", "--odyssey-rejoin", "1@2"], {"fp16": True}, "--odyssey-rejoin cannot be used with --fp16"),
     (["--odyssey"], {"context_parallel_size": 2}, "--context-parallel-size"),
     (["--odyssey"], {"num_experts": 8}, "MoE"),
     (["--odyssey"], {"inprocess_restart": True}, "--inprocess-restart: nvidia-resiliency-ext's in-process restart"),

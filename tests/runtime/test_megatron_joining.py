@@ -75,6 +75,12 @@ def test_a_command_line_that_is_not_the_jobs_is_refused(job, attr: str, flag: st
         joining.private_layout(_args(**{attr: value}))
 
 
+def test_a_machine_does_not_join_an_fp16_job(job) -> None:
+    """Its rank would need the job's loss scale and schedule step count (megatron_lm.loss_scale): refused, named."""
+    with pytest.raises(OdysseyArgumentError, match="a --fp16 job cannot take a machine back yet"):
+        joining.private_layout(_args(fp16=True))
+
+
 def test_odyssey_flags_are_checked_against_the_jobs_world(job) -> None:
     """--odyssey-inject-fault names rank 6 and --odyssey-policy reroute needs data-parallel peers: true of the
     job (8 ranks, DP 2), not of the private world (2 ranks, DP 1), which comes back afterwards."""

@@ -310,6 +310,27 @@ def test_replicated_shards_survive_a_second_failure(stock_distopt: dict, tmp_pat
     assert all(v < 0.7 for v in job.report["failures"][1]["optimizer_shares"].values())
 
 
+def test_fp16_distributed_optimizer_through_two_kills(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    """--fp16 with the distributed optimizer (and fp32 gradient accumulation): generation 0's sharded optimizer, then
+    Megatron's fp16 optimizer cut down to replicated shards after rank 1 dies, then rank 5 dies in an iteration
+    that overflows: every iteration's loss scale and skip equal stock's, losses and norms to 5 digits."""
+    from megatron_odyssey.megatron_lm.cpu_mode import with_fp16_loss_scaling
+
+    flags = [*with_fp16_loss_scaling(tiny_gpt_flags(8)), "--accumulate-allreduce-grads-in-fp32", *DISTOPT]
+    stock = run_stock(MLM, tmp_path_factory.mktemp("stock_fp16_distopt"), flags, _port(650), nproc=8)
+    assert stock.returncode == 0, stock.logs[-4000:]
+    scales = stock.loss_scales()
+    assert 6 in [it for it, (_, skip) in scales.items() if skip], scales
+    job = run_odyssey(MLM, tmp_path, [*flags, "--odyssey-heartbeat-timeout", "10",
+                                      "--odyssey-inject-fault", "step=1,rank=1,phase=backward,kind=kill",
+                                      "--odyssey-inject-fault", "step=5,rank=5,phase=forward,kind=kill"],
+                      _port(660), nproc=8)
+    assert job.returncode == 0, job.logs[-4000:]
+    assert [f["ranks"] for f in job.report["failures"]] == [[1], [5]]
+    assert job.loss_scales() == scales
+    assert same_training(job.iterations(), stock.iterations(), rel=1e-5)
+
+
 def test_replicated_shards_lost_restart_in_process_from_the_checkpoint_saved_after_the_failure(
         stock_distopt: dict, tmp_path: Path) -> None:
     """Ranks 2 and 3 keep both copies of a shard of stage 0 (with rank 0, after rank 1's failure): when both die
