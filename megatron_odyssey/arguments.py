@@ -140,6 +140,12 @@ def megatron_feature_refusals(args: Any) -> list[str]:
                    "tiny GPT its gradient norm is 1.41x, and the losses part from the third iteration), which no "
                    "layout after a failure can match; use megatron-core 0.13 or later, "
                    "--untie-embeddings-and-output-weights, or one instance without --odyssey")
+    if getattr(args, "fp16", False) and not getattr(args, "accumulate_allreduce_grads_in_fp32", False):
+        out.append("--odyssey needs --accumulate-allreduce-grads-in-fp32 with --fp16: with fp16 gradient buffers a plan "
+                   "sums the data-parallel replicas' gradients before scaling them by 1/DP (stock scales first) and a "
+                   "survivor accumulates a dead peer's micro-batches too, so a buffer can overflow where stock's does "
+                   "not and the loss scaler would skip other iterations (seen with DP=4); add "
+                   "--accumulate-allreduce-grads-in-fp32")
     if getattr(args, "fp16", False) and getattr(args, "calculate_per_token_loss", False):
         out.append("--odyssey cannot be combined with --fp16 and --calculate-per-token-loss together: a plan's backward "
                    "runs at stock's magnitudes (so the loss scaler overflows where stock's does) only for Megatron's "

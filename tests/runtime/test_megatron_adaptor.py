@@ -123,8 +123,11 @@ def test_bad_policy_is_rejected_by_argparse(capsys: pytest.CaptureFixture, polic
 
 @pytest.mark.parametrize("argv, megatron, message", [
     (["--odyssey"], {"use_distributed_optimizer": True}, "--num-distributed-optimizer-instances 2"),
-    (["--odyssey"], {"fp16": True, "calculate_per_token_loss": True}, "--fp16 and --calculate-per-token-loss"),
-    (["--odyssey", "--odyssey-rejoin", "1@2"], {"fp16": True}, "--odyssey-rejoin cannot be used with --fp16"),
+    (["--odyssey"], {"fp16": True, "calculate_per_token_loss": True, "accumulate_allreduce_grads_in_fp32": True},
+     "--fp16 and --calculate-per-token-loss"),
+    (["--odyssey", "--odyssey-rejoin", "1@2"], {"fp16": True, "accumulate_allreduce_grads_in_fp32": True},
+     "--odyssey-rejoin cannot be used with --fp16"),
+    (["--odyssey"], {"fp16": True}, "--odyssey needs --accumulate-allreduce-grads-in-fp32 with --fp16"),
     (["--odyssey"], {"context_parallel_size": 2}, "--context-parallel-size"),
     (["--odyssey"], {"num_experts": 8}, "MoE"),
     (["--odyssey"], {"inprocess_restart": True}, "--inprocess-restart: nvidia-resiliency-ext's in-process restart"),
@@ -214,17 +217,15 @@ def test_distributed_optimizer_with_both_overlaps_is_accepted() -> None:
                                               overlap_param_gather=True))
 
 
-def test_fp16_is_accepted_with_and_without_fp32_gradient_accumulation() -> None:
-    """--fp16 works (megatron_lm.loss_scale); only its combination with --calculate-per-token-loss is refused."""
-    for fp32_grads in (False, True):
-        validate_odyssey_args(_megatron_like_args(["--odyssey"], fp16=True,
-                                                  accumulate_allreduce_grads_in_fp32=fp32_grads))
+def test_fp16_is_accepted_with_fp32_gradient_accumulation() -> None:
+    """--fp16 works (megatron_lm.loss_scale) with --accumulate-allreduce-grads-in-fp32."""
+    validate_odyssey_args(_megatron_like_args(["--odyssey"], fp16=True, accumulate_allreduce_grads_in_fp32=True))
 
 
 def test_every_refused_flag_is_named_at_once() -> None:
     """A job with several refused flags learns all of them from one launch, not one per attempt."""
     ns = _megatron_like_args(["--odyssey"], use_distributed_optimizer=True, fp16=True, calculate_per_token_loss=True,
-                             dataloader_type="external")
+                             accumulate_allreduce_grads_in_fp32=True, dataloader_type="external")
     with pytest.raises(OdysseyArgumentError) as info:
         validate_odyssey_args(ns)
     text = str(info.value)
