@@ -29,6 +29,8 @@ from typing import Any, Callable, Collection, Iterator
 import torch
 import torch.distributed as dist
 
+from .hooks import sub_optimizers
+
 
 class ShardLost(RuntimeError):
     """Every live holder of some part of a stage's distributed-optimizer state is dead."""
@@ -72,8 +74,7 @@ def host_piece(start: int, end: int, model_param: torch.Tensor, value: torch.Ten
 
 def distributed_optimizers(megatron_optimizer: Any) -> list[Any]:
     """The ``DistributedOptimizer`` instances inside a (possibly chained) Megatron optimizer."""
-    return [opt for opt in getattr(megatron_optimizer, "chained_optimizers", [megatron_optimizer])
-            if hasattr(opt, "model_param_gbuf_map")]
+    return [opt for opt in sub_optimizers(megatron_optimizer) if hasattr(opt, "model_param_gbuf_map")]
 
 
 def capture_pieces(named: list[tuple[str, torch.nn.Parameter]], megatron_optimizer: Any) -> ShardedState:

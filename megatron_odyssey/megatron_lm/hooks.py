@@ -71,6 +71,12 @@ def overridden(obj: Any, **values: Any) -> Iterator[None]:
                 delattr(obj, name)
 
 
+def sub_optimizers(megatron_optimizer: Any) -> list[Any]:
+    """The optimizers inside a Megatron ``ChainedOptimizer`` (megatron-core >= 0.15 wraps even a single one), or
+    the one given."""
+    return list(getattr(megatron_optimizer, "chained_optimizers", [megatron_optimizer]))
+
+
 # -- stage layer ranges (non-uniform plans) -------------------------------------------------------------
 
 def num_layers_to_build(original: Callable[..., int]) -> Callable[..., int]:

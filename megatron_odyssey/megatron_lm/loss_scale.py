@@ -22,19 +22,21 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from typing import Any, Callable, Iterator
 
 import torch
 
+from .hooks import sub_optimizers
 
-def sub_optimizers(megatron_optimizer: Any) -> list[Any]:
-    """The optimizers inside a ``ChainedOptimizer`` (or the one given)."""
-    return list(getattr(megatron_optimizer, "chained_optimizers", [megatron_optimizer]))
+
+def _scaled_optimizers(megatron_optimizer: Any) -> list[Any]:
+    """The sub-optimizers with a loss scaler (none without ``--fp16``)."""
+    return [o for o in sub_optimizers(megatron_optimizer) if getattr(o, "grad_scaler", None) is not None]
 
 
 def scalers(megatron_optimizer: Any) -> list[Any]:
-    """Each sub-optimizer's loss scaler (none without ``--fp16``)."""
-    return [s for s in (getattr(o, "grad_scaler", None) for o in sub_optimizers(megatron_optimizer)) if s is not None]
+    return [o.grad_scaler for o in _scaled_optimizers(megatron_optimizer)]
 
 
 def loss_scaled(megatron_optimizer: Any) -> bool:
@@ -61,7 +63,7 @@ def unscaled_norm(norm: float, megatron_optimizer: Any, replicas: int) -> float 
     the unscaled ones), or None when the step overflowed (stock computes no norm then)."""
     if not loss_scaled(megatron_optimizer):
         return norm
-    if not torch.isfinite(torch.tensor(norm)):
+    if not math.isfinite(norm):
         return None
     return norm / (float(megatron_optimizer.get_loss_scale()) * replicas)
 
@@ -109,7 +111,7 @@ def agreed_overflow(megatron_optimizer: Any, found_inf: bool, replicas: int) -> 
     scale and the :func:`backward_scale` factor ``replicas``), but takes the plan-wide decision agreed before the
     commit instead of all-reducing its own flag over a model-parallel group (no collective may run after the
     commit)."""
-    scaled = [o for o in sub_optimizers(megatron_optimizer) if getattr(o, "grad_scaler", None) is not None]
+    scaled = _scaled_optimizers(megatron_optimizer)
     for opt in scaled:
         opt._unscale_main_grads_and_check_for_nan = functools.partial(_unscale_locally, opt, found_inf, replicas)
     try:

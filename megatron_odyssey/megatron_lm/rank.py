@@ -43,7 +43,7 @@ from .batch_ramp import BatchRamp, megatron_batch_ramp
 from .replica_optimizer import ReplicaShards
 from . import loss_scale
 from .samples import GlobalMicroBatches
-from .hooks import ORIGINAL_ATTR, STATE, overridden
+from .hooks import ORIGINAL_ATTR, STATE, overridden, sub_optimizers
 from .interleaved import InterleavedCapture, chunk_layer_start, reshuffle_transfers, shapes_for_layers
 from ..runtime.errors import GIVEUP_KEY, STARTED_KEY, fail_locally, giveup_reason, is_peer_failure, stop_now
 from ..runtime.generation import GenerationRank, keys, node_stage
@@ -119,7 +119,7 @@ class OptimizerStateView:
     def __init__(self, megatron_optimizer: Any):
         self.inner: dict[int, torch.optim.Optimizer] = {}
         self.main_of: dict[int, torch.nn.Parameter] = {}  # id(model param) -> fp32 param the optimizer steps
-        for opt in getattr(megatron_optimizer, "chained_optimizers", [megatron_optimizer]):
+        for opt in sub_optimizers(megatron_optimizer):
             torch_opt = opt.optimizer
             model_groups = getattr(opt, "float16_groups", None)
             main_groups = getattr(opt, "fp32_from_float16_groups", None)
@@ -536,7 +536,7 @@ class MegatronRank(GenerationRank):
             super().enter(gen, plan, policy, transfers, checkpoint_step)
         # bf16: the restored fp32 main copies -> the bf16 model weights (Megatron >= 0.15 wraps even a single
         # optimizer in a ChainedOptimizer, which does not have this method itself)
-        for opt in loss_scale.sub_optimizers(self.megatron_optimizer):
+        for opt in sub_optimizers(self.megatron_optimizer):
             if hasattr(opt, "_copy_main_params_to_model_params"):
                 opt._copy_main_params_to_model_params()
         self.scheduler.step(increment=0)  # the fresh optimizer's groups take the schedule's current lr

@@ -39,6 +39,7 @@ from ..planning.sharding import kept_shards, shard_bounds
 from ..runtime.grad_sync import unit_of
 from ..runtime.state import adam_state
 from .distributed_optimizer import ShardedState, host_piece
+from .hooks import sub_optimizers
 
 
 #: the shard key of the tied embedding weight (``planning.sharding.tied_holders``), beside the units 0..L+1
@@ -97,7 +98,7 @@ class ReplicaShards:
         self.unit_groups = dict(unit_groups)
         if tied_group is not None:
             self.unit_groups[TIED_UNIT] = tied_group
-        self.optimizers = list(getattr(megatron_optimizer, "chained_optimizers", [megatron_optimizer]))
+        self.optimizers = sub_optimizers(megatron_optimizer)
         self.holdings: dict[str, Holding] = {}
         name_of = {id(p): n for n, p in named}
         for n, p in named:

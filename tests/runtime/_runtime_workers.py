@@ -275,6 +275,20 @@ def overlapped_grad_sync_worker(rank: int, world: int, store_file: str, out: str
     dist.destroy_process_group()
 
 
+def _megatron_cpu_patches(*prefixes: str) -> None:
+    """CPU mode, and the Megatron-LM CPU-mode patches whose targets start with ``prefixes`` (megatron-core modules
+    that only Megatron-LM's training loop reaches; no Megatron-LM checkout needed)."""
+    from megatron_odyssey.megatron_lm.cpu_mode import MEGATRON_LM_CPU_PATCHES, _WrapOriginal
+    from megatron_odyssey.runtime.accelerator import _resolve, enable_cpu_mode, install_patch
+
+    enable_cpu_mode()
+    for patch in MEGATRON_LM_CPU_PATCHES:
+        if patch.target.startswith(prefixes):
+            value = patch.replacement
+            build = value.build if isinstance(value, _WrapOriginal) else (lambda _o, value=value: value)
+            install_patch(*_resolve(patch.target), build, [])
+
+
 def replica_optimizer_worker(rank: int, world: int, store_file: str, out: str, dtype: str) -> None:
     """``world`` ranks holding one stage (every unit on every rank): Megatron's optimizer (bf16: with fp32 main
     copies; fp32: stepping the model parameters) cut down to each rank's replicated shards
@@ -287,19 +301,12 @@ def replica_optimizer_worker(rank: int, world: int, store_file: str, out: str, d
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
 
-    from megatron_odyssey.megatron_lm.cpu_mode import MEGATRON_LM_CPU_PATCHES, _WrapOriginal
     from megatron_odyssey.megatron_lm.replica_optimizer import ReplicaShards
     from megatron_odyssey.planning.plan import symmetric_plan
-    from megatron_odyssey.runtime.accelerator import _resolve, enable_cpu_mode, install_patch
     from megatron_odyssey.runtime.world import RankMap, build_plan_groups, install_parallel_state
     import megatron.core.optimizer.optimizer as core_optimizer
 
-    enable_cpu_mode()
-    for patch in MEGATRON_LM_CPU_PATCHES:  # the optimizer module's own CPU patches (no Megatron-LM needed)
-        if patch.target.startswith("megatron.core.optimizer.optimizer."):
-            value = patch.replacement
-            build = value.build if isinstance(value, _WrapOriginal) else (lambda _o, value=value: value)
-            install_patch(*_resolve(patch.target), build, [])
+    _megatron_cpu_patches("megatron.core.optimizer.optimizer.")  # the optimizer module's own
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
     plan = symmetric_plan(1, world, 2, world)
     groups = build_plan_groups(plan, RankMap.for_plan(plan, 1), rank)
@@ -444,16 +451,10 @@ def loss_scale_worker(rank: int, world: int, store_file: str, out: str) -> None:
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 
     from megatron_odyssey.megatron_lm import loss_scale
-    from megatron_odyssey.megatron_lm.cpu_mode import MEGATRON_LM_CPU_PATCHES, _WrapOriginal
-    from megatron_odyssey.runtime.accelerator import _resolve, enable_cpu_mode, install_patch
 
-    enable_cpu_mode()
-    for patch in MEGATRON_LM_CPU_PATCHES:  # the optimizer modules' own CPU patches (no Megatron-LM needed)
-        if patch.target.startswith(("megatron.core.optimizer.optimizer.", "megatron.core.optimizer.grad_scaler.",
-                                    "torch.Tensor.cuda")):
-            value = patch.replacement
-            build = value.build if isinstance(value, _WrapOriginal) else (lambda _o, value=value: value)
-            install_patch(*_resolve(patch.target), build, [])
+    # the optimizer and loss-scaler modules' own (and Tensor.cuda: the scaler's load_state_dict moves to the device)
+    _megatron_cpu_patches("megatron.core.optimizer.optimizer.", "megatron.core.optimizer.grad_scaler.",
+                          "torch.Tensor.cuda")
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
     rank0 = dist.new_group([0])  # rank 0's model-parallel group (its found-inf all-reduce), made by every rank
 
