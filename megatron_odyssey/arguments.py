@@ -150,10 +150,6 @@ def megatron_feature_refusals(args: Any) -> list[str]:
         out.append("--odyssey cannot be combined with --fp16 and --calculate-per-token-loss together: a plan's backward "
                    "runs at stock's magnitudes (so the loss scaler overflows where stock's does) only for Megatron's "
                    "per-micro-batch mean loss; use --bf16, or leave out --calculate-per-token-loss")
-    if getattr(args, "fp16", False) and getattr(args, "odyssey_rejoin", None):
-        out.append("--odyssey-rejoin cannot be used with --fp16: a machine that joins a running --fp16 job would need "
-                   "the job's loss scale and learning-rate step count, which it is not handed (odyssey-launch --join "
-                   "refuses such a job); leave out --odyssey-rejoin")
     if getattr(args, "log_num_zeros_in_grad", False):
         out.append("--odyssey cannot be combined with --log-num-zeros-in-grad: the count is a "
                    "collective over the uniform model-parallel group after the step's commit")

@@ -60,11 +60,6 @@ def private_layout(args: Any) -> None:
     then make the private world's layout (one pipeline stage of one layer, no checkpoint to load)."""
     from ..arguments import OdysseyArgumentError
 
-    if getattr(args, "fp16", False):
-        raise OdysseyArgumentError("odyssey-launch --join: a --fp16 job cannot take a machine back yet: the joining "
-                                   "rank would need the job's loss scale and its learning-rate schedule's step count "
-                                   "(skipped iterations do not advance it), which no live rank hands over; the job "
-                                   "trains on without this machine")
     cfg = job_config()
     checks = [(getattr(args, attr, None), flag, getattr(cfg, field)) for attr, flag, field in _SAME_AS_JOB]
     schedule = cfg.extra.get("step_batch_size_schedule")
@@ -95,18 +90,39 @@ def as_the_job(args: Any) -> ContextManager[None]:
 def resume_where_the_job_is(args: Any, scheduler: Any, ident: int, resume: int) -> None:
     """After admission, before ``train()`` reads them: the job's layout and Megatron's loop counters at
     iteration ``resume``. The learning-rate schedule is a function of the samples consumed: every committed
-    iteration stepped it by its global batch (a --fp16 job, whose skipped iterations do not, takes no machine back:
-    ``private_layout``; a batch-size ramp is over before anyone joins: a failure inside it stops the job,
-    ``batch_ramp``)."""
+    iteration stepped it by its global batch (in a --fp16 job skipped iterations do not: there the step count, and
+    the loss scale, come from a rank that trained when the admitted generation is entered, ``loss_scale.hand_over``;
+    a batch-size ramp is over before anyone joins: a failure inside it stops the job, ``batch_ramp``)."""
     from .batch_ramp import BatchRamp
 
     cfg = job_config()
     args.pipeline_model_parallel_size, args.world_size, args.data_parallel_size = cfg.pp, cfg.nproc, cfg.dp
     args.rank, args.load = ident, (STATE.joining or {}).get("load")
+    _micro_batches_of_the_job(args, cfg)
     ramp = BatchRamp.from_list(cfg.extra.get("batch_ramp"))
     consumed = ramp.samples_before(resume) if ramp else resume * cfg.global_batch
     args.iteration, args.consumed_train_samples = resume, consumed
     scheduler.step(increment=consumed - int(getattr(scheduler, "num_steps", 0)))
+
+
+def _micro_batches_of_the_job(args: Any, cfg: Any) -> None:
+    """Megatron's micro-batch calculator, set up in the private world (data-parallel size 1), for the job's
+    data-parallel size: ``train()`` derives the global batch it logs and the samples it counts from it. With a
+    step batch-size schedule Megatron's --global-batch-size is micro-batch x DP, as on the job's ranks."""
+    import inspect
+
+    from megatron.core import num_microbatches_calculator as calculator
+
+    if getattr(args, "step_batch_size_schedule", None) is not None:
+        args.global_batch_size = args.micro_batch_size * cfg.dp
+    given = dict(rank=args.rank, rampup_batch_size=getattr(args, "rampup_batch_size", None),
+                 global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
+                 data_parallel_size=cfg.dp * int(getattr(args, "gtp_weight_remat_size", None) or 1),
+                 decrease_batch_size_if_needed=bool(getattr(args, "decrease_batch_size_if_needed", False)),
+                 step_batch_size_schedule=getattr(args, "step_batch_size_schedule", None),
+                 seq_length=getattr(args, "seq_length", None))
+    accepted = inspect.signature(calculator.reconfigure_num_microbatches_calculator).parameters
+    calculator.reconfigure_num_microbatches_calculator(**{k: v for k, v in given.items() if k in accepted})
 
 
 def join_before_train(original: Callable[..., Any]) -> Callable[..., Any]:

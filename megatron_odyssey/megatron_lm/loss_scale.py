@@ -12,9 +12,10 @@ Under Odyssey three things change:
   commit: the plan-wide decision comes from the plan-wide gradient norm (a gradient holds an inf or a NaN exactly
   when the sum of squares does), and :func:`agreed_overflow` lets ``prepare_grads`` unscale locally and take it;
 - a rebuilt stage's fresh optimizer starts from ``--initial-loss-scale``: the scaler's state moves with a rebuilt
-  rank (:func:`scaler_states` / :func:`load_scaler_states`). A machine that joins a running job would need the
-  scale and the learning-rate schedule's step count (which skipped steps do not advance) from a rank that
-  trained; that is not built, and ``--fp16`` jobs refuse ``odyssey-launch --join`` (``megatron_lm.joining``).
+  rank (:func:`scaler_states` / :func:`load_scaler_states`). A rank that joins a running job (``odyssey-launch
+  --join``, a standby put to work) has trained nothing: :func:`hand_over` gives it the scalers' state and the
+  learning-rate schedule's step count of a rank that trained (skipped iterations do not advance the schedule, so
+  neither follows from the iteration it resumes at).
 
 Only jobs whose optimizer has a loss scaler (``--fp16``) take any of these paths beyond a no-op.
 """
@@ -144,3 +145,17 @@ def load_scaler_states(megatron_optimizer: Any, states: list[dict[str, Any]] | N
     for scaler, state in zip(scalers(megatron_optimizer), states or []):
         if state:
             scaler.load_state_dict(state)
+
+
+def hand_over(megatron_optimizer: Any, scheduler: Any, src: int, receiving: bool, schedule_steps: int) -> None:
+    """Into the ranks admitted into a generation (``receiving``): the loss scalers' state and the schedule's step
+    count ``schedule_steps`` of generation rank ``src``, which trained. One broadcast over the generation's world,
+    which every member joins (a small object: the scale, two counters per scaler and one count)."""
+    import torch.distributed as dist
+
+    held = [{"scalers": [{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+                         for state in scaler_states(megatron_optimizer)], "schedule_steps": int(schedule_steps)}]
+    dist.broadcast_object_list(held, src=src)
+    if receiving:
+        load_scaler_states(megatron_optimizer, held[0]["scalers"])
+        scheduler.num_steps = held[0]["schedule_steps"]

@@ -256,6 +256,7 @@ class MegatronRank(GenerationRank):
         self.committed, self.pending, self.saved = int(args.iteration) - 1, None, None
         self.pending_norm: float | None = 0.0  # None: the step overflowed (--fp16) and is skipped
         self.pending_overflow = False
+        self.scheduled_before: int | None = None  # the schedule's step count at a stock step's commit, until it is through
         self.scaler_updates: list[Callable[[], None]] = []  # generation 0's loss-scaler updates, applied with the step
         self.scaler_state: list[dict[str, Any]] | None = None  # the loss scalers across a rebuild (loss_scale)
         self.samples: GlobalMicroBatches | None = None  # which samples a global micro-batch holds
@@ -539,7 +540,25 @@ class MegatronRank(GenerationRank):
         for opt in sub_optimizers(self.megatron_optimizer):
             if hasattr(opt, "_copy_main_params_to_model_params"):
                 opt._copy_main_params_to_model_params()
+        if policy != "restart":  # (a restart loads the scalers and the schedule from Megatron's checkpoint)
+            self._hand_over_to_admitted()
         self.scheduler.step(increment=0)  # the fresh optimizer's groups take the schedule's current lr
+
+    def _hand_over_to_admitted(self) -> None:
+        """--fp16: ranks admitted into this generation (a machine that came back, a standby put to work) take the
+        loss scale and the schedule's step count from the lowest-ranked member that trained (loss_scale.hand_over);
+        their Adam state came with the transfers. Every member knows the admitted ranks from the agent's message."""
+        admitted = set((self.plan_message or {}).get("admitted") or ())
+        if not admitted or not getattr(self.args, "fp16", False):
+            return
+        tp = self.cfg.tp
+        trained = [self.rank_map.rank(n, t) for n in self.rank_map.live_nodes for t in range(tp)
+                   if n * tp + t not in admitted]
+        if not trained:
+            raise OdysseyRestart(f"[odyssey] generation {self.gen} admits ranks {sorted(admitted)} and holds no rank "
+                                 f"that trained: nobody has the loss scale to hand over")
+        loss_scale.hand_over(self.megatron_optimizer, self.scheduler, min(trained), self.ident in admitted,
+                             self._schedule_steps_committed())
 
     def _load_megatron_checkpoint(self, iteration: int) -> None:
         """Megatron's ``load_checkpoint`` of ``iteration`` into this generation's fresh stage (any layout: the
@@ -753,6 +772,7 @@ class MegatronRank(GenerationRank):
             result = stock_step(self._injecting(forward_step_func, step))
         finally:
             opt.__dict__.pop("step", None)
+        self.scheduled_before = None  # Megatron's train_step is through, its schedule step included
         if self.timing and step == self.profile_window[-1]:
             self._publish_profile()
         return result
@@ -784,9 +804,21 @@ class MegatronRank(GenerationRank):
         """Megatron's ``train_step`` steps the learning-rate schedule after ``optimizer.step`` and after a
         collective over the model-parallel group (``logical_and_across_model_parallel_group``): a failure
         in between leaves this rank's schedule one step behind the others. Step it as Megatron would have."""
-        before = getattr(self, "scheduled_before", None)
-        if before is not None and getattr(self.scheduler, "num_steps", None) == before:
+        if self._schedule_behind():
             self.scheduler.step(increment=self.cfg.global_batch)
+        self.scheduled_before = None
+
+    def _schedule_behind(self) -> bool:
+        """Whether the last committed stock step's schedule step is still to come (see above); a skipped
+        (overflowed, --fp16) step has none: Megatron steps the schedule only after a successful update."""
+        before = self.scheduled_before
+        return (before is not None and getattr(self.scheduler, "num_steps", None) == before
+                and not self.pending_overflow)
+
+    def _schedule_steps_committed(self) -> int:
+        """The schedule's step count once every committed step is through (what a joining rank takes over)."""
+        steps = int(getattr(self.scheduler, "num_steps", 0))
+        return steps + self.cfg.global_batch if self._schedule_behind() else steps
 
     def _megatron_grad_norm(self) -> tuple[bool, float | None]:
         """Whether the step overflowed (``--fp16``) and Megatron's own gradient norm (its groups, its fp32

@@ -956,10 +956,12 @@ class Agent:
             self.log(f"{replan.record.action}: {replan.record.reason}; resuming at step {last + 1}")
             if replan.what == "join":
                 self._admit(replan)
+            admitted = replan.ranks if replan.what == "join" else []
             self._publish(rec, replan.plan, {"plan": replan.plan.to_dict(), "policy": "reconfigure",
                                              "transfers": [list(t) for t in replan.transfers],
-                                             "resume_step": last + 1, "checkpoint_step": None}, failure=False)
-            self._tell_admitted(replan.ranks if replan.what == "join" else [])
+                                             "resume_step": last + 1, "checkpoint_step": None,
+                                             "admitted": admitted}, failure=False)
+            self._tell_admitted(admitted)
             return True
         if not dead_nodes:  # a takeover that lost no rank: the same layout, new groups on this agent's store
             rec.policy, rec.reason = "resume", "no rank was lost: the same layout on new groups"
@@ -1039,7 +1041,8 @@ class Agent:
                                          f"{rec.ranks}: {chosen.reason}", wall_s=time.time() - self.started, replan=rec))
             self._admit(Action("join", self.joins[-1], ranks=used))
         self._publish(rec, chosen.plan, {"plan": chosen.plan.to_dict(), "policy": chosen.policy,
-                                         "transfers": transfers, "resume_step": resume, "checkpoint_step": ckpt})
+                                         "transfers": transfers, "resume_step": resume, "checkpoint_step": ckpt,
+                                         "admitted": used})
         self._tell_admitted(used)
         return True
 

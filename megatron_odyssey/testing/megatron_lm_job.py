@@ -31,8 +31,12 @@ def patch_for(megatron_lm: str | Path) -> Path:
 _LOG = re.compile(r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) .*?elapsed time per iteration \(ms\): "
                   r"(\S+) .*?learning rate: (\S+) .*?lm loss: (\S+) .*?grad norm: (\S+)")
 
-# --fp16: a logged iteration's loss scale (the line of a skipped iteration has no loss and no norm)
-_LOSS_SCALE = re.compile(r"iteration\s+(\d+)/[^\n]*?(lm loss: \S+ )?\| loss scale: (\S+) ")
+# --fp16: a logged iteration's loss scale and skipped-iteration count (--log-interval 1: this iteration's). Not the
+# absence of a loss: the first iteration of a train() call (a resumed or a joining rank's) does not reset the
+# loss totals, so a skipped iteration after it shows the previous loss, in stock Megatron-LM too
+_LOSS_SCALE = re.compile(r"iteration\s+(\d+)/[^\n]*?\| loss scale: (\S+) [^\n]*?number of skipped iterations:\s+(\d+)")
+
+_BATCH = re.compile(r"iteration\s+\d+/[^\n]*?global batch size:\s+(\d+)")
 
 # one of evaluate_and_print_results' lines: "validation loss at iteration 4 | lm loss value: ... | lm loss PPL: ..."
 _VALIDATION = re.compile(r"validation loss at (.+?) \| lm loss value: (\S+) \| lm loss PPL: (\S+)")
@@ -51,7 +55,11 @@ class JobResult:
 
     def loss_scales(self) -> dict[int, tuple[str, bool]]:
         """iteration -> (loss scale as Megatron printed it, whether the iteration was skipped) (``--fp16``)."""
-        return {int(m.group(1)): (m.group(3), m.group(2) is None) for m in _LOSS_SCALE.finditer(self.logs)}
+        return {int(m.group(1)): (m.group(2), int(m.group(3)) > 0) for m in _LOSS_SCALE.finditer(self.logs)}
+
+    def global_batch_sizes(self) -> set[int]:
+        """Every global batch size Megatron logged with an iteration."""
+        return {int(m.group(1)) for m in _BATCH.finditer(self.logs)}
 
     def validations(self) -> list[tuple[str, str, str]]:
         """(where, lm loss, perplexity) of each evaluation Megatron printed, in order."""

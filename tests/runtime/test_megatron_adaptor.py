@@ -125,8 +125,6 @@ def test_bad_policy_is_rejected_by_argparse(capsys: pytest.CaptureFixture, polic
     (["--odyssey"], {"use_distributed_optimizer": True}, "--num-distributed-optimizer-instances 2"),
     (["--odyssey"], {"fp16": True, "calculate_per_token_loss": True, "accumulate_allreduce_grads_in_fp32": True},
      "--fp16 and --calculate-per-token-loss"),
-    (["--odyssey", "--odyssey-rejoin", "1@2"], {"fp16": True, "accumulate_allreduce_grads_in_fp32": True},
-     "--odyssey-rejoin cannot be used with --fp16"),
     (["--odyssey"], {"fp16": True}, "--odyssey needs --accumulate-allreduce-grads-in-fp32 with --fp16"),
     (["--odyssey"], {"context_parallel_size": 2}, "--context-parallel-size"),
     (["--odyssey"], {"num_experts": 8}, "MoE"),
@@ -218,8 +216,10 @@ def test_distributed_optimizer_with_both_overlaps_is_accepted() -> None:
 
 
 def test_fp16_is_accepted_with_fp32_gradient_accumulation() -> None:
-    """--fp16 works (megatron_lm.loss_scale) with --accumulate-allreduce-grads-in-fp32."""
+    """--fp16 works (megatron_lm.loss_scale) with --accumulate-allreduce-grads-in-fp32, machines coming back too."""
     validate_odyssey_args(_megatron_like_args(["--odyssey"], fp16=True, accumulate_allreduce_grads_in_fp32=True))
+    validate_odyssey_args(_megatron_like_args(["--odyssey", "--odyssey-rejoin", "1@2"], fp16=True,
+                                              accumulate_allreduce_grads_in_fp32=True))
 
 
 def test_every_refused_flag_is_named_at_once() -> None:

@@ -35,6 +35,9 @@ def job(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
     yield store
     joining.job_config.cache_clear()
     reset_state()
+    from megatron.core import num_microbatches_calculator
+
+    num_microbatches_calculator.destroy_num_microbatches_calculator()  # (resume_where_the_job_is sets it up)
 
 
 def _args(**changes) -> argparse.Namespace:
@@ -75,10 +78,10 @@ def test_a_command_line_that_is_not_the_jobs_is_refused(job, attr: str, flag: st
         joining.private_layout(_args(**{attr: value}))
 
 
-def test_a_machine_does_not_join_an_fp16_job(job) -> None:
-    """Its rank would need the job's loss scale and schedule step count (megatron_lm.loss_scale): refused, named."""
-    with pytest.raises(OdysseyArgumentError, match="a --fp16 job cannot take a machine back yet"):
-        joining.private_layout(_args(fp16=True))
+def test_a_machine_joins_an_fp16_job(job) -> None:
+    """Its loss scale and schedule step count are handed over when it enters (loss_scale.hand_over)."""
+    joining.private_layout(_args(fp16=True, accumulate_allreduce_grads_in_fp32=True))
+    assert STATE.joining == {"load": "/ckpt"}
 
 
 def test_odyssey_flags_are_checked_against_the_jobs_world(job) -> None:
@@ -114,6 +117,10 @@ def test_megatrons_loop_resumes_at_the_jobs_iteration_and_learning_rate(job) -> 
     assert (args.rank, args.load, args.iteration, args.consumed_train_samples) == (5, "/ckpt", 7, 112)
     assert joined.num_steps == reference.num_steps == 112
     assert joined.optimizer.param_groups[0]["lr"] == reference.optimizer.param_groups[0]["lr"] > 0
+    # the micro-batch calculator of the job's DP (2), not of the private world's (1): train() logs 16 as the batch
+    from megatron.core.num_microbatches_calculator import get_current_global_batch_size, get_num_microbatches
+
+    assert (get_num_microbatches(), get_current_global_batch_size()) == (4, 16)
 
 
 @pytest.mark.parametrize("job", [{"batch_ramp": [5, 28, 16]}], indirect=True)

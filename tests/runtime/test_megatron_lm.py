@@ -805,7 +805,32 @@ def test_a_lost_machine_comes_back_and_joins(stock: dict, tmp_path: Path) -> Non
     assert [s["step"] for s in report["steps"]] == list(range(ITERS))
     assert report["steps"][-1]["alive"] == 4
     assert "admitted into generation 2 at iteration 4" in job.logs
+    assert job.global_batch_sizes() == {8}  # (the joined rank logs from iteration 5 on: it is the last rank)
     assert same_training(job.iterations(), stock)
+
+
+def test_a_lost_machine_comes_back_to_an_fp16_job(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    """--fp16 with a loss scale that overflows at iterations 3 and 6: machine 3 is lost in iteration 2 and comes back
+    after iteration 3, which was skipped (so the learning-rate schedule is one iteration behind the iteration
+    count). The admitted rank takes the loss scale and the schedule's step count from a rank that trained
+    (loss_scale.hand_over): every later iteration's scale, skip, learning rate and consumed samples equal stock's,
+    losses and norms to 5 digits as in the other fp16 tests."""
+    from megatron_odyssey.megatron_lm.cpu_mode import with_fp16_loss_scaling
+
+    flags = with_fp16_loss_scaling(tiny_gpt_flags(8))
+    stock = run_stock(MLM, tmp_path_factory.mktemp("stock_fp16_join"), flags, _port(1030))
+    assert stock.returncode == 0, stock.logs[-4000:]
+    scales = stock.loss_scales()
+    assert sorted(it for it, (_, skip) in scales.items() if skip) == [3, 6], scales
+    job = run_odyssey(MLM, tmp_path, [*flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-inject-fault",
+                                      "step=1,rank=3,phase=forward,kind=kill-machine", "--odyssey-rejoin", "3@2"],
+                      _port(1040), nodes=4, join=(3,))
+    assert job.returncode == 0, job.logs[-4000:]
+    (joined,) = job.report["joins"]
+    assert joined["ranks"] == [3] and joined["step"] == 4, joined
+    assert job.report["steps"][-1]["alive"] == 4
+    assert job.loss_scales() == scales and job.global_batch_sizes() == {8}
+    assert same_training(job.iterations(), stock.iterations(), rel=1e-5)
 
 
 def test_a_tensor_parallel_node_is_lost_and_comes_back(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
@@ -825,4 +850,5 @@ def test_a_tensor_parallel_node_is_lost_and_comes_back(tmp_path_factory: pytest.
     (joined,) = job.report["joins"]
     assert joined["ranks"] == [6, 7] and joined["step"] == 4
     assert job.report["steps"][-1]["alive"] == 8
+    assert job.global_batch_sizes() == {8}
     assert same_training(job.iterations(), stock_tp.iterations())
