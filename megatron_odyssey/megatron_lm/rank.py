@@ -186,7 +186,10 @@ def config_from_megatron_args(args: Any) -> TrainConfig:
     """The planner's view of a Megatron job (what the agent needs to plan and to report)."""
     from ..runtime.device_profile import megatron_job_fields
 
+    from .versions import installed_version
+
     ramp = megatron_batch_ramp(args)
+    version = installed_version()
     return TrainConfig(
         nproc=args.world_size, tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
         layers=args.num_layers, hidden=args.hidden_size, heads=args.num_attention_heads, seq=args.seq_length,
@@ -204,6 +207,8 @@ def config_from_megatron_args(args: Any) -> TrainConfig:
         workdir=os.environ.get(WORKDIR_ENV), mtbf_hours=args.odyssey_mtbf_hours,
         extra={"megatron": True, "start_step": int(args.iteration), "save_dir": getattr(args, "save", None),
                "tied_embeddings": not getattr(args, "untie_embeddings_and_output_weights", True),
+               # how the logged loss is added up (agent.committed_loss)
+               "loss_reduced_per_micro_batch": bool(version and version.loss_reduced_per_micro_batch),
                **({"batch_ramp": ramp.to_list()} if ramp else {}),
                **({"step_batch_size_schedule": args.step_batch_size_schedule}
                   if getattr(args, "step_batch_size_schedule", None) else {}),

@@ -16,6 +16,11 @@ from dataclasses import dataclass
 KNOWN_RELEASES: dict[int, str] = {**{minor: f"core_r0.{minor}.0" for minor in range(12, 20)}, 20: "main"}
 
 
+#: releases whose ``pretrain_gpt.py`` loss function all-reduces each micro-batch's reported loss over the
+#: data-parallel group (``train_step`` then adds the micro-batches up); later ones add each rank's micro-batches first
+LOSS_REDUCED_PER_MICRO_BATCH = frozenset({12})
+
+
 @dataclass(frozen=True)
 class MegatronVersion:
     major: int
@@ -28,6 +33,10 @@ class MegatronVersion:
     @property
     def known(self) -> bool:
         return self.major == 0 and self.minor in KNOWN_RELEASES
+
+    @property
+    def loss_reduced_per_micro_batch(self) -> bool:
+        return self.major == 0 and self.minor in LOSS_REDUCED_PER_MICRO_BATCH
 
     @property
     def branch(self) -> str:

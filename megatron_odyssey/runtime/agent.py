@@ -583,7 +583,8 @@ class Agent:
                 self.log_error(f"step {t}: ready from ranks {sorted(shares)}, but the members are {members}")
             return
         # in rank order, as before: the same float sum
-        loss = committed_loss([shares[i] for i in members], self.cfg.dp)
+        loss = committed_loss([shares[i] for i in members], self.cfg.dp,
+                              bool(self.cfg.extra.get("loss_reduced_per_micro_batch")))
         # the ranks' operation records of step t: read before the commit (a rank overwrites its record with
         # step t + 1's once it has it), judged after
         summaries = SlowNodes.read(self.store, self.key("ops"), members, t) if self.warm and self.slow_nodes.on else {}
@@ -1366,12 +1367,14 @@ def ready_shares(value: bytes) -> dict[int, bytes]:
     return out
 
 
-def committed_loss(shares: list[bytes], data_parallel: int = 1) -> float:
+def committed_loss(shares: list[bytes], data_parallel: int = 1, per_micro_batch: bool = False) -> float:
     """The step's loss from every rank's *ready* value: a share of the normalised loss (``"x"``), a loss sum and
     its token count (``"x n"``, Megatron's own step) whose totals are divided, or each micro-batch's loss sum and
     tokens (``"p j:x:n ..."``, a Megatron-LM plan step), added up as Megatron-LM's ``train_step`` does on the
     ``data_parallel`` ranks of generation 0: in fp32, each rank over its micro-batches j = k * DP + d in order,
-    then over the ranks, and divided in fp32 (the printed loss is that float32)."""
+    then over the ranks, and divided in fp32 (the printed loss is that float32). ``per_micro_batch``: as
+    core_r0.12.0, whose loss function all-reduces each micro-batch's values over the ranks (k-th micro-batches
+    summed over d), and whose ``train_step`` then adds those up over k."""
     plain, numerator, tokens = 0.0, 0.0, 0.0
     parts: dict[int, tuple[float, float]] = {}
     for share in shares:
@@ -1385,12 +1388,16 @@ def committed_loss(shares: list[bytes], data_parallel: int = 1) -> float:
         else:
             plain += float(fields[0])
     if parts:
+        # inner: the values added first (one rank's micro-batches; or, per micro-batch, its k-th ones of every rank)
+        inner = ([sorted(j for j in parts if j // data_parallel == k) for k in range(max(parts) // data_parallel + 1)]
+                 if per_micro_batch else
+                 [sorted(j for j in parts if j % data_parallel == d) for d in range(data_parallel)])
         total_n = total_t = 0.0
-        for d in range(data_parallel):
-            rank_n = rank_t = 0.0
-            for j in sorted(j for j in parts if j % data_parallel == d):
-                rank_n, rank_t = _f32(rank_n + parts[j][0]), _f32(rank_t + parts[j][1])
-            total_n, total_t = _f32(total_n + rank_n), _f32(total_t + rank_t)
+        for group in inner:
+            group_n = group_t = 0.0
+            for j in group:
+                group_n, group_t = _f32(group_n + parts[j][0]), _f32(group_t + parts[j][1])
+            total_n, total_t = _f32(total_n + group_n), _f32(total_t + group_t)
         plain += _f32(total_n / total_t) if total_t else 0.0
     return plain + (numerator / tokens if tokens else 0.0)
 

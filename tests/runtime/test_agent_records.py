@@ -39,6 +39,30 @@ def test_plan_step_loss_is_added_up_in_fp32_as_megatrons_ranks_would() -> None:
         assert committed_loss(shares, data_parallel=2) == expected
 
 
+def test_core_r0_12s_loss_is_added_up_micro_batch_by_micro_batch() -> None:
+    """core_r0.12.0's pretrain_gpt.py all-reduces each micro-batch's (loss sum, tokens) over the DP=2 ranks, and its
+    train_step adds those up over the micro-batches in order (numerator += val[0]): another fp32 order, which the
+    agent follows for that release (the rank-first order differed by 2 in the last printed digit of a join test)."""
+    import random
+
+    import torch
+
+    rng = random.Random(5)
+    differs = 0
+    for _ in range(200):
+        parts = {j: (float(torch.tensor(rng.uniform(150.0, 300.0), dtype=torch.float32)), 32.0) for j in range(8)}
+        numerator, denominator = 0, 0
+        for k in range(4):
+            reduced = torch.tensor(parts[2 * k]) + torch.tensor(parts[2 * k + 1])  # the all-reduce of two ranks
+            numerator, denominator = numerator + reduced[0], denominator + reduced[1]
+        expected = float(numerator / denominator)
+        shares = [b"p" + b"".join(b" %d:%r:%r" % (j, *parts[j]) for j in (6, 0, 1, 2)), b"p",
+                  b"p" + b"".join(b" %d:%r:%r" % (j, *parts[j]) for j in (3, 4, 5, 7))]
+        assert committed_loss(shares, data_parallel=2, per_micro_batch=True) == expected
+        differs += committed_loss(shares, data_parallel=2) != expected
+    assert differs > 0  # the orders are not the same sum
+
+
 def test_megatron_checkpoint_tracker(tmp_path) -> None:
     assert megatron_checkpoint_iteration(None) is None
     assert megatron_checkpoint_iteration(str(tmp_path)) is None  # nothing saved yet

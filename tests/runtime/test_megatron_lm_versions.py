@@ -99,6 +99,7 @@ def test_release_takes_back_a_machine_that_comes_back(checkout: str, references:
     assert job.returncode == 0, job.logs[-4000:]
     (joined,) = job.report["joins"]
     assert joined["ranks"] == [3] and joined["step"] == 4
+    assert job.global_batch_sizes() == {8}  # the joined rank's micro-batch calculator is the job's
     assert same_training(job.iterations(), stock), (job.iterations(), stock)
 
 
