@@ -382,15 +382,20 @@ class Agent:
         stalled = None if done else self._stalled(now)
         if stalled is not None and stalled not in out:
             beat = self.beats[stalled]
-            why = (f"made no progress for {now - max(beat.since, self.judged_from):.1f} s inside step {beat.step} "
-                   f"(last operation: {beat.phase}) while its heartbeat went on")
+            if beat.state == IDLE:
+                why = (f"stayed outside a step for {now - beat.since:.1f} s after step {beat.step} while every other "
+                       f"member waited inside one and its heartbeat went on")
+            else:
+                why = (f"made no progress for {now - max(beat.since, self.judged_from):.1f} s inside step {beat.step} "
+                       f"(last operation: {beat.phase}) while its heartbeat went on")
             waiting = sorted(i for i in self.members() if i != stalled and i in self.beats and self.beats[i].state == COMM)
             # C4D: a communication hang when peers wait in a communication it never joined (or it stopped inside
             # one itself); a hang when it stopped in its own work with nobody waiting on it yet
             kind = "comm-hang" if beat.state == COMM or waiting else "hang"
             self.slow_nodes.hang(beat.step, [stalled], kind, f"rank {stalled} {why} ({beat.state})"
                                  + (f"; ranks {waiting} wait on it in communication" if waiting else ""))
-            self._fence(stalled, why + f" (--hard-timeout {self.cfg.hard_timeout_s:g} s)")
+            self._fence(stalled, why + (f" (--first-step-timeout {self.cfg.first_step_timeout_s:g} s)" if beat.state == IDLE
+                                        else f" (--hard-timeout {self.cfg.hard_timeout_s:g} s)"))
             out.add(stalled)
         return out
 
@@ -442,7 +447,7 @@ class Agent:
             # a member still starting up, or outside a step (saving, logging): working ranks may be waiting
             # on it, and nothing can be attributed; judge again from when every member is back in a step
             self.judged_from = now
-            return None
+            return self._stuck_outside_a_step(live, now)
         idle = {i: now - max(self.beats[i].since, self.judged_from) for i in live
                 if self.beats[i].state in (WORKING, COMM) and i not in self.recovering}
         stopped = [i for i, s in idle.items() if s >= self.cfg.soft_timeout_s]
@@ -460,6 +465,30 @@ class Agent:
                      + f"; its stacks are dumped to its log; fenced after --hard-timeout {self.cfg.hard_timeout_s:g} s")
             self._dump_stacks(first)
         return first if idle[first] >= self.cfg.hard_timeout_s else None
+
+    def _stuck_outside_a_step(self, live: list[int], now: float) -> int | None:
+        """A member outside a step (in Megatron's logging or a save) for ``first_step_timeout_s`` while every other
+        member has waited inside a step for the hard timeout: what they wait for (a rank blocked writing to its
+        terminal, a save hung on its file system). Saves and logs are collective, so peers that moved on into
+        the next step wait on it; nothing legitimate keeps one rank outside a step that long alone."""
+        if any(i not in self.beats for i in live):
+            return None  # still starting up
+        outside = [i for i in live if self.beats[i].state == IDLE]
+        inside = [i for i in live if i not in outside]
+        if not inside or any(i in self.recovering or now - self.beats[i].since < self.cfg.hard_timeout_s
+                             for i in inside):
+            return None
+        first = min(outside, key=lambda i: (self.beats[i].since, i))
+        beat = self.beats[first]
+        if now - beat.since < self.cfg.first_step_timeout_s:
+            return None
+        if (first, beat.count) not in self.named_stalled:
+            self.named_stalled.add((first, beat.count))
+            self.log(f"rank {first} has stayed outside a step for {now - beat.since:.1f} s (after step {beat.step}, "
+                     f"last: {beat.phase or 'between steps'}) while ranks {inside} wait inside one; its stacks are "
+                     f"dumped to its log; fenced (--first-step-timeout {self.cfg.first_step_timeout_s:g} s)")
+            self._dump_stacks(first)
+        return first
 
     def _dump_stacks(self, ident: int) -> None:
         pid = getattr(self.procs[ident], "pid", None)

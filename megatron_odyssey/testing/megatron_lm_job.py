@@ -171,22 +171,41 @@ def run_odyssey(megatron_lm: str | Path, work: Path, flags: list[str], port: int
               "--nnodes", str(nodes), "--master-port", str(port)]
     args = [str(script), *flags, "--odyssey", "--odyssey-report", str(report)]
     t0 = time.perf_counter()
-    procs = [subprocess.Popen(launch + ["--node-rank", str(n), "--workdir", str(work / f"logs{n}")] + args,
-                              env=job_env(megatron_lm, gpu), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True)
-             for n in range(nodes)]
+    # each launcher's terminal goes to a file: a pipe read after another launcher's end fills up and blocks the
+    # launcher (and its rank's prints) while the job waits for that rank
+    consoles: list[Path] = []
+
+    def start(argv: list[str], console: Path) -> subprocess.Popen:
+        consoles.append(console)
+        with console.open("w") as out:
+            return subprocess.Popen(argv, env=job_env(megatron_lm, gpu), stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+
+    procs = [start(launch + ["--node-rank", str(n), "--workdir", str(work / f"logs{n}")] + args,
+                   work / f"console{n}.txt") for n in range(nodes)]
     address = work / "logs0" / "agent.address"  # written by machine 0's launcher once training began
     while join and not address.exists() and procs[0].poll() is None:
         time.sleep(0.2)
-    procs += [subprocess.Popen(launch + ["--node-rank", str(n), "--workdir", str(work / f"logs_join{n}"), "--join",
-                                         address.read_text().strip()] + args,
-                               env=job_env(megatron_lm, gpu), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True)
+    procs += [start(launch + ["--node-rank", str(n), "--workdir", str(work / f"logs_join{n}"), "--join",
+                              address.read_text().strip()] + args, work / f"console_join{n}.txt")
               for n in join if address.exists()]
-    outs = [p.communicate(timeout=900)[0] for p in procs]
+    deadline, timed_out = time.monotonic() + 900, False
+    for p in procs:
+        try:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+    if timed_out:  # every launcher and its ranks (each launcher leads its own process group)
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait()
     wall = time.perf_counter() - t0
-    logs = "".join(outs) + "".join(p.read_text() for p in sorted(work.glob("logs*/rank*.log")))
-    return JobResult(max(p.returncode for p in procs), wall, logs,
+    logs = "".join(c.read_text(errors="replace") for c in consoles)
+    logs += "".join(p.read_text() for p in sorted(work.glob("logs*/rank*.log")))
+    if timed_out:
+        logs += "\n[run_odyssey] the job did not end in 900 s: killed\n"
+    return JobResult(124 if timed_out else max(p.returncode for p in procs), wall, logs,
                      json.loads(report.read_text()) if report.exists() else {})
 
 

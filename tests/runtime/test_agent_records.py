@@ -3,6 +3,7 @@ rank's ready value, Megatron's checkpoint tracker, and the step log written as s
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -234,3 +235,34 @@ def test_the_commit_waits_for_a_returning_machine_but_not_forever(tmp_path, caps
     announce(store, 2, launched=True)
     agent.join_polled = 0.0
     assert not agent._awaiting_rejoiner() and agent.rejoin[-1]["settled"]
+
+
+def test_a_rank_stuck_outside_a_step_while_the_others_wait_inside_one_is_named(tmp_path, capsys) -> None:
+    """A rank blocked between steps (its terminal's pipe full inside Megatron's training_log, a save hung on its
+    file system) while every other member waits inside the next step: taken for the culprit once it has been
+    out for --first-step-timeout and they have waited for --hard-timeout; never while a peer still progresses,
+    while it is only briefly out (a save takes its time), or while everyone is outside a step."""
+    from megatron_odyssey.runtime.agent import Agent
+    from megatron_odyssey.runtime.config import TrainConfig
+    from megatron_odyssey.runtime.liveness import COMM, IDLE, Beat
+
+    cfg = TrainConfig(nproc=4, tp=1, pp=2, layers=4, hidden=32, heads=4, seq=16, global_batch=4, micro_batch=1,
+                      steps=8, first_step_timeout_s=600.0)
+    agent = Agent(cfg, None, tmp_path, procs={i: None for i in range(4)}, store=None)
+    agent.warm = True
+    now = time.time()
+
+    def beats(outside_s: float, inside_s: float, inside: str = COMM) -> int | None:
+        agent.beats = {i: Beat(now, 10, inside, 5, "grad-sync", now - inside_s) for i in range(3)}
+        agent.beats[3] = Beat(now, 9, IDLE, 4, "log", now - outside_s)
+        return agent._stalled(now)
+
+    assert beats(outside_s=700, inside_s=650) == 3
+    said = capsys.readouterr()
+    assert "rank 3 has stayed outside a step for 700.0 s (after step 4, last: log) while ranks [0, 1, 2] wait" in (
+        said.out + said.err)
+    assert beats(outside_s=500, inside_s=450) is None  # not out for long enough
+    assert beats(outside_s=700, inside_s=10) is None  # a peer progressed a moment ago
+    assert beats(outside_s=700, inside_s=650, inside=IDLE) is None  # every member outside a step (a long save)
+    agent.recovering = {0}
+    assert beats(outside_s=700, inside_s=650) is None  # a recovery is under way

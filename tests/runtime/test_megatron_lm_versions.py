@@ -3,7 +3,7 @@
 mid-iteration trains exactly as it (loss and grad norm to the printed digit, learning rate, samples), also
 when the lost machine comes back (`odyssey-launch --join`), with --dataloader-type cyclic, and with the
 distributed optimizer (also with both overlaps) through two kills, evaluating during training, and with tied
-embeddings, and in fp16 with a dynamic loss scale.
+embeddings, and in fp16 with a dynamic loss scale (through a kill, and taking back a machine).
 
 Needs checkouts: ``MEGATRON_LM_CHECKOUTS=/path/core_r0.12.0:/path/core_r0.19.0:...`` (``os.pathsep``
 separated; ``git archive`` of each branch is enough), plus Megatron-LM's own requirements (``einops``
@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -236,19 +237,15 @@ def test_release_distributed_optimizer_through_two_kills(checkout: str, overlap:
 
 
 @pytest.mark.parametrize("checkout", CHECKOUTS, ids=[Path(c).name for c in CHECKOUTS])
-def test_release_fp16_loss_scale_through_a_kill(checkout: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_release_fp16_loss_scale_through_a_kill(checkout: str, fp16_references: dict,
+                                                tmp_path_factory: pytest.TempPathFactory) -> None:
     """--fp16 with a loss scale that overflows every third iteration; rank 1 is killed inside an overflowing
     iteration (logged iteration k is the fault's step k - 1): every iteration's loss scale and skip equal this
     release's stock job, losses and norms to 5
     significant digits (test_megatron_lm.test_fp16_loss_scale_skips_and_grows_as_stock)."""
-    from megatron_odyssey.megatron_lm.cpu_mode import with_fp16_loss_scaling
-
-    flags = with_fp16_loss_scaling(tiny_gpt_flags(8, vocab_size=4096 if _minor(checkout) <= 15 else 128))
-    stock = run_stock(checkout, tmp_path_factory.mktemp("stock_fp16"), flags, _port(checkout, 300))
-    assert stock.returncode == 0, stock.logs[-4000:]
+    flags, stock = _fp16_stock(checkout, fp16_references, tmp_path_factory)
     scales = stock.loss_scales()
-    # an overflow halves the scale (core_r0.17+ log a skipped iteration's loss too, so the scale says where)
-    overflows = [it for it in range(2, 9) if float(scales[it][0]) < float(scales[it - 1][0])]
+    overflows = [it for it, (_, skipped) in scales.items() if skipped]
     assert len(scales) == 8 and overflows, scales
     job = run_odyssey(checkout, tmp_path_factory.mktemp("fp16"), [
         *flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-policy", "reroute",
@@ -256,3 +253,39 @@ def test_release_fp16_loss_scale_through_a_kill(checkout: str, tmp_path_factory:
     assert job.returncode == 0, job.logs[-4000:]
     assert job.loss_scales() == scales
     assert same_training(job.iterations(), stock.iterations(), rel=1e-5), (job.iterations(), stock.iterations())
+
+
+@pytest.mark.parametrize("checkout", CHECKOUTS, ids=[Path(c).name for c in CHECKOUTS])
+def test_release_fp16_takes_back_a_machine(checkout: str, fp16_references: dict,
+                                            tmp_path_factory: pytest.TempPathFactory) -> None:
+    """--fp16: machine 3 is lost in iteration 2 and comes back after iteration 3; the admitted rank takes the loss
+    scale and the schedule's step count from a rank that trained (loss_scale.hand_over) with this release's
+    scaler and scheduler: every iteration's loss scale, skip and learning rate equal stock's."""
+    flags, stock = _fp16_stock(checkout, fp16_references, tmp_path_factory)
+    job = run_odyssey(checkout, tmp_path_factory.mktemp("fp16_join"), [
+        *flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-inject-fault",
+        "step=1,rank=3,phase=forward,kind=kill-machine", "--odyssey-rejoin", "3@2"], _port(checkout, 320), nodes=4,
+        join=(3,))
+    assert job.returncode == 0, job.logs[-4000:]
+    (joined,) = job.report["joins"]
+    assert joined["ranks"] == [3] and joined["step"] == 4
+    assert job.loss_scales() == stock.loss_scales() and job.global_batch_sizes() == {8}
+    assert same_training(job.iterations(), stock.iterations(), rel=1e-5), (job.iterations(), stock.iterations())
+
+
+@pytest.fixture(scope="module")
+def fp16_references() -> dict[str, Any]:
+    """checkout -> (flags, stock job) of the fp16 cases (run once per checkout)."""
+    return {}
+
+
+def _fp16_stock(checkout: str, references: dict, tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], Any]:
+    """The tiny job with a loss scale that overflows every few iterations, and this release's stock run of it."""
+    from megatron_odyssey.megatron_lm.cpu_mode import with_fp16_loss_scaling
+
+    if checkout not in references:
+        flags = with_fp16_loss_scaling(tiny_gpt_flags(8, vocab_size=4096 if _minor(checkout) <= 15 else 128))
+        stock = run_stock(checkout, tmp_path_factory.mktemp("stock_fp16"), flags, _port(checkout, 300))
+        assert stock.returncode == 0, stock.logs[-4000:]
+        references[checkout] = (flags, stock)
+    return references[checkout]
