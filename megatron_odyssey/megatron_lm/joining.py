@@ -9,7 +9,8 @@ admitted stage is built later, and its state comes from live replicas) and loads
 then sets up everything else as usual: tokenizer, datasets, optimizer, scheduler, the objects ``train()``
 will hold. Just before ``train()`` (:func:`join_before_train`), the rank asks the agent to join and waits
 until the planner admits it (``runtime.joining``); Megatron's loop is then put where the job is (its
-iteration, consumed samples, learning-rate schedule, and the job's layout in ``args``), and its first
+iteration, consumed samples, learning-rate schedule, micro-batch calculator, and the job's layout in ``args``;
+a --fp16 job's loss scale follows as the generation is entered, ``loss_scale.hand_over``), and its first
 ``train_step`` leaves the private world and enters the admitted generation (``MegatronRank``), after which
 it is a rank like the others.
 """
