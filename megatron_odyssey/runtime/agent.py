@@ -484,8 +484,8 @@ class Agent:
             return None
         if (first, beat.count) not in self.named_stalled:
             self.named_stalled.add((first, beat.count))
-            self.log(f"rank {first} has stayed outside a step for {now - beat.since:.1f} s (after step {beat.step}, "
-                     f"last: {beat.phase or 'between steps'}) while ranks {inside} wait inside one; its stacks are "
+            self.log(f"rank {first} has stayed outside a step for {now - beat.since:.1f} s (its last operation: "
+                     f"{beat.phase or '-'} of step {beat.step}) while ranks {inside} wait inside one; its stacks are "
                      f"dumped to its log; fenced (--first-step-timeout {self.cfg.first_step_timeout_s:g} s)")
             self._dump_stacks(first)
         return first

@@ -259,7 +259,7 @@ def test_a_rank_stuck_outside_a_step_while_the_others_wait_inside_one_is_named(t
 
     assert beats(outside_s=700, inside_s=650) == 3
     said = capsys.readouterr()
-    assert "rank 3 has stayed outside a step for 700.0 s (after step 4, last: log) while ranks [0, 1, 2] wait" in (
+    assert "rank 3 has stayed outside a step for 700.0 s (its last operation: log of step 4) while ranks [0, 1, 2] wait" in (
         said.out + said.err)
     assert beats(outside_s=500, inside_s=450) is None  # not out for long enough
     assert beats(outside_s=700, inside_s=10) is None  # a peer progressed a moment ago
