@@ -382,20 +382,21 @@ class Agent:
         stalled = None if done else self._stalled(now)
         if stalled is not None and stalled not in out:
             beat = self.beats[stalled]
-            if beat.state == IDLE:
+            if beat.state == IDLE:  # (_stuck_outside_a_step)
                 why = (f"stayed outside a step for {now - beat.since:.1f} s after step {beat.step} while every other "
                        f"member waited inside one and its heartbeat went on")
+                bound = f"--first-step-timeout {self.cfg.first_step_timeout_s:g} s"
             else:
                 why = (f"made no progress for {now - max(beat.since, self.judged_from):.1f} s inside step {beat.step} "
                        f"(last operation: {beat.phase}) while its heartbeat went on")
+                bound = f"--hard-timeout {self.cfg.hard_timeout_s:g} s"
             waiting = sorted(i for i in self.members() if i != stalled and i in self.beats and self.beats[i].state == COMM)
             # C4D: a communication hang when peers wait in a communication it never joined (or it stopped inside
             # one itself); a hang when it stopped in its own work with nobody waiting on it yet
             kind = "comm-hang" if beat.state == COMM or waiting else "hang"
             self.slow_nodes.hang(beat.step, [stalled], kind, f"rank {stalled} {why} ({beat.state})"
                                  + (f"; ranks {waiting} wait on it in communication" if waiting else ""))
-            self._fence(stalled, why + (f" (--first-step-timeout {self.cfg.first_step_timeout_s:g} s)" if beat.state == IDLE
-                                        else f" (--hard-timeout {self.cfg.hard_timeout_s:g} s)"))
+            self._fence(stalled, f"{why} ({bound})")
             out.add(stalled)
         return out
 

@@ -93,15 +93,21 @@ def test_release_takes_back_a_machine_that_comes_back(checkout: str, references:
     """Four machines of one rank; machine 3 is lost in iteration 2 and comes back (``odyssey-launch --join``)
     after iteration 3: set up in a private world with this release's start-up, admitted, and equal to stock."""
     stock = _stock(checkout, references, tmp_path_factory)
-    job = run_odyssey(checkout, tmp_path_factory.mktemp("join"), [
-        *_flags(checkout), "--odyssey-heartbeat-timeout", "10", "--odyssey-inject-fault",
-        "step=1,rank=3,phase=forward,kind=kill-machine", "--odyssey-rejoin", "3@2"], _port(checkout, 30), nodes=4,
-        join=(3,))
+    job = _machine_3_lost_and_back(checkout, _flags(checkout), tmp_path_factory.mktemp("join"), _port(checkout, 30))
+    assert same_training(job.iterations(), stock), (job.iterations(), stock)
+
+
+def _machine_3_lost_and_back(checkout: str, flags: list[str], work: Path, port: int) -> Any:
+    """The job on four machines of one rank, machine 3 lost in iteration 2 and back after iteration 3: it ran to
+    the end, and the machine was admitted before iteration 5 with the job's micro-batch calculator."""
+    job = run_odyssey(checkout, work, [*flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-inject-fault",
+                                       "step=1,rank=3,phase=forward,kind=kill-machine", "--odyssey-rejoin", "3@2"],
+                      port, nodes=4, join=(3,))
     assert job.returncode == 0, job.logs[-4000:]
     (joined,) = job.report["joins"]
     assert joined["ranks"] == [3] and joined["step"] == 4
-    assert job.global_batch_sizes() == {8}  # the joined rank's micro-batch calculator is the job's
-    assert same_training(job.iterations(), stock), (job.iterations(), stock)
+    assert job.global_batch_sizes() == {8}  # the joined rank logs the job's global batch
+    return job
 
 
 @pytest.mark.parametrize("checkout", CHECKOUTS, ids=[Path(c).name for c in CHECKOUTS])
@@ -262,14 +268,8 @@ def test_release_fp16_takes_back_a_machine(checkout: str, fp16_references: dict,
     scale and the schedule's step count from a rank that trained (loss_scale.hand_over) with this release's
     scaler and scheduler: every iteration's loss scale, skip and learning rate equal stock's."""
     flags, stock = _fp16_stock(checkout, fp16_references, tmp_path_factory)
-    job = run_odyssey(checkout, tmp_path_factory.mktemp("fp16_join"), [
-        *flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-inject-fault",
-        "step=1,rank=3,phase=forward,kind=kill-machine", "--odyssey-rejoin", "3@2"], _port(checkout, 320), nodes=4,
-        join=(3,))
-    assert job.returncode == 0, job.logs[-4000:]
-    (joined,) = job.report["joins"]
-    assert joined["ranks"] == [3] and joined["step"] == 4
-    assert job.loss_scales() == stock.loss_scales() and job.global_batch_sizes() == {8}
+    job = _machine_3_lost_and_back(checkout, flags, tmp_path_factory.mktemp("fp16_join"), _port(checkout, 320))
+    assert job.loss_scales() == stock.loss_scales()
     assert same_training(job.iterations(), stock.iterations(), rel=1e-5), (job.iterations(), stock.iterations())
 
 
