@@ -103,9 +103,10 @@ def add_odyssey_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="write per-iteration and per-failure records (JSON) here")
     g.add_argument("--odyssey-inject-fault", action="append", default=[], metavar="SPEC",
                    help="testing: step=I,rank=R,phase=forward|backward|grad-sync|optimizer|recovery|log|save|eval,"
-                        "kind=kill|hang|stall|slow|error (repeatable; rank is the launch-time global rank; error: "
-                        "the rank raises, as a local bug would; kind=slow,factor=F[,steps=N]: its compute F times "
-                        "slower from iteration I on, for N iterations or to the end)")
+                        "kind=kill|hang|stall|slow|error|crash (repeatable; rank is the launch-time global rank; "
+                        "error: the rank raises, as a local bug would; crash: it segfaults in native code; "
+                        "kind=slow,factor=F[,steps=N]: its compute F times slower from iteration I on, for N "
+                        "iterations or to the end)")
     g.add_argument("--odyssey-rejoin", action="append", default=[], metavar="RANK@STEP",
                    help="testing: rank R's machine comes back after iteration S (repeatable). Its replacement, "
                         "started with `odyssey-launch --join` at any time, asks to join once that iteration is "
@@ -218,6 +219,27 @@ def odyssey_flags_given(args: Any) -> list[str]:
             if k != "odyssey" and getattr(args, k, v) != v]
 
 
+def _check_megatron_fault_injector(args: Any) -> None:
+    """Megatron's ``--fault-injector-*`` (core_r0.18+; megatron_lm.fault_injection) works with --odyssey, but stock
+    finds its fault library only at train()'s start, on every rank at once: say so here, naming the flag."""
+    import importlib.util
+
+    flag = next((f for attr, f in (("fault_injector_ranks", "--fault-injector-ranks"),
+                                   ("fault_injector_num_ranks", "--fault-injector-num-ranks"))
+                 if getattr(args, attr, None) is not None), None)
+    if flag is None:
+        return
+    try:
+        found = importlib.util.find_spec("nvidia_resiliency_ext.shared_utils.inject_fault") is not None
+    except ModuleNotFoundError:  # no nvidia_resiliency_ext at all
+        found = False
+    if not found:
+        raise OdysseyArgumentError(
+            f"{flag} needs nvidia-resiliency-ext 0.6 or later: Megatron's fault injector imports "
+            f"nvidia_resiliency_ext.shared_utils.inject_fault, which this environment lacks (0.4 keeps it under "
+            f"inprocess.tools). Install nvidia-resiliency-ext>=0.6 or remove the --fault-injector-* flags")
+
+
 def validate_odyssey_args(args: Any) -> None:
     """Raise :class:`OdysseyArgumentError` for flags Odyssey cannot honour; adjust harmless ones.
 
@@ -265,6 +287,7 @@ def validate_odyssey_args(args: Any) -> None:
         if train_iters is not None and spec.step >= train_iters:
             raise OdysseyArgumentError(f"--odyssey-inject-fault {text!r}: step {spec.step} is not before "
                                        f"--train-iters {train_iters}")
+    _check_megatron_fault_injector(args)
     for r in parse_rejoin(args.odyssey_rejoin, "--odyssey-rejoin"):
         if (world is not None and r["rank"] >= world) or (train_iters is not None and r["after_step"] >= train_iters):
             raise OdysseyArgumentError(f"--odyssey-rejoin {r['rank']}@{r['after_step']}: the rank must be one of the "

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from .runtime.control_plane import FENCE_KEY, free_port  # (no torch import: the launcher starts fast)
-from .runtime.errors import STOPPED_EXIT, rank_log_traceback
+from .runtime.errors import STOPPED_EXIT, describe_exit, rank_log_traceback
 from .runtime.joining import CONFIG_KEY, read_job_config  # (rank 0 publishes the config when train() starts)
 
 FINISHED_KEY = "odyssey/finished"  # the agent ran the job to its end (its exit code): node agents stop
@@ -294,8 +294,9 @@ def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any
                 if ident not in reported and p.exitcode is not None:
                     report_exit(store, ident, p.exitcode)
                     reported.add(ident)
-                    if p.exitcode > 0 and p.exitcode != STOPPED_EXIT:  # an error (not a kill): say it here too
-                        print(f"[odyssey launch node {args.node_rank}] rank {ident} exited {p.exitcode}:\n"
+                    fenced = store.check([fence[ident]])
+                    if p.exitcode not in (0, STOPPED_EXIT) and not fenced:  # its log is here: say how it ended
+                        print(f"[odyssey launch node {args.node_rank}] rank {ident} {describe_exit(p.exitcode)}:\n"
                               f"{startup_errors(args.workdir, [ident])}", file=sys.stderr, flush=True)
         except Exception:  # noqa: BLE001 - the agent's store is gone: follow the standby, if it took over
             moved = control.follow(store) if control is not None else None

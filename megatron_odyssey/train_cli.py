@@ -36,8 +36,9 @@ def add_train_arguments(p: argparse.ArgumentParser, defaults: TrainConfig) -> No
     number("--seed", int, d.seed, "initialisation and data seed")
     p.add_argument("--fail", action="append", default=None, metavar="SPEC",
                    help="inject a fault: step=5,rank=3,phase=forward|backward|grad-sync|optimizer|recovery,"
-                        "kind=kill|hang|stall|slow|slow-link|error (repeatable; error: the rank raises, as a local bug "
-                        "would; slow,factor=F: its compute F times slower from that step on, steps=N: for N steps; "
+                        "kind=kill|hang|stall|slow|slow-link|error|crash (repeatable; error: the rank raises, as a "
+                        "local bug would; crash: it segfaults in native code; slow,factor=F: its compute F times "
+                        "slower from that step on, steps=N: for N steps; "
                         "slow-link,factor=F: its messages held back as on a slow link)"
                         + (f"; replaces the built-in faults ({'; '.join(d.fail)}); --fail none: no faults"
                            if d.fail else ""))

@@ -115,6 +115,17 @@ class TrainingCpuTorchView(CpuTorchView):
         self.cuda = TrainingCpuCudaView()
 
 
+class NamedCudaDeviceCpuTorchView(CpuTorchView):
+    """:class:`CpuTorchView` whose ``torch.device("cuda", i)`` is the CPU: for a module that names its device
+    instead of passing ``device="cuda"`` to a factory (0.18+ ``fault_injector.setup_fault_injection``)."""
+
+    @staticmethod
+    def device(kind: Any, index: Any = None) -> torch.device:
+        if isinstance(kind, str) and kind.split(":")[0] == "cuda":
+            return torch.device("cpu")
+        return torch.device(kind) if index is None else torch.device(kind, index)
+
+
 _TRAINING_TORCH_VIEW = TrainingCpuTorchView()
 #: For megatron-core modules: the accelerator's plain view (device_count stays truthful).
 _CORE_TORCH_VIEW = CpuTorchView()
@@ -361,6 +372,8 @@ MEGATRON_LM_CPU_PATCHES: Tuple[Patch, ...] = (
           "the fully parallel load exchanges shards through device='cuda' buffers"),
     Patch(f"{_MC}.rerun_state_machine.torch", _CORE_TORCH_VIEW,
           "RerunStateMachine._save_state() reads torch.cuda.get_rng_state(); reductions on cuda"),
+    Patch(f"{_MC}.fault_injector.torch", NamedCudaDeviceCpuTorchView(),
+          "0.18+ --fault-injector-*: setup_fault_injection() broadcasts its plan in a current_device() tensor"),
     # --- process-wide (see above) ---
     Patch("torch.Tensor.cuda", _tensor_cuda,
           "get_model() model.cuda() / get_batch_on_this_tp_rank() .cuda(): keep tensors on CPU"),
@@ -373,7 +386,8 @@ MEGATRON_LM_CPU_PATCHES: Tuple[Patch, ...] = (
 
 
 #: Targets in modules that only some Megatron-LM releases have (skipped where the module is absent).
-_ONLY_SOME_RELEASES = frozenset({f"{_MT}.utils.common_utils.torch", f"{_MT}.models.dist_utils.torch"})
+_ONLY_SOME_RELEASES = frozenset({f"{_MT}.utils.common_utils.torch", f"{_MT}.models.dist_utils.torch",
+                                 f"{_MC}.fault_injector.torch"})
 
 _LOCK = threading.RLock()
 _APPLIED: List[_Applied] = []

@@ -136,6 +136,12 @@ def _evaluation(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]
     return wrap
 
 
+def _fault_injection(original: Callable[..., Any]) -> Callable[..., Any]:
+    from .fault_injection import setup_on_the_survivors
+
+    return setup_on_the_survivors(original)
+
+
 def _weight_grad_patch(original: Callable[..., Any]) -> Callable[..., Any]:
     from ..runtime.weight_grad import linear_backward
 
@@ -222,6 +228,12 @@ PATCHES: tuple[Patch, ...] = (
     Patch(f"{_T}.training:build_train_valid_test_data_iterators", _evaluation("capture_eval_iterators"),
           "remembers which iterator is the validation split's and which the test split's, so that an evaluation "
           "after a failure reads the right split by index"),
+    # Megatron's own fault injector (megatron_lm.fault_injection)
+    Patch(f"{_C}.fault_injector:setup_fault_injection", _fault_injection,
+          "--fault-injector-delay-start-iteration reached after a failure: Megatron's plans on the world's rank 0 and "
+          "broadcasts over the world, now the survivors' (renumbered); each survivor draws the same plan instead, "
+          "with launch-time target ranks. A machine that joins does not set up again an injection timed from the "
+          "job's start", releases=(18, 20)),
     # checkpoints written after a recovery (megatron_lm.checkpoint)
     Patch(f"{_T}.checkpointing:generate_state_dict", hooks.plan_replica_state_dict,
           "replica ids come from the data-parallel rank, 0 on every rank under our parallel_state: after a "

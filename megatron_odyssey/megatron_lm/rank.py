@@ -45,7 +45,8 @@ from . import loss_scale
 from .samples import GlobalMicroBatches
 from .hooks import ORIGINAL_ATTR, STATE, overridden, sub_optimizers
 from .interleaved import InterleavedCapture, chunk_layer_start, reshuffle_transfers, shapes_for_layers
-from ..runtime.errors import GIVEUP_KEY, STARTED_KEY, fail_locally, giveup_reason, is_peer_failure, stop_now
+from ..runtime.errors import (GIVEUP_KEY, STARTED_KEY, dump_stacks_on_signals, fail_locally, giveup_reason,
+                              is_peer_failure, stop_now)
 from ..runtime.generation import GenerationRank, keys, node_stage
 from ..runtime.liveness import Heartbeat, Progress, StoreThread, communicating, track
 from ..runtime.transport import P2P
@@ -232,10 +233,7 @@ class MegatronRank(GenerationRank):
         from ..runtime.faults import Injector
         from .joining import job_config, join_rank
 
-        import faulthandler
-        import signal
-
-        faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` dumps a stuck rank's stacks
+        dump_stacks_on_signals()
         host, port = os.environ[STORE_ENV].rsplit(":", 1)
         cfg = job_config() if joining else config_from_megatron_args(args)
         store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=cfg.timeout_s))

@@ -56,7 +56,8 @@ from .diagnosis import DiagnosisOptions
 from .slow_nodes import Action, SlowNodes
 from .joining import ADMIT_KEY, REJOIN_KEY, JoinRecord, JoinRequests, publish_job
 from .step_log import StepLog, resident_mb
-from .errors import ABORTED, GIVEUP_KEY, STARTED_KEY, STOP_LINE, ErrorRecord, rank_log_traceback, read_error
+from .errors import (ABORTED, GIVEUP_KEY, STARTED_KEY, STOP_LINE, ErrorRecord, describe_exit, dump_stacks_on_signals,
+                     rank_log_traceback, read_error)
 
 
 def rank_start_method(cfg: TrainConfig) -> str:
@@ -93,8 +94,6 @@ def native_threads() -> int:
 
 def _rank_main(cfg_path: str, ident: int, port: int, log_path: str, echo: bool) -> None:
     """Body of a forked rank: own log file, own store client, then train."""
-    import faulthandler
-
     import torch.distributed as dist
 
 
@@ -102,7 +101,7 @@ def _rank_main(cfg_path: str, ident: int, port: int, log_path: str, echo: bool) 
     if not echo:
         os.dup2(log, 1)
     os.dup2(log, 2)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 pid` dumps a hung rank's stacks
+    dump_stacks_on_signals()  # into the log just opened
     # no torch.set_num_threads here: OpenMP is not fork-safe; the agent runs with OMP_NUM_THREADS=1
     cfg = TrainConfig.load(cfg_path)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=cfg.timeout_s))
@@ -137,6 +136,10 @@ class FailureRecord:
     optimizer_shares: dict[int, float] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)  # since the failure: sealed, published, first step
     error: dict[str, Any] | None = None  # a failed rank's own error (type, place, message, traceback)
+    # rank -> how a failed rank's process ended when it left no error of its own ("was killed by SIGSEGV", "exited
+    # with code 1", "was fenced (SIGKILL): missed heartbeats for 30.0 s"): a signal, a crash, an exception outside
+    # Odyssey's reach (Megatron's fault injector's), or the agent's fence
+    ended: dict[int, str] = field(default_factory=dict)
     time_to_next_failure_s: float = 0.0  # what Eq. 8 assumed (per-device MTBF / live devices)
     mtbf_hours: float = 0.0
     started: float = 0.0  # injection (or detection) time, for recovery_s
@@ -170,6 +173,8 @@ class Agent:
         self.procs: dict[int, Any] = dict(procs or {})
         self.dead: set[int] = set()
         self.fenced: set[int] = set()
+        self.silent_since: dict[int, float] = {}  # a rank fenced for missed heartbeats -> its last heartbeat
+        self.endings: dict[int, str] = {}  # a failed rank without an error record -> how its process ended (ended)
         # committed steps go to disk as they commit (beside the report, else in the workdir)
         self.steps = StepLog(Path(cfg.report).with_suffix(".steps.jsonl") if cfg.report else workdir / "steps.jsonl")
         self.failures: list[FailureRecord] = []
@@ -326,7 +331,7 @@ class Agent:
                 if reason is not None:
                     self.failures.append(FailureRecord(ranks=sorted(failed), step=self.next_step, reason=reason,
                                                        phase=self._phase_of(failed, self.next_step),
-                                                       error=self._error_of(failed)))
+                                                       error=self._error_of(failed), ended=self._endings_of(failed)))
                 self.give_up(reason or self.stop_reason or "recovery failed")
                 self.write_report(ok=False)
                 return 1
@@ -376,6 +381,8 @@ class Agent:
                     self._finish_exit(ident, now)  # past its last step and shutting down: not a hang
                     continue
                 why = f"missed heartbeats for {self.cfg.heartbeat_timeout_s:.1f} s"
+                if ident in self.beats:
+                    self.silent_since[ident] = self.beats[ident].t
                 self.slow_nodes.hang(self.next_step, [ident], "hang", f"rank {ident} {why}: its process stopped")
                 self._fence(ident, why)
                 out.add(ident)
@@ -412,6 +419,7 @@ class Agent:
         self.procs[ident].kill()
         self.procs[ident].join(5)
         self.fenced.add(ident)
+        self.endings[ident] = f"was fenced (SIGKILL): {why}"
 
     def _read_beats(self, now: float) -> None:
         """Every member's last heartbeat in one store round trip, at most every half heartbeat interval
@@ -517,6 +525,8 @@ class Agent:
                 elif started:
                     self.log_error(f"recovering without rank {ident} (an error on one rank is treated as that "
                                    f"rank's failure; the job stops if it recurs on another)")
+            elif started and ident not in self.fenced:
+                self._say_how_it_ended(ident)
             if not started and stop is None:
                 what = record.headline() if record else f"exit code {self.procs[ident].exitcode}"
                 stop = f"rank {ident} failed during start-up ({what})"
@@ -524,6 +534,23 @@ class Agent:
                     self.log_error(f"rank {ident} exited {self.procs[ident].exitcode} during start-up; its last "
                                    f"error:\n" + _indent(self._last_traceback(ident)))
         return stop
+
+    def _say_how_it_ended(self, ident: int) -> None:
+        """A rank that failed without an error record of its own: a signal (the kernel's OOM killer, a
+        scheduler, a crash in native code, Megatron's fault injector) or an exception outside Odyssey's
+        reach. Its exit status and its log's last traceback go to the terminal, not only to its log."""
+        code = self.procs[ident].exitcode
+        if code is None or code == 0:
+            return
+        self.endings[ident] = ended = describe_exit(code)
+        if code == -signal.SIGKILL:
+            self.log_error(f"rank {ident} {ended} (it cannot leave a trace: the OOM killer, a scheduler, a person "
+                           f"or a fault injector sent it)")
+        else:
+            self.log_error(f"rank {ident} {ended}; the end of its log:\n" + _indent(self._last_traceback(ident)))
+
+    def _endings_of(self, ranks: set[int]) -> dict[int, str]:
+        return {i: self.endings[i] for i in sorted(ranks) if i in self.endings}
 
     def _started(self, ident: int) -> bool:
         """A rank reached its first training step (a failure before that ends the job)."""
@@ -910,8 +937,10 @@ class Agent:
         self.store.set(self.key("abort"), why)
         self._wake_waiters()
         self.judged_from = time.time()
-        started = min((float(self.store.get(f"odyssey/injected/{i}")) for i in failed
-                       if self.store.check([f"odyssey/injected/{i}"])), default=detected)
+        injected = [float(self.store.get(f"odyssey/injected/{i}")) for i in failed
+                    if self.store.check([f"odyssey/injected/{i}"])]
+        # not injected by Odyssey: a hang began after the rank's last heartbeat, a death just before its detection
+        started = min(injected or [self.silent_since[i] for i in failed if i in self.silent_since], default=detected)
         if takeover:
             started = detected - takeover["lost_agent_s"]
         self.dead |= failed
@@ -933,7 +962,7 @@ class Agent:
                 if stop is not None:
                     self.stop_reason = stop
                     self.failures.append(FailureRecord(ranks=sorted(gen_failed), step=self.next_step, reason=stop,
-                                                       error=self._error_of(more)))
+                                                       error=self._error_of(more), ended=self._endings_of(more)))
                     return False
             finished = {i for i in self.members() if i not in self.dead and self.procs[i].exitcode == 0}
             if finished:  # left the job after its last step: not a failure, but not in the next generation
@@ -969,7 +998,8 @@ class Agent:
         dead_nodes = {i // self.cfg.tp for i in self.dead} & set(base.live_nodes())
         rec = FailureRecord(ranks=sorted(gen_failed), phase=self._phase_of(gen_failed, last + 1),
                             detection_s=max(0.0, detected - started), step=last + 1, started=started,
-                            sealed_at=sealed_at, error=self._error_of(gen_failed), takeover=takeover,
+                            sealed_at=sealed_at, error=self._error_of(gen_failed),
+                            ended=self._endings_of(gen_failed), takeover=takeover,
                             dropped="; ".join(sorted({self.dropping[i] for i in gen_failed if i in self.dropping})),
                             rolled_back=rolled_back)
         if rec.dropped:

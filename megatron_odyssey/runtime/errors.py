@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import sys
 import sysconfig
 import time
@@ -178,6 +180,16 @@ def giveup_reason(store: Any) -> str | None:
         return None
 
 
+def dump_stacks_on_signals() -> None:
+    """A rank's Python stacks go to its log (stderr) when it crashes in native code (SIGSEGV, SIGABRT, SIGBUS,
+    SIGFPE, SIGILL: the agent then shows them on the terminal) and when the agent asks (SIGUSR1: a stuck rank
+    before it is fenced)."""
+    import faulthandler
+
+    faulthandler.enable(all_threads=True)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
 def stop_now(rank: int, reason: str, code: int = STOPPED_EXIT) -> None:
     """Leave at once, with one line saying why (the agent gave up, or is gone). Never returns."""
     print(f"[odyssey rank {rank}] stopping: {reason}", file=sys.stderr, flush=True)
@@ -205,11 +217,32 @@ def rank_log_traceback(workdir: Any, rank: int) -> str:
     return last_traceback(path.read_text(errors="replace"))
 
 
+#: torch.distributed's excepthook prefixes every line of an uncaught exception with the rank
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")
+#: where a Python traceback, or faulthandler's dump at a fatal signal (SIGSEGV, SIGABRT...), begins
+_TRACE_STARTS = ("Traceback (most recent call last):", "Fatal Python error:")
+
+
 def last_traceback(text: str, max_lines: int = 80) -> str:
-    """The last Python traceback in a log (or its last lines when there is none)."""
-    lines = text.rstrip().splitlines()
-    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last):")]
+    """The last Python traceback (or fatal-signal dump) in a log, or its last lines when there is none."""
+    lines = [_RANK_PREFIX.sub("", line) for line in text.rstrip().splitlines()]
+    starts = [i for i, line in enumerate(lines) if line.startswith(_TRACE_STARTS)]
     chunk = lines[starts[-1]:] if starts else lines[-12:]
+    if chunk and chunk[0].startswith("Fatal Python error:"):  # the crashed thread's stack, not every thread's
+        current = next((i for i, line in enumerate(chunk) if line.startswith("Current thread")), None)
+        if current is not None:
+            end = next((i for i in range(current, len(chunk)) if not chunk[i].strip()), len(chunk))
+            chunk = [chunk[0], *chunk[current:end], "(the other threads' stacks: in the log)"]
     if len(chunk) > max_lines:
         chunk = chunk[:10] + ["  ..."] + chunk[-(max_lines - 11):]
     return "\n".join(chunk)
+
+
+def describe_exit(code: int) -> str:
+    """How a process ended, from its exit status (``Popen.returncode``: negative for a signal)."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"

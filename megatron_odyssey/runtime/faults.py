@@ -10,7 +10,9 @@ sustained fail-slow node, which the agent's diagnosis must name and the planner 
 link: its compute is normal, its receivers wait),
 ``error`` raises :class:`InjectedError` from the injection point: a local bug of the rank (as an
 out-of-memory or a shape error would be), which it must report and leave the job for, not take
-for a peer's failure. ``kill-agent`` SIGKILLs the rank's agent (its parent: the agent of ``odyssey
+for a peer's failure. ``crash`` makes the rank segfault in native code (``faulthandler._sigsegv``: as a bug in
+a kernel library or a driver would), so the process dies of SIGSEGV with the Python stacks faulthandler dumps in
+its log, which the agent shows on the terminal. ``kill-agent`` SIGKILLs the rank's agent (its parent: the agent of ``odyssey
 train``, the launcher of machine 0 under ``odyssey-launch``) and goes on; ``kill-with-agent`` kills the
 agent and the rank itself (a lost machine that held both): the standby agent must take over;
 ``kill-machine`` (``odyssey-launch`` only) kills the rank's launcher and every rank it started: the
@@ -31,7 +33,8 @@ from ..planning.errors import PlanningError
 #: training_log; save: a checkpoint save; between: just after a step, before anything else; eval: at the
 #: forward of an evaluation's micro-batch, after that step)
 PHASES = ("forward", "backward", "weight-grad", "grad-sync", "optimizer", "data", "recovery", "log", "save", "between", "eval")
-KINDS = ("kill", "hang", "stall", "slow", "slow-link", "error", "kill-agent", "kill-with-agent", "kill-machine")
+KINDS = ("kill", "hang", "stall", "slow", "slow-link", "error", "crash", "kill-agent", "kill-with-agent",
+         "kill-machine")
 SUSTAINED = ("slow", "slow-link")  # kinds that take factor=F and last from their step on
 SLOW_S = 2.0
 
@@ -160,6 +163,10 @@ class Injector:
                 os.kill(os.getpid(), signal.SIGSTOP)
             elif spec.kind == "stall":
                 _stall_in_a_collective()
+            elif spec.kind == "crash":
+                import faulthandler
+
+                faulthandler._sigsegv()  # a real SIGSEGV, raised in C
             elif spec.kind == "error":
                 raise InjectedError(f"injected error (--fail step={step},rank={self.ident},phase={phase},kind=error)")
             elif spec.kind == "slow":

@@ -135,14 +135,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # as the agent's own ranks (several share the cores)
     os.environ.setdefault("TORCH_SHOW_CPP_STACKTRACES", "0")
-    import faulthandler
-    import signal
-
     import torch.distributed as dist
 
     from .control_plane import listening, parse_address
+    from .errors import dump_stacks_on_signals
 
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    dump_stacks_on_signals()
     host, port = parse_address(args.address)
     try:
         if not listening((host, port), timeout_s=5):  # a wrong address fails now, not in 30 s

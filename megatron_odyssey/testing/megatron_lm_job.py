@@ -37,6 +37,7 @@ _LOG = re.compile(r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) .*?ela
 _LOSS_SCALE = re.compile(r"iteration\s+(\d+)/[^\n]*?\| loss scale: (\S+) [^\n]*?number of skipped iterations:\s+(\d+)")
 
 _BATCH = re.compile(r"iteration\s+\d+/[^\n]*?global batch size:\s+(\d+)")
+_UNLOGGED = re.compile(r"training_log of iteration (\d+) was interrupted by a failure after other survivors had left it")
 
 # one of evaluate_and_print_results' lines: "validation loss at iteration 4 | lm loss value: ... | lm loss PPL: ..."
 _VALIDATION = re.compile(r"validation loss at (.+?) \| lm loss value: (\S+) \| lm loss PPL: (\S+)")
@@ -65,6 +66,11 @@ class JobResult:
         """(where, lm loss, perplexity) of each evaluation Megatron printed, in order."""
         return [m.groups() for m in _VALIDATION.finditer(self.logs)]
 
+    def unlogged_iterations(self) -> set[int]:
+        """Iterations whose log line the logging rank gave up on: a failure in its ``training_log`` after the other
+        survivors had left the call (``megatron_lm.between_steps``)."""
+        return {int(m.group(1)) for m in _UNLOGGED.finditer(self.logs)}
+
     def iteration_ms(self) -> dict[int, float]:
         return {int(m.group(1)): float(m.group(3)) for m in _LOG.finditer(self.logs)}
 
@@ -91,6 +97,14 @@ def same_training(a: dict[int, tuple[str, ...]], b: dict[int, tuple[str, ...]], 
             if abs(float(x) - float(y)) > allowed:
                 return False
     return True
+
+
+def same_training_where_logged(job: JobResult, stock: dict[int, tuple[str, ...]]) -> bool:
+    """:func:`same_training` for a failure at a moment nobody chose (Megatron's fault injector's): an iteration whose
+    log line was given up (:meth:`JobResult.unlogged_iterations`) may be missing, every other one is there and equal."""
+    logged = job.iterations()
+    missing = set(stock) - set(logged)
+    return missing <= job.unlogged_iterations() and same_training(logged, {i: stock[i] for i in stock if i in logged})
 
 
 def same_evaluations(a: list[tuple[str, str, str]], b: list[tuple[str, str, str]]) -> bool:

@@ -17,7 +17,7 @@ import torch
 
 from megatron_odyssey.runtime.config import TrainConfig
 from megatron_odyssey.testing.reference import reference_in_subprocess
-from megatron_odyssey.runtime.errors import ErrorRecord, error_place, is_peer_failure
+from megatron_odyssey.runtime.errors import ErrorRecord, describe_exit, error_place, is_peer_failure, last_traceback
 from megatron_odyssey.runtime.faults import FailSpec, InjectedError, Injector
 
 TOL = 1e-5
@@ -58,6 +58,41 @@ def test_a_rank_error_is_printed_and_the_job_recovers_without_it(reference, tmp_
     worst = max((params[k] - reference["params"][k]).abs().max().item() for k in params)
     assert set(params) == set(reference["params"]) and worst < TOL, worst
     assert [s["loss"] for s in report["steps"]] == pytest.approx(reference["losses"], abs=TOL)
+
+
+def test_a_rank_that_crashes_in_native_code_is_named_with_its_signal_and_stack(reference, tmp_path: Path) -> None:
+    """A real SIGSEGV (``kind=crash``), no error record from the rank: the terminal says which signal ended it and
+    shows the Python stack faulthandler left in its log; the survivors end equal to the fault-free run."""
+    proc, _ = odyssey_train(tmp_path, "--fail", "step=1,rank=2,phase=backward,kind=crash",
+                            "--save-params", str(tmp_path / "p.pt"))
+    terminal = proc.stdout + proc.stderr
+    assert proc.returncode == 0, terminal[-4000:]
+    assert "rank 2 was killed by SIGSEGV; the end of its log:" in terminal
+    crash = terminal[terminal.index("rank 2 was killed by SIGSEGV"):]
+    assert "Fatal Python error: Segmentation fault" in crash and "runtime/faults.py" in crash
+    assert "(the other threads' stacks: in the log)" in crash  # the crashed thread's stack only
+    report = json.loads((tmp_path / "report.json").read_text())
+    (failure,) = report["failures"]
+    assert failure["ranks"] == [2] and failure["ended"] == {"2": "was killed by SIGSEGV"} and failure["error"] is None
+    params = torch.load(tmp_path / "p.pt")
+    assert max((params[k] - reference["params"][k]).abs().max().item() for k in params) < TOL
+
+
+def test_how_a_process_ended_and_its_last_traceback_are_read_as_torch_prints_them() -> None:
+    assert describe_exit(-9) == "was killed by SIGKILL" and describe_exit(-11) == "was killed by SIGSEGV"
+    assert describe_exit(1) == "exited with code 1" and describe_exit(-77) == "was killed by signal 77"
+    # torch.distributed's excepthook prefixes each line of an uncaught exception with the rank
+    log = ("[rank1]: Traceback (most recent call last):\n[rank1]:   File \"train.py\", line 3, in <module>\n"
+           "[rank1]:     step()\n[rank1]: InjectedException")
+    assert last_traceback("noise\n" + log) == ("Traceback (most recent call last):\n  File \"train.py\", line 3, in "
+                                               "<module>\n    step()\nInjectedException")
+    # faulthandler at a fatal signal: every thread, the crashed one ("Current thread") anywhere among them
+    dump = ("Fatal Python error: Segmentation fault\n\nThread 0x1 (most recent call first):\n  File \"hb.py\", line 1 "
+            "in run\n\nCurrent thread 0x2 (most recent call first):\n  File \"kernel.py\", line 9 in launch\n\n"
+            "Thread 0x3 (most recent call first):\n  File \"loader.py\", line 4 in fetch\n")
+    assert last_traceback(log + "\n" + dump) == ("Fatal Python error: Segmentation fault\nCurrent thread 0x2 (most recent "
+                                                "call first):\n  File \"kernel.py\", line 9 in launch\n(the other "
+                                                "threads' stacks: in the log)")
 
 
 def test_the_same_error_on_a_second_rank_stops_the_job_within_seconds(tmp_path: Path) -> None:

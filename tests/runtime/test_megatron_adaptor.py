@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
+from typing import Any
 
 import pytest
 import torch
@@ -157,6 +159,17 @@ def test_invalid_combinations_fail_clearly(argv: list[str], megatron: dict, mess
     ns = _megatron_like_args(argv, **megatron)
     with pytest.raises(OdysseyArgumentError, match=message.replace("-", r"\-")):
         validate_odyssey_args(ns)
+
+
+@pytest.mark.parametrize("flag, value", [("fault_injector_ranks", "1"), ("fault_injector_num_ranks", 2)])
+def test_megatron_fault_injector_without_its_library_is_refused_naming_the_flag(
+        monkeypatch: pytest.MonkeyPatch, flag: str, value: Any) -> None:
+    """Megatron's --fault-injector-* imports nvidia_resiliency_ext.shared_utils.inject_fault (0.6+) only at train()'s
+    start, on every rank: without it, --odyssey says so before any process group exists."""
+    monkeypatch.setitem(sys.modules, "nvidia_resiliency_ext", None)  # as if not installed (import raises)
+    with pytest.raises(OdysseyArgumentError, match=f"--{flag.replace('_', '-')} needs nvidia-resiliency-ext 0.6"):
+        validate_odyssey_args(_megatron_like_args(["--odyssey"], **{flag: value}))
+    validate_odyssey_args(_megatron_like_args(["--odyssey"]))  # no injector flag: nothing asked
 
 
 def test_tied_embeddings_are_accepted() -> None:

@@ -22,7 +22,7 @@ import pytest
 from megatron_odyssey.megatron_lm.cpu_mode import tiny_gpt_flags
 from megatron_odyssey.megatron_lm.versions import KNOWN_RELEASES
 from megatron_odyssey.testing.megatron_lm_job import (job_env, run_odyssey, run_stock, same_evaluations, same_training,
-                                                      with_evaluation)
+                                                      same_training_where_logged, with_evaluation)
 
 CHECKOUTS = [p for p in os.environ.get("MEGATRON_LM_CHECKOUTS", "").split(os.pathsep) if p]
 
@@ -289,3 +289,117 @@ def _fp16_stock(checkout: str, references: dict, tmp_path_factory: pytest.TempPa
         assert stock.returncode == 0, stock.logs[-4000:]
         references[checkout] = (flags, stock)
     return references[checkout]
+
+
+# -- Megatron's own fault injector (--fault-injector-*, core_r0.18.0 on; megatron_lm.fault_injection) -----------
+
+#: Megatron's fault -> what the agent may tell of the rank's end: how its process ended ("was killed by SIGSEGV"; a
+#: rank that stopped answering is fenced), or "error: T" (its own error record: an exception of type T caught where
+#: Odyssey guards the call); an exception raised at a random moment may land inside or outside those
+_FENCED = "was fenced (SIGKILL): missed heartbeats for 10.0 s"
+MEGATRON_FAULTS = {
+    "sigkill": {"was killed by SIGKILL"}, "sigterm": {"was killed by SIGTERM"}, "sigint": {"was killed by SIGINT"},
+    "sigstop": {_FENCED}, "segfault": {"was killed by SIGSEGV"}, "os_abort": {"was killed by SIGABRT"},
+    "lock_gil": {_FENCED}, "workload_exc": {"exited with code 1"},
+    "async_exc": {"exited with code 1", "error: InjectedException"},
+    "signal_exc": {"exited with code 1", "error: InjectedException"},
+}
+
+
+def _needs_megatron_fault_injector(checkout: str) -> None:
+    if _minor(checkout) < 18:
+        pytest.skip("Megatron's fault injector (megatron.core.fault_injector) is in core_r0.18.0 on")
+    pytest.importorskip("nvidia_resiliency_ext.shared_utils.inject_fault",
+                        reason="Megatron's fault injector needs nvidia-resiliency-ext 0.6+ (docs/benchmarks.md: how)")
+
+
+def _megatron_fault(kind: str, rank: int, after_iteration: int) -> list[str]:
+    """Megatron's flags: ``kind`` on ``rank`` as soon as ``after_iteration`` has ended."""
+    return ["--fault-injector-ranks", str(rank), "--fault-injector-fault-types", kind, "--fault-injector-fault-delay",
+            "0", "--fault-injector-delay-start-iteration", str(after_iteration)]
+
+
+@pytest.mark.parametrize("fault", list(MEGATRON_FAULTS))
+@pytest.mark.parametrize("checkout", CHECKOUTS, ids=[Path(c).name for c in CHECKOUTS])
+def test_release_recovers_from_megatron_fault_injector(checkout: str, fault: str, references: dict,
+                                                       tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Megatron's injector, as it is, puts each fault a CPU can take on rank 1 after iteration 2 (signals, crashes in
+    native code, the GIL held forever, exceptions in the main thread at any moment or in train()'s loop): the agent
+    says on the terminal how the rank ended (or fences it for its missed heartbeats), and the survivors train equal
+    to stock."""
+    _needs_megatron_fault_injector(checkout)
+    stock = _stock(checkout, references, tmp_path_factory)
+    job = run_odyssey(checkout, tmp_path_factory.mktemp(f"megatron_{fault}"), [
+        *_flags(checkout), "--odyssey-heartbeat-timeout", "10", *_megatron_fault(fault, 1, 2)],
+        _port(checkout, 500 + 10 * list(MEGATRON_FAULTS).index(fault)))
+    assert job.returncode == 0, job.logs[-4000:]
+    assert f"FAULT INJECTION: Rank 1 will inject fault {fault.upper()}" in job.logs
+    (failure,) = job.report["failures"]
+    assert failure["ranks"] == [1] and failure["step"] >= 2, failure
+    told = f"error: {failure['error']['type']}" if failure["error"] else failure["ended"].get("1")
+    assert told in MEGATRON_FAULTS[fault], (told, failure)
+    if told == _FENCED:
+        assert "rank 1 missed heartbeats for 10.0 s: fencing it" in job.logs
+        assert failure["detection_s"] >= 9.0, failure  # from its last heartbeat, not from when it was fenced
+    elif not told.startswith("error"):
+        assert failure["ended"] == {"1": told} and f"[odyssey agent] rank 1 {told}" in job.logs
+    if fault in ("segfault", "os_abort"):  # faulthandler's dump, from the rank's log to the terminal
+        assert "Fatal Python error: " in job.logs and "inject_fault.py" in job.logs.split(f"rank 1 {told}")[1]
+    if told == "exited with code 1":
+        assert "InjectedException" in job.logs.split(f"rank 1 {told}")[1]
+    assert same_training_where_logged(job, stock), (job.iterations(), stock)
+
+
+@pytest.mark.parametrize("checkout", CHECKOUTS, ids=[Path(c).name for c in CHECKOUTS])
+def test_release_megatron_fault_injector_after_a_recovery(checkout: str, references: dict,
+                                                          tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Rank 0 is killed in iteration 1; Megatron's injector is set up after iteration 3, on the survivors, whose
+    world is renumbered 0..2: its target, launch-time rank 3, is still machine 3 (Megatron's own plan would find no
+    rank 3 and fail on every rank), which it kills. Equal to stock."""
+    _needs_megatron_fault_injector(checkout)
+    stock = _stock(checkout, references, tmp_path_factory)
+    job = run_odyssey(checkout, tmp_path_factory.mktemp("megatron_after"), [
+        *_flags(checkout), "--odyssey-heartbeat-timeout", "10", "--odyssey-inject-fault",
+        "step=1,rank=0,phase=backward,kind=kill", *_megatron_fault("sigkill", 3, 3)], _port(checkout, 650))
+    assert job.returncode == 0, job.logs[-4000:]
+    first, second = job.report["failures"]
+    assert first["ranks"] == [0] and first["step"] == 1
+    assert second["ranks"] == [3] and second["step"] >= 3 and second["ended"] == {"3": "was killed by SIGKILL"}
+    assert "fault_injection:" in job.logs and "FAULT INJECTION: Rank 3 will inject fault SIGKILL" in job.logs
+    assert same_training_where_logged(job, stock), (job.iterations(), stock)
+
+
+_SURVIVORS_PLAN_PROBE = """
+import random
+from megatron.core.fault_injector import FaultInjectorConfig
+from nvidia_resiliency_ext.shared_utils.inject_fault import Fault
+from megatron_odyssey.megatron_lm.fault_injection import live_launch_ranks, survivors_plan
+
+assert live_launch_ranks((0, 2), tp=2) == [0, 1, 4, 5]
+config = lambda **kw: FaultInjectorConfig(fault_injector_fault_types="sigkill,segfault",
+                                          fault_injector_fault_probabilities="0,1", fault_injector_fault_delay=2.5, **kw)
+# named ranks are launch-time ranks; one whose machine is gone gets nothing
+assert survivors_plan(config(fault_injector_ranks="1,3"), [0, 1, 2], 4, seed=5) == (Fault.SEGFAULT, 2.5, [1])
+assert survivors_plan(config(fault_injector_ranks="3"), [0, 1, 2], 4, seed=5) is None
+# a number of ranks: drawn among the live ones but launch-time rank 0, the same on every survivor for one seed
+want = random.Random(9).sample([2, 5, 7], k=2)
+assert survivors_plan(config(fault_injector_num_ranks=2), [0, 2, 5, 7], 8, seed=9)[2] == want
+assert survivors_plan(config(fault_injector_num_ranks=5), [0, 2, 5], 8, seed=9)[2] == random.Random(9).sample([2, 5], k=2)
+try:
+    survivors_plan(config(fault_injector_ranks="8"), [0, 1], 8, seed=1)
+except ValueError as exc:
+    assert "--fault-injector-ranks 8" in str(exc) and "world of 8" in str(exc), exc
+else:
+    raise AssertionError("a rank outside the job was accepted")
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("checkout", CHECKOUTS, ids=[Path(c).name for c in CHECKOUTS])
+def test_release_survivors_draw_megatron_fault_plan_by_launch_time_rank(checkout: str) -> None:
+    """The plan every survivor draws for itself after a failure (no collective a further failure could break), with
+    this release's FaultInjectorConfig and get_fault / get_fault_delay."""
+    _needs_megatron_fault_injector(checkout)
+    out = subprocess.run([sys.executable, "-c", _SURVIVORS_PLAN_PROBE], env=job_env(checkout), capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr[-3000:]
