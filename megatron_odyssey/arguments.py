@@ -102,7 +102,7 @@ def add_odyssey_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--odyssey-report", default=None, metavar="FILE",
                    help="write per-iteration and per-failure records (JSON) here")
     g.add_argument("--odyssey-inject-fault", action="append", default=[], metavar="SPEC",
-                   help="testing: step=I,rank=R,phase=forward|backward|grad-sync|optimizer|recovery|log|save|eval,"
+                   help="testing: step=I,rank=R,phase=forward|backward|grad-sync|optimizer|recovery|log|save|eval|exit,"
                         "kind=kill|hang|stall|slow|error|crash (repeatable; rank is the launch-time global rank; "
                         "error: the rank raises, as a local bug would; crash: it segfaults in native code; "
                         "kind=slow,factor=F[,steps=N]: its compute F times slower from iteration I on, for N "

@@ -13,7 +13,11 @@ from the state it began in, and says so on stderr:
   run it again, since its collectives would wait for them (its log line, if it is the logging rank, is lost);
 - a save (``save_checkpoint_and_time`` and ``save_checkpoint``, also the final one): Megatron marks a
   checkpoint as the latest only after every rank finished writing it (rank 0, after the save's closing
-  collective), so an interrupted save is never marked; the survivors write it again.
+  collective), so an interrupted save is never marked; the survivors write it again;
+- the exit check (``checkpoint_and_decide_exit``, after every iteration): with ``--exit-signal-handler`` it
+  gathers every rank's SIGTERM flag over the world, with ``--exit-duration-in-mins`` it all-reduces the elapsed
+  time; a failure there is recovered from and the check run again (the flags and the clock are where they were;
+  a save it makes is guarded as above).
 
 Megatron's timers are put back as they were when the guarded call began (a timer a failure left started
 or stopped would assert at its next use).
@@ -123,3 +127,4 @@ training_log = guarded("log", "training_log", keep=_keep_loss_totals)
 # interrupted save is never marked; the survivors write it again
 save_checkpoint_and_time = guarded("save", "the checkpoint save")
 save_checkpoint = guarded("save", "the checkpoint save", prepare=_fresh_strategies)
+checkpoint_and_decide_exit = guarded("exit", "the exit check")

@@ -221,6 +221,10 @@ PATCHES: tuple[Patch, ...] = (
           "recovered from and the save redone by the survivors"),
     Patch(f"{_T}.training:save_checkpoint", _between_steps("save_checkpoint"),
           "the final save (pretrain) and every interval save: an interrupted save is redone, never marked latest"),
+    Patch(f"{_T}.training:checkpoint_and_decide_exit", _between_steps("checkpoint_and_decide_exit"),
+          "after every iteration, outside train_step, --exit-signal-handler gathers each rank's SIGTERM flag and "
+          "--exit-duration-in-mins all-reduces the elapsed time over the world: a peer's failure there is recovered "
+          "from and the check run again"),
     Patch(f"{_T}.training:evaluate", _evaluation("evaluate"),
           "its barrier, schedule and reductions run over the world outside train_step: a peer's failure there is "
           "recovered from and the evaluation redone from where it began (its schedule call after a failure runs "

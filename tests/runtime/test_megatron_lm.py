@@ -67,7 +67,9 @@ def test_pretrain_gpt_survives_a_killed_rank(stock: dict, tmp_path: Path, policy
     assert same_training(job.iterations(), stock)  # loss, grad norm, lr, consumed samples: as if nothing failed
 
 
-MOMENTS = ["data", "forward", "backward", "grad-sync", "optimizer", "recovery", "log", "save", "between"]
+MOMENTS = ["data", "forward", "backward", "grad-sync", "optimizer", "recovery", "log", "save", "between", "exit"]
+#: the exit check's world collectives run only when a job asks to exit on SIGTERM or after a duration
+EXIT_FLAGS = ["--exit-signal-handler", "--exit-duration-in-mins", "100000"]
 
 
 @pytest.mark.parametrize("rank", [1, 3], ids=["stage0", "stage1"])
@@ -76,11 +78,13 @@ def test_a_failure_at_any_moment(stock: dict, tmp_path: Path, phase: str, rank: 
     """A rank of either stage killed at every moment of an iteration and around it: inside the step,
     while the survivors recover from an earlier failure, in Megatron's training_log (its barrier), during
     a checkpoint save (--save every 2 iterations: the interrupted save is written again), or just after
-    the step. The job finishes and every logged iteration equals stock Megatron-LM's."""
+    the step, or in the exit check after it (its world collectives asked for by --exit-signal-handler and
+    --exit-duration-in-mins). The job finishes and every logged iteration equals stock Megatron-LM's."""
     faults = [f"step=1,rank={rank},phase={phase},kind=kill"]
     if phase == "recovery":  # a first failure (of the other stage) to recover from
         faults.insert(0, f"step=1,rank={3 - rank if rank == 1 else 0},phase=backward,kind=kill")
-    flags = [*ODYSSEY, "--save", str(tmp_path / "ckpt"), "--save-interval", "2"] if phase == "save" else ODYSSEY
+    flags = ([*ODYSSEY, "--save", str(tmp_path / "ckpt"), "--save-interval", "2"] if phase == "save" else
+             [*ODYSSEY, *EXIT_FLAGS] if phase == "exit" else ODYSSEY)
     job = run_odyssey(MLM, tmp_path, [*flags, *(x for f in faults for x in ("--odyssey-inject-fault", f))],
                       _port(200 + 10 * MOMENTS.index(phase) + rank))
     assert job.returncode == 0, job.logs[-4000:]
@@ -90,7 +94,7 @@ def test_a_failure_at_any_moment(stock: dict, tmp_path: Path, phase: str, rank: 
     assert same_training(job.iterations(), stock)
     if phase == "save":  # the final save (iteration 5) finished and is the latest
         assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
-    if phase in ("log", "save", "between"):
+    if phase in ("log", "save", "between", "exit"):
         assert "the survivors run it again in the new layout" in job.logs or phase == "between"
 
 
