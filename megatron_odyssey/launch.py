@@ -74,6 +74,51 @@ class LocalRank:
         except subprocess.TimeoutExpired:
             pass
 
+    def send(self, signum: int) -> None:
+        """``signum`` to the rank's process group, as torchrun's ``close`` does (its data-loader workers too)."""
+        try:
+            os.killpg(self.popen.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+class Termination:
+    """SIGTERM to ``odyssey-launch`` (a scheduler ending or preempting the job, a deleted pod): passed on to this
+    machine's ranks as torchrun does, so that Megatron's ``--exit-signal-handler`` can save and exit; a rank still
+    running ``grace_s`` later is SIGKILLed (torchrun: 30 s). The agent, once told (``signum``), ends the job when
+    ranks end instead of recovering from them: every machine of the job is being stopped, not one lost."""
+
+    def __init__(self, local: dict[int, LocalRank], grace_s: float = 30.0):
+        self.local, self.grace_s = local, grace_s
+        self.signum: int | None = None
+
+    def install(self) -> None:
+        signal.signal(signal.SIGTERM, self._received)
+
+    def _received(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:
+            return
+        self.signum = signum
+        print(f"[odyssey launch] received {signal.Signals(signum).name}: passing it to the ranks (those still running "
+              f"after {self.grace_s:g} s are killed)", file=sys.stderr, flush=True)
+        for rank in self.local.values():
+            rank.send(signum)
+        import threading
+
+        timer = threading.Timer(self.grace_s, self._kill_the_rest)
+        timer.daemon = True  # the launcher leaves as soon as its ranks have
+        timer.start()
+
+    def _kill_the_rest(self) -> None:
+        for rank in self.local.values():
+            if rank.exitcode is None:
+                rank.kill()
+
+    @property
+    def reason(self) -> str:
+        name = signal.Signals(self.signum).name if self.signum else "a signal"
+        return f"odyssey-launch received {name} and passed it to the ranks: the job is being stopped, not recovered"
+
 
 def exits_reported(store: Any) -> int:
     """How much of the exit log exists now (see ``RemoteExits(after=)``)."""
@@ -154,6 +199,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="this machine comes back to a running job: its ranks (numbered as at launch, --node-rank x "
                         "--nproc-per-node) join it at an iteration boundary when the planner admits them; HOST:PORT "
                         "is the job's agent (agent.address in machine 0's --workdir)")
+    p.add_argument("--termination-grace", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM to this launcher, the ranks get SIGTERM (Megatron's --exit-signal-handler saves "
+                        "and exits) and are killed if still running S seconds later (default 30, as torchrun)")
     p.add_argument("script", help="the training script, e.g. Megatron-LM's pretrain_gpt.py")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments (with --odyssey to enable recovery)")
     args = p.parse_args(argv)
@@ -162,6 +210,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 <= args.node_rank < args.nnodes:
         p.error(f"--node-rank {args.node_rank} is outside 0..{args.nnodes - 1}")
+    if not args.termination_grace > 0:
+        p.error(f"--termination-grace must be a positive number of seconds, got {args.termination_grace}")
     for name in ("master_port", "odyssey_port", "standby_port"):
         port = getattr(args, name)
         if port is not None and not 1 <= port <= 65534:
@@ -206,7 +256,7 @@ def start_ranks(args: argparse.Namespace, joining: dict[str, Any] | None = None)
     return procs
 
 
-def coordinate(args: argparse.Namespace, local: dict[int, LocalRank]) -> int:
+def coordinate(args: argparse.Namespace, local: dict[int, LocalRank], termination: Termination | None = None) -> int:
     """Machine 0: host the store, wait for the job's description from rank 0, supervise."""
     import torch.distributed as dist
 
@@ -222,6 +272,9 @@ def coordinate(args: argparse.Namespace, local: dict[int, LocalRank]) -> int:
         if all(c == 0 for c in codes.values()):
             return 0  # a job without --odyssey: odyssey-launch was just its launcher
         dead = {i: c for i, c in codes.items() if c not in (None, 0)}
+        if dead and termination is not None and termination.signum:
+            print(f"[odyssey launch] {termination.reason} (before training started)", file=sys.stderr)
+            return 128 + termination.signum
         if dead:
             grace = time.monotonic() + STARTUP_GRACE_S  # ranks failing with it show their errors too
             while time.monotonic() < grace and any(p.exitcode is None for p in procs.values()):
@@ -236,6 +289,7 @@ def coordinate(args: argparse.Namespace, local: dict[int, LocalRank]) -> int:
         time.sleep(0.05)
     cfg = read_job_config(store)
     agent = Agent(cfg, None, args.workdir, procs=procs, store=store)
+    agent.termination = termination
     from .runtime.joining import ADDRESS_FILE
 
     (args.workdir / ADDRESS_FILE).write_text(f"{args.master_addr}:{args.odyssey_port}\n")  # for --join
@@ -423,8 +477,10 @@ def main(argv: list[str] | None = None) -> None:
             code = 130
         sys.exit(code)
     local = start_ranks(args)
+    termination = Termination(local, args.termination_grace)
+    termination.install()
     try:
-        code = coordinate(args, local) if args.node_rank == 0 else serve_node(args, local)
+        code = coordinate(args, local, termination) if args.node_rank == 0 else serve_node(args, local)
     except KeyboardInterrupt:
         code = 130
     finally:

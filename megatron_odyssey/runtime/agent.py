@@ -173,6 +173,7 @@ class Agent:
         self.procs: dict[int, Any] = dict(procs or {})
         self.dead: set[int] = set()
         self.fenced: set[int] = set()
+        self.termination: Any = None  # odyssey-launch's Termination: a signal stops the job (its .signum, .reason)
         self.silent_since: dict[int, float] = {}  # a rank fenced for missed heartbeats -> its last heartbeat
         self.endings: dict[int, str] = {}  # a failed rank without an error record -> how its process ended (ended)
         # committed steps go to disk as they commit (beside the report, else in the workdir)
@@ -320,6 +321,8 @@ class Agent:
             self._replicate_state()
         while True:
             failed = self.detect()
+            if failed and getattr(self.termination, "signum", None):
+                return self._stopped_by_signal(failed)
             if failed and self.started_gen:
                 # a step every member had declared ready is committed first: a staggered plan's ranks that updated
                 # it ahead of the commit keep it, and nobody redoes it
@@ -534,6 +537,15 @@ class Agent:
                     self.log_error(f"rank {ident} exited {self.procs[ident].exitcode} during start-up; its last "
                                    f"error:\n" + _indent(self._last_traceback(ident)))
         return stop
+
+    def _stopped_by_signal(self, failed: set[int]) -> int:
+        """The launcher passed a SIGTERM to the ranks: ranks ending now are the job being stopped, not failures."""
+        reason = self.termination.reason
+        ended = {i: describe_exit(self.procs[i].exitcode) for i in sorted(failed) if self.procs[i].exitcode is not None}
+        self.failures.append(FailureRecord(ranks=sorted(failed), step=self.next_step, reason=reason, ended=ended))
+        self.give_up(reason)
+        self.write_report(ok=False)
+        return 128 + self.termination.signum
 
     def _say_how_it_ended(self, ident: int) -> None:
         """A rank that failed without an error record of its own: a signal (the kernel's OOM killer, a

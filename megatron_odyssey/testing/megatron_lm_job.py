@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -175,10 +176,12 @@ def run_stock(megatron_lm: str | Path, work: Path, flags: list[str], port: int, 
 
 
 def run_odyssey(megatron_lm: str | Path, work: Path, flags: list[str], port: int, nproc: int = 4,
-                nodes: int = 1, gpu: bool = False, join: tuple[int, ...] = ()) -> JobResult:
+                nodes: int = 1, gpu: bool = False, join: tuple[int, ...] = (),
+                sigterm_after_iteration: int | None = None) -> JobResult:
     """``odyssey-launch`` on ``nodes`` launchers (each standing for a machine) with ``--odyssey``; ``join``:
     machines (by node rank) that come back, each a launcher with ``--join``, started once the job trains
-    (it then sets itself up; when it asks to join is the job's ``--odyssey-rejoin``)."""
+    (it then sets itself up; when it asks to join is the job's ``--odyssey-rejoin``); ``sigterm_after_iteration``:
+    SIGTERM to every launcher once Megatron logged that iteration (a scheduler stopping the job)."""
     script = patched_script(megatron_lm, work)
     report = work / "report.json"
     launch = [sys.executable, "-m", "megatron_odyssey.launch", "--nproc-per-node", str(nproc // nodes),
@@ -204,6 +207,13 @@ def run_odyssey(megatron_lm: str | Path, work: Path, flags: list[str], port: int
                               address.read_text().strip()] + args, work / f"console_join{n}.txt")
               for n in join if address.exists()]
     deadline, timed_out = time.monotonic() + 900, False
+    logged = re.compile(rf"iteration\s+{sigterm_after_iteration}/")
+    while sigterm_after_iteration is not None and procs[0].poll() is None and time.monotonic() < deadline:
+        if logged.search(consoles[0].read_text(errors="replace")):
+            for p in procs:
+                p.send_signal(signal.SIGTERM)
+            break
+        time.sleep(0.05)
     for p in procs:
         try:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))

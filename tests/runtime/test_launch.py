@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -44,6 +45,51 @@ def test_a_rank_that_dies_before_training_fails_the_job_with_its_log(tmp_path: P
     proc = _launch(tmp_path, 3, 32000 + os.getpid() % 1000)
     assert proc.returncode == 1
     assert "rank(s) [1] exited [3] before training started" in proc.stderr
+
+
+WAIT_FOR_SIGTERM = """
+import os, signal, sys, time
+rank, out, mode = os.environ["RANK"], sys.argv[1], sys.argv[2]
+def handler(signum, frame):  # as Megatron's --exit-signal-handler: finish, save, leave cleanly
+    open(f"{out}/got{rank}", "w").write(signal.Signals(signum).name)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, handler if mode == "save" else signal.SIG_IGN)
+open(f"{out}/ready{rank}", "w").write("")
+time.sleep(120)
+"""
+
+
+def _launch_and_terminate(tmp: Path, mode: str, port: int, *flags: str) -> tuple[subprocess.CompletedProcess, float]:
+    """Two ranks of a job that waits; SIGTERM to the launcher once both run (a scheduler stopping the job)."""
+    script = tmp / "job.py"
+    script.write_text(WAIT_FOR_SIGTERM)
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_odyssey.launch", "--nproc-per-node", "2", "--master-port",
+                             str(port), "--workdir", str(tmp / "logs"), *flags, str(script), str(tmp), mode],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not all((tmp / f"ready{r}").exists() for r in range(2)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), time.monotonic() - t0
+
+
+def test_sigterm_to_the_launcher_reaches_every_rank_which_may_leave_cleanly(tmp_path: Path) -> None:
+    """As torchrun: Megatron's --exit-signal-handler gets the scheduler's SIGTERM, saves and exits with 0."""
+    proc, wall = _launch_and_terminate(tmp_path, "save", 33000 + os.getpid() % 1000)
+    assert proc.returncode == 0, proc.stderr
+    assert wall < 20, wall  # the launcher left with its ranks, not after the termination grace (30 s)
+    assert "received SIGTERM: passing it to the ranks" in proc.stderr
+    assert [(tmp_path / f"got{r}").read_text() for r in range(2)] == ["SIGTERM", "SIGTERM"]
+
+
+def test_ranks_still_running_after_the_termination_grace_are_killed(tmp_path: Path) -> None:
+    proc, wall = _launch_and_terminate(tmp_path, "ignore", 34000 + os.getpid() % 1000, "--termination-grace", "1")
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
+    assert "received SIGTERM and passed it to the ranks: the job is being stopped" in proc.stderr
+    assert "exited" not in proc.stderr  # not reported as ranks failing at start-up
+    assert wall < 30, wall  # the grace (1 s), not the job's 120 s
 
 
 RAISE = """

@@ -583,6 +583,34 @@ def test_checkpoint_saved_after_a_recovery_resumes_like_stock(stock_saved: tuple
     assert max_tensor_difference(final, stock_final) < 1e-6
 
 
+@pytest.mark.parametrize("handler", [True, False], ids=["exit_signal_handler", "no_handler"])
+def test_a_scheduler_stops_the_job_after_a_recovery(tmp_path: Path, handler: bool) -> None:
+    """SIGTERM to odyssey-launch (a scheduler's time limit or preemption) after a failure was recovered from reaches
+    every rank, as under torchrun. With --exit-signal-handler Megatron saves and every rank leaves with 0 (stock's
+    behaviour); without, the ranks die of the signal and the agent ends the job (128 + 15) instead of taking their
+    ends for failures to recover from."""
+    iters = 400  # long enough that the signal lands inside training
+    flags = [*tiny_gpt_flags(iters), "--odyssey-heartbeat-timeout", "10", "--save", str(tmp_path / "ckpt"),
+             "--save-interval", str(iters), "--odyssey-inject-fault", "step=1,rank=1,phase=backward,kind=kill",
+             *(["--exit-signal-handler"] if handler else [])]
+    job = run_odyssey(MLM, tmp_path, flags, _port(1060 + 10 * handler), sigterm_after_iteration=4)
+    assert "[odyssey launch] received SIGTERM: passing it to the ranks" in job.logs
+    stopped_at = max(job.iterations())
+    assert 4 <= stopped_at < iters
+    if handler:
+        assert job.returncode == 0, job.logs[-4000:]
+        assert "exiting program after receiving SIGTERM" in job.logs
+        assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == str(stopped_at)
+        assert job.report["ok"] and [f["ranks"] for f in job.report["failures"]] == [[1]]
+    else:
+        assert job.returncode == 128 + 15, job.logs[-4000:]
+        assert "stopping the job: odyssey-launch received SIGTERM and passed it to the ranks" in job.logs
+        first, last = job.report["failures"]
+        assert first["ranks"] == [1] and "received SIGTERM" in last["reason"] and not job.report["ok"]
+        assert set(last["ended"].values()) == {"was killed by SIGTERM"}
+        assert not (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").exists()
+
+
 # -- tied embeddings (Megatron's default for GPT models) ------------------------------------------------
 
 TIED = [f for f in tiny_gpt_flags(ITERS) if f != "--untie-embeddings-and-output-weights"]
