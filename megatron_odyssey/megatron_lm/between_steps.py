@@ -17,7 +17,9 @@ from the state it began in, and says so on stderr:
 - the exit check (``checkpoint_and_decide_exit``, after every iteration): with ``--exit-signal-handler`` it
   gathers every rank's SIGTERM flag over the world, with ``--exit-duration-in-mins`` it all-reduces the elapsed
   time; a failure there is recovered from and the check run again (the flags and the clock are where they were;
-  a save it makes is guarded as above).
+  a save it makes is guarded as above);
+- a timer's barrier outside those calls (``train()`` starts and stops the ``eval-time`` and ``interval-time``
+  timers with ``barrier=True`` around an evaluation): recovered from, and the barrier passed in the new layout.
 
 Megatron's timers are put back as they were when the guarded call began (a timer a failure left started
 or stopped would assert at its next use).
@@ -69,6 +71,13 @@ def guarded(phase: str, what: str, keep: Callable[..., Callable[[], None]] | Non
             runtime = STATE.runtime
             if runtime is None:
                 return original(*args, **kwargs)
+            _INSIDE[0] += 1
+            try:
+                return _attempts(runtime, *args, **kwargs)
+            finally:
+                _INSIDE[0] -= 1
+
+        def _attempts(runtime: Any, *args: Any, **kwargs: Any) -> Any:
             while True:
                 timers = _timer_states()
                 restore = keep(*args, **kwargs) if keep is not None else None
@@ -94,6 +103,14 @@ def guarded(phase: str, what: str, keep: Callable[..., Callable[[], None]] | Non
         return wrapper
 
     return wrap
+
+
+#: guarded calls in progress on this rank: a timer's barrier inside one is left to it (it redoes the whole call)
+_INSIDE = [0]
+
+
+def outside_guarded_calls() -> bool:
+    return _INSIDE[0] == 0
 
 
 def _keep_loss_totals(*args: Any, **kwargs: Any) -> Callable[[], None]:
@@ -128,3 +145,29 @@ training_log = guarded("log", "training_log", keep=_keep_loss_totals)
 save_checkpoint_and_time = guarded("save", "the checkpoint save")
 save_checkpoint = guarded("save", "the checkpoint save", prepare=_fresh_strategies)
 checkpoint_and_decide_exit = guarded("exit", "the exit check")
+
+
+def _timer_barrier(group: Any = None) -> None:
+    import torch.distributed as dist
+
+    dist.barrier(group=group)
+
+
+#: a timer's barrier (``Timer.start/stop/elapsed(barrier=True)``) that ``train()`` runs outside every call above,
+#: over the world: around an evaluation (``eval-time``) and after it (``interval-time``). With ``--log-interval``
+#: above 1 nothing else after a step waits for every rank, so a peer lost then is met there first
+timer_barrier = guarded("between", "a timer's barrier")(_timer_barrier)
+
+
+def guarded_timer_barrier(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``megatron.core.timers.Timer.start`` / ``stop`` / ``elapsed``: with ``barrier=True`` outside the calls
+    guarded above, the barrier is :data:`timer_barrier` and the timer then runs without its own."""
+
+    @functools.wraps(original)
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("barrier") and STATE.runtime is not None and outside_guarded_calls():
+            timer_barrier(getattr(self, "_barrier_group", None))
+            kwargs["barrier"] = False
+        return original(self, *args, **kwargs)
+
+    return method

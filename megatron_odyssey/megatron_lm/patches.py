@@ -225,6 +225,10 @@ PATCHES: tuple[Patch, ...] = (
           "after every iteration, outside train_step, --exit-signal-handler gathers each rank's SIGTERM flag and "
           "--exit-duration-in-mins all-reduces the elapsed time over the world: a peer's failure there is recovered "
           "from and the check run again"),
+    *(Patch(f"{_C}.timers:Timer.{name}", _between_steps("guarded_timer_barrier"),
+            f"train() calls Timer.{name}(barrier=True) around an evaluation, a world barrier outside train_step and "
+            f"outside the calls guarded here: a peer's failure there is recovered from, and the barrier passed in the "
+            f"new layout") for name in ("start", "stop", "elapsed")),
     Patch(f"{_T}.training:evaluate", _evaluation("evaluate"),
           "its barrier, schedule and reductions run over the world outside train_step: a peer's failure there is "
           "recovered from and the evaluation redone from where it began (its schedule call after a failure runs "

@@ -494,6 +494,25 @@ def test_evaluation_during_training_through_a_kill(stock_evaluating: tuple, tmp_
     assert same_training(job.iterations(), stock.iterations())
 
 
+def test_a_rank_lost_before_an_evaluation_under_a_sparse_log(tmp_path: Path) -> None:
+    """--log-interval 5: after iteration 2 nothing waits for every rank until the barrier train() puts in front of
+    the evaluation (Timer.start(barrier=True) of its eval-time timer). Rank 3 dies just after iteration 2: the
+    survivors meet its death in that barrier, recover, pass it in the new layout and evaluate. Every evaluation
+    and the logged iteration equal stock's."""
+    flags = with_evaluation(TINY_GPT, 2, 2)
+    flags[flags.index("--log-interval") + 1] = "5"
+    stock = run_stock(MLM, tmp_path / "stock", flags, _port(1080))
+    assert stock.returncode == 0, stock.logs[-4000:]
+    job = run_odyssey(MLM, tmp_path / "odyssey", [*flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-inject-fault",
+                                                  "step=1,rank=3,phase=between,kind=kill"], _port(1090))
+    assert job.returncode == 0, job.logs[-4000:]
+    assert [f["ranks"] for f in job.report["failures"]] == [[3]]
+    assert "a timer's barrier of iteration 2 was interrupted by a failure; the survivors run it again" in job.logs
+    assert sorted(stock.iterations()) == [1, 5] and len(stock.validations()) == 4  # (Megatron logs the first)
+    assert same_evaluations(job.validations(), stock.validations()), (job.validations(), stock.validations())
+    assert same_training(job.iterations(), stock.iterations())
+
+
 @pytest.mark.parametrize("schedule", ["stock", "plan"])
 def test_a_rank_stalled_in_an_evaluation_is_fenced(stock_evaluating: tuple, tmp_path: Path, schedule: str) -> None:
     """Rank 2's main thread stops in the evaluation after iteration 2 while its process and heartbeat live on
