@@ -37,6 +37,10 @@ _INCOMPATIBLE: tuple[tuple[str, str, str], ...] = (
     ("log_straggler", "--log-straggler",
      "the straggler detector gathers every rank's timings over the original world at each log interval, "
      "which waits forever once a rank is dead"),
+    ("check_weight_hash_across_dp_replicas_interval", "--check-weight-hash-across-dp-replicas-interval",
+     "it compares weight hashes over Megatron's uniform data-parallel groups, which after a failure hold one rank "
+     "each (nothing would be compared: the plan's replicas are not a data-parallel group), and then waits in a "
+     "world barrier outside any step"),
 )
 
 
@@ -164,6 +168,11 @@ def megatron_feature_refusals(args: Any) -> list[str]:
         out.append("--odyssey cannot be combined with --async-save: a save still being written "
                    "by Megatron's background worker when a rank fails can be neither finished nor "
                    "abandoned by the survivors; remove --async-save")
+    if getattr(args, "non_persistent_ckpt_type", None) == "local":
+        out.append("--odyssey cannot be combined with --non-persistent-ckpt-type local: nvidia-resiliency-ext's local "
+                   "checkpoint manager keeps each rank's shard on its own node, replicated over rank groups fixed at "
+                   "start-up, while a re-arranged job holds other shards and its recovery restores from torch_dist "
+                   "checkpoints; use --non-persistent-ckpt-type global")
     if getattr(args, "num_experts", None):
         out.append("--odyssey plans dense models; --num-experts (MoE) is not supported")
     # 0.19+ resolves it to the TP size when not given (no extra weight shards); more shards is GTP
