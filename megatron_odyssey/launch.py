@@ -93,7 +93,10 @@ class Termination:
         self.signum: int | None = None
 
     def install(self) -> None:
-        signal.signal(signal.SIGTERM, self._received)
+        import threading
+
+        if threading.current_thread() is threading.main_thread():  # (Python runs signal handlers there only)
+            signal.signal(signal.SIGTERM, self._received)
 
     def _received(self, signum: int, frame: Any) -> None:
         if self.signum is not None:
@@ -447,6 +450,7 @@ def join_running_job(args: argparse.Namespace) -> int:
     standby = parse_address(store.get(STANDBY_KEY).decode()) if store.check([STANDBY_KEY]) else None
     local = start_ranks(args, joining={"tp": cfg.tp, "address": f"{address[0]}:{address[1]}",
                                        "standby": standby is not None})
+    Termination(local, args.termination_grace).install()  # a joined machine is stopped like any other
     control = ControlPlane(address, standby, -1, wait_s=120) if standby is not None else None
     try:
         return node_agent(args, local, store, control)
