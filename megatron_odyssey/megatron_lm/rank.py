@@ -22,6 +22,7 @@ import functools
 import inspect
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -183,6 +184,14 @@ def plan_grad_norm(named: list[tuple[str, torch.nn.Parameter]], owner: dict[int,
     return float(total.sqrt())
 
 
+def stack_dump_signal(args: Any) -> int:
+    """SIGUSR1 asks a rank for its stacks, unless the job reads it as Megatron's exit signal (``--exit-signal 10``,
+    what a scheduler's early warning such as SLURM's ``--signal=USR1@120`` sends): registering faulthandler on it
+    would take the signal from Megatron's handler, and the job would not save before its end. SIGUSR2 then."""
+    exit_signal = int(getattr(args, "exit_signal", signal.SIGTERM) or signal.SIGTERM)
+    return int(signal.SIGUSR2 if exit_signal == signal.SIGUSR1 else signal.SIGUSR1)
+
+
 def config_from_megatron_args(args: Any) -> TrainConfig:
     """The planner's view of a Megatron job (what the agent needs to plan and to report)."""
     from ..runtime.device_profile import megatron_job_fields
@@ -201,6 +210,7 @@ def config_from_megatron_args(args: Any) -> TrainConfig:
         timeout_s=max(120.0, 4 * args.odyssey_heartbeat_timeout, 2 * args.odyssey_hard_timeout), fail=list(args.odyssey_inject_fault),
         policy=args.odyssey_policy, slow_action=getattr(args, "odyssey_slow_action", "auto"), heartbeat_interval_s=min(1.0, args.odyssey_heartbeat_timeout / 10),
         heartbeat_timeout_s=args.odyssey_heartbeat_timeout, checkpoint_interval=0,
+        stack_dump_signal=stack_dump_signal(args),
         stagger=False,  # Megatron's update clips by the plan-wide norm: every stage's gradients first
         overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
         soft_timeout_s=args.odyssey_soft_timeout, hard_timeout_s=args.odyssey_hard_timeout,
@@ -233,9 +243,9 @@ class MegatronRank(GenerationRank):
         from ..runtime.faults import Injector
         from .joining import job_config, join_rank
 
-        dump_stacks_on_signals()
         host, port = os.environ[STORE_ENV].rsplit(":", 1)
         cfg = job_config() if joining else config_from_megatron_args(args)
+        dump_stacks_on_signals(cfg.stack_dump_signal)
         store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=cfg.timeout_s))
         ident = join_rank() if joining else dist.get_rank()
         self.cfg, self.ident, self.store, self.store_addr = cfg, ident, store, (host, int(port))

@@ -101,9 +101,9 @@ def _rank_main(cfg_path: str, ident: int, port: int, log_path: str, echo: bool) 
     if not echo:
         os.dup2(log, 1)
     os.dup2(log, 2)
-    dump_stacks_on_signals()  # into the log just opened
     # no torch.set_num_threads here: OpenMP is not fork-safe; the agent runs with OMP_NUM_THREADS=1
     cfg = TrainConfig.load(cfg_path)
+    dump_stacks_on_signals(cfg.stack_dump_signal)  # into the log just opened
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=cfg.timeout_s))
     from ..standalone.trainer import run
     from .control_plane import ControlPlane, parse_address
@@ -448,7 +448,7 @@ class Agent:
         communication wait on a peer; a rank stopped while *working* (in its own computation, or in a
         collective its peers never entered) is the cause. When every stopped rank is in communication (a
         hang inside the collective itself) the first to stop is taken. The culprit is named at the soft
-        timeout, with its stacks dumped to its log (SIGUSR1, faulthandler)."""
+        timeout, with its stacks dumped to its log (faulthandler, on the job's stack_dump_signal)."""
         live = [i for i in self.members() if i not in self.dead]
         if not self.warm and now - self.step_started < self.cfg.first_step_timeout_s:
             # a generation's first step connects, allocates and compiles: judged only once it has taken longer
@@ -506,7 +506,7 @@ class Agent:
         pid = getattr(self.procs[ident], "pid", None)
         if pid:
             try:
-                os.kill(pid, signal.SIGUSR1)  # ranks register faulthandler on SIGUSR1
+                os.kill(pid, self.cfg.stack_dump_signal)  # ranks register faulthandler on it
             except OSError:
                 pass
 

@@ -180,14 +180,14 @@ def giveup_reason(store: Any) -> str | None:
         return None
 
 
-def dump_stacks_on_signals() -> None:
+def dump_stacks_on_signals(ask: int = signal.SIGUSR1) -> None:
     """A rank's Python stacks go to its log (stderr) when it crashes in native code (SIGSEGV, SIGABRT, SIGBUS,
-    SIGFPE, SIGILL: the agent then shows them on the terminal) and when the agent asks (SIGUSR1: a stuck rank
-    before it is fenced)."""
+    SIGFPE, SIGILL: the agent then shows them on the terminal) and when the agent asks (``ask``, the job's
+    ``TrainConfig.stack_dump_signal``: a stuck rank before it is fenced)."""
     import faulthandler
 
     faulthandler.enable(all_threads=True)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    faulthandler.register(ask, all_threads=True)
 
 
 def stop_now(rank: int, reason: str, code: int = STOPPED_EXIT) -> None:

@@ -95,6 +95,34 @@ def test_how_a_process_ended_and_its_last_traceback_are_read_as_torch_prints_the
                                                 "threads' stacks: in the log)")
 
 
+SIGNALS_PROBE = """
+import argparse, os, signal, sys, time
+from megatron_odyssey.megatron_lm.rank import stack_dump_signal
+from megatron_odyssey.runtime.errors import dump_stacks_on_signals
+
+got = []
+signal.signal(signal.SIGUSR1, lambda *_: got.append("exit flag"))  # as Megatron's --exit-signal-handler --exit-signal 10
+ask = stack_dump_signal(argparse.Namespace(exit_signal=int(sys.argv[1])))
+dump_stacks_on_signals(ask)
+os.kill(os.getpid(), signal.SIGUSR1)
+time.sleep(0.2)
+print(signal.Signals(ask).name, got, flush=True)
+os.kill(os.getpid(), ask)  # the agent asking for the stacks
+time.sleep(0.2)
+"""
+
+
+@pytest.mark.parametrize("exit_signal, ask, flag", [(10, "SIGUSR2", ["exit flag"]), (15, "SIGUSR1", [])])
+def test_the_stack_dump_signal_leaves_megatrons_exit_signal_to_megatron(exit_signal: int, ask: str, flag: list) -> None:
+    """Real signals to a real process: with Megatron's exit signal on SIGUSR1 (a scheduler's early warning), the
+    agent's request for stacks moves to SIGUSR2 and SIGUSR1 still reaches Megatron's handler; otherwise SIGUSR1
+    is the request (and dumps instead of running a Python handler)."""
+    out = subprocess.run([sys.executable, "-c", SIGNALS_PROBE, str(exit_signal)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.stdout.strip() == f"{ask} {flag}", out.stdout + out.stderr
+    assert "most recent call first" in out.stderr  # faulthandler's dump, on the request
+
+
 def test_the_same_error_on_a_second_rank_stops_the_job_within_seconds(tmp_path: Path) -> None:
     proc, wall = odyssey_train(tmp_path, "--fail", "step=1,rank=3,phase=backward,kind=error",
                                "--fail", "step=2,rank=1,phase=forward,kind=error")
