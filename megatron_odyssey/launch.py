@@ -29,6 +29,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -93,8 +94,6 @@ class Termination:
         self.signum: int | None = None
 
     def install(self) -> None:
-        import threading
-
         if threading.current_thread() is threading.main_thread():  # (Python runs signal handlers there only)
             signal.signal(signal.SIGTERM, self._received)
 
@@ -106,8 +105,6 @@ class Termination:
               f"after {self.grace_s:g} s are killed)", file=sys.stderr, flush=True)
         for rank in self.local.values():
             rank.send(signum)
-        import threading
-
         timer = threading.Timer(self.grace_s, self._kill_the_rest)
         timer.daemon = True  # the launcher leaves as soon as its ranks have
         timer.start()
@@ -369,8 +366,6 @@ def standby_node(args: argparse.Namespace, local: dict[int, LocalRank], agent_st
     """Machine 1: this machine's node agent (a thread), and the standby agent, which hosts its own store,
     registers it with the agent, keeps the agent's replicated state, and takes the job over when machine 0
     is lost (the ranks of machine 0 are then seen only by their heartbeats: ``OrphanRank``)."""
-    import threading
-
     import torch.distributed as dist
 
     from .runtime.agent import Agent, take_over

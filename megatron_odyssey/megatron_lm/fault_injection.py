@@ -28,6 +28,7 @@ import logging
 import random
 from typing import Any, Callable
 
+from ..planning.cluster import node_ranks
 from .hooks import STATE
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ def setup_on_the_survivors(original: Callable[..., Any]) -> Callable[..., Any]:
             log.warning(f"fault injector: rank {runtime.ident} joined the running job; the injection timed from "
                         f"the job's start was set up then, not again")
             return None
-        live = live_launch_ranks(runtime.rank_map.live_nodes, runtime.cfg.tp)
+        live = node_ranks(sorted(runtime.rank_map.live_nodes), runtime.cfg.tp)
         plan = survivors_plan(config, live, runtime.cfg.nproc, _shared_seed(config, runtime))
         if plan is None:
             return None
@@ -57,11 +58,6 @@ def setup_on_the_survivors(original: Callable[..., Any]) -> Callable[..., Any]:
         return None
 
     return setup_fault_injection
-
-
-def live_launch_ranks(live_nodes: tuple[int, ...], tp: int) -> list[int]:
-    """The launch-time ranks of the live nodes (a node is ``tp`` consecutive ranks)."""
-    return sorted(node * tp + t for node in live_nodes for t in range(tp))
 
 
 def survivors_plan(config: Any, live: list[int], launch_world: int, seed: int) -> tuple[Any, float, list[int]] | None:

@@ -8,12 +8,18 @@ the node of pipeline stage ``s`` in data-parallel replica ``d`` is ``s * dp + d`
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterable
 
 from .errors import PlanningError
 
 # the ``odyssey plan`` flag that sets each field: messages name what the user typed
 FLAGS = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "num_layers": "--layers", "global_batch": "--global-batch",
          "micro_batch": "--micro-batch"}
+
+
+def node_ranks(nodes: Iterable[int], tp: int) -> list[int]:
+    """The launch-time global ranks of ``nodes``, in order: each node is ``tp`` consecutive ranks."""
+    return [node * tp + t for node in nodes for t in range(tp)]
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
+from ..planning.cluster import node_ranks
 from ..planning.errors import PlanningError
 from ..planning.estimator import fragile
 from ..planning.plan import ExecutionPlan
@@ -230,7 +231,7 @@ class Agent:
     def members(self) -> list[int]:
         """The current plan's ranks (computed once per plan: the loop asks several times per pass)."""
         if self._members[0] is not self.plan:
-            self._members = (self.plan, [n * self.cfg.tp + t for n in self.plan.live_nodes() for t in range(self.cfg.tp)])
+            self._members = (self.plan, node_ranks(self.plan.live_nodes(), self.cfg.tp))
         return list(self._members[1])
 
     def key(self, name: str) -> str:
@@ -759,7 +760,7 @@ class Agent:
         nodes = [n for n in self._whole_nodes(set(pending)) if n * tp not in self.held]
         if not nodes:
             return
-        ranks = [n * tp + t for n in nodes for t in range(tp)]
+        ranks = node_ranks(nodes, tp)
         try:
             decision = decide_join(self.planner, self.state_plan, nodes)
         except PlanningError as exc:
@@ -1063,7 +1064,7 @@ class Agent:
         rec.policy, rec.kind, rec.reason = chosen.policy, chosen.kind, chosen.reason
         rec.fill, rec.stagger = chosen.fill, chosen.stagger
         if self.cfg.overlap_grad_reduce and chosen.plan is not None:
-            rec.overlapped = [n * self.cfg.tp + t for n in sorted(overlapped_nodes(chosen.plan)) for t in range(self.cfg.tp)]
+            rec.overlapped = node_ranks(sorted(overlapped_nodes(chosen.plan)), self.cfg.tp)
         rec.candidates = [c.summary() for c in decision.candidates]
         resume, ckpt = last + 1, None
         if chosen.policy == "restart" and self.cfg.extra.get("megatron"):  # a Megatron job: its own checkpoint
@@ -1107,7 +1108,7 @@ class Agent:
                      f"{c.transition.total_s if c.feasible else float('nan'):.4g}s score {c.score:.4g}  {c.reason}")
         self.log(f"decision: {chosen.kind} ({rec.decision_s * 1e3:.1f} ms); resuming at step {resume}")
         transfers = [[t.unit, t.src, t.dst] for t in chosen.transfers.transfers] if chosen.transfers else []
-        used = [n * self.cfg.tp + t for n in standbys if n in chosen.plan.live_nodes() for t in range(self.cfg.tp)]
+        used = node_ranks([n for n in standbys if n in chosen.plan.live_nodes()], self.cfg.tp)
         if used:  # standbys put to work: they become members of the next generation
             self.joins.append(JoinRecord(used, last + 1, chosen.kind.split("-")[-1],
                                          f"standby put to work in the recovery from the failure of rank(s) "

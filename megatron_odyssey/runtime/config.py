@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import signal
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,9 +61,9 @@ class TrainConfig:
     hard_timeout_s: float = 40.0
     # a generation's first step connects, allocates and compiles: judged by progress only after this long
     first_step_timeout_s: float = 600.0
-    # the signal that asks a rank to dump its stacks into its log (faulthandler): SIGUSR1 (10), unless the job uses it
-    # (Megatron's --exit-signal 10, what a SLURM --signal=USR1@... warning sends): SIGUSR2 (12) then
-    stack_dump_signal: int = 10
+    # the signal that asks a rank to dump its stacks into its log (faulthandler): SIGUSR1, unless the job uses it
+    # (Megatron's --exit-signal, what a SLURM --signal=USR1@... warning sends): SIGUSR2 then
+    stack_dump_signal: int = int(signal.SIGUSR1)
     checkpoint_interval: int = 2  # steps between checkpoints (0: never)
     workdir: str | None = None  # checkpoints and logs
     mtbf_hours: float | None = None  # per device, for Eq. 8; None: planner default

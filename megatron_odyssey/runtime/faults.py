@@ -12,8 +12,8 @@ link: its compute is normal, its receivers wait),
 out-of-memory or a shape error would be), which it must report and leave the job for, not take
 for a peer's failure. ``crash`` makes the rank segfault in native code (``faulthandler._sigsegv``: as a bug in
 a kernel library or a driver would), so the process dies of SIGSEGV with the Python stacks faulthandler dumps in
-its log, which the agent shows on the terminal. ``kill-agent`` SIGKILLs the rank's agent (its parent: the agent of ``odyssey
-train``, the launcher of machine 0 under ``odyssey-launch``) and goes on; ``kill-with-agent`` kills the
+its log, which the agent shows on the terminal. ``kill-agent`` SIGKILLs the rank's agent (its parent: the agent
+of ``odyssey train``, the launcher of machine 0 under ``odyssey-launch``) and goes on; ``kill-with-agent`` kills the
 agent and the rank itself (a lost machine that held both): the standby agent must take over;
 ``kill-machine`` (``odyssey-launch`` only) kills the rank's launcher and every rank it started: the
 whole machine is lost (on machine 0, with the agent).

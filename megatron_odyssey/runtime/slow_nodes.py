@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..planning.cluster import node_ranks
 from ..planning.errors import PlanningError
 from ..planning.plan import ExecutionPlan
 from ..planning.planner import Planner
@@ -65,7 +66,7 @@ class SlowNodes:
         self.rebalanced: set[int] = set()  # nodes whose pipeline got fewer micro-batches
 
     def ranks_of(self, nodes: list[int]) -> list[int]:
-        return [n * self.tp + t for n in nodes for t in range(self.tp)]
+        return node_ranks(nodes, self.tp)
 
     # -- the rank summaries ------------------------------------------------------------------------------
     @staticmethod

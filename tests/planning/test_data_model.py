@@ -1,6 +1,7 @@
 """JSON round trips with schema versions, and plan validation."""
 import pytest
 
+from megatron_odyssey.planning.cluster import node_ranks
 from megatron_odyssey.planning.errors import PlanningError
 from megatron_odyssey.planning.plan import ExecutionPlan, Pipeline, Stage, layout, symmetric_plan
 from megatron_odyssey.planning.planner import reroute_plan
@@ -52,3 +53,7 @@ def test_plans_that_cannot_run_are_rejected(plan, message):
 def test_global_batch_mismatch_is_rejected():
     with pytest.raises(PlanningError, match="plan runs 4 micro-batches per step, the global batch has 8"):
         symmetric_plan(2, 2, 4, 4).validate(num_micro_batches=8)
+
+
+def test_a_node_is_its_tensor_parallel_ranks_in_launch_order():
+    assert node_ranks([0, 2], 2) == [0, 1, 4, 5] and node_ranks([3, 1], 1) == [3, 1] and node_ranks([], 4) == []

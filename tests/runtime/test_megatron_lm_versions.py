@@ -373,9 +373,8 @@ _SURVIVORS_PLAN_PROBE = """
 import random
 from megatron.core.fault_injector import FaultInjectorConfig
 from nvidia_resiliency_ext.shared_utils.inject_fault import Fault
-from megatron_odyssey.megatron_lm.fault_injection import live_launch_ranks, survivors_plan
+from megatron_odyssey.megatron_lm.fault_injection import survivors_plan
 
-assert live_launch_ranks((0, 2), tp=2) == [0, 1, 4, 5]
 config = lambda **kw: FaultInjectorConfig(fault_injector_fault_types="sigkill,segfault",
                                           fault_injector_fault_probabilities="0,1", fault_injector_fault_delay=2.5, **kw)
 # named ranks are launch-time ranks; one whose machine is gone gets nothing
