@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from .runtime.control_plane import FENCE_KEY, free_port  # (no torch import: the launcher starts fast)
-from .runtime.errors import STOPPED_EXIT, describe_exit, rank_log_traceback
+from .runtime.errors import (DUMP_STACKS_KEY, STACKS_ASKED_KEY, STOPPED_EXIT, describe_exit, rank_log_stack,
+                             rank_log_traceback)
 from .runtime.joining import CONFIG_KEY, read_job_config  # (rank 0 publishes the config when train() starts)
 
 FINISHED_KEY = "odyssey/finished"  # the agent ran the job to its end (its exit code): node agents stop
@@ -331,6 +332,30 @@ def serve_node(args: argparse.Namespace, local: dict[int, LocalRank]) -> int:
     return node_agent(args, local, store, control)
 
 
+class StackRequests:
+    """The agent's requests for the stacks of this machine's ranks (``DUMP_STACKS_KEY``): each new one is passed on
+    as the signal it names (the rank's faulthandler writes its stacks to its log). Polled every half second."""
+
+    def __init__(self, local: dict[int, "LocalRank"]):
+        self.local, self.seen, self.polled = local, {}, 0.0
+
+    def poll(self, store: Any, reported: set[int]) -> None:
+        if time.monotonic() - self.polled < 0.5:
+            return
+        self.polled = time.monotonic()
+        for ident, p in self.local.items():
+            key = DUMP_STACKS_KEY.format(ident)
+            if ident in reported or not store.check([key]):
+                continue
+            value = store.get(key).decode()
+            if self.seen.get(ident) != value:
+                self.seen[ident] = value
+                try:
+                    os.kill(p.pid, int(value.split()[0]))
+                except OSError:
+                    pass
+
+
 def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any, control: Any = None,
                stop: Any = None) -> int:
     """Report this machine's rank exits and fence the ranks the agent asks to fence, until every rank has
@@ -338,10 +363,12 @@ def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any
     reported: set[int] = set()
     fence = {ident: incarnation_fence_key(ident, p.pid) if getattr(args, "join", None) else FENCE_KEY.format(ident)
              for ident, p in local.items()}
+    stacks = StackRequests(local)
     while len(reported) < len(local):
         try:
             if store.check([FINISHED_KEY]) or (stop is not None and stop.is_set()):
                 break
+            stacks.poll(store, reported)
             for ident, p in local.items():
                 if ident not in reported and store.check([fence[ident]]):
                     p.kill()
@@ -352,6 +379,12 @@ def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any
                     if p.exitcode not in (0, STOPPED_EXIT) and not fenced:  # its log is here: say how it ended
                         print(f"[odyssey launch node {args.node_rank}] rank {ident} {describe_exit(p.exitcode)}:\n"
                               f"{startup_errors(args.workdir, [ident])}", file=sys.stderr, flush=True)
+                    elif fenced and store.check([STACKS_ASKED_KEY.format(ident)]):  # fenced for making no progress
+                        stack = rank_log_stack(args.workdir, ident)
+                        print(f"[odyssey launch node {args.node_rank}] rank {ident} was fenced; it had stopped here "
+                              f"(from the stacks it dumped to its log):\n"
+                              + "\n".join("    " + line for line in (stack or "(no stacks in its log)").splitlines()),
+                              file=sys.stderr, flush=True)
         except Exception:  # noqa: BLE001 - the agent's store is gone: follow the standby, if it took over
             moved = control.follow(store) if control is not None else None
             if moved is None:

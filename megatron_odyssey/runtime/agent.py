@@ -52,13 +52,13 @@ from ..planning.sharding import lost_units
 from .config import TrainConfig
 from .control_plane import Deposed, Replica, free_port, listening
 from .plan_message import checkpoint_due, encode_plan_message
-from .liveness import COMM, IDLE, WORKING, Beat
+from .liveness import COMM, IDLE, WAITING, WORKING, Beat
 from .diagnosis import DiagnosisOptions
 from .slow_nodes import Action, SlowNodes
 from .joining import ADMIT_KEY, REJOIN_KEY, JoinRecord, JoinRequests, publish_job
 from .step_log import StepLog, resident_mb
-from .errors import (ABORTED, GIVEUP_KEY, STARTED_KEY, STOP_LINE, ErrorRecord, describe_exit, dump_stacks_on_signals,
-                     rank_log_traceback, read_error)
+from .errors import (ABORTED, DUMP_STACKS_KEY, GIVEUP_KEY, STACKS_ASKED_KEY, STARTED_KEY, STOP_LINE, ErrorRecord, describe_exit,
+                     dump_stacks_on_signals, rank_log_stack, rank_log_traceback, read_error)
 
 
 def rank_start_method(cfg: TrainConfig) -> str:
@@ -201,6 +201,8 @@ class Agent:
         self.ramp_skipped: set[tuple[str, tuple[int, ...]]] = set()  # actions not taken inside a batch-size ramp
         self.beats: dict[int, Beat] = {}  # rank -> its last heartbeat (liveness and progress)
         self.named_stalled: set[tuple[int, int]] = set()  # (rank, count) already reported at the soft timeout
+        self.left_behind: dict[int, tuple[str, str]] = {}  # rank -> (why, bound) found by _behind_the_others
+        self.said_all_waiting = -1  # the generation every rank of which left for a recovery nobody called
         self.named_mismatch: set[tuple[int, int]] = set()  # (generation, step) whose ready shares did not match
         self._members: tuple[Any, list[int]] = (None, [])  # (plan, its ranks): see members()
         self.beats_read = 0.0  # when the heartbeats were last read (at most every half interval)
@@ -321,7 +323,7 @@ class Agent:
         if self.replica is not None:
             self._replicate_state()
         while True:
-            failed = self.detect()
+            failed = self.detect(supervising=True)
             if failed and getattr(self.termination, "signum", None):
                 return self._stopped_by_signal(failed)
             if failed and self.started_gen:
@@ -363,10 +365,12 @@ class Agent:
         self.write_report(ok=not bad)
         return 1 if bad else 0
 
-    def detect(self) -> set[int]:
+    def detect(self, supervising: bool = False) -> set[int]:
         """Members that died, hung or stalled since the last look (hung and stalled ones are fenced here).
         After the last step is committed the ranks still log and save (a Megatron job's final checkpoint):
-        a failure there is recovered from too, as long as some survivor is still running."""
+        a failure there is recovered from too, as long as some survivor is still running. ``supervising``: no
+        recovery is under way, so ranks waiting for a plan gave up on a peer nothing else caught (see
+        :meth:`_left_waiting`)."""
         now, out = time.time(), set()
         done = self.next_step >= self.cfg.steps
         if done and all(self.procs[i].exitcode == 0 for i in self.members() if i not in self.dead):
@@ -393,23 +397,60 @@ class Agent:
         stalled = None if done else self._stalled(now)
         if stalled is not None and stalled not in out:
             beat = self.beats[stalled]
-            if beat.state == IDLE:  # (_stuck_outside_a_step)
-                why = (f"stayed outside a step for {now - beat.since:.1f} s after step {beat.step} while every other "
-                       f"member waited inside one and its heartbeat went on")
-                bound = f"--first-step-timeout {self.cfg.first_step_timeout_s:g} s"
+            if stalled in self.left_behind:  # (_behind_the_others: every other member waits ahead of it)
+                why, bound = self.left_behind.pop(stalled)
+                waiting = sorted(i for i in self.members() if i != stalled and i not in self.dead)
             else:
                 why = (f"made no progress for {now - max(beat.since, self.judged_from):.1f} s inside step {beat.step} "
                        f"(last operation: {beat.phase}) while its heartbeat went on")
                 bound = f"--hard-timeout {self.cfg.hard_timeout_s:g} s"
-            waiting = sorted(i for i in self.members() if i != stalled and i in self.beats and self.beats[i].state == COMM)
+                waiting = sorted(i for i in self.members()
+                                 if i != stalled and i in self.beats and self.beats[i].state == COMM)
             # C4D: a communication hang when peers wait in a communication it never joined (or it stopped inside
             # one itself); a hang when it stopped in its own work with nobody waiting on it yet
             kind = "comm-hang" if beat.state == COMM or waiting else "hang"
             self.slow_nodes.hang(beat.step, [stalled], kind, f"rank {stalled} {why} ({beat.state})"
                                  + (f"; ranks {waiting} wait on it in communication" if waiting else ""))
-            self._fence(stalled, f"{why} ({bound})")
+            self._fence(stalled, f"{why} ({bound})", stacks=True)
             out.add(stalled)
+        if supervising and not out and not done:
+            out |= self._left_waiting(now)
         return out
+
+    def _left_waiting(self, now: float) -> set[int]:
+        """Members that ranks waiting for a recovery nobody called gave up on: a collective of theirs ran out its
+        timeout (Megatron's ``--distributed-timeout-minutes``), they took it for a peer's failure and wait for a
+        plan, while no failure is known (a rank stuck where progress cannot tell, as in an NCCL collective that
+        returned before its peers arrived). A failure they saw would be found within the heartbeat timeout; after
+        it, the members not waiting are the ones the others waited for in that collective (any other member would
+        have seen the waiting ranks abort their groups and be waiting too): fenced, and the job recovers. When
+        every member waits (a collective that timed out with all of them in it) nobody is fenced: it is said once,
+        and the ranks' own wait for a plan ends the job."""
+        live = [i for i in self.members() if i not in self.dead]
+        waiting = [i for i in live if i in self.beats and self.beats[i].state == WAITING
+                   and self.beats[i].phase == "recovery"
+                   and now - self.beats[i].since >= self.cfg.heartbeat_timeout_s]
+        # (a rank still entering this generation waits in "recovery" too: only ranks that left *this* one count)
+        if self.store is not None:
+            waiting = [i for i in waiting if self.store.check([f"{self.key('recover')}/{i}"])]
+        if not waiting:
+            return set()
+        # (nor one waiting on this agent: it is in no collective)
+        left = [i for i in live if i not in waiting and not (i in self.beats and self.beats[i].state == WAITING)]
+        if not left:
+            if self.said_all_waiting != self.gen:
+                self.said_all_waiting = self.gen
+                self.log_error(f"every rank left generation {self.gen} for a recovery that no failure called for (a "
+                               f"collective timed out with all of them in it): nobody to fence")
+            return set()
+        for ident in left:
+            beat = self.beats.get(ident)
+            at = f" (at {beat.phase or '-'} of step {beat.step}, {beat.state})" if beat else ""
+            why = (f"was what ranks {waiting} waited for{at}: a collective of theirs timed out while nothing else "
+                   f"found a failure")
+            self.slow_nodes.hang(self.next_step, [ident], "comm-hang", f"rank {ident} {why}")
+            self._fence(ident, why, stacks=False)
+        return set(left)
 
     def _stamp_diagnoses(self) -> None:
         """When each new diagnosis was made, on the report's clock."""
@@ -417,13 +458,20 @@ class Agent:
             if rec.wall_s is None:
                 rec.wall_s = time.time() - self.started
 
-    def _fence(self, ident: int, why: str) -> None:
+    def _fence(self, ident: int, why: str, stacks: bool = False) -> None:
+        """SIGKILL the rank; ``stacks``: its stacks were dumped to its log when it was named, and the launcher
+        holding that log shows where its main thread had stopped (here, or a remote machine's ``node_agent``)."""
         self._stamp_diagnoses()
         self.log(f"rank {ident} {why}: fencing it (SIGKILL)")
+        if stacks:
+            self.store.set(STACKS_ASKED_KEY.format(ident), why)
         self.procs[ident].kill()
         self.procs[ident].join(5)
         self.fenced.add(ident)
         self.endings[ident] = f"was fenced (SIGKILL): {why}"
+        stack = rank_log_stack(self.workdir, ident) if stacks else None
+        if stack:
+            self.log_error(f"rank {ident} had stopped here (from the stacks it dumped to its log):\n" + _indent(stack))
 
     def _read_beats(self, now: float) -> None:
         """Every member's last heartbeat in one store round trip, at most every half heartbeat interval
@@ -458,9 +506,10 @@ class Agent:
             return None
         if any(i not in self.beats or self.beats[i].state == IDLE for i in live):
             # a member still starting up, or outside a step (saving, logging): working ranks may be waiting
-            # on it, and nothing can be attributed; judge again from when every member is back in a step
+            # on it, and nothing can be attributed by progress; judge again from when every member is back in a
+            # step; meanwhile a member left behind the others while none of them moves is what they wait for
             self.judged_from = now
-            return self._stuck_outside_a_step(live, now)
+            return self._behind_the_others(live, now)
         idle = {i: now - max(self.beats[i].since, self.judged_from) for i in live
                 if self.beats[i].state in (WORKING, COMM) and i not in self.recovering}
         stopped = [i for i, s in idle.items() if s >= self.cfg.soft_timeout_s]
@@ -479,37 +528,62 @@ class Agent:
             self._dump_stacks(first)
         return first if idle[first] >= self.cfg.hard_timeout_s else None
 
-    def _stuck_outside_a_step(self, live: list[int], now: float) -> int | None:
-        """A member outside a step (in Megatron's logging or a save) for ``first_step_timeout_s`` while every other
-        member has waited inside a step for the hard timeout: what they wait for (a rank blocked writing to its
-        terminal, a save hung on its file system). Saves and logs are collective, so peers that moved on into
-        the next step wait on it; nothing legitimate keeps one rank outside a step that long alone."""
-        if any(i not in self.beats for i in live):
-            return None  # still starting up
-        outside = [i for i in live if self.beats[i].state == IDLE]
-        inside = [i for i in live if i not in outside]
-        if not inside or any(i in self.recovering or now - self.beats[i].since < self.cfg.hard_timeout_s
-                             for i in inside):
+    def _behind_the_others(self, live: list[int], now: float) -> int | None:
+        """A member left behind every other, at a stop of the loop between steps (``liveness``: every rank makes the
+        same stops in the same order), or the one at the same stop as others that is not in the torch.distributed
+        collective they wait in, while none of them has moved for the hard timeout: what they wait for (a rank
+        blocked writing to its terminal's full pipe, a save hung on its file system). Named with its stacks dumped
+        once it has stopped for the soft timeout, fenced at the hard one; in a save both wait
+        ``--first-step-timeout`` longer (a save takes its time). Never while a member is starting up, recovering or
+        waiting on the agent, nor when nothing tells which one the others wait for (several equally far behind
+        and out of any collective)."""
+        if len(live) < 2 or any(i not in self.beats or i in self.recovering or self.beats[i].state == WAITING
+                                for i in live):
             return None
-        first = min(outside, key=lambda i: (self.beats[i].since, i))
+        last = min(self.beats[i].position for i in live)
+        behind = [i for i in live if self.beats[i].position == last]
+        if len(behind) > 1:  # at the same stop: the one not in the collective the others there wait in
+            behind = [i for i in behind if not self.beats[i].in_collective]
+        if len(behind) != 1:
+            return None
+        (first,) = behind
+        others = [i for i in live if i != first]
         beat = self.beats[first]
-        if now - beat.since < self.cfg.first_step_timeout_s:
+        stopped = now - beat.since
+        extra = (self.cfg.first_step_timeout_s - self.cfg.hard_timeout_s) if beat.phase == "save" else 0.0
+        waited = min(now - self.beats[i].since for i in others)
+        if stopped < self.cfg.soft_timeout_s + extra or waited < self.cfg.soft_timeout_s:
             return None
+        where = f"{beat.phase or '-'} after step {beat.step}" if beat.state == IDLE else f"{beat.phase} of step {beat.step}"
+        level = [i for i in others if self.beats[i].position == beat.position]
+        ahead = [i for i in others if i not in level]
+        waiting = " and ".join(([f"ranks {level} wait in a collective there that it has not entered"] if level else [])
+                               + ([f"ranks {ahead} wait further on"] if ahead else []))
         if (first, beat.count) not in self.named_stalled:
             self.named_stalled.add((first, beat.count))
-            self.log(f"rank {first} has stayed outside a step for {now - beat.since:.1f} s (its last operation: "
-                     f"{beat.phase or '-'} of step {beat.step}) while ranks {inside} wait inside one; its stacks are "
-                     f"dumped to its log; fenced (--first-step-timeout {self.cfg.first_step_timeout_s:g} s)")
+            self.log(f"rank {first} has stopped for {stopped:.1f} s at {where} ({beat.state}) while {waiting}; its "
+                     f"stacks are dumped to its log; fenced after "
+                     + (f"--first-step-timeout {self.cfg.first_step_timeout_s:g} s (a save)" if extra else
+                        f"--hard-timeout {self.cfg.hard_timeout_s:g} s"))
             self._dump_stacks(first)
+        if stopped < self.cfg.hard_timeout_s + extra or waited < self.cfg.hard_timeout_s:
+            return None
+        self.left_behind[first] = (
+            f"stopped for {stopped:.1f} s at {where} while {waiting} and its heartbeat went on", f"--first-step-timeout {self.cfg.first_step_timeout_s:g} s" if extra else
+            f"--hard-timeout {self.cfg.hard_timeout_s:g} s")
         return first
 
     def _dump_stacks(self, ident: int) -> None:
+        """Ask the rank for its stacks (into its log): by signal (ranks register faulthandler on it) when it runs
+        here, else through its launcher."""
         pid = getattr(self.procs[ident], "pid", None)
         if pid:
             try:
-                os.kill(pid, self.cfg.stack_dump_signal)  # ranks register faulthandler on it
+                os.kill(pid, self.cfg.stack_dump_signal)
             except OSError:
                 pass
+        elif self.store is not None:
+            self.store.set(DUMP_STACKS_KEY.format(ident), f"{int(self.cfg.stack_dump_signal)} {time.time()!r}")
 
     def judge(self, failed: set[int]) -> str | None:
         """Print the local errors the failed ranks left; returns why the job must stop instead of

@@ -217,6 +217,32 @@ def rank_log_traceback(workdir: Any, rank: int) -> str:
     return last_traceback(path.read_text(errors="replace"))
 
 
+#: the agent asks a rank on another machine for its stacks (``agent.Agent._dump_stacks``; value: the signal and a
+#: fresh stamp): its launcher sends it the signal (``launch.node_agent``)
+DUMP_STACKS_KEY = "odyssey/dump-stacks/{}"
+#: the agent fenced the rank after asking for its stacks: the launcher holding its log shows them on the terminal
+STACKS_ASKED_KEY = "odyssey/stacks-asked/{}"
+
+
+def rank_log_stack(workdir: Any, rank: int) -> str | None:
+    """The thread that received the last stack dump in ``rank``'s log in ``workdir`` (its main thread: where a rank
+    the agent fenced for making no progress had stopped), or None without a log or a dump here."""
+    from pathlib import Path
+
+    path = Path(workdir) / f"rank{rank}.log"
+    return last_stack_dump(path.read_text(errors="replace")) if path.exists() else None
+
+
+def last_stack_dump(text: str) -> str | None:
+    """The ``Current thread`` stack of the last faulthandler dump in a log (the thread the signal reached)."""
+    lines = [_RANK_PREFIX.sub("", line) for line in text.rstrip().splitlines()]
+    start = next((i for i in range(len(lines) - 1, -1, -1) if lines[i].startswith("Current thread 0x")), None)
+    if start is None:
+        return None
+    end = next((i for i in range(start + 1, len(lines)) if not lines[i].startswith("  ")), len(lines))
+    return "\n".join(lines[start:end])
+
+
 #: torch.distributed's excepthook prefixes every line of an uncaught exception with the rank
 _RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")
 #: where a Python traceback, or faulthandler's dump at a fatal signal (SIGSEGV, SIGABRT...), begins

@@ -3,7 +3,9 @@
 ``kill`` sends SIGKILL to the rank's own (real) process, ``hang`` SIGSTOP (the agent's heartbeat
 check must catch and fence it), ``stall`` stops the main thread inside a collective no peer joins (as a
 hung kernel or a lost message would: the process and its heartbeat thread live on, so only the agent's
-progress check can catch it), ``slow`` sleeps 2 s once (a straggler that must *not* be declared dead), or,
+progress check can catch it), ``block`` stops the main thread in its own work, outside any collective (as a
+write to a hung file system or to a full terminal pipe would: the process and its heartbeat live on, and its peers
+wait for it in their next collective), ``slow`` sleeps 2 s once (a straggler that must *not* be declared dead), or,
 with ``factor=F``, makes every compute operation of the rank take F times as long from that step on (a
 sustained fail-slow node, which the agent's diagnosis must name and the planner handle); ``slow-link`` with
 ``factor=F`` holds each message the rank sends back for (F - 1) times the compute that produced it (a slow
@@ -35,7 +37,7 @@ from ..planning.errors import PlanningError
 #: checkpoint_and_decide_exit, whose --exit-signal-handler / --exit-duration-in-mins collectives span the world)
 PHASES = ("forward", "backward", "weight-grad", "grad-sync", "optimizer", "data", "recovery", "log", "save", "between",
           "eval", "exit")
-KINDS = ("kill", "hang", "stall", "slow", "slow-link", "error", "crash", "kill-agent", "kill-with-agent",
+KINDS = ("kill", "hang", "stall", "block", "slow", "slow-link", "error", "crash", "kill-agent", "kill-with-agent",
          "kill-machine")
 SUSTAINED = ("slow", "slow-link")  # kinds that take factor=F and last from their step on
 SLOW_S = 2.0
@@ -165,6 +167,9 @@ class Injector:
                 os.kill(os.getpid(), signal.SIGSTOP)
             elif spec.kind == "stall":
                 _stall_in_a_collective()
+            elif spec.kind == "block":
+                while True:
+                    time.sleep(3600)
             elif spec.kind == "crash":
                 import faulthandler
 

@@ -170,8 +170,9 @@ class GenerationRank(abc.ABC):
 
     def at_rest(self, step: int, phase: str) -> None:
         """A moment outside ``step``'s work (``save``, ``between``, Megatron's ``log``): not judged by progress
-        (saves and logging take their time), and where injected faults fire."""
-        self.progress.set_state(IDLE)
+        (saves and logging take their time; a rank left behind the others there is: ``liveness``), and where
+        injected faults fire."""
+        self.progress.rest(step, phase)
         self.injector(step, phase)
 
     def token_count(self, step: int) -> float:

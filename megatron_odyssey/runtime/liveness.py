@@ -6,7 +6,13 @@ main thread bumps at every operation boundary (a forward or backward op, gradien
 and what it is doing: ``working`` inside a step (computing), ``comm`` blocked in one of our
 communication calls (a receive, a gradient all-reduce: waiting on peers), ``waiting`` on the agent
 (commit, plan, start of a generation), ``idle`` outside a step (the host's own loop: Megatron's logging
-and checkpoint saves). The agent judges ranks inside a step by progress (``agent.Agent._stalled``), with
+and checkpoint saves). Between steps a beat also tells *where* the rank is: its step and how many of the loop's
+stops after it (Megatron's ``training_log``, a save, the exit check) it has entered; every rank makes the same
+stops in the same order, so a rank behind every other while none of them moves is what they all wait for; and
+whether its main thread waits in one of torch.distributed's collectives there (sampled by the heartbeat thread:
+Megatron's own collectives between steps are not ours to mark), so among ranks at the same stop the one that never
+entered the collective the others wait in is found too.
+The agent judges ranks inside a step by progress (``agent.Agent._stalled``), with
 a soft timeout (name the rank, dump its stacks) and a hard one (fence it and recover), as Megatron's
 in-process restart does with ``--inprocess-soft-timeout``/``--inprocess-hard-timeout``. As in C4D, who
 waits tells who is at fault: ranks blocked in communication wait on a peer; a rank stopped while
@@ -17,6 +23,7 @@ stderr and retried with a fresh client; only a store that stays unreachable for 
 """
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -39,9 +46,20 @@ class Progress:
     step: int = -1
     phase: str = ""
     since: float = field(default_factory=time.time)
+    stop: int = 0  # stops of the loop entered since step ``step``'s work (0: inside the step)
 
     def mark(self, step: int, phase: str) -> None:
+        if step != self.step:
+            self.stop = 0
         self.step, self.phase, self.state = step, phase, WORKING
+        self.count += 1
+        self.since = time.time()
+
+    def rest(self, step: int, phase: str) -> None:
+        """Entering a stop of the host's loop after ``step`` (``phase``: log, save, exit, between): the rank is
+        then at position ``(step, stop)``, after every rank still inside ``step`` or at an earlier stop."""
+        self.stop = self.stop + 1 if step == self.step else 1
+        self.step, self.phase, self.state = step, phase, IDLE
         self.count += 1
         self.since = time.time()
 
@@ -50,9 +68,10 @@ class Progress:
         self.count += 1
         self.since = time.time()
 
-    def beat(self) -> str:
-        """The heartbeat value: ``time count state step phase since``."""
-        return f"{time.time()!r} {self.count} {self.state} {self.step} {self.phase or '-'} {self.since!r}"
+    def beat(self, in_collective: bool = False) -> str:
+        """The heartbeat value: ``time count state step phase since stop in_collective``."""
+        return (f"{time.time()!r} {self.count} {self.state} {self.step} {self.phase or '-'} {self.since!r} {self.stop} "
+                f"{int(in_collective)}")
 
 
 @dataclass(frozen=True)
@@ -63,6 +82,14 @@ class Beat:
     step: int = -1
     phase: str = ""
     since: float = 0.0
+    stop: int = 0
+    in_collective: bool = False  # at rest, its main thread blocked in a torch.distributed collective
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """Where the rank is in the loop every rank runs alike: inside step ``s`` is ``(s, 0)``, the ``k``-th stop
+        after it ``(s, k)``."""
+        return self.step, self.stop
 
     @classmethod
     def parse(cls, value: bytes | str) -> "Beat":
@@ -70,10 +97,20 @@ class Beat:
         if len(parts) < 6:  # a bare time (a rank that reports no progress)
             return cls(float(parts[0]), since=float(parts[0]))
         return cls(float(parts[0]), int(parts[1]), parts[2], int(parts[3]), "" if parts[4] == "-" else parts[4],
-                   float(parts[5]))
+                   float(parts[5]), int(parts[6]) if len(parts) > 6 else 0, len(parts) > 7 and parts[7] == "1")
 
 
 _PROCESS: list[Progress | None] = [None]  # this process's rank (one rank per process)
+_C10D = os.path.join("torch", "distributed", "distributed_c10d.py")
+
+
+def in_collective(thread_id: int | None = None) -> bool:
+    """Whether the thread (the main one by default: where a rank trains) is blocked in one of torch.distributed's
+    collectives: its innermost Python frame is in ``distributed_c10d`` (the C++ wait below it has none). True for
+    gloo's collectives and any collective's ``wait``; an NCCL collective returns at once and its rank waits later,
+    in whatever first needs the result, which this does not see."""
+    frame = sys._current_frames().get(thread_id if thread_id is not None else threading.main_thread().ident)
+    return frame is not None and frame.f_code.co_filename.endswith(_C10D)
 
 
 def track(progress: Progress) -> None:
@@ -176,7 +213,7 @@ class Heartbeat(StoreThread):
         self.key, self.progress, self.control = f"odyssey/hb/{ident}", progress or Progress(), control
 
     def tick(self, store: Any) -> None:
-        store.set(self.key, self.progress.beat())
+        store.set(self.key, self.progress.beat(self.progress.state == IDLE and in_collective()))
         if self.control is not None and self.control.fenced(store):
             from .errors import stop_now
 

@@ -225,6 +225,48 @@ def classify_gloo_errors_worker(rank: int, port: int, out) -> None:
     out.put(results)
 
 
+def in_collective_worker(rank: int, port: int, out) -> None:
+    """Two gloo ranks: rank 0's main thread waits in a barrier (then an all-gather of objects) that rank 1 joins
+    only after a while; a side thread of rank 0 samples ``liveness.in_collective`` while it waits and while it
+    sleeps; results go to ``out`` as (case, sampled)."""
+    import threading
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from megatron_odyssey.runtime.liveness import in_collective
+
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    if rank == 1:
+        for _ in range(2):
+            store.wait(["sampled"])
+            store.delete_key("sampled")
+            dist.barrier() if not store.check(["objects"]) else dist.all_gather_object([None, None], rank)
+        return
+    results: list = []
+
+    def sample(case: str) -> None:
+        time.sleep(0.5)  # the main thread is in it by now
+        results.append((case, in_collective()))
+        store.set("sampled", "1")
+
+    for case, wait in (("barrier", lambda: dist.barrier()), ("all_gather_object",
+                                                               lambda: dist.all_gather_object([None, None], rank))):
+        if case == "all_gather_object":
+            store.set("objects", "1")
+        side = threading.Thread(target=sample, args=(case,))
+        side.start()
+        wait()
+        side.join()
+    side = threading.Thread(target=lambda: results.append(("sleeping", in_collective())))
+    side.start()
+    time.sleep(0.3)
+    side.join()
+    out.put(results)
+
+
 def overlapped_grad_sync_worker(rank: int, world: int, store_file: str, out: str) -> None:
     """Two data-parallel ranks of a 4-unit chain (embedding, 2 layers, output): the same backward, once with
     the gradient all-reduces overlapped and once after it; rank 0 saves what both did."""

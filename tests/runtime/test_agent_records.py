@@ -237,32 +237,110 @@ def test_the_commit_waits_for_a_returning_machine_but_not_forever(tmp_path, caps
     assert not agent._awaiting_rejoiner() and agent.rejoin[-1]["settled"]
 
 
-def test_a_rank_stuck_outside_a_step_while_the_others_wait_inside_one_is_named(tmp_path, capsys) -> None:
-    """A rank blocked between steps (its terminal's pipe full inside Megatron's training_log, a save hung on its
-    file system) while every other member waits inside the next step: taken for the culprit once it has been
-    out for --first-step-timeout and they have waited for --hard-timeout; never while a peer still progresses,
-    while it is only briefly out (a save takes its time), or while everyone is outside a step."""
+def test_a_rank_left_behind_the_others_between_steps_is_named_then_fenced(tmp_path, capsys) -> None:
+    """A rank stopped at a stop of Megatron's loop (its terminal's pipe full inside training_log, a save hung on its
+    file system) while every other member waits ahead of it, at a later stop or inside the next step, and none
+    of them moves: named with its stacks at the soft timeout, fenced at the hard one (in a save, --first-step-timeout
+    later than that); never while a peer still moves, while several are equally far behind, while everyone is at the
+    same stop (a long save), or while a recovery is under way."""
     from megatron_odyssey.runtime.agent import Agent
     from megatron_odyssey.runtime.config import TrainConfig
-    from megatron_odyssey.runtime.liveness import COMM, IDLE, Beat
+    from megatron_odyssey.runtime.liveness import COMM, IDLE, WAITING, Beat
 
     cfg = TrainConfig(nproc=4, tp=1, pp=2, layers=4, hidden=32, heads=4, seq=16, global_batch=4, micro_batch=1,
-                      steps=8, first_step_timeout_s=600.0)
+                      steps=8, soft_timeout_s=20.0, hard_timeout_s=40.0, first_step_timeout_s=600.0)
     agent = Agent(cfg, None, tmp_path, procs={i: None for i in range(4)}, store=None)
     agent.warm = True
-    now = time.time()
+    now, calls = time.time(), []
 
-    def beats(outside_s: float, inside_s: float, inside: str = COMM) -> int | None:
-        agent.beats = {i: Beat(now, 10, inside, 5, "grad-sync", now - inside_s) for i in range(3)}
-        agent.beats[3] = Beat(now, 9, IDLE, 4, "log", now - outside_s)
+    def beats(behind_s: float, ahead_s: float, ahead: tuple = (COMM, 5, 0, "grad-sync"),
+              behind: tuple = (4, 1, "between"), also_behind: int | None = None, in_collective: bool = False) -> int | None:
+        state, step, stop, phase = ahead
+        agent.beats = {i: Beat(now, 10, state, step, phase, now - ahead_s, stop, in_collective) for i in range(3)}
+        calls.append(1)  # (each case a fresh stop: named once per stop)
+        agent.beats[3] = Beat(now, len(calls), IDLE, behind[0], behind[2], now - behind_s, behind[1])
+        if also_behind is not None:
+            agent.beats[also_behind] = agent.beats[3]
         return agent._stalled(now)
 
-    assert beats(outside_s=700, inside_s=650) == 3
+    # the others inside the next step
+    assert beats(behind_s=30, ahead_s=25) is None  # named (soft timeout), not yet fenced
     said = capsys.readouterr()
-    assert "rank 3 has stayed outside a step for 700.0 s (its last operation: log of step 4) while ranks [0, 1, 2] wait" in (
-        said.out + said.err)
-    assert beats(outside_s=500, inside_s=450) is None  # not out for long enough
-    assert beats(outside_s=700, inside_s=10) is None  # a peer progressed a moment ago
-    assert beats(outside_s=700, inside_s=650, inside=IDLE) is None  # every member outside a step (a long save)
+    assert ("rank 3 has stopped for 30.0 s at between after step 4 (idle) while ranks [0, 1, 2] wait further on; "
+            "its stacks are dumped to its log; fenced after --hard-timeout 40 s") in said.out + said.err
+    assert beats(behind_s=41, ahead_s=45) == 3
+    assert agent.left_behind[3] == ("stopped for 41.0 s at between after step 4 while ranks [0, 1, 2] wait further "
+                                    "on and its heartbeat went on", "--hard-timeout 40 s")
+    # the others at a later stop after the same step: in training_log's collective, the exit check's
+    assert beats(behind_s=41, ahead_s=45, ahead=(IDLE, 4, 2, "log")) == 3
+    assert beats(behind_s=41, ahead_s=45, ahead=(IDLE, 4, 3, "exit"), behind=(4, 2, "log")) == 3
+    # in an evaluation's forward: ahead of a rank left at the timer's barrier before it
+    assert beats(behind_s=41, ahead_s=45, ahead=("working", 4, 2, "eval")) == 3
+    # at the same stop (training_log), the only one there not in the collective the others wait in
+    in_log = (IDLE, 4, 2, "log")
+    assert beats(behind_s=41, ahead_s=45, ahead=in_log, behind=(4, 2, "log")) is None  # not known to be in one
+    assert beats(behind_s=41, ahead_s=45, ahead=in_log, behind=(4, 2, "log"), in_collective=True) == 3
+    assert agent.left_behind[3][0].startswith("stopped for 41.0 s at log after step 4 while ranks [0, 1, 2] wait in a "
+                                              "collective there that it has not entered")
+    assert beats(behind_s=41, ahead_s=45, ahead=in_log, behind=(4, 2, "log"), in_collective=True,
+                 also_behind=0) is None  # two out of it: either may be what the others wait for
+    # in a save: --first-step-timeout longer
+    assert beats(behind_s=41, ahead_s=45, behind=(4, 3, "save")) is None
+    assert beats(behind_s=599, ahead_s=620, behind=(4, 3, "save")) is None
+    said = capsys.readouterr()
+    assert "rank 3 has stopped for 599.0 s at save after step 4" in said.out + said.err
+    assert "fenced after --first-step-timeout 600 s (a save)" in said.out + said.err
+    assert beats(behind_s=601, ahead_s=620, behind=(4, 3, "save")) == 3
+    # not: a peer moved a moment ago; nobody ahead (every member in the same save); two equally far behind
+    assert beats(behind_s=41, ahead_s=10) is None
+    assert beats(behind_s=700, ahead_s=650, ahead=(IDLE, 4, 1, "between")) is None
+    assert beats(behind_s=41, ahead_s=45, also_behind=0) is None
+    assert beats(behind_s=41, ahead_s=45, ahead=(WAITING, 5, 0, "optimizer")) is None  # waiting on the agent
     agent.recovering = {0}
-    assert beats(outside_s=700, inside_s=650) is None  # a recovery is under way
+    assert beats(behind_s=700, ahead_s=650) is None  # a recovery is under way
+
+def test_ranks_waiting_for_a_recovery_nobody_called_name_the_one_they_waited_for(tmp_path, capsys) -> None:
+    """Ranks whose collective timed out took it for a peer's failure and wait for a plan, while the agent knows of no
+    failure: after the heartbeat timeout (a failure they saw would have been found by then) the member that is not
+    waiting is what they waited for, and is fenced (a real process, SIGKILLed); with every member waiting nobody is."""
+    import subprocess
+    import sys
+
+    from megatron_odyssey.launch import LocalRank
+    from megatron_odyssey.runtime.agent import Agent
+    from megatron_odyssey.runtime.config import TrainConfig
+    from megatron_odyssey.runtime.liveness import IDLE, WAITING, Beat
+
+    cfg = TrainConfig(nproc=4, tp=1, pp=2, layers=4, hidden=32, heads=4, seq=16, global_batch=4, micro_batch=1,
+                      steps=8, heartbeat_timeout_s=10.0)
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from megatron_odyssey.runtime.agent import free_port
+
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=10))
+    stuck = LocalRank(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True))
+    agent = Agent(cfg, None, tmp_path, procs={0: None, 1: stuck, 2: None, 3: None}, store=store)
+    agent.next_step, now = 3, time.time()
+
+    def beats(waited_s: float, everyone: bool = False) -> set[int]:
+        agent.beats = {i: Beat(now, 10, WAITING, 2, "recovery", now - waited_s) for i in (0, 2, 3)}
+        agent.beats[1] = agent.beats[0] if everyone else Beat(now, 9, IDLE, 2, "log", now - 70, 2)
+        return agent._left_waiting(now)
+
+    # waiting in "recovery" without having left this generation: still entering it after a recovery
+    assert beats(waited_s=11) == set() and stuck.exitcode is None
+    for i in (0, 1, 2, 3):  # now each has left generation 0 for a recovery ... (rank 1's key: see below)
+        store.set(f"odyssey/gen0/recover/{i}", "2")
+    assert beats(waited_s=5) == set()  # a failure they saw may still be found by its heartbeat
+    assert beats(waited_s=11, everyone=True) == set()
+    assert "every rank left generation 0 for a recovery that no failure called for" in capsys.readouterr().err
+    store.delete_key("odyssey/gen0/recover/1")  # ... but rank 1, stuck in training_log
+    assert stuck.exitcode is None
+    assert beats(waited_s=11) == {1}
+    stuck.join(10)
+    assert stuck.exitcode == -9 and 1 in agent.fenced
+    assert agent.endings[1].startswith("was fenced (SIGKILL): was what ranks [0, 2, 3] waited for (at log of step 2, "
+                                       "idle): a collective of theirs timed out")

@@ -56,6 +56,49 @@ def test_beat_carries_progress() -> None:
     assert Beat.parse(repr(123.5)).since == 123.5  # a bare time still parses
 
 
+def test_beat_tells_where_a_rank_is_between_steps() -> None:
+    """Inside step s a rank is at (s, 0); each stop of the loop after it moves it one on, whatever happens in
+    between (an evaluation's forward marks keep its stop); the next step starts again from 0."""
+    progress = Progress()
+
+    def position() -> tuple[int, int]:
+        return Beat.parse(progress.beat()).position
+
+    progress.mark(4, "forward")
+    assert position() == (4, 0)
+    progress.rest(4, "between")
+    assert position() == (4, 1) and Beat.parse(progress.beat()).phase == "between"
+    progress.rest(4, "log")
+    progress.mark(4, "eval")  # an evaluation after step 4
+    progress.set_state(IDLE)
+    assert position() == (4, 2)
+    progress.rest(4, "save")
+    assert position() == (4, 3)
+    progress.mark(5, "data")
+    assert position() == (5, 0) > (4, 3)
+    progress.rest(6, "between")  # a rank with no operation of its own in step 6
+    assert position() == (6, 1)
+    assert Beat.parse("1.0 3 idle 4 log 0.5").position == (4, 0)  # a beat of a rank without stops
+
+
+def test_a_main_thread_waiting_in_a_collective_is_seen_from_another_thread() -> None:
+    """What a heartbeat thread reports between steps: real gloo collectives over two processes, the peer late."""
+    import multiprocessing as mp
+
+    from _runtime_workers import in_collective_worker
+    from megatron_odyssey.runtime.agent import free_port
+
+    ctx = mp.get_context("spawn")
+    out, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=in_collective_worker, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=120))
+    for p in procs:
+        p.join(60)
+    assert results == {"barrier": True, "all_gather_object": True, "sleeping": False}
+
+
 def test_heartbeat_retries_a_store_hiccup_and_says_so(server, capfd) -> None:
     hiccup = Hiccup(server, failures=3)
     beat = Heartbeat("127.0.0.1", server.port, 3, 0.02, grace_s=5.0, connect=hiccup)

@@ -98,6 +98,75 @@ def test_a_failure_at_any_moment(stock: dict, tmp_path: Path, phase: str, rank: 
         assert "the survivors run it again in the new layout" in job.logs or phase == "between"
 
 
+BLOCKED_AT = ["between", "log", "save", "exit"]
+
+
+@pytest.mark.parametrize("phase", BLOCKED_AT)
+def test_a_rank_blocked_between_iterations_is_fenced(stock: dict, tmp_path: Path, phase: str) -> None:
+    """Rank 1's main thread blocks in its own work at a stop of Megatron's loop after iteration 3 (kind=block: a
+    write to a hung file system, a full terminal pipe) while its process and heartbeat live on. The others wait for
+    it in the loop's next world collective: further on (between: in training_log), or in the same call (log, save,
+    exit: a collective it never entered). Before, nothing judged ranks outside a step while none was inside one:
+    every survivor waited out Megatron's --distributed-timeout-minutes and the job ended (250 s, exit 1). Now it is
+    named with the stack it stopped in, fenced after --odyssey-hard-timeout (a save: --odyssey-first-step-timeout),
+    and training goes on as stock."""
+    flags = ([*ODYSSEY, "--save", str(tmp_path / "ckpt"), "--save-interval", "3"] if phase == "save" else
+             [*ODYSSEY, *EXIT_FLAGS] if phase == "exit" else ODYSSEY)
+    job = run_odyssey(MLM, tmp_path, [*flags, "--odyssey-soft-timeout", "5", "--odyssey-hard-timeout", "10",
+                                      "--odyssey-first-step-timeout", "20", "--distributed-timeout-minutes", "2",
+                                      "--odyssey-inject-fault", f"step=2,rank=1,phase={phase},kind=block"],
+                      _port(1110 + 10 * BLOCKED_AT.index(phase)))
+    assert job.returncode == 0, job.logs[-4000:]
+    (failure,) = job.report["failures"]
+    assert failure["ranks"] == [1] and failure["step"] == 3
+    bound = 20.0 if phase == "save" else 10.0
+    assert bound <= failure["detection_s"] < bound + 10, failure
+    waiting = "wait further on" if phase == "between" else "wait in a collective there that it has not entered"
+    assert f"rank 1 has stopped for 5.0 s at {phase} after step 2 (idle) while ranks [0, 2, 3] {waiting}" in job.logs \
+        or phase == "save"
+    assert failure["ended"]["1"].startswith(f"was fenced (SIGKILL): stopped for {bound:.1f} s at {phase} after step 2")
+    # where it had stopped, on the terminal: the stack it dumped when it was named
+    said = job.logs[job.logs.index("rank 1 had stopped here (from the stacks it dumped to its log):"):]
+    assert "Current thread" in said.splitlines()[1] and "faults.py" in said.splitlines()[2]
+    assert same_training(job.iterations(), stock)
+    if phase == "save":  # the interrupted save written again by the survivors, then the final one
+        assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
+
+
+def test_ranks_whose_collective_timed_out_name_the_rank_they_waited_for(stock: dict, tmp_path: Path) -> None:
+    """Rank 1 blocks in training_log after iteration 3 while the hard timeout (90 s) is longer than Megatron's
+    --distributed-timeout-minutes (1): the others' collective times out first, they take it for a peer's failure and
+    wait for a plan no failure called for. Before, the agent knew of no failure: they waited out their own 180 s
+    and the job ended with "no answer from the agent", taken for a deterministic error. Now the member not waiting
+    is what they waited for: fenced once the heartbeat timeout has passed, and training goes on as stock."""
+    job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--odyssey-soft-timeout", "80", "--odyssey-hard-timeout", "90",
+                                      "--distributed-timeout-minutes", "1",
+                                      "--odyssey-inject-fault", "step=2,rank=1,phase=log,kind=block"], _port(1160))
+    assert job.returncode == 0, job.logs[-4000:]
+    (failure,) = job.report["failures"]
+    assert failure["ranks"] == [1] and failure["step"] == 3
+    assert 60.0 <= failure["detection_s"] < 85, failure  # the collective's 60 s, then the heartbeat timeout (10 s)
+    ended = failure["ended"]["1"]  # (the ranks whose wait has passed the heartbeat timeout: some or all of 0, 2, 3)
+    assert ended.startswith("was fenced (SIGKILL): was what ranks [") and ended.endswith(
+        "waited for (at log of step 2, idle): a collective of theirs timed out while nothing else found a failure")
+    assert same_training(job.iterations(), stock)
+
+
+def test_a_rank_blocked_on_another_machine_shows_where_it_stopped(stock: dict, tmp_path: Path) -> None:
+    """As above on two machines, rank 3 of the second blocked in training_log: its own machine's launcher, which
+    holds its log, shows on its terminal the stack it stopped in once the agent fenced it."""
+    job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--odyssey-soft-timeout", "5", "--odyssey-hard-timeout", "10",
+                                      "--odyssey-inject-fault", "step=2,rank=3,phase=log,kind=block"],
+                      _port(1150), nodes=2)
+    assert job.returncode == 0, job.logs[-4000:]
+    (failure,) = job.report["failures"]
+    assert failure["ranks"] == [3] and 10.0 <= failure["detection_s"] < 20, failure
+    console = (tmp_path / "console1.txt").read_text()
+    said = console[console.index("[odyssey launch node 1] rank 3 was fenced; it had stopped here"):].splitlines()
+    assert "Current thread" in said[1] and "faults.py" in said[2]
+    assert same_training(job.iterations(), stock)
+
+
 def test_pretrain_gpt_rank_error_is_reported_and_recovered(stock: dict, tmp_path: Path) -> None:
     """A rank's own error (as a device bug would be) is not taken for a peer failure: its traceback
     reaches the launcher's terminal, the job goes on without the rank and trains as stock Megatron."""

@@ -54,6 +54,22 @@ def test_stall_in_the_first_step_is_fenced_once_the_first_step_timeout_has_passe
     assert 6.0 <= failure["detection_s"] < 40, failure
 
 
+def test_a_rank_blocked_between_steps_is_fenced_at_the_hard_timeout(reference, tmp_path):
+    """Rank 4's main thread blocks in its own work after step 1 (kind=block: a write to a hung file system) while
+    its process and heartbeat live on; the others go on into step 2 and wait for it there. It is behind every other
+    rank while none of them moves, so it is fenced after the hard timeout (before: only after --first-step-timeout,
+    600 s here), with the stack it stopped in on the terminal, and training goes on exactly."""
+    params, report = run(tmp_path, ["step=1,rank=4,phase=between,kind=block"], soft_timeout_s=3.0, hard_timeout_s=8.0)
+    assert_exact(reference, params, report)
+    (failure,) = report["failures"]
+    assert failure["ranks"] == [4] and failure["step"] == 2
+    assert 8.0 <= failure["detection_s"] < 25, failure
+    assert failure["ended"]["4"].startswith("was fenced (SIGKILL): stopped for ")
+    assert "at between after step 1 while ranks [0, 1, 2, 3, 5] wait further on" in failure["ended"]["4"]
+    (diagnosis,) = report["diagnoses"]
+    assert (diagnosis["kind"], diagnosis["ranks"], diagnosis["action"]) == ("comm-hang", [4], "drop")
+
+
 def test_hang_is_fenced_and_training_goes_on(reference, tmp_path):
     params, report = run(tmp_path, ["step=1,rank=2,phase=backward,kind=hang"])
     assert_exact(reference, params, report)
