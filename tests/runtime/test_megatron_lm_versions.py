@@ -88,6 +88,24 @@ def test_release_trains_as_stock_through_a_kill(checkout: str, policy: str, refe
 
 
 @pytest.mark.parametrize("checkout", CHECKOUTS, ids=[Path(c).name for c in CHECKOUTS])
+def test_release_fences_a_rank_blocked_in_training_log(checkout: str, references: dict,
+                                                       tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Rank 1 blocks in its own work in this release's training_log (kind=block) while the others wait in its
+    first collective: the only rank at that stop outside the collective, it is fenced after the hard timeout, and
+    the job trains as stock."""
+    stock = _stock(checkout, references, tmp_path_factory)
+    job = run_odyssey(checkout, tmp_path_factory.mktemp("blocked"), [
+        *_flags(checkout), "--odyssey-heartbeat-timeout", "10", "--odyssey-soft-timeout", "5",
+        "--odyssey-hard-timeout", "10", "--odyssey-inject-fault", "step=2,rank=1,phase=log,kind=block"],
+        _port(checkout, 660))
+    assert job.returncode == 0, job.logs[-4000:]
+    (failure,) = job.report["failures"]
+    assert failure["ranks"] == [1] and 10.0 <= failure["detection_s"] < 20, failure
+    assert "wait in a collective there that it has not entered" in failure["ended"]["1"]
+    assert same_training(job.iterations(), stock), (job.iterations(), stock)
+
+
+@pytest.mark.parametrize("checkout", CHECKOUTS, ids=[Path(c).name for c in CHECKOUTS])
 def test_release_takes_back_a_machine_that_comes_back(checkout: str, references: dict,
                                                       tmp_path_factory: pytest.TempPathFactory) -> None:
     """Four machines of one rank; machine 3 is lost in iteration 2 and comes back (``odyssey-launch --join``)
