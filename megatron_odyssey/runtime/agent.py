@@ -202,7 +202,7 @@ class Agent:
         self.beats: dict[int, Beat] = {}  # rank -> its last heartbeat (liveness and progress)
         self.named_stalled: set[tuple[int, int]] = set()  # (rank, count) already reported at the soft timeout
         self.left_behind: dict[int, tuple[str, str]] = {}  # rank -> (why, bound) found by _behind_the_others
-        self.said_all_waiting = -1  # the generation every rank of which left for a recovery nobody called
+        self.unexplained = ""  # why every rank left for a recovery nobody called (see _left_waiting): the job stops
         self.named_mismatch: set[tuple[int, int]] = set()  # (generation, step) whose ready shares did not match
         self._members: tuple[Any, list[int]] = (None, [])  # (plan, its ranks): see members()
         self.beats_read = 0.0  # when the heartbeats were last read (at most every half interval)
@@ -324,6 +324,11 @@ class Agent:
             self._replicate_state()
         while True:
             failed = self.detect(supervising=True)
+            if self.unexplained:
+                self.failures.append(FailureRecord(ranks=[], step=self.next_step, reason=self.unexplained))
+                self.give_up(self.unexplained)
+                self.write_report(ok=False)
+                return 1
             if failed and getattr(self.termination, "signum", None):
                 return self._stopped_by_signal(failed)
             if failed and self.started_gen:
@@ -424,8 +429,9 @@ class Agent:
         returned before its peers arrived). A failure they saw would be found within the heartbeat timeout; after
         it, the members not waiting are the ones the others waited for in that collective (any other member would
         have seen the waiting ranks abort their groups and be waiting too): fenced, and the job recovers. When
-        every member waits (a collective that timed out with all of them in it) nobody is fenced: it is said once,
-        and the ranks' own wait for a plan ends the job."""
+        every member waits (a collective that timed out with all of them in it) there is nobody to fence: the job
+        stops at once, saying so (``unexplained``), instead of each rank waiting out its own wait for a plan and the
+        job ending as if on a deterministic error."""
         live = [i for i in self.members() if i not in self.dead]
         waiting = [i for i in live if i in self.beats and self.beats[i].state == WAITING
                    and self.beats[i].phase == "recovery"
@@ -438,10 +444,10 @@ class Agent:
         # (nor one waiting on this agent: it is in no collective)
         left = [i for i in live if i not in waiting and not (i in self.beats and self.beats[i].state == WAITING)]
         if not left:
-            if self.said_all_waiting != self.gen:
-                self.said_all_waiting = self.gen
-                self.log_error(f"every rank left generation {self.gen} for a recovery that no failure called for (a "
-                               f"collective timed out with all of them in it): nobody to fence")
+            if len(waiting) == len(live):
+                self.unexplained = (f"every rank left generation {self.gen} at step {self.next_step} for a recovery "
+                                    f"that no failure called for (a collective timed out with all of them in it): "
+                                    f"nobody to fence; restart from the last checkpoint")
             return set()
         for ident in left:
             beat = self.beats.get(ident)

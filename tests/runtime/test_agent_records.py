@@ -302,7 +302,8 @@ def test_a_rank_left_behind_the_others_between_steps_is_named_then_fenced(tmp_pa
 def test_ranks_waiting_for_a_recovery_nobody_called_name_the_one_they_waited_for(tmp_path, capsys) -> None:
     """Ranks whose collective timed out took it for a peer's failure and wait for a plan, while the agent knows of no
     failure: after the heartbeat timeout (a failure they saw would have been found by then) the member that is not
-    waiting is what they waited for, and is fenced (a real process, SIGKILLed); with every member waiting nobody is."""
+    waiting is what they waited for, and is fenced (a real process, SIGKILLed); with every member waiting nobody is,
+    and the job is to stop at once with the reason."""
     import subprocess
     import sys
 
@@ -335,8 +336,10 @@ def test_ranks_waiting_for_a_recovery_nobody_called_name_the_one_they_waited_for
     for i in (0, 1, 2, 3):  # now each has left generation 0 for a recovery ... (rank 1's key: see below)
         store.set(f"odyssey/gen0/recover/{i}", "2")
     assert beats(waited_s=5) == set()  # a failure they saw may still be found by its heartbeat
-    assert beats(waited_s=11, everyone=True) == set()
-    assert "every rank left generation 0 for a recovery that no failure called for" in capsys.readouterr().err
+    assert beats(waited_s=11, everyone=True) == set()  # nobody to fence: the job stops, saying why
+    assert agent.unexplained.startswith("every rank left generation 0 at step 3 for a recovery that no failure "
+                                        "called for (a collective timed out with all of them in it)")
+    agent.unexplained = ""
     store.delete_key("odyssey/gen0/recover/1")  # ... but rank 1, stuck in training_log
     assert stuck.exitcode is None
     assert beats(waited_s=11) == {1}
