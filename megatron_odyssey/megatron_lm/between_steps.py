@@ -19,7 +19,8 @@ from the state it began in, and says so on stderr:
   time; a failure there is recovered from and the check run again (the flags and the clock are where they were;
   a save it makes is guarded as above);
 - a timer's barrier outside those calls (``train()`` starts and stops the ``eval-time`` and ``interval-time``
-  timers with ``barrier=True`` around an evaluation): recovered from, and the barrier passed in the new layout.
+  timers with ``barrier=True`` around an evaluation): recovered from, and the barrier passed in the new layout;
+- the parameter norm (``--log-params-norm``): its all-reduces, and after a failure computed over the plan.
 
 Megatron's timers are put back as they were when the guarded call began (a timer a failure left started
 or stopped would assert at its next use).
@@ -145,6 +146,21 @@ training_log = guarded("log", "training_log", keep=_keep_loss_totals)
 save_checkpoint_and_time = guarded("save", "the checkpoint save")
 save_checkpoint = guarded("save", "the checkpoint save", prepare=_fresh_strategies)
 checkpoint_and_decide_exit = guarded("exit", "the exit check")
+
+
+def params_norm(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``calc_params_l2_norm`` as ``train()`` calls it with ``--log-params-norm``, after every iteration outside
+    ``train_step``: Megatron's own before the first failure; after it the norm over the plan (each unit once,
+    ``rank.plan_params_norm``), since Megatron's sums over a model-parallel group that now holds part of a
+    pipeline (it printed 18.879 for stock's 25.475 after a reroute). Its all-reduces span the world: guarded."""
+
+    def norm(model: Any, *args: Any, **kwargs: Any) -> Any:
+        runtime = STATE.runtime
+        if runtime is None or runtime.stock:
+            return original(model, *args, **kwargs)
+        return runtime.params_norm()
+
+    return guarded("between", "the parameter norm")(functools.wraps(original)(norm))
 
 
 def _timer_barrier(group: Any = None) -> None:

@@ -225,6 +225,10 @@ PATCHES: tuple[Patch, ...] = (
           "after every iteration, outside train_step, --exit-signal-handler gathers each rank's SIGTERM flag and "
           "--exit-duration-in-mins all-reduces the elapsed time over the world: a peer's failure there is recovered "
           "from and the check run again"),
+    Patch(f"{_T}.training:calc_params_l2_norm", _between_steps("params_norm"),
+          "--log-params-norm: after every iteration, outside train_step, it all-reduces over the uniform "
+          "model-parallel group, which after a failure holds part of a pipeline (a wrong norm is printed): the "
+          "norm over the plan instead, and a peer's failure there recovered from"),
     *(Patch(f"{_C}.timers:Timer.{name}", _between_steps("guarded_timer_barrier"),
             f"train() calls Timer.{name}(barrier=True) around an evaluation, a world barrier outside train_step and "
             f"outside the calls guarded here: a peer's failure there is recovered from, and the barrier passed in the "

@@ -170,16 +170,39 @@ def plan_grad_norm(named: list[tuple[str, torch.nn.Parameter]], owner: dict[int,
     live node holding it (and tensor-parallel duplicates once, by TP rank 0; a tied output layer's copy of
     the word embeddings, marked ``shared``, not at all, as in Megatron); one SUM all-reduce over
     the world. Replaces Megatron's norm over the uniform model-parallel group."""
+    return _plan_norm(named, owner, node, tp_rank, num_layers, device, _gradient)
+
+
+def plan_params_norm(named: list[tuple[str, torch.nn.Parameter]], owner: dict[int, int], node: int, tp_rank: int,
+                     num_layers: int, device: Any) -> float:
+    """L2 norm of the whole model's parameters for any plan, counted as :func:`plan_grad_norm` counts gradients:
+    what ``--log-params-norm`` prints (Megatron's ``calc_params_l2_norm`` sums over the uniform model-parallel
+    group, which after a failure holds a part of a pipeline, or of several). The fp32 main copy where the
+    optimizer keeps one whole on the rank, as Megatron reads it."""
+    return _plan_norm(named, owner, node, tp_rank, num_layers, device, _parameter)
+
+
+def _gradient(p: torch.nn.Parameter) -> torch.Tensor | None:
+    g = getattr(p, "main_grad", None)
+    return p.grad if g is None else g
+
+
+def _parameter(p: torch.nn.Parameter) -> torch.Tensor:
+    main = getattr(p, "main_param", None)
+    return main if main is not None and not getattr(p, "main_param_sharded", False) else p.data
+
+
+def _plan_norm(named: list[tuple[str, torch.nn.Parameter]], owner: dict[int, int], node: int, tp_rank: int,
+               num_layers: int, device: Any, of: Callable[[torch.nn.Parameter], torch.Tensor | None]) -> float:
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
     total = torch.zeros(1, dtype=torch.float64, device=device)
     for name, p in named:
-        g = getattr(p, "main_grad", None)
-        g = p.grad if g is None else g
-        if g is None or owner.get(unit_of(name, num_layers)) != node or getattr(p, "shared", False):
+        t = of(p)
+        if t is None or owner.get(unit_of(name, num_layers)) != node or getattr(p, "shared", False):
             continue
         if tp_rank == 0 or param_is_not_tensor_parallel_duplicate(p):
-            total += g.detach().double().pow(2).sum()
+            total += t.detach().double().pow(2).sum()
     dist.all_reduce(total)
     return float(total.sqrt())
 
@@ -832,6 +855,10 @@ class MegatronRank(GenerationRank):
         """The schedule's step count once every committed step is through (what a joining rank takes over)."""
         steps = int(getattr(self.scheduler, "num_steps", 0))
         return steps + self.cfg.global_batch if self._schedule_behind() else steps
+
+    def params_norm(self) -> float:
+        """``--log-params-norm`` after the first failure (``between_steps.params_norm``): over the plan."""
+        return plan_params_norm(self.named, self.owners, self.node, self.tp_rank, self.cfg.layers, self.device)
 
     def _megatron_grad_norm(self) -> tuple[bool, float | None]:
         """Whether the step overflowed (``--fp16``) and Megatron's own gradient norm (its groups, its fp32

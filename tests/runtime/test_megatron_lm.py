@@ -167,6 +167,29 @@ def test_a_rank_blocked_on_another_machine_shows_where_it_stopped(stock: dict, t
     assert same_training(job.iterations(), stock)
 
 
+@pytest.mark.parametrize("policy", ["reroute", "reconfigure"])
+def test_params_norm_is_logged_as_stock_through_a_kill(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path,
+                                                       policy: str) -> None:
+    """--log-params-norm: Megatron sums the norm over the model-parallel group, which after a failure holds part of
+    a pipeline; before this, the job printed 18.879 after a reroute where stock printed 25.475. The norm over the
+    plan (each unit once) prints stock's figure at every iteration."""
+    import re
+
+    norms = re.compile(r"iteration\s+(\d+)/.*?params norm: ([0-9.E+-]+)")
+    flags = [*TINY_GPT, "--log-params-norm"]
+    stock = run_stock(MLM, tmp_path_factory.mktemp("stock_params_norm"), flags, _port(1170 + 10 * (policy == "reroute")))
+    assert stock.returncode == 0, stock.logs[-4000:]
+    job = run_odyssey(MLM, tmp_path, [*flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-policy", policy,
+                                      "--odyssey-inject-fault", "step=1,rank=1,phase=backward,kind=kill"],
+                      _port(1190 + 10 * (policy == "reroute")))
+    assert job.returncode == 0, job.logs[-4000:]
+    assert job.report["failures"][0]["policy"] == policy
+    expected = dict(norms.findall(stock.logs))
+    assert sorted(expected) == [str(i) for i in range(1, ITERS + 1)]
+    assert dict(norms.findall(job.logs)) == expected
+    assert same_training(job.iterations(), stock.iterations())
+
+
 def test_pretrain_gpt_rank_error_is_reported_and_recovered(stock: dict, tmp_path: Path) -> None:
     """A rank's own error (as a device bug would be) is not taken for a peer failure: its traceback
     reaches the launcher's terminal, the job goes on without the rank and trains as stock Megatron."""
