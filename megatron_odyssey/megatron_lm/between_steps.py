@@ -20,7 +20,7 @@ from the state it began in, and says so on stderr:
   a save it makes is guarded as above);
 - a timer's barrier outside those calls (``train()`` starts and stops the ``eval-time`` and ``interval-time``
   timers with ``barrier=True`` around an evaluation): recovered from, and the barrier passed in the new layout;
-- the parameter norm (``--log-params-norm``): its all-reduces, and after a failure computed over the plan.
+- the parameter norm (``--log-params-norm``): computed over the plan, with one all-reduce over the world.
 
 Megatron's timers are put back as they were when the guarded call began (a timer a failure left started
 or stopped would assert at its next use).
@@ -150,13 +150,17 @@ checkpoint_and_decide_exit = guarded("exit", "the exit check")
 
 def params_norm(original: Callable[..., Any]) -> Callable[..., Any]:
     """``calc_params_l2_norm`` as ``train()`` calls it with ``--log-params-norm``, after every iteration outside
-    ``train_step``: Megatron's own before the first failure; after it the norm over the plan (each unit once,
-    ``rank.plan_params_norm``), since Megatron's sums over a model-parallel group that now holds part of a
-    pipeline (it printed 18.879 for stock's 25.475 after a reroute). Its all-reduces span the world: guarded."""
+    ``train_step``: the norm over the plan (each unit once, ``rank.plan_params_norm``; the same figure as Megatron's
+    in the launch layout), with one all-reduce over the world. After a failure Megatron's sums over a
+    model-parallel group that holds part of a pipeline (it printed 18.879 for stock's 25.475 after a reroute). And
+    even before one: its all-reduces over the model-parallel and data-parallel groups complete for the ranks whose
+    groups lost nobody (core_r0.12-0.14 reduce over the model-parallel group only), which then meet the failure in
+    the next call while the others meet it here, and no call can be run again by all; over the world every
+    survivor meets it here. Guarded."""
 
     def norm(model: Any, *args: Any, **kwargs: Any) -> Any:
         runtime = STATE.runtime
-        if runtime is None or runtime.stock:
+        if runtime is None:
             return original(model, *args, **kwargs)
         return runtime.params_norm()
 

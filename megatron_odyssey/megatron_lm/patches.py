@@ -227,8 +227,9 @@ PATCHES: tuple[Patch, ...] = (
           "from and the check run again"),
     Patch(f"{_T}.training:calc_params_l2_norm", _between_steps("params_norm"),
           "--log-params-norm: after every iteration, outside train_step, it all-reduces over the uniform "
-          "model-parallel group, which after a failure holds part of a pipeline (a wrong norm is printed): the "
-          "norm over the plan instead, and a peer's failure there recovered from"),
+          "model-parallel group, which after a failure holds part of a pipeline (a wrong norm is printed), and "
+          "completes for ranks whose groups lost nobody (they meet a failure in the next call, the others here): the "
+          "norm over the plan with one all-reduce over the world instead, a peer's failure there recovered from"),
     *(Patch(f"{_C}.timers:Timer.{name}", _between_steps("guarded_timer_barrier"),
             f"train() calls Timer.{name}(barrier=True) around an evaluation, a world barrier outside train_step and "
             f"outside the calls guarded here: a peer's failure there is recovered from, and the barrier passed in the "

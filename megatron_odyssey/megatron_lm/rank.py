@@ -857,7 +857,7 @@ class MegatronRank(GenerationRank):
         return steps + self.cfg.global_batch if self._schedule_behind() else steps
 
     def params_norm(self) -> float:
-        """``--log-params-norm`` after the first failure (``between_steps.params_norm``): over the plan."""
+        """``--log-params-norm`` (``between_steps.params_norm``): over the plan, in every generation."""
         return plan_params_norm(self.named, self.owners, self.node, self.tp_rank, self.cfg.layers, self.device)
 
     def _megatron_grad_norm(self) -> tuple[bool, float | None]:

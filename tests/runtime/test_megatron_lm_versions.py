@@ -106,6 +106,28 @@ def test_release_fences_a_rank_blocked_in_training_log(checkout: str, references
 
 
 @pytest.mark.parametrize("checkout", CHECKOUTS, ids=[Path(c).name for c in CHECKOUTS])
+def test_release_logs_params_norm_as_stock_through_a_kill(checkout: str, tmp_path_factory: pytest.TempPathFactory
+                                                          ) -> None:
+    """--log-params-norm with this release's calc_params_l2_norm before the failure and the plan's norm after a
+    reroute: every iteration's params norm, and everything else logged, equals stock's; the failure at the norm
+    itself (phase=between: just before it) is recovered from and the norm computed in the new layout."""
+    import re
+
+    norms = re.compile(r"iteration\s+(\d+)/.*?params norm: ([0-9.E+-]+)")
+    flags = [*_flags(checkout), "--log-params-norm"]
+    stock = run_stock(checkout, tmp_path_factory.mktemp("stock_params_norm"), flags, _port(checkout, 670))
+    assert stock.returncode == 0, stock.logs[-4000:]
+    job = run_odyssey(checkout, tmp_path_factory.mktemp("params_norm"), [
+        *flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-policy", "reroute",
+        "--odyssey-inject-fault", "step=1,rank=1,phase=between,kind=kill"], _port(checkout, 680))
+    assert job.returncode == 0, job.logs[-4000:]
+    expected = dict(norms.findall(stock.logs))
+    assert sorted(expected) == [str(i) for i in range(1, ITERS + 1)]
+    assert dict(norms.findall(job.logs)) == expected
+    assert same_training(job.iterations(), stock.iterations()), (job.iterations(), stock.iterations())
+
+
+@pytest.mark.parametrize("checkout", CHECKOUTS, ids=[Path(c).name for c in CHECKOUTS])
 def test_release_takes_back_a_machine_that_comes_back(checkout: str, references: dict,
                                                       tmp_path_factory: pytest.TempPathFactory) -> None:
     """Four machines of one rank; machine 3 is lost in iteration 2 and comes back (``odyssey-launch --join``)
