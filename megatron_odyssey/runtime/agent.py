@@ -114,6 +114,16 @@ def _rank_main(cfg_path: str, ident: int, port: int, log_path: str, echo: bool) 
     run(cfg, ident, store, ("127.0.0.1", port), control)
 
 
+@dataclass(frozen=True)
+class Stall:
+    """A member found stopped by progress (``Agent._stalled``): why, the bound it passed, and who waits on it."""
+
+    rank: int
+    why: str
+    bound: str
+    waiting: list[int]
+
+
 @dataclass
 class FailureRecord:
     ranks: list[int]
@@ -201,7 +211,6 @@ class Agent:
         self.ramp_skipped: set[tuple[str, tuple[int, ...]]] = set()  # actions not taken inside a batch-size ramp
         self.beats: dict[int, Beat] = {}  # rank -> its last heartbeat (liveness and progress)
         self.named_stalled: set[tuple[int, int]] = set()  # (rank, count) already reported at the soft timeout
-        self.left_behind: dict[int, tuple[str, str]] = {}  # rank -> (why, bound) found by _behind_the_others
         self.unexplained = ""  # why every rank left for a recovery nobody called (see _left_waiting): the job stops
         self.named_mismatch: set[tuple[int, int]] = set()  # (generation, step) whose ready shares did not match
         self._members: tuple[Any, list[int]] = (None, [])  # (plan, its ranks): see members()
@@ -399,25 +408,16 @@ class Agent:
                 self.slow_nodes.hang(self.next_step, [ident], "hang", f"rank {ident} {why}: its process stopped")
                 self._fence(ident, why)
                 out.add(ident)
-        stalled = None if done else self._stalled(now)
-        if stalled is not None and stalled not in out:
-            beat = self.beats[stalled]
-            if stalled in self.left_behind:  # (_behind_the_others: every other member waits ahead of it)
-                why, bound = self.left_behind.pop(stalled)
-                waiting = sorted(i for i in self.members() if i != stalled and i not in self.dead)
-            else:
-                why = (f"made no progress for {now - max(beat.since, self.judged_from):.1f} s inside step {beat.step} "
-                       f"(last operation: {beat.phase}) while its heartbeat went on")
-                bound = f"--hard-timeout {self.cfg.hard_timeout_s:g} s"
-                waiting = sorted(i for i in self.members()
-                                 if i != stalled and i in self.beats and self.beats[i].state == COMM)
+        stall = None if done else self._stalled(now)
+        if stall is not None and stall.rank not in out:
+            beat = self.beats[stall.rank]
             # C4D: a communication hang when peers wait in a communication it never joined (or it stopped inside
             # one itself); a hang when it stopped in its own work with nobody waiting on it yet
-            kind = "comm-hang" if beat.state == COMM or waiting else "hang"
-            self.slow_nodes.hang(beat.step, [stalled], kind, f"rank {stalled} {why} ({beat.state})"
-                                 + (f"; ranks {waiting} wait on it in communication" if waiting else ""))
-            self._fence(stalled, f"{why} ({bound})", stacks=True)
-            out.add(stalled)
+            kind = "comm-hang" if beat.state == COMM or stall.waiting else "hang"
+            self.slow_nodes.hang(beat.step, [stall.rank], kind, f"rank {stall.rank} {stall.why} ({beat.state})"
+                                 + (f"; ranks {stall.waiting} wait on it in communication" if stall.waiting else ""))
+            self._fence(stall.rank, f"{stall.why} ({stall.bound})", stacks=True)
+            out.add(stall.rank)
         if supervising and not out and not done:
             out |= self._left_waiting(now)
         return out
@@ -492,7 +492,7 @@ class Agent:
         for ident, value in zip(known, self.store.multi_get([f"odyssey/hb/{i}" for i in known])):
             self.beats[ident] = Beat.parse(value)
 
-    def _stalled(self, now: float) -> int | None:
+    def _stalled(self, now: float) -> Stall | None:
         """The member at fault for a stop in progress, once it has been stopped for the hard timeout.
 
         Judged: members inside a step (not those waiting on the agent), from the first commit of a
@@ -532,9 +532,13 @@ class Agent:
                      + (f"; ranks {waiting} wait on it in communication" if waiting else "")
                      + f"; its stacks are dumped to its log; fenced after --hard-timeout {self.cfg.hard_timeout_s:g} s")
             self._dump_stacks(first)
-        return first if idle[first] >= self.cfg.hard_timeout_s else None
+        if idle[first] < self.cfg.hard_timeout_s:
+            return None
+        return Stall(first, f"made no progress for {idle[first]:.1f} s inside step {beat.step} (last operation: "
+                            f"{beat.phase}) while its heartbeat went on", f"--hard-timeout {self.cfg.hard_timeout_s:g} s",
+                     sorted(i for i in live if i != first and self.beats[i].state == COMM))
 
-    def _behind_the_others(self, live: list[int], now: float) -> int | None:
+    def _behind_the_others(self, live: list[int], now: float) -> Stall | None:
         """A member left behind every other, at a stop of the loop between steps (``liveness``: every rank makes the
         same stops in the same order), or the one at the same stop as others that is not in the torch.distributed
         collective they wait in, while none of them has moved for the hard timeout: what they wait for (a rank
@@ -574,10 +578,10 @@ class Agent:
             self._dump_stacks(first)
         if stopped < self.cfg.hard_timeout_s + extra or waited < self.cfg.hard_timeout_s:
             return None
-        self.left_behind[first] = (
-            f"stopped for {stopped:.1f} s at {where} while {waiting} and its heartbeat went on", f"--first-step-timeout {self.cfg.first_step_timeout_s:g} s" if extra else
-            f"--hard-timeout {self.cfg.hard_timeout_s:g} s")
-        return first
+        bound = f"--first-step-timeout {self.cfg.first_step_timeout_s:g} s" if extra else \
+            f"--hard-timeout {self.cfg.hard_timeout_s:g} s"
+        return Stall(first, f"stopped for {stopped:.1f} s at {where} while {waiting} and its heartbeat went on", bound,
+                     others)
 
     def _dump_stacks(self, ident: int) -> None:
         """Ask the rank for its stacks (into its log): by signal (ranks register faulthandler on it) when it runs

@@ -188,6 +188,24 @@ def build_cached_dataset_worker(prefix: str, cache: str, num_samples: int, barri
         out.put((False, traceback.format_exc()))
 
 
+def on_two_gloo_ranks(worker, timeout_s: float):
+    """Run ``worker(rank, port, out)`` in two spawned processes that form a gloo world on a fresh port; returns
+    what one of them put on ``out``."""
+    import multiprocessing as mp
+
+    from megatron_odyssey.runtime.agent import free_port
+
+    ctx = mp.get_context("spawn")
+    out, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=worker, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    result = out.get(timeout=timeout_s)
+    for p in procs:
+        p.join(60)
+    return result
+
+
 def classify_gloo_errors_worker(rank: int, port: int, out) -> None:
     """Two gloo ranks: rank 1 SIGKILLs itself, rank 0 classifies what the broken recv raises, a local
     bug, and a store timeout; results go to ``out`` as (case, exception type, is_peer_failure)."""

@@ -251,7 +251,7 @@ def test_a_rank_left_behind_the_others_between_steps_is_named_then_fenced(tmp_pa
                       steps=8, soft_timeout_s=20.0, hard_timeout_s=40.0, first_step_timeout_s=600.0)
     agent = Agent(cfg, None, tmp_path, procs={i: None for i in range(4)}, store=None)
     agent.warm = True
-    now, calls = time.time(), []
+    now, calls, found = time.time(), [], []
 
     def beats(behind_s: float, ahead_s: float, ahead: tuple = (COMM, 5, 0, "grad-sync"),
               behind: tuple = (4, 1, "between"), also_behind: int | None = None, in_collective: bool = False) -> int | None:
@@ -261,7 +261,8 @@ def test_a_rank_left_behind_the_others_between_steps_is_named_then_fenced(tmp_pa
         agent.beats[3] = Beat(now, len(calls), IDLE, behind[0], behind[2], now - behind_s, behind[1])
         if also_behind is not None:
             agent.beats[also_behind] = agent.beats[3]
-        return agent._stalled(now)
+        found.append(agent._stalled(now))
+        return found[-1].rank if found[-1] else None
 
     # the others inside the next step
     assert beats(behind_s=30, ahead_s=25) is None  # named (soft timeout), not yet fenced
@@ -269,8 +270,9 @@ def test_a_rank_left_behind_the_others_between_steps_is_named_then_fenced(tmp_pa
     assert ("rank 3 has stopped for 30.0 s at between after step 4 (idle) while ranks [0, 1, 2] wait further on; "
             "its stacks are dumped to its log; fenced after --hard-timeout 40 s") in said.out + said.err
     assert beats(behind_s=41, ahead_s=45) == 3
-    assert agent.left_behind[3] == ("stopped for 41.0 s at between after step 4 while ranks [0, 1, 2] wait further "
-                                    "on and its heartbeat went on", "--hard-timeout 40 s")
+    assert (found[-1].why, found[-1].bound) == ("stopped for 41.0 s at between after step 4 while ranks [0, 1, 2] "
+                                                "wait further on and its heartbeat went on", "--hard-timeout 40 s")
+    assert found[-1].waiting == [0, 1, 2]
     # the others at a later stop after the same step: in training_log's collective, the exit check's
     assert beats(behind_s=41, ahead_s=45, ahead=(IDLE, 4, 2, "log")) == 3
     assert beats(behind_s=41, ahead_s=45, ahead=(IDLE, 4, 3, "exit"), behind=(4, 2, "log")) == 3
@@ -280,8 +282,8 @@ def test_a_rank_left_behind_the_others_between_steps_is_named_then_fenced(tmp_pa
     in_log = (IDLE, 4, 2, "log")
     assert beats(behind_s=41, ahead_s=45, ahead=in_log, behind=(4, 2, "log")) is None  # not known to be in one
     assert beats(behind_s=41, ahead_s=45, ahead=in_log, behind=(4, 2, "log"), in_collective=True) == 3
-    assert agent.left_behind[3][0].startswith("stopped for 41.0 s at log after step 4 while ranks [0, 1, 2] wait in a "
-                                              "collective there that it has not entered")
+    assert found[-1].why.startswith("stopped for 41.0 s at log after step 4 while ranks [0, 1, 2] wait in a "
+                                    "collective there that it has not entered")
     assert beats(behind_s=41, ahead_s=45, ahead=in_log, behind=(4, 2, "log"), in_collective=True,
                  also_behind=0) is None  # two out of it: either may be what the others wait for
     # in a save: --first-step-timeout longer

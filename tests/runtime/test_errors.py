@@ -5,7 +5,6 @@ start-up: the job stops within seconds with the real error on the terminal."""
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import subprocess
 import sys
@@ -163,17 +162,9 @@ def test_a_missing_dataset_is_refused_before_any_process_starts(tmp_path: Path) 
 
 def test_gloo_peer_failures_are_told_apart_from_local_errors() -> None:
     """Against real gloo errors (torch 2.13 raises a plain RuntimeError for a dead peer)."""
-    from _runtime_workers import classify_gloo_errors_worker
-    from megatron_odyssey.runtime.agent import free_port
+    from _runtime_workers import classify_gloo_errors_worker, on_two_gloo_ranks
 
-    ctx = mp.get_context("spawn")
-    out, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=classify_gloo_errors_worker, args=(r, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = {case: (kind, peer) for case, kind, peer in out.get(timeout=300)}
-    for p in procs:
-        p.join(60)
+    results = {case: (kind, peer) for case, kind, peer in on_two_gloo_ranks(classify_gloo_errors_worker, 300)}
     assert results["peer killed"] == ("RuntimeError", True)
     assert results["shape bug"] == ("RuntimeError", False)
     assert results["shape bug in an aborted generation"] == ("RuntimeError", True)

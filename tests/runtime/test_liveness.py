@@ -83,19 +83,9 @@ def test_beat_tells_where_a_rank_is_between_steps() -> None:
 
 def test_a_main_thread_waiting_in_a_collective_is_seen_from_another_thread() -> None:
     """What a heartbeat thread reports between steps: real gloo collectives over two processes, the peer late."""
-    import multiprocessing as mp
+    from _runtime_workers import in_collective_worker, on_two_gloo_ranks
 
-    from _runtime_workers import in_collective_worker
-    from megatron_odyssey.runtime.agent import free_port
-
-    ctx = mp.get_context("spawn")
-    out, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=in_collective_worker, args=(r, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(out.get(timeout=120))
-    for p in procs:
-        p.join(60)
+    results = dict(on_two_gloo_ranks(in_collective_worker, 120))
     assert results == {"barrier": True, "all_gather_object": True, "sleeping": False}
 
 
