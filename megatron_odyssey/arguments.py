@@ -41,6 +41,12 @@ _INCOMPATIBLE: tuple[tuple[str, str, str], ...] = (
      "it compares weight hashes over Megatron's uniform data-parallel groups, which after a failure hold one rank "
      "each (nothing would be compared: the plan's replicas are not a data-parallel group), and then waits in a "
      "world barrier outside any step"),
+    ("gpu_sniff_test_interval", "--gpu-sniff-test-interval",
+     "Megatron-LM's GPU sniff test (main, not yet in a release) benchmarks send/receive, reduce-scatter and "
+     "all-to-all over Megatron's uniform data-, tensor- and expert-parallel groups between iterations, which after "
+     "a failure no longer describe the job (a data-parallel group then holds one rank), and waits for every rank "
+     "outside any step; Odyssey's diagnosis names a slow rank or link from every iteration's own operations "
+     "(--odyssey-slow-action)"),
 )
 
 
@@ -106,8 +112,9 @@ def add_odyssey_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--odyssey-report", default=None, metavar="FILE",
                    help="write per-iteration and per-failure records (JSON) here")
     g.add_argument("--odyssey-inject-fault", action="append", default=[], metavar="SPEC",
-                   help="testing: step=I,rank=R,phase=forward|backward|grad-sync|optimizer|recovery|log|save|eval|exit,"
-                        "kind=kill|hang|stall|slow|error|crash (repeatable; rank is the launch-time global rank; "
+                   help="testing: step=I,rank=R,phase=forward|backward|grad-sync|optimizer|data|recovery|log|save|between|"
+                        "eval|exit|end,kind=kill|hang|stall|block|slow|error|crash (repeatable; end: after the last "
+                        "iteration, at the barrier after train() returns; rank is the launch-time global rank; "
                         "error: the rank raises, as a local bug would; crash: it segfaults in native code; "
                         "kind=slow,factor=F[,steps=N]: its compute F times slower from iteration I on, for N "
                         "iterations or to the end)")
@@ -296,6 +303,9 @@ def validate_odyssey_args(args: Any) -> None:
         if train_iters is not None and spec.step >= train_iters:
             raise OdysseyArgumentError(f"--odyssey-inject-fault {text!r}: step {spec.step} is not before "
                                        f"--train-iters {train_iters}")
+        if spec.phase == "end" and train_iters is not None and spec.step != train_iters - 1:
+            raise OdysseyArgumentError(f"--odyssey-inject-fault {text!r}: phase=end fires once, after the last "
+                                       f"iteration: give step={train_iters - 1}")
     _check_megatron_fault_injector(args)
     for r in parse_rejoin(args.odyssey_rejoin, "--odyssey-rejoin"):
         if (world is not None and r["rank"] >= world) or (train_iters is not None and r["after_step"] >= train_iters):

@@ -20,7 +20,10 @@ from the state it began in, and says so on stderr:
   a save it makes is guarded as above);
 - a timer's barrier outside those calls (``train()`` starts and stops the ``eval-time`` and ``interval-time``
   timers with ``barrier=True`` around an evaluation): recovered from, and the barrier passed in the new layout;
-- the parameter norm (``--log-params-norm``): computed over the plan, with one all-reduce over the world.
+- the parameter norm (``--log-params-norm``): computed over the plan, with one all-reduce over the world;
+- ``--adlr-autoresume``'s check (a world barrier every ``--adlr-autoresume-interval`` iterations): run again;
+- ``print_datetime``'s world barrier once ``train()`` has returned, before the final save and validation: passed
+  again in the new layout, so that the survivors still write the final checkpoint.
 
 Megatron's timers are put back as they were when the guarded call began (a timer a failure left started
 or stopped would assert at its next use).
@@ -146,6 +149,27 @@ training_log = guarded("log", "training_log", keep=_keep_loss_totals)
 save_checkpoint_and_time = guarded("save", "the checkpoint save")
 save_checkpoint = guarded("save", "the checkpoint save", prepare=_fresh_strategies)
 checkpoint_and_decide_exit = guarded("exit", "the exit check")
+# --adlr-autoresume: every --adlr-autoresume-interval iterations a world barrier, then (asked to terminate) a save
+# and sys.exit(0), which passes through (SystemExit is no Exception)
+check_adlr_autoresume_termination = guarded("exit", "the autoresume check")
+
+
+def print_datetime(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``print_datetime``: a barrier over the world, then a time stamp. ``pretrain`` calls it when ``train()`` has
+    returned ("after training is done"), before its final save and validation: a peer lost after the last
+    iteration is met there, and unguarded the survivors would leave with its error and never write the final
+    checkpoint. Guarded once training has started and outside the calls guarded here (an exit check prints
+    through it); at start-up it runs as it is (a failure then stops the job: nothing is trained yet)."""
+    after_training = guarded("end", "print_datetime's barrier")(original)
+
+    @functools.wraps(original)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        runtime = STATE.runtime
+        if runtime is None or not getattr(runtime, "started", False) or not outside_guarded_calls():
+            return original(*args, **kwargs)
+        return after_training(*args, **kwargs)
+
+    return call
 
 
 def params_norm(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -225,6 +225,12 @@ PATCHES: tuple[Patch, ...] = (
           "after every iteration, outside train_step, --exit-signal-handler gathers each rank's SIGTERM flag and "
           "--exit-duration-in-mins all-reduces the elapsed time over the world: a peer's failure there is recovered "
           "from and the check run again"),
+    Patch(f"{_T}.training:check_adlr_autoresume_termination", _between_steps("check_adlr_autoresume_termination"),
+          "--adlr-autoresume: a world barrier every --adlr-autoresume-interval iterations outside train_step, then "
+          "a save: a peer's failure there is recovered from and the check run again"),
+    Patch(f"{_T}.training:print_datetime", _between_steps("print_datetime"),
+          "pretrain calls it after train() returns, a world barrier before the final save and validation: a peer's "
+          "failure after the last iteration is recovered from there and the final checkpoint still written"),
     Patch(f"{_T}.training:calc_params_l2_norm", _between_steps("params_norm"),
           "--log-params-norm: after every iteration, outside train_step, it all-reduces over the uniform "
           "model-parallel group, which after a failure holds part of a pipeline (a wrong norm is printed), and "

@@ -151,6 +151,9 @@ class TrainConfig:
             if spec.phase == "log" and not self.extra.get("megatron"):
                 raise PlanningError(f"--fail {text!r}: phase=log is Megatron-LM's training_log; odyssey train has no "
                                     f"log phase (use between, save or data)")
+            if spec.phase == "end" and not self.extra.get("megatron"):
+                raise PlanningError(f"--fail {text!r}: phase=end is Megatron-LM's barrier after train() returns; "
+                                    f"odyssey train has no end phase (use between on the last step)")
             if spec.kind == "kill-machine" and not self.extra.get("megatron"):
                 raise PlanningError(f"--fail {text!r}: kind=kill-machine kills a launcher of odyssey-launch and its "
                                     f"ranks; odyssey train runs on one machine (use kill-agent or kill-with-agent)")

@@ -34,9 +34,10 @@ from ..planning.errors import PlanningError
 #: optimizer, data: fetching a micro-batch), while recovering, and between steps (log: Megatron's
 #: training_log; save: a checkpoint save; between: just after a step, before anything else; eval: at the
 #: forward of an evaluation's micro-batch, after that step; exit: at Megatron's exit check after that step,
-#: checkpoint_and_decide_exit, whose --exit-signal-handler / --exit-duration-in-mins collectives span the world)
+#: checkpoint_and_decide_exit, whose --exit-signal-handler / --exit-duration-in-mins collectives span the world; end:
+#: after the last step, at pretrain's world barrier once train() has returned, before its final save and validation)
 PHASES = ("forward", "backward", "weight-grad", "grad-sync", "optimizer", "data", "recovery", "log", "save", "between",
-          "eval", "exit")
+          "eval", "exit", "end")
 KINDS = ("kill", "hang", "stall", "block", "slow", "slow-link", "error", "crash", "kill-agent", "kill-with-agent",
          "kill-machine")
 SUSTAINED = ("slow", "slow-link")  # kinds that take factor=F and last from their step on

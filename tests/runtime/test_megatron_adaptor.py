@@ -135,6 +135,9 @@ def test_bad_policy_is_rejected_by_argparse(capsys: pytest.CaptureFixture, polic
     (["--odyssey"], {"log_straggler": True}, "--log-straggler"),
     (["--odyssey"], {"check_weight_hash_across_dp_replicas_interval": 100},
      "--check-weight-hash-across-dp-replicas-interval: it compares weight hashes"),
+    (["--odyssey"], {"gpu_sniff_test_interval": 100}, "--gpu-sniff-test-interval: Megatron-LM's GPU sniff test"),
+    (["--odyssey", "--odyssey-inject-fault", "step=1,rank=1,phase=end"], {}, "phase=end fires once, after the last "
+     "iteration: give step=9"),
     (["--odyssey"], {"tensor_parallel_num_weight_shards": 2}, "--tensor-parallel-num-weight-shards 2"),
     (["--odyssey"], {"dataloader_type": "external"}, "--dataloader-type external is the script's own data loader"),
     (["--odyssey"], {"save": "/ckpt", "ckpt_format": "torch"}, "--ckpt-format torch writes one file per pipeline rank"),

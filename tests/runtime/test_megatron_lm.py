@@ -98,6 +98,74 @@ def test_a_failure_at_any_moment(stock: dict, tmp_path: Path, phase: str, rank: 
         assert "the survivors run it again in the new layout" in job.logs or phase == "between"
 
 
+def test_a_failure_after_the_last_iteration_still_writes_the_final_checkpoint(stock: dict, tmp_path: Path) -> None:
+    """Rank 1 killed once train() has returned, at pretrain's world barrier (print_datetime, "after training is
+    done") before the final save (iteration 5, between --save-interval 2's saves). Before, the survivors left
+    with the barrier's error and the final checkpoint was never written: the job exited 1 and a relaunch would
+    have lost iteration 5. Now they recover there and write it."""
+    ckpt = tmp_path / "ckpt"
+    job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--save", str(ckpt), "--save-interval", "2", "--odyssey-inject-fault",
+                                      f"step={ITERS - 1},rank=1,phase=end,kind=kill"], _port(1210))
+    assert job.returncode == 0, job.logs[-4000:]
+    (failure,) = job.report["failures"]
+    assert failure["ranks"] == [1] and failure["step"] == ITERS, failure
+    assert "print_datetime's barrier of iteration 5 was interrupted by a failure; the survivors run it again" in job.logs
+    assert same_training(job.iterations(), stock)
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
+    assert (ckpt / f"iter_{ITERS:07d}").is_dir()
+
+
+#: ADLR's cluster library that --adlr-autoresume imports from $SUBMIT_SCRIPTS (not public): the cluster asks the job
+#: to terminate from iteration $AUTORESUME_AT on, and the job asks to be resumed by writing the file resume_requested
+AUTORESUME = """import os
+from pathlib import Path
+
+
+class AutoResume:
+    @staticmethod
+    def init():
+        pass
+
+    @staticmethod
+    def termination_requested():
+        from megatron.training import get_args
+        return get_args().curr_iteration + 1 >= int(os.environ["AUTORESUME_AT"])  # (the iteration just run, from 0)
+
+    @staticmethod
+    def request_resume():
+        (Path(os.environ["SUBMIT_SCRIPTS"]) / "resume_requested").write_text(str(get_rank()))
+
+
+def get_rank():
+    import torch.distributed
+    return torch.distributed.get_rank()
+"""
+
+
+def test_a_failure_in_the_autoresume_check_is_recovered_from(stock: dict, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """--adlr-autoresume checks after every iteration (--adlr-autoresume-interval 1) with a world barrier whether the
+    cluster asks the job to terminate: rank 1 killed in that check after iteration 2 is recovered from and the check
+    run again; the cluster's request at iteration 4 is then answered as in stock: one rank's request to be resumed,
+    and every survivor leaves with 0. Iterations 1-4 equal stock's. (Without --save: with it, stock's check calls
+    save_checkpoint without num_floating_point_operations_so_far and raises TypeError, in every release.)"""
+    lib = tmp_path / "submit" / "userlib"
+    lib.mkdir(parents=True)
+    (lib / "__init__.py").write_text("")
+    (lib / "auto_resume.py").write_text(AUTORESUME)
+    monkeypatch.setenv("SUBMIT_SCRIPTS", str(lib.parent))
+    monkeypatch.setenv("AUTORESUME_AT", "4")
+    job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--adlr-autoresume", "--adlr-autoresume-interval", "1",
+                                      "--odyssey-inject-fault", "step=1,rank=1,phase=exit,kind=kill"], _port(1220))
+    assert job.returncode == 0, job.logs[-4000:]
+    (failure,) = job.report["failures"]
+    assert failure["ranks"] == [1], failure
+    assert "the autoresume check of iteration 2 was interrupted by a failure; the survivors run it again" in job.logs
+    assert "autoresume termination request found" in job.logs
+    assert same_training(job.iterations(), {i: stock[i] for i in range(1, 5)})
+    assert (lib.parent / "resume_requested").read_text() == "0"
+
+
 BLOCKED_AT = ["between", "log", "save", "exit"]
 
 

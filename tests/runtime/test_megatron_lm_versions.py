@@ -106,6 +106,31 @@ def test_release_fences_a_rank_blocked_in_training_log(checkout: str, references
 
 
 @pytest.mark.parametrize("checkout", CHECKOUTS, ids=[Path(c).name for c in CHECKOUTS])
+def test_release_writes_the_final_checkpoint_through_a_kill_after_the_last_iteration(
+        checkout: str, references: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Rank 1 killed once this release's train() has returned, at pretrain's barrier (print_datetime) before the
+    final save: the survivors recover there and write iteration 5's checkpoint, which --save-interval 2 leaves to
+    that save. (core_r0.12-0.15's checkpointing calls numpy.product, gone in numpy 2, so stock cannot save with
+    it there: those releases end without --save, the barrier alone.)"""
+    import numpy
+
+    stock = _stock(checkout, references, tmp_path_factory)
+    work = tmp_path_factory.mktemp("end")
+    saves = _minor(checkout) >= 16 or hasattr(numpy, "product")
+    job = run_odyssey(checkout, work, [
+        *_flags(checkout), "--odyssey-heartbeat-timeout", "10",
+        *(["--save", str(work / "ckpt"), "--save-interval", "2"] if saves else []),
+        "--odyssey-inject-fault", f"step={ITERS - 1},rank=1,phase=end,kind=kill"], _port(checkout, 690))
+    assert job.returncode == 0, job.logs[-4000:]
+    (failure,) = job.report["failures"]
+    assert failure["ranks"] == [1] and failure["step"] == ITERS, failure
+    assert "print_datetime's barrier of iteration 5 was interrupted by a failure" in job.logs
+    assert same_training(job.iterations(), stock), (job.iterations(), stock)
+    if saves:
+        assert (work / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
+
+
+@pytest.mark.parametrize("checkout", CHECKOUTS, ids=[Path(c).name for c in CHECKOUTS])
 def test_release_logs_params_norm_as_stock_through_a_kill(checkout: str, tmp_path_factory: pytest.TempPathFactory
                                                           ) -> None:
     """--log-params-norm with this release's calc_params_l2_norm before the failure and the plan's norm after a
