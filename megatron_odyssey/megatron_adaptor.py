@@ -22,6 +22,30 @@ from .megatron_lm.patches import (PATCHES, Patch, apply_for_installed_release, a
 __all__ = ["ORIGINAL_ATTR", "PATCHES", "Patch", "apply_patches", "describe_patches", "patch_status", "remove_patches"]
 
 
+#: tests on a machine with one GPU: every rank of the machine on device 0, device tensors over gloo via host copies
+SHARED_DEVICE_ENV = "ODYSSEY_SHARED_DEVICE"
+
+
+def _shared_device_if_asked() -> None:
+    """``ODYSSEY_SHARED_DEVICE=1`` (tests; ``runtime.host_staging``): NCCL refuses two ranks on one device and
+    Megatron-LM binds each rank to ``cuda:LOCAL_RANK``, so a machine with one GPU runs a multi-rank job only with
+    every rank told it is local rank 0, over gloo (``--distributed-backend gloo``), its device tensors carried
+    through host copies. ``stage-all`` stages host tensors too (how a CPU machine checks the staging). Before any
+    patch: the staging replaces names megatron-core takes at import."""
+    import os
+
+    mode = os.environ.get(SHARED_DEVICE_ENV, "")
+    if not mode:
+        return
+    if mode not in ("1", "stage-all"):
+        raise ValueError(f"{SHARED_DEVICE_ENV}={mode!r}: expected 1 (ranks share device 0) or stage-all (and "
+                         f"stage host tensors too)")
+    from .runtime.host_staging import enable_host_staging
+
+    os.environ["LOCAL_RANK"] = "0"
+    enable_host_staging(stage_host_tensors=mode == "stage-all")
+
+
 def _cpu_mode_if_no_accelerator() -> None:
     """Real Megatron-LM training on CPU (tests, laptops): only when no CUDA/NPU device exists."""
     import importlib.util
@@ -37,5 +61,6 @@ def _cpu_mode_if_no_accelerator() -> None:
 
 
 provide_python312_names()
+_shared_device_if_asked()
 apply_for_installed_release()
 _cpu_mode_if_no_accelerator()

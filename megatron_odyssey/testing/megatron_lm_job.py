@@ -136,13 +136,27 @@ def patched_script(megatron_lm: str | Path, work: Path) -> Path:
     return work / "pretrain_gpt.py"
 
 
-def job_env(megatron_lm: str | Path, gpu: bool = False) -> dict[str, str]:
-    """The jobs' environment: the checkout and this project importable; the CPU unless ``gpu``."""
+def job_env(megatron_lm: str | Path, gpu: bool = False, shared: str = "") -> dict[str, str]:
+    """The jobs' environment: the checkout and this project importable; the CPU unless ``gpu``; ``shared``: the
+    ranks share one device (``ODYSSEY_SHARED_DEVICE``, see :func:`shared_device_flags`)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(megatron_lm), str(ROOT), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1")
     if not gpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
+    if shared:
+        env["ODYSSEY_SHARED_DEVICE"] = shared
     return env
+
+
+def shared_device_flags(flags: list[str]) -> list[str]:
+    """``flags`` for ranks sharing one GPU (``ODYSSEY_SHARED_DEVICE=1``, ``runtime.host_staging``): gloo, which
+    takes several ranks on one device where NCCL refuses them."""
+    out = list(flags)
+    if "--distributed-backend" in out:
+        out[out.index("--distributed-backend") + 1] = "gloo"
+    else:
+        out += ["--distributed-backend", "gloo"]
+    return out
 
 
 def gpu_gpt_flags(train_iters: int, layers: int = 8, hidden: int = 2048, heads: int = 16, seq: int = 2048,
@@ -165,23 +179,24 @@ def gpu_gpt_flags(train_iters: int, layers: int = 8, hidden: int = 2048, heads: 
 
 
 def run_stock(megatron_lm: str | Path, work: Path, flags: list[str], port: int, nproc: int = 4,
-              gpu: bool = False) -> JobResult:
+              gpu: bool = False, shared: str = "") -> JobResult:
     """Stock Megatron-LM under torchrun, no ``--odyssey``."""
     script = patched_script(megatron_lm, work)
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                            "--master-port", str(port), str(script), *flags],
-                          env=job_env(megatron_lm, gpu), capture_output=True, text=True, timeout=900)
+                          env=job_env(megatron_lm, gpu, shared), capture_output=True, text=True, timeout=900)
     return JobResult(proc.returncode, time.perf_counter() - t0, proc.stdout + proc.stderr)
 
 
 def run_odyssey(megatron_lm: str | Path, work: Path, flags: list[str], port: int, nproc: int = 4,
                 nodes: int = 1, gpu: bool = False, join: tuple[int, ...] = (),
-                sigterm_after_iteration: int | None = None) -> JobResult:
+                sigterm_after_iteration: int | None = None, shared: str = "") -> JobResult:
     """``odyssey-launch`` on ``nodes`` launchers (each standing for a machine) with ``--odyssey``; ``join``:
     machines (by node rank) that come back, each a launcher with ``--join``, started once the job trains
     (it then sets itself up; when it asks to join is the job's ``--odyssey-rejoin``); ``sigterm_after_iteration``:
-    SIGTERM to every launcher once Megatron logged that iteration (a scheduler stopping the job)."""
+    SIGTERM to every launcher once Megatron logged that iteration (a scheduler stopping the job); ``shared``: as
+    :func:`job_env`."""
     script = patched_script(megatron_lm, work)
     report = work / "report.json"
     launch = [sys.executable, "-m", "megatron_odyssey.launch", "--nproc-per-node", str(nproc // nodes),
@@ -195,7 +210,7 @@ def run_odyssey(megatron_lm: str | Path, work: Path, flags: list[str], port: int
     def start(argv: list[str], console: Path) -> subprocess.Popen:
         consoles.append(console)
         with console.open("w") as out:
-            return subprocess.Popen(argv, env=job_env(megatron_lm, gpu), stdout=out, stderr=subprocess.STDOUT,
+            return subprocess.Popen(argv, env=job_env(megatron_lm, gpu, shared), stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
 
     procs = [start(launch + ["--node-rank", str(n), "--workdir", str(work / f"logs{n}")] + args,

@@ -1,5 +1,6 @@
 """Both entry points on a real GPU: ``odyssey train`` (one rank; four ranks sharing the device through
-a kill and a reconfiguration) and Megatron-LM's ``pretrain_gpt.py --odyssey`` against stock Megatron-LM.
+a kill and a reconfiguration) and Megatron-LM's ``pretrain_gpt.py --odyssey`` against stock Megatron-LM (one rank;
+four or eight sharing the device through a kill, over gloo with host-staged messages).
 
 Exactness is against fault-free runs on the same device (fp32 for ``odyssey train``: <= 1e-5), never
 against the CPU, whose kernels sum differently.
@@ -106,6 +107,43 @@ def test_pretrain_gpt_odyssey_on_one_gpu_logs_what_stock_logs(tmp_path: Path, pr
     assert job.report["devices"]["0"].startswith("cuda") and "nccl" in job.report["devices"]["0"]
     assert same_training(job.iterations(), stock.iterations())
     assert job.loss_scales() == stock.loss_scales() and len(job.loss_scales()) == 8
+
+
+#: the distributed optimizer in two instances with both overlaps: stock reduces the gradients twice there unless
+#: told --no-align-grad-reduce (tests/runtime/test_megatron_lm.py), Odyssey once
+SHARED_LAYOUTS = {"plain": ([], [], 4),
+                  "distopt-overlapped": (["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2",
+                                          "--overlap-grad-reduce", "--overlap-param-gather"], ["--no-align-grad-reduce"], 8)}
+
+
+@pytest.mark.skipif(not MLM or not (Path(MLM) / "pretrain_gpt.py").exists(),
+                    reason="set MEGATRON_LM_PATH to a Megatron-LM checkout")
+@pytest.mark.parametrize("layout, policy", [("plain", "reroute"), ("plain", "reconfigure"),
+                                            ("distopt-overlapped", "reroute")])
+def test_pretrain_gpt_ranks_share_the_gpu_through_a_kill(tmp_path: Path, layout: str, policy: str) -> None:
+    """Megatron-LM PP=2 in bf16 with its ranks sharing the one GPU (ODYSSEY_SHARED_DEVICE=1: every rank on device
+    0, gloo, device tensors through host copies: runtime.host_staging), rank 1 killed in iteration 3's backward:
+    the survivors' rebuilt stages, moved weights and optimizer state, executor and gradient sync on the device.
+    Every iteration equals stock Megatron-LM's on the same shared device, to 5 significant digits (bf16; a
+    reroute sums a stage's gradients over its survivors in another order)."""
+    from megatron_odyssey.testing.megatron_lm_job import (gpu_gpt_flags, run_odyssey, run_stock, same_training,
+                                                          shared_device_flags)
+
+    extra, stock_only, nproc = SHARED_LAYOUTS[layout]
+    flags = shared_device_flags([*gpu_gpt_flags(6, layers=4, hidden=256, heads=8, seq=256, micro_batch=1,
+                                                global_batch=8, pipeline_parallel=2), *extra])
+    port = 29710 + 40 * list(SHARED_LAYOUTS).index(layout) + 20 * (policy == "reconfigure")
+    stock = run_stock(MLM, tmp_path / "stock", [*flags, *stock_only], port, nproc=nproc, gpu=True, shared="1")
+    assert stock.returncode == 0, stock.logs[-4000:]
+    job = run_odyssey(MLM, tmp_path / "odyssey", [*flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-policy",
+                                                  policy, "--odyssey-inject-fault", "step=2,rank=1,phase=backward,kind=kill"],
+                      port + 10, nproc=nproc, gpu=True, shared="1")
+    assert job.returncode == 0, job.logs[-4000:]
+    (failure,) = job.report["failures"]
+    assert failure["ranks"] == [1] and failure["policy"] == policy, failure
+    assert all(d.startswith("cuda") and "gloo" in d for d in job.report["devices"].values()), job.report["devices"]
+    assert sorted(job.iterations()) == list(range(1, 7))
+    assert same_training(job.iterations(), stock.iterations(), rel=1e-5)
 
 
 @pytest.mark.gpu

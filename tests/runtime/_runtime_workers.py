@@ -572,3 +572,78 @@ def loss_scale_worker(rank: int, world: int, store_file: str, out: str) -> None:
     if rank == 0:
         torch.save(record, out)
     dist.destroy_process_group()
+
+
+def host_staging_worker(rank: int, port: int, out) -> None:
+    """Two gloo ranks with every operation staged through host copies (``stage_host_tensors``: on this CPU
+    machine the host tensors too, so a missing copy-back leaves an output unwritten): each operation Megatron-LM
+    and Odyssey use, blocking, asynchronous and coalesced, and what it left in its outputs; rank 0's results go to
+    ``out`` as {case: value}."""
+    import sys
+    import types
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    # a module that took the name before staging was enabled, as megatron-core's param_and_grad_buffer does
+    early = types.ModuleType("early_importer")
+    early.coalesce, early.gather = c10d._coalescing_manager, dist.all_gather_into_tensor
+    sys.modules["early_importer"] = early
+    from megatron_odyssey.runtime.host_staging import StagedWork, enable_host_staging
+
+    enable_host_staging(stage_host_tensors=True)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    me, other = float(rank + 1), 1 - rank
+    got: dict = {"rebound": (early.coalesce is dist._coalescing_manager is c10d._coalescing_manager,
+                             early.gather is dist.all_gather_into_tensor)}
+
+    t = torch.full((3,), me)
+    dist.all_reduce(t)
+    got["all_reduce"] = t.tolist()
+    t = torch.full((3,), me)
+    work = dist.all_reduce(t, async_op=True)
+    got["async all_reduce handle"] = isinstance(work, StagedWork)
+    work.wait()
+    got["async all_reduce"] = t.tolist()
+    a, b = torch.full((2,), me), torch.full((4,), 10 * me)
+    with dist._coalescing_manager():
+        dist.all_reduce(a)
+        dist.all_reduce(b)
+    got["coalesced all_reduce"] = (a.tolist(), b.tolist())
+    buffer = torch.zeros(4)  # megatron-core's distributed optimizer: gather each rank's shard, a view of the buffer
+    buffer[2 * rank:2 * rank + 2] = me
+    with early.coalesce(None, async_ops=True) as cm:
+        early.gather(buffer, buffer[2 * rank:2 * rank + 2], async_op=True)
+    cm.wait()
+    got["coalesced async all_gather_into_tensor"] = buffer.tolist()
+    grads = torch.arange(4.0) * me  # ... and reduce-scatter gradients into each rank's shard of the same buffer
+    dist.reduce_scatter_tensor(grads[2 * rank:2 * rank + 2], grads)
+    got["reduce_scatter_tensor into a shard"] = grads.tolist()
+    t = torch.full((2,), me)
+    dist.broadcast(t, src=1)
+    got["broadcast"] = t.tolist()
+    parts = [torch.zeros(2) for _ in range(2)]
+    dist.all_gather(parts, torch.full((2,), me))
+    got["all_gather"] = [p.tolist() for p in parts]
+    received = torch.zeros(2)
+    ops = [dist.P2POp(dist.isend, torch.full((2,), me), other), dist.P2POp(dist.irecv, received, other)]
+    for req in dist.batch_isend_irecv(ops):
+        req.wait()
+    got["batch_isend_irecv"] = received.tolist()
+    received = torch.zeros(2)
+    if rank == 0:
+        dist.send(torch.full((2,), 7.0), dst=1)
+        dist.irecv(received, src=1).wait()
+    else:
+        dist.recv(received, src=0)
+        dist.isend(received * 2, dst=0).wait()
+    got["send, recv, isend, irecv"] = received.tolist()
+    exchanged = torch.zeros(2)
+    dist.all_to_all_single(exchanged, torch.tensor([me, 10 * me]))
+    got["all_to_all_single"] = exchanged.tolist()
+    dist.barrier()
+    if rank == 0:
+        out.put(got)
+    dist.destroy_process_group()

@@ -20,7 +20,7 @@ import pytest
 
 from megatron_odyssey.testing.megatron_lm_job import (JobResult, job_env, max_tensor_difference, read_torch_dist,
                                                       run_odyssey, run_stock, same_evaluations, same_training,
-                                                      with_evaluation)
+                                                      shared_device_flags, with_evaluation)
 from megatron_odyssey.megatron_lm.cpu_mode import tiny_gpt_flags
 
 MLM = os.environ.get("MEGATRON_LM_PATH")
@@ -593,6 +593,25 @@ def test_overlapped_distributed_optimizer_survives_a_kill(stock_overlapped_disto
     assert [s["step"] for s in job.report["steps"]] == list(range(ITERS))
     assert same_training(job.iterations(), stock_overlapped_distopt)
     assert (tmp_path / "ckpt" / "iter_0000004").is_dir()  # saved after the failure
+
+
+@pytest.mark.parametrize("layout", ["distopt-overlapped", "interleaved"])
+def test_staged_through_host_copies_trains_as_stock(stock_overlapped_distopt: dict, stock_vpp: dict, tmp_path: Path,
+                                                    layout: str) -> None:
+    """ODYSSEY_SHARED_DEVICE (ranks sharing one GPU over gloo, runtime.host_staging) with host tensors staged too
+    (stage-all), so that every operation of the job runs on a copy and must copy its outputs back: Megatron's
+    coalesced asynchronous bucket reduce-scatters and weight all-gathers of the distributed optimizer with both
+    overlaps, or its interleaved schedule's overlapped receives, then Odyssey's recovery and executor through a
+    kill. Every iteration equals stock's, run without staging."""
+    flags, stock, nproc = ((DISTOPT + OVERLAPPED, stock_overlapped_distopt, 8) if layout == "distopt-overlapped" else
+                           (VPP, stock_vpp, 4))
+    job = run_odyssey(MLM, tmp_path, shared_device_flags([*ODYSSEY, *flags, "--odyssey-inject-fault",
+                                                          "step=2,rank=1,phase=forward,kind=kill"]),
+                      _port(1230 + 10 * (nproc == 4)), nproc=nproc, shared="stage-all")
+    assert job.returncode == 0, job.logs[-4000:]
+    (failure,) = job.report["failures"]
+    assert failure["ranks"] == [1]
+    assert same_training(job.iterations(), stock)
 
 
 def test_cyclic_micro_batches_are_the_samples_megatrons_sampler_gives_each_rank() -> None:
