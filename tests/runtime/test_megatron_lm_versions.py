@@ -131,6 +131,22 @@ def test_release_writes_the_final_checkpoint_through_a_kill_after_the_last_itera
 
 
 @pytest.mark.parametrize("checkout", CHECKOUTS, ids=[Path(c).name for c in CHECKOUTS])
+def test_release_staged_through_host_copies_trains_as_stock(checkout: str, references: dict,
+                                                            tmp_path_factory: pytest.TempPathFactory) -> None:
+    """This release's schedule, DDP and timers with every torch.distributed operation on a host copy (what ranks
+    sharing one GPU run, ODYSSEY_SHARED_DEVICE; stage-all: host tensors too), through a kill: equal to stock run
+    without staging."""
+    stock = _stock(checkout, references, tmp_path_factory)
+    job = run_odyssey(checkout, tmp_path_factory.mktemp("staged"), [
+        *_flags(checkout), "--odyssey-heartbeat-timeout", "10",
+        "--odyssey-inject-fault", "step=2,rank=1,phase=backward,kind=kill"], _port(checkout, 700), shared="stage-all")
+    assert job.returncode == 0, job.logs[-4000:]
+    (failure,) = job.report["failures"]
+    assert failure["ranks"] == [1]
+    assert same_training(job.iterations(), stock), (job.iterations(), stock)
+
+
+@pytest.mark.parametrize("checkout", CHECKOUTS, ids=[Path(c).name for c in CHECKOUTS])
 def test_release_logs_params_norm_as_stock_through_a_kill(checkout: str, tmp_path_factory: pytest.TempPathFactory
                                                           ) -> None:
     """--log-params-norm with this release's calc_params_l2_norm before the failure and the plan's norm after a
