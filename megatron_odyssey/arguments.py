@@ -41,6 +41,12 @@ _INCOMPATIBLE: tuple[tuple[str, str, str], ...] = (
      "it compares weight hashes over Megatron's uniform data-parallel groups, which after a failure hold one rank "
      "each (nothing would be compared: the plan's replicas are not a data-parallel group), and then waits in a "
      "world barrier outside any step"),
+    *((attr, flag,
+       "low-precision training keeps each layer's scaling state (Transformer Engine's amax history and scales) in the "
+       "module, outside the parameters and optimizer state Odyssey moves when it rebuilds a stage after a failure: "
+       "the rebuilt layers would start that history afresh and train differently from stock (unchecked on a GPU, "
+       "whose image here has no Transformer Engine); train in bf16")
+      for attr, flag in (("fp8", "--fp8-format"), ("fp4", "--fp4-format"))),
     ("gpu_sniff_test_interval", "--gpu-sniff-test-interval",
      "Megatron-LM's GPU sniff test (main, not yet in a release) benchmarks send/receive, reduce-scatter and "
      "all-to-all over Megatron's uniform data-, tensor- and expert-parallel groups between iterations, which after "

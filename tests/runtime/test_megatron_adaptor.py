@@ -136,6 +136,8 @@ def test_bad_policy_is_rejected_by_argparse(capsys: pytest.CaptureFixture, polic
     (["--odyssey"], {"check_weight_hash_across_dp_replicas_interval": 100},
      "--check-weight-hash-across-dp-replicas-interval: it compares weight hashes"),
     (["--odyssey"], {"gpu_sniff_test_interval": 100}, "--gpu-sniff-test-interval: Megatron-LM's GPU sniff test"),
+    (["--odyssey"], {"fp8": "hybrid"}, "--fp8-format: low-precision training keeps each layer's scaling state"),
+    (["--odyssey"], {"fp4": "e2m1"}, "--fp4-format: low-precision training"),
     (["--odyssey", "--odyssey-inject-fault", "step=1,rank=1,phase=end"], {}, "phase=end fires once, after the last "
      "iteration: give step=9"),
     (["--odyssey"], {"tensor_parallel_num_weight_shards": 2}, "--tensor-parallel-num-weight-shards 2"),
