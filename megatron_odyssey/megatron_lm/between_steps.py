@@ -23,7 +23,9 @@ from the state it began in, and says so on stderr:
 - the parameter norm (``--log-params-norm``): computed over the plan, with one all-reduce over the world;
 - ``--adlr-autoresume``'s check (a world barrier every ``--adlr-autoresume-interval`` iterations): run again;
 - ``print_datetime``'s world barrier once ``train()`` has returned, before the final save and validation: passed
-  again in the new layout, so that the survivors still write the final checkpoint.
+  again in the new layout, so that the survivors still write the final checkpoint;
+- with --overlap-param-gather, generation 0's forced weight all-gather before an evaluation and at ``train()``'s
+  end (``disable_forward_pre_hook``): recovered from.
 
 Megatron's timers are put back as they were when the guarded call began (a timer a failure left started
 or stopped would assert at its next use).
@@ -154,22 +156,35 @@ checkpoint_and_decide_exit = guarded("exit", "the exit check")
 check_adlr_autoresume_termination = guarded("exit", "the autoresume check")
 
 
-def print_datetime(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``print_datetime``: a barrier over the world, then a time stamp. ``pretrain`` calls it when ``train()`` has
-    returned ("after training is done"), before its final save and validation: a peer lost after the last
-    iteration is met there, and unguarded the survivors would leave with its error and never write the final
-    checkpoint. Guarded once training has started and outside the calls guarded here (an exit check prints
-    through it); at start-up it runs as it is (a failure then stops the job: nothing is trained yet)."""
-    after_training = guarded("end", "print_datetime's barrier")(original)
+def once_training(phase: str, what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """:func:`guarded` for a Megatron function that also runs at start-up or inside the calls guarded above: guarded
+    only once training has started and outside those calls (inside one, that call is run again as a whole); as it
+    is otherwise (a failure at start-up stops the job: nothing is trained yet)."""
 
-    @functools.wraps(original)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        runtime = STATE.runtime
-        if runtime is None or not getattr(runtime, "started", False) or not outside_guarded_calls():
-            return original(*args, **kwargs)
-        return after_training(*args, **kwargs)
+    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+        inner = guarded(phase, what)(original)
 
-    return call
+        @functools.wraps(original)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            runtime = STATE.runtime
+            if runtime is None or not getattr(runtime, "started", False) or not outside_guarded_calls():
+                return original(*args, **kwargs)
+            return inner(*args, **kwargs)
+
+        return call
+
+    return wrap
+
+
+#: ``print_datetime``: a barrier over the world, then a time stamp. ``pretrain`` calls it when ``train()`` has
+#: returned ("after training is done"), before its final save and validation: a peer lost after the last iteration
+#: is met there, and unguarded the survivors would leave with its error and never write the final checkpoint
+print_datetime = once_training("end", "print_datetime's barrier")
+#: ``disable_forward_pre_hook`` in generation 0 with --overlap-param-gather: ``train()`` calls it before an
+#: evaluation and once its loop has ended, and it forces the weight all-gather the pre-hooks deferred, over the
+#: distributed optimizer's instance group; a peer's failure there is recovered from, and the call, run again, is
+#: a no-op (rebuilt stages gather their weights right after each step: ``hooks.stock_param_gather_only``)
+deferred_param_gather = once_training("end", "the deferred weight all-gather")
 
 
 def params_norm(original: Callable[..., Any]) -> Callable[..., Any]:

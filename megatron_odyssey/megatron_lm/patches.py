@@ -127,6 +127,12 @@ def _between_steps(name: str) -> Callable[[Callable[..., Any]], Callable[..., An
     return wrap
 
 
+def _deferred_param_gather(original: Callable[..., Any]) -> Callable[..., Any]:
+    from . import between_steps
+
+    return between_steps.deferred_param_gather(hooks.stock_param_gather_only(original))
+
+
 def _evaluation(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
         from . import evaluation
@@ -202,9 +208,10 @@ PATCHES: tuple[Patch, ...] = (
           "with --overlap-param-gather train() switches the chunks' forward pre-hooks (the deferred weight "
           "all-gather) around saves and forces the all-gather; rebuilt stages gather right after the step and have "
           "no such hooks: False after the first failure"),
-    Patch(f"{_T}.training:disable_forward_pre_hook", hooks.stock_param_gather_only,
+    Patch(f"{_T}.training:disable_forward_pre_hook", _deferred_param_gather,
           "train()'s end removes the pre-hooks it enabled after its first step, on chunks a failure replaced: "
-          "a no-op after the first failure"),
+          "a no-op after the first failure; before it, its forced weight all-gather (before an evaluation, at the "
+          "end) runs outside train_step: a peer's failure there is recovered from (megatron_lm.between_steps)"),
     # stages of any layer range (group installation itself is runtime.world.install_parallel_state)
     Patch(f"{_C}.transformer.transformer_block:get_num_layers_to_build", hooks.num_layers_to_build,
           "derives a stage's layer count from a uniform split; asymmetric plans give each stage its own"),

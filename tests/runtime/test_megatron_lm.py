@@ -595,6 +595,24 @@ def test_overlapped_distributed_optimizer_survives_a_kill(stock_overlapped_disto
     assert (tmp_path / "ckpt" / "iter_0000004").is_dir()  # saved after the failure
 
 
+def test_a_failure_in_the_deferred_weight_all_gather_at_the_end_is_recovered_from(stock_overlapped_distopt: dict,
+                                                                                 tmp_path: Path) -> None:
+    """With --overlap-param-gather, train() forces generation 0's deferred weight all-gather once its loop has
+    ended (disable_forward_pre_hook), over the distributed optimizer's instance group, outside any step. Rank 1
+    killed there: its group's survivors recover in that call (run again, a no-op on rebuilt stages), the others at
+    pretrain's barrier after it, and the final checkpoint is written. Every iteration equals stock's."""
+    ckpt = tmp_path / "ckpt"
+    job = run_odyssey(MLM, tmp_path, [*ODYSSEY, *DISTOPT, *OVERLAPPED, "--save", str(ckpt), "--save-interval", "2",
+                                      "--odyssey-inject-fault", f"step={ITERS - 1},rank=1,phase=end,kind=kill"],
+                      _port(1250), nproc=8)
+    assert job.returncode == 0, job.logs[-4000:]
+    (failure,) = job.report["failures"]
+    assert failure["ranks"] == [1] and failure["step"] == ITERS, failure
+    assert "the deferred weight all-gather of iteration 5 was interrupted by a failure; the survivors run it" in job.logs
+    assert same_training(job.iterations(), stock_overlapped_distopt)
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
+
+
 @pytest.mark.parametrize("layout", ["distopt-overlapped", "interleaved"])
 def test_staged_through_host_copies_trains_as_stock(stock_overlapped_distopt: dict, stock_vpp: dict, tmp_path: Path,
                                                     layout: str) -> None:
