@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # The GPU checks as one command for the workplace's device tool (one GPU; Python 3.12 and torch with CUDA there,
-# no megatron-core). Prepare here, both listed in .git/info/exclude and named in the call's carry:
-#   .whl/  the megatron-core cp312 wheel and pydantic with its dependencies (pip download, see the device README)
-#   .mlm/  a Megatron-LM checkout (git --git-dir=<mirror> archive core_r0.16.0 | tar -x -C .mlm)
+# no megatron-core). Prepare here, both listed in .git/info/exclude and named in the call's carry (13 MiB):
+#   .whl/  for pkg in megatron-core==0.16.1 pydantic pydantic-core annotated-types typing-inspection typing-extensions;
+#          do python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#          --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl $pkg; done
+#          (pydantic pins pydantic-core exactly: keep the pair pip picks together)
+#   .mlm/  Megatron-LM core_r0.16.0 without its tests: git --git-dir=<mirror of NVIDIA/Megatron-LM> archive
+#          core_r0.16.0 megatron pretrain_gpt.py gpt_builders.py model_provider.py | tar -x -C .mlm
 # then: bash scripts/device_checks.sh ["pytest -k expression"]   (default: every test in tests/gpu)
 # The log goes to $OUT/gpu_tests.log; record the result (command, device, outcome) in docs/benchmarks.md.
 set -uo pipefail
