@@ -68,7 +68,7 @@ class StagedWork:
         self.work, self._copy_back, self._keep, self._done = work, copy_back, keep, False
 
     def wait(self, *args: Any) -> bool:
-        if self.work is not None and not isinstance(self.work, bool):
+        if self.work is not None:  # (None: a coalescing block's copy-back, after the block's own work)
             self.work.wait(*args)
         if not self._done:
             self._done = True
