@@ -241,6 +241,16 @@ def odyssey_flags_given(args: Any) -> list[str]:
             if k != "odyssey" and getattr(args, k, v) != v]
 
 
+def _last_iteration(args: Any) -> int | None:
+    """The iteration the job's loop ends after: --train-iters, or earlier --exit-interval's first exit; unknown with
+    an exit on a signal or a duration."""
+    train_iters = getattr(args, "train_iters", None)
+    if train_iters is None or getattr(args, "exit_signal_handler", False) or getattr(args, "exit_duration_in_mins", None):
+        return None
+    interval = getattr(args, "exit_interval", None)
+    return min(train_iters, interval) if interval else train_iters
+
+
 def _check_megatron_fault_injector(args: Any) -> None:
     """Megatron's ``--fault-injector-*`` (core_r0.18+; megatron_lm.fault_injection) works with --odyssey, but stock
     finds its fault library only at train()'s start, on every rank at once: say so here, naming the flag."""
@@ -309,9 +319,10 @@ def validate_odyssey_args(args: Any) -> None:
         if train_iters is not None and spec.step >= train_iters:
             raise OdysseyArgumentError(f"--odyssey-inject-fault {text!r}: step {spec.step} is not before "
                                        f"--train-iters {train_iters}")
-        if spec.phase == "end" and train_iters is not None and spec.step != train_iters - 1:
+        last = _last_iteration(args)
+        if spec.phase == "end" and last is not None and spec.step != last - 1:
             raise OdysseyArgumentError(f"--odyssey-inject-fault {text!r}: phase=end fires once, after the last "
-                                       f"iteration: give step={train_iters - 1}")
+                                       f"iteration: give step={last - 1}")
     _check_megatron_fault_injector(args)
     for r in parse_rejoin(args.odyssey_rejoin, "--odyssey-rejoin"):
         if (world is not None and r["rank"] >= world) or (train_iters is not None and r["after_step"] >= train_iters):

@@ -17,7 +17,9 @@ from the state it began in, and says so on stderr:
 - the exit check (``checkpoint_and_decide_exit``, after every iteration): with ``--exit-signal-handler`` it
   gathers every rank's SIGTERM flag over the world, with ``--exit-duration-in-mins`` it all-reduces the elapsed
   time; a failure there is recovered from and the check run again (the flags and the clock are where they were;
-  a save it makes is guarded as above);
+  a save it makes is guarded as above); once it decided to exit, the world barrier ``train()`` passes before
+  ``sys.exit`` (0.18+) is guarded too, so that the survivors still leave with the job's exit code;
+- with ``--log-energy``, the energy monitor's closing lap and total (:mod:`.energy`);
 - a timer's barrier outside those calls (``train()`` starts and stops the ``eval-time`` and ``interval-time``
   timers with ``barrier=True`` around an evaluation): recovered from, and the barrier passed in the new layout;
 - the parameter norm (``--log-params-norm``): computed over the plan, with one all-reduce over the world;
@@ -50,9 +52,12 @@ def _timer_states() -> dict[str, tuple[bool, float]]:
 
 
 def _restore_timers(states: dict[str, tuple[bool, float]]) -> None:
-    from megatron.training.global_vars import get_timers
+    try:
+        from megatron.training.global_vars import get_timers
 
-    timers = getattr(get_timers(), "_timers", {})
+        timers = getattr(get_timers(), "_timers", {})
+    except Exception:  # as in _timer_states
+        return
     for name, timer in timers.items():
         if hasattr(timer, "_started"):
             timer._started, timer._start_time = states.get(name, (False, timer._start_time))
@@ -119,17 +124,22 @@ def outside_guarded_calls() -> bool:
     return _INSIDE[0] == 0
 
 
-def _keep_loss_totals(*args: Any, **kwargs: Any) -> Callable[[], None]:
+def _keep_log_totals(*args: Any, **kwargs: Any) -> Callable[[], None]:
     """``training_log`` adds the iteration's losses into ``total_loss_dict`` (its 2nd argument) before its
-    barrier: put the totals back so the redone call counts the iteration once."""
+    barrier, and with ``--log-energy`` advances the energy monitor's counters: put both back so the redone call
+    counts the iteration once."""
+    from .energy import monitor_counters
+
+    restore_energy = monitor_counters()
     totals = kwargs.get("total_loss_dict", args[1] if len(args) > 1 else None)
-    if not isinstance(totals, dict):
-        return lambda: None
-    saved = {k: (v.clone() if hasattr(v, "clone") else v) for k, v in totals.items()}
+    saved = {k: (v.clone() if hasattr(v, "clone") else v) for k, v in totals.items()} if isinstance(totals, dict) \
+        else None
 
     def restore() -> None:
-        totals.clear()
-        totals.update(saved)
+        restore_energy()
+        if saved is not None:
+            totals.clear()
+            totals.update(saved)
 
     return restore
 
@@ -145,24 +155,66 @@ def _fresh_strategies(runtime: Any, *args: Any, **kwargs: Any) -> None:
         context["odyssey_generation"] = runtime.gen
 
 
-training_log = guarded("log", "training_log", keep=_keep_loss_totals)
+training_log = guarded("log", "training_log", keep=_keep_log_totals)
 # save: Megatron marks a checkpoint as the latest only after every rank finished writing it, so an
 # interrupted save is never marked; the survivors write it again
 save_checkpoint_and_time = guarded("save", "the checkpoint save")
 save_checkpoint = guarded("save", "the checkpoint save", prepare=_fresh_strategies)
-checkpoint_and_decide_exit = guarded("exit", "the exit check")
+
+
+def checkpoint_and_decide_exit(original: Callable[..., Any]) -> Callable[..., Any]:
+    """The exit check, guarded; once it decides to exit, the next world barrier is guarded too: from 0.18 on
+    ``train()`` passes one before ``sys.exit`` (after the check's save, so a peer lost there took no state with it,
+    but unguarded the survivors would leave with its error instead of the job's exit code)."""
+    check = guarded("exit", "the exit check")(original)
+
+    @functools.wraps(original)
+    def decide(*args: Any, **kwargs: Any) -> Any:
+        should_exit = check(*args, **kwargs)
+        if should_exit and STATE.runtime is not None:
+            _guard_the_next_world_barrier("the barrier before exiting")
+        return should_exit
+
+    return decide
+
+
+def _guard_the_next_world_barrier(what: str) -> None:
+    """``torch.distributed.barrier`` over the world, called next by the main thread outside the calls guarded here,
+    becomes :func:`guarded` (fault injection phase ``end``); one call only, after which the name is torch's again.
+    ``train()`` reaches the barrier as ``torch.distributed.barrier``, so the name is replaced there, for that call."""
+    import threading
+
+    import torch.distributed as dist
+
+    stock = dist.barrier
+    if getattr(stock, "_odyssey_guards_once", False):
+        return
+    inner = guarded("end", what)(stock)
+
+    @functools.wraps(stock)
+    def barrier(*args: Any, **kwargs: Any) -> Any:
+        group = kwargs.get("group", args[0] if args else None)
+        world = group is None and len(args) <= 1 and not set(kwargs) - {"group"}
+        if world and threading.current_thread() is threading.main_thread() and outside_guarded_calls():
+            dist.barrier = stock
+            return inner()
+        return stock(*args, **kwargs)
+
+    barrier._odyssey_guards_once = True  # type: ignore[attr-defined]
+    dist.barrier = barrier
 # --adlr-autoresume: every --adlr-autoresume-interval iterations a world barrier, then (asked to terminate) a save
 # and sys.exit(0), which passes through (SystemExit is no Exception)
 check_adlr_autoresume_termination = guarded("exit", "the autoresume check")
 
 
-def once_training(phase: str, what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def once_training(phase: str, what: str, keep: Callable[..., Callable[[], None]] | None = None
+                  ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """:func:`guarded` for a Megatron function that also runs at start-up or inside the calls guarded above: guarded
     only once training has started and outside those calls (inside one, that call is run again as a whole); as it
     is otherwise (a failure at start-up stops the job: nothing is trained yet)."""
 
     def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
-        inner = guarded(phase, what)(original)
+        inner = guarded(phase, what, keep=keep)(original)
 
         @functools.wraps(original)
         def call(*args: Any, **kwargs: Any) -> Any:

@@ -374,6 +374,9 @@ MEGATRON_LM_CPU_PATCHES: Tuple[Patch, ...] = (
           "RerunStateMachine._save_state() reads torch.cuda.get_rng_state(); reductions on cuda"),
     Patch(f"{_MC}.fault_injector.torch", NamedCudaDeviceCpuTorchView(),
           "0.18+ --fault-injector-*: setup_fault_injection() broadcasts its plan in a current_device() tensor"),
+    Patch(f"{_MC}.energy_monitor.torch", _CORE_TORCH_VIEW,
+          "0.13+ --log-energy: setup() asks torch.cuda.current_device() for its NVML handle, lap() and get_total() "
+          "all-reduce device='cuda' tensors"),
     # --- process-wide (see above) ---
     Patch("torch.Tensor.cuda", _tensor_cuda,
           "get_model() model.cuda() / get_batch_on_this_tp_rank() .cuda(): keep tensors on CPU"),
@@ -387,7 +390,7 @@ MEGATRON_LM_CPU_PATCHES: Tuple[Patch, ...] = (
 
 #: Targets in modules that only some Megatron-LM releases have (skipped where the module is absent).
 _ONLY_SOME_RELEASES = frozenset({f"{_MT}.utils.common_utils.torch", f"{_MT}.models.dist_utils.torch",
-                                 f"{_MC}.fault_injector.torch"})
+                                 f"{_MC}.fault_injector.torch", f"{_MC}.energy_monitor.torch"})
 
 _LOCK = threading.RLock()
 _APPLIED: List[_Applied] = []

@@ -133,6 +133,15 @@ def _deferred_param_gather(original: Callable[..., Any]) -> Callable[..., Any]:
     return between_steps.deferred_param_gather(hooks.stock_param_gather_only(original))
 
 
+def _energy(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+        from . import energy
+
+        return getattr(energy, name)(original)
+
+    return wrap
+
+
 def _evaluation(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
         from . import evaluation
@@ -231,10 +240,18 @@ PATCHES: tuple[Patch, ...] = (
     Patch(f"{_T}.training:checkpoint_and_decide_exit", _between_steps("checkpoint_and_decide_exit"),
           "after every iteration, outside train_step, --exit-signal-handler gathers each rank's SIGTERM flag and "
           "--exit-duration-in-mins all-reduces the elapsed time over the world: a peer's failure there is recovered "
-          "from and the check run again"),
+          "from and the check run again; once it decides to exit, train()'s next world barrier (0.18+: "
+          "torch.distributed.barrier() before sys.exit) is guarded the same way, for that one call"),
     Patch(f"{_T}.training:check_adlr_autoresume_termination", _between_steps("check_adlr_autoresume_termination"),
           "--adlr-autoresume: a world barrier every --adlr-autoresume-interval iterations outside train_step, then "
           "a save: a peer's failure there is recovered from and the check run again"),
+    Patch(f"{_C}.energy_monitor:EnergyMonitor.lap", _energy("lap"),
+          "--log-energy: training_log divides the world's sum by the launch's world size, which after a failure "
+          "sums the survivors only (scaled to per live GPU); train() calls it once more after its loop, a world "
+          "all-reduce outside every guarded call: recovered from there (megatron_lm.energy)", releases=(13, 20)),
+    Patch(f"{_C}.energy_monitor:EnergyMonitor.get_total", _energy("get_total"),
+          "--log-energy: train()'s closing total, a world all-reduce outside every guarded call: recovered from",
+          releases=(13, 20)),
     Patch(f"{_T}.training:print_datetime", _between_steps("print_datetime"),
           "pretrain calls it after train() returns, a world barrier before the final save and validation: a peer's "
           "failure after the last iteration is recovered from there and the final checkpoint still written"),

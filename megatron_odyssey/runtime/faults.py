@@ -35,7 +35,9 @@ from ..planning.errors import PlanningError
 #: training_log; save: a checkpoint save; between: just after a step, before anything else; eval: at the
 #: forward of an evaluation's micro-batch, after that step; exit: at Megatron's exit check after that step,
 #: checkpoint_and_decide_exit, whose --exit-signal-handler / --exit-duration-in-mins collectives span the world; end:
-#: after the last step, at pretrain's world barrier once train() has returned, before its final save and validation)
+#: after the last step: at the first guarded call train() makes once its loop has ended (--log-energy's closing lap, or,
+#: on an exit by --exit-interval & co, 0.18+'s barrier before sys.exit), else at pretrain's world barrier once train()
+#: has returned, before its final save and validation)
 PHASES = ("forward", "backward", "weight-grad", "grad-sync", "optimizer", "data", "recovery", "log", "save", "between",
           "eval", "exit", "end")
 KINDS = ("kill", "hang", "stall", "block", "slow", "slow-link", "error", "crash", "kill-agent", "kill-with-agent",

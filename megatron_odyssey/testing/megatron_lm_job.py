@@ -38,6 +38,10 @@ _LOG = re.compile(r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) .*?ela
 _LOSS_SCALE = re.compile(r"iteration\s+(\d+)/[^\n]*?\| loss scale: (\S+) [^\n]*?number of skipped iterations:\s+(\d+)")
 
 _BATCH = re.compile(r"iteration\s+\d+/[^\n]*?global batch size:\s+(\d+)")
+_ENERGY = re.compile(r"iteration\s+(\d+)/[^\n]*?energy per GPU \(J/iter/GPU\): (\S+) \|")
+_TOTAL_ENERGY = re.compile(r"Total training energy \(GPU\): (\S+) MJ")
+#: NVML for --log-energy on a machine without a GPU (first on PYTHONPATH): 1 MJ per GPU per iteration
+NVML_STAND_IN = Path(__file__).resolve().parent / "nvml_stand_in"
 _UNLOGGED = re.compile(r"training_log of iteration (\d+) was interrupted by a failure after other survivors had left it")
 
 # one of evaluate_and_print_results' lines: "validation loss at iteration 4 | lm loss value: ... | lm loss PPL: ..."
@@ -66,6 +70,14 @@ class JobResult:
     def validations(self) -> list[tuple[str, str, str]]:
         """(where, lm loss, perplexity) of each evaluation Megatron printed, in order."""
         return [m.groups() for m in _VALIDATION.finditer(self.logs)]
+
+    def energy_per_gpu(self) -> dict[int, str]:
+        """iteration -> energy per GPU (J/iter/GPU) as Megatron printed it (``--log-energy``)."""
+        return {int(m.group(1)): m.group(2) for m in _ENERGY.finditer(self.logs)}
+
+    def total_energy_mj(self) -> list[float]:
+        """Every "Total training energy" train() printed at its end (``--log-energy``), in MJ."""
+        return [float(m.group(1)) for m in _TOTAL_ENERGY.finditer(self.logs)]
 
     def unlogged_iterations(self) -> set[int]:
         """Iterations whose log line the logging rank gave up on: a failure in its ``training_log`` after the other

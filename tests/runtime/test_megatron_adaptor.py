@@ -140,6 +140,8 @@ def test_bad_policy_is_rejected_by_argparse(capsys: pytest.CaptureFixture, polic
     (["--odyssey"], {"fp4": "e2m1"}, "--fp4-format: low-precision training"),
     (["--odyssey", "--odyssey-inject-fault", "step=1,rank=1,phase=end"], {}, "phase=end fires once, after the last "
      "iteration: give step=9"),
+    (["--odyssey", "--odyssey-inject-fault", "step=9,rank=1,phase=end"], {"exit_interval": 4},
+     "phase=end fires once, after the last iteration: give step=3"),
     (["--odyssey"], {"tensor_parallel_num_weight_shards": 2}, "--tensor-parallel-num-weight-shards 2"),
     (["--odyssey"], {"dataloader_type": "external"}, "--dataloader-type external is the script's own data loader"),
     (["--odyssey"], {"save": "/ckpt", "ckpt_format": "torch"}, "--ckpt-format torch writes one file per pipeline rank"),

@@ -18,9 +18,9 @@ from typing import Callable
 
 import pytest
 
-from megatron_odyssey.testing.megatron_lm_job import (JobResult, job_env, max_tensor_difference, read_torch_dist,
-                                                      run_odyssey, run_stock, same_evaluations, same_training,
-                                                      shared_device_flags, with_evaluation)
+from megatron_odyssey.testing.megatron_lm_job import (NVML_STAND_IN, JobResult, job_env, max_tensor_difference,
+                                                      read_torch_dist, run_odyssey, run_stock, same_evaluations,
+                                                      same_training, shared_device_flags, with_evaluation)
 from megatron_odyssey.megatron_lm.cpu_mode import tiny_gpt_flags
 
 MLM = os.environ.get("MEGATRON_LM_PATH")
@@ -113,6 +113,35 @@ def test_a_failure_after_the_last_iteration_still_writes_the_final_checkpoint(st
     assert same_training(job.iterations(), stock)
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
     assert (ckpt / f"iter_{ITERS:07d}").is_dir()
+
+
+def test_log_energy_per_live_gpu_and_its_closing_total_through_kills(stock: dict, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """--log-energy, with NVML's stand-in (1 MJ per GPU per iteration): rank 1 killed in iteration 3's backward, rank 2
+    in train()'s closing energy lap, a world all-reduce after the last iteration. Before, from iteration 3 on the
+    energy per GPU printed 750000.0 (the survivors' sum over the launch's 4 GPUs), and the second kill would have
+    taken the survivors with it before the final save. Now every iteration prints stock's figure, the survivors run
+    the lap again and write the final checkpoint, and the closing total is that of the two GPUs alive at the end:
+    2/4 of stock's (a dead GPU's counter is gone with it)."""
+    monkeypatch.setenv("PYTHONPATH", str(NVML_STAND_IN))
+    energy = [*TINY_GPT, "--log-energy"]
+    reference = run_stock(MLM, tmp_path / "stock", energy, _port(1270))
+    assert reference.returncode == 0, reference.logs[-4000:]
+    ckpt = tmp_path / "ckpt"
+    job = run_odyssey(MLM, tmp_path / "odyssey", [
+        *energy, "--odyssey-heartbeat-timeout", "10", "--save", str(ckpt), "--save-interval", "2",
+        "--odyssey-inject-fault", "step=2,rank=1,phase=backward,kind=kill",
+        "--odyssey-inject-fault", f"step={ITERS - 1},rank=2,phase=end,kind=kill"], _port(1280))
+    assert job.returncode == 0, job.logs[-4000:]
+    assert [f["ranks"] for f in job.report["failures"]] == [[1], [2]]
+    assert "the energy lap of iteration 5 was interrupted by a failure; the survivors run it again" in job.logs
+    assert sorted(reference.energy_per_gpu()) == list(range(1, ITERS + 1))
+    assert job.energy_per_gpu() == reference.energy_per_gpu()
+    assert float(reference.energy_per_gpu()[ITERS]) == 1e6  # the stand-in's 1 MJ per GPU per iteration
+    (stock_total,) = reference.total_energy_mj()
+    assert job.total_energy_mj() == [stock_total * 2 / 4]
+    assert same_training(job.iterations(), stock)
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
 
 
 #: ADLR's cluster library that --adlr-autoresume imports from $SUBMIT_SCRIPTS (not public): the cluster asks the job

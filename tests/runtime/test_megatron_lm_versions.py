@@ -21,8 +21,8 @@ import pytest
 
 from megatron_odyssey.megatron_lm.cpu_mode import tiny_gpt_flags
 from megatron_odyssey.megatron_lm.versions import KNOWN_RELEASES
-from megatron_odyssey.testing.megatron_lm_job import (job_env, run_odyssey, run_stock, same_evaluations, same_training,
-                                                      same_training_where_logged, with_evaluation)
+from megatron_odyssey.testing.megatron_lm_job import (NVML_STAND_IN, job_env, run_odyssey, run_stock, same_evaluations,
+                                                      same_training, same_training_where_logged, with_evaluation)
 
 CHECKOUTS = [p for p in os.environ.get("MEGATRON_LM_CHECKOUTS", "").split(os.pathsep) if p]
 
@@ -128,6 +128,53 @@ def test_release_writes_the_final_checkpoint_through_a_kill_after_the_last_itera
     assert same_training(job.iterations(), stock), (job.iterations(), stock)
     if saves:
         assert (work / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
+
+
+@pytest.mark.parametrize("checkout", CHECKOUTS, ids=[Path(c).name for c in CHECKOUTS])
+def test_release_exits_with_its_exit_code_through_a_kill_in_the_barrier_before_exiting(
+        checkout: str, references: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """--exit-interval 3: the exit check saves iteration 3 and decides to exit; from 0.18 on train() then passes a
+    world barrier before sys.exit, where rank 1 is killed. Unguarded, the survivors would leave with its error
+    (exit 1) instead of the job's exit code; now they recover there, pass it again, and leave with 0, the exit's
+    checkpoint the latest."""
+    if _minor(checkout) < 18:
+        pytest.skip("train() passes no barrier before exiting before core_r0.18.0")
+    stock = _stock(checkout, references, tmp_path_factory)
+    work = tmp_path_factory.mktemp("exit")
+    job = run_odyssey(checkout, work, [
+        *_flags(checkout), "--odyssey-heartbeat-timeout", "10", "--exit-interval", "3",
+        "--save", str(work / "ckpt"), "--save-interval", "2",
+        "--odyssey-inject-fault", "step=2,rank=1,phase=end,kind=kill"], _port(checkout, 710))
+    assert job.returncode == 0, job.logs[-4000:]
+    (failure,) = job.report["failures"]
+    assert failure["ranks"] == [1] and failure["step"] == 3, failure
+    assert "the barrier before exiting of iteration 3 was interrupted by a failure; the survivors run it" in job.logs
+    assert same_training(job.iterations(), {i: stock[i] for i in range(1, 4)})
+    assert (work / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+
+
+@pytest.mark.parametrize("checkout", CHECKOUTS, ids=[Path(c).name for c in CHECKOUTS])
+def test_release_log_energy_through_kills(checkout: str, tmp_path_factory: pytest.TempPathFactory,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """--log-energy with NVML's stand-in (megatron.core.energy_monitor, 0.13+): a kill in iteration 3's backward and
+    one in train()'s closing energy lap. Every iteration prints stock's energy per GPU, and the closing total is
+    that of the two GPUs alive at the end: 2/4 of stock's."""
+    if _minor(checkout) < 13:
+        pytest.skip("--log-energy came with core_r0.13.0")
+    monkeypatch.setenv("PYTHONPATH", str(NVML_STAND_IN))
+    flags = [*_flags(checkout), "--log-energy"]
+    reference = run_stock(checkout, tmp_path_factory.mktemp("energy_stock"), flags, _port(checkout, 720))
+    assert reference.returncode == 0, reference.logs[-4000:]
+    job = run_odyssey(checkout, tmp_path_factory.mktemp("energy"), [
+        *flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-inject-fault", "step=2,rank=1,phase=backward,kind=kill",
+        "--odyssey-inject-fault", f"step={ITERS - 1},rank=2,phase=end,kind=kill"], _port(checkout, 730))
+    assert job.returncode == 0, job.logs[-4000:]
+    assert [f["ranks"] for f in job.report["failures"]] == [[1], [2]]
+    assert sorted(reference.energy_per_gpu()) == list(range(1, ITERS + 1))
+    assert job.energy_per_gpu() == reference.energy_per_gpu()
+    (stock_total,) = reference.total_energy_mj()
+    assert stock_total > 0 and job.total_energy_mj() == [stock_total * 2 / 4]
+    assert same_training(job.iterations(), reference.iterations())
 
 
 @pytest.mark.parametrize("checkout", CHECKOUTS, ids=[Path(c).name for c in CHECKOUTS])
