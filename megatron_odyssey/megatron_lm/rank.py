@@ -42,7 +42,7 @@ from .distributed_optimizer import (ShardedState, capture_pieces, deferred_param
                                     reassemble, stage_holder_groups, unit_holder_groups)
 from .batch_ramp import BatchRamp, megatron_batch_ramp
 from .replica_optimizer import ReplicaShards
-from . import loss_scale
+from . import log_writers, loss_scale
 from .samples import GlobalMicroBatches
 from .hooks import ORIGINAL_ATTR, STATE, overridden, sub_optimizers
 from .interleaved import InterleavedCapture, chunk_layer_start, reshuffle_transfers, shapes_for_layers
@@ -579,6 +579,7 @@ class MegatronRank(GenerationRank):
         if policy != "restart":  # (a restart loads the scalers and the schedule from Megatron's checkpoint)
             self._hand_over_to_admitted()
         self.scheduler.step(increment=0)  # the fresh optimizer's groups take the schedule's current lr
+        log_writers.follow_the_last_rank(self.args)
 
     def _hand_over_to_admitted(self) -> None:
         """--fp16: ranks admitted into this generation (a machine that came back, a standby put to work) take the

@@ -42,6 +42,8 @@ _ENERGY = re.compile(r"iteration\s+(\d+)/[^\n]*?energy per GPU \(J/iter/GPU\): (
 _TOTAL_ENERGY = re.compile(r"Total training energy \(GPU\): (\S+) MJ")
 #: NVML for --log-energy on a machine without a GPU (first on PYTHONPATH): 1 MJ per GPU per iteration
 NVML_STAND_IN = Path(__file__).resolve().parent / "nvml_stand_in"
+#: Weights & Biases without its service (first on PYTHONPATH, $WANDB_STAND_IN_LOG a folder): notes every call
+WANDB_STAND_IN = Path(__file__).resolve().parent / "wandb_stand_in"
 _UNLOGGED = re.compile(r"training_log of iteration (\d+) was interrupted by a failure after other survivors had left it")
 
 # one of evaluate_and_print_results' lines: "validation loss at iteration 4 | lm loss value: ... | lm loss PPL: ..."
@@ -258,6 +260,38 @@ def run_odyssey(megatron_lm: str | Path, work: Path, flags: list[str], port: int
         logs += "\n[run_odyssey] the job did not end in 900 s: killed\n"
     return JobResult(124 if timed_out else max(p.returncode for p in procs), wall, logs,
                      json.loads(report.read_text()) if report.exists() else {})
+
+
+def tensorboard_scalars(log_dir: str | Path) -> dict[str, dict[int, float]]:
+    """tag -> step -> value, from every event file in ``log_dir`` (as TensorBoard reads them: all writers'; a
+    step written again keeps its last value). Needs the ``tensorboard`` package."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out: dict[str, dict[int, float]] = {}
+    for events in sorted(Path(log_dir).glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime):
+        accumulator = EventAccumulator(str(events))
+        accumulator.Reload()
+        for tag in accumulator.Tags()["scalars"]:
+            out.setdefault(tag, {}).update({e.step: e.value for e in accumulator.Scalars(tag)})
+    return out
+
+
+def wandb_runs(log_dir: str | Path) -> list[dict[str, Any]]:
+    """What the W&B stand-in noted, one entry per ``init``: its name and project, and the scalars logged to that run
+    (key -> step -> value), ordered by the first iteration each logged."""
+    runs: list[dict[str, Any]] = []
+    for notes in Path(log_dir).glob("*.jsonl"):
+        run: dict[str, Any] | None = None  # this process's current run
+        for line in notes.read_text().splitlines():
+            record = json.loads(line)
+            if record["call"] == "init":
+                run = {"name": record["name"], "project": record["project"], "scalars": {}}
+                runs.append(run)
+            elif record["call"] == "log":
+                assert run is not None, f"{notes}: logged before wandb.init"
+                for key, value in record["data"].items():
+                    run["scalars"].setdefault(key, {})[record["step"]] = value
+    return sorted(runs, key=lambda run: min(run["scalars"].get("lm loss", {}) or [float("inf")]))
 
 
 def read_torch_dist(checkpoint: str | Path) -> dict[str, Any]:

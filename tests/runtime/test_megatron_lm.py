@@ -144,6 +144,52 @@ def test_log_energy_per_live_gpu_and_its_closing_total_through_kills(stock: dict
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
 
 
+@pytest.mark.parametrize("rank", [3, 1], ids=["the_writer", "another"])
+def test_tensorboard_and_wandb_follow_the_last_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rank: int) -> None:
+    """--tensorboard-dir and --wandb-project (W&B's stand-in): Megatron opens both writers on the launch's last rank
+    (3) only. Before, killing it (iteration 3's backward) ended both curves at iteration 2, silently, while the log
+    lines went on from the new last rank. Now the new last rank opens its writers after the recovery: TensorBoard's
+    directory holds every scalar of every iteration as stock wrote it (the gradient norm to float32 rounding: summed
+    in another order over the plan), and W&B gets a second run of the job's name from iteration 3 on, as a relaunch
+    would. Killing another rank leaves the writers where they were."""
+    pytest.importorskip("tensorboard")
+    from megatron_odyssey.testing.megatron_lm_job import WANDB_STAND_IN, tensorboard_scalars, wandb_runs
+
+    monkeypatch.setenv("PYTHONPATH", str(WANDB_STAND_IN))
+
+    def writers(name: str) -> list[str]:
+        (tmp_path / f"{name}_wandb").mkdir()
+        monkeypatch.setenv("WANDB_STAND_IN_LOG", str(tmp_path / f"{name}_wandb"))
+        return ["--tensorboard-dir", str(tmp_path / f"{name}_tb"), "--wandb-project", "odyssey",
+                "--wandb-exp-name", "tiny", "--wandb-save-dir", str(tmp_path / f"{name}_wandb")]
+
+    reference = run_stock(MLM, tmp_path / "stock", [*TINY_GPT, *writers("stock")], _port(1290 + rank))
+    assert reference.returncode == 0, reference.logs[-4000:]
+    job = run_odyssey(MLM, tmp_path / "odyssey", [*ODYSSEY, *writers("odyssey"), "--odyssey-inject-fault",
+                                                 f"step=2,rank={rank},phase=backward,kind=kill"], _port(1300 + 10 * rank))
+    assert job.returncode == 0, job.logs[-4000:]
+    assert same_training(job.iterations(), reference.iterations())
+
+    def same(ours: dict[int, float], stock: dict[int, float], tag: str) -> bool:
+        rel = 1e-6 if tag.startswith("grad-norm") else 0.0
+        return sorted(ours) == sorted(stock) and all(ours[s] == pytest.approx(v, rel=rel, abs=0)
+                                                     for s, v in stock.items())
+
+    stock, ours = tensorboard_scalars(tmp_path / "stock_tb"), tensorboard_scalars(tmp_path / "odyssey_tb")
+    assert "lm loss" in stock and sorted(stock["lm loss"]) == list(range(1, ITERS + 1))
+    assert sorted(ours) == sorted(stock)
+    assert all(same(ours[tag], series, tag) for tag, series in stock.items()), (ours, stock)
+    assert len(list((tmp_path / "odyssey_tb").glob("events.out.tfevents.*"))) == (2 if rank == 3 else 1)
+
+    (stock_run,), runs = wandb_runs(tmp_path / "stock_wandb"), wandb_runs(tmp_path / "odyssey_wandb")
+    assert sorted(stock_run["scalars"]["lm loss"]) == list(range(1, ITERS + 1))
+    assert [(r["name"], r["project"]) for r in runs] == [("tiny", "odyssey")] * (2 if rank == 3 else 1)
+    merged = {key: {s: v for r in runs for s, v in r["scalars"].get(key, {}).items()} for key in stock_run["scalars"]}
+    assert all(same(merged[key], series, key) for key, series in stock_run["scalars"].items()), (merged, stock_run)
+    if rank == 3:
+        assert sorted(runs[1]["scalars"]["lm loss"]) == [3, 4, 5]
+
+
 #: ADLR's cluster library that --adlr-autoresume imports from $SUBMIT_SCRIPTS (not public): the cluster asks the job
 #: to terminate from iteration $AUTORESUME_AT on, and the job asks to be resumed by writing the file resume_requested
 AUTORESUME = """import os

@@ -1,0 +1,59 @@
+"""Megatron's TensorBoard and Weights & Biases writers follow the world's last rank through failures.
+
+Megatron-LM opens both writers (``--tensorboard-dir``, ``--wandb-project``) at start-up on the launch's last rank
+only (``global_vars._set_tensorboard_writer`` / ``_set_wandb_writer``: ``args.rank == args.world_size - 1``), and
+``training_log`` writes the iteration's scalars wherever a writer exists; its log line comes from whichever rank is
+last in the world now (``print_rank_last``). When the launch's last rank is lost, the log line moves to the new
+last rank but the writers died with the old one: the curves stopped at the failure, silently.
+
+After every recovery (and when a machine is taken back) the rank that is now last opens the writers, through
+Megatron's own set-up functions, and a rank that no longer is last closes its own (a machine taken back may be
+last now). TensorBoard reads every event file of its directory, so its curves go on; W&B starts a new run with the
+job's name and project, as a relaunch of the job would.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class _Writer:
+    flag: str  # the argument that asks for it
+    setup: str  # megatron.training.global_vars' function that opens it on the launch's last rank
+    variable: str  # the global it sets
+    close: tuple[str, ...]  # its methods that end it
+
+    def open_as_last(self, global_vars: Any, args: Any) -> None:
+        as_last = copy.copy(args)
+        as_last.rank = as_last.world_size - 1  # what the set-up function tests
+        getattr(global_vars, self.setup)(as_last)
+
+    def shut(self, global_vars: Any, writer: Any) -> None:
+        for method in self.close:
+            getattr(writer, method)()
+        setattr(global_vars, self.variable, None)
+
+
+WRITERS = (
+    _Writer("tensorboard_dir", "_set_tensorboard_writer", "_GLOBAL_TENSORBOARD_WRITER", ("flush", "close")),
+    _Writer("wandb_project", "_set_wandb_writer", "_GLOBAL_WANDB_WRITER", ("finish",)),
+)
+
+
+def follow_the_last_rank(args: Any) -> None:
+    """Call once the new generation's world is up (``torch.distributed`` is the survivors')."""
+    wanted = [w for w in WRITERS if getattr(args, w.flag, None)]
+    if not wanted:
+        return
+    from megatron.training import global_vars
+    from megatron.training.utils import is_last_rank
+
+    last = is_last_rank()
+    for w in wanted:
+        writer = getattr(global_vars, w.variable)
+        if last and writer is None:
+            w.open_as_last(global_vars, args)
+        elif not last and writer is not None:
+            w.shut(global_vars, writer)
