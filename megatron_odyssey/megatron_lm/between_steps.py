@@ -7,7 +7,8 @@ makes them raise in code that is not ours: each guarded function below turns tha
 (register, tear down, enter the agent's next generation) and then runs the call again, in the new layout,
 from the state it began in, and says so on stderr:
 
-- ``training_log``: its loss totals are put back, so the iteration is logged once, as stock Megatron would;
+- ``training_log``: its loss totals are put back, so the iteration is logged once, as stock Megatron would (and
+  it runs with the live world's size, :func:`live_world_size`);
 - but only when every survivor was in the call: a rank that lagged in it while the others had gone on to
   the next iteration (a collective that completed for some ranks before the failure reached them) does not
   run it again, since its collectives would wait for them (its log line, if it is the logging rank, is lost);
@@ -34,9 +35,10 @@ or stopped would assert at its next use).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from .hooks import STATE
 
@@ -155,7 +157,36 @@ def _fresh_strategies(runtime: Any, *args: Any, **kwargs: Any) -> None:
         context["odyssey_generation"] = runtime.gen
 
 
-training_log = guarded("log", "training_log", keep=_keep_log_totals)
+
+
+@contextlib.contextmanager
+def live_world_size() -> Iterator[None]:
+    """``args.world_size`` is the live world's while ``training_log`` runs: it divides by it for the throughput per
+    GPU (``--log-throughput``) and the energy per GPU (``--log-energy``), and logs it (``--log-world-size-to-
+    tensorboard``); after a failure the survivors do the launch's work. The same as stock until then."""
+    import torch.distributed as dist
+
+    from megatron.training import get_args
+
+    args = get_args()
+    launch = args.world_size
+    args.world_size = dist.get_world_size()
+    try:
+        yield
+    finally:
+        args.world_size = launch
+
+
+def training_log(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def log(*args: Any, **kwargs: Any) -> Any:
+        if STATE.runtime is None:
+            return original(*args, **kwargs)
+        with live_world_size():
+            return original(*args, **kwargs)
+
+    return guarded("log", "training_log", keep=_keep_log_totals)(log)
+
 # save: Megatron marks a checkpoint as the latest only after every rank finished writing it, so an
 # interrupted save is never marked; the survivors write it again
 save_checkpoint_and_time = guarded("save", "the checkpoint save")

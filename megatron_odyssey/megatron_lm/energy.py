@@ -3,9 +3,8 @@
 Each rank reads its own GPU's energy counter; ``lap()`` and ``get_total()`` then all-reduce the figures over the
 world. Two things change once a rank is lost:
 
-- ``training_log`` divides ``lap()`` by ``args.world_size``, the launch's, to print the energy per GPU: the sum
-  now comes from the survivors only, so ``lap()`` returns it scaled by launch ranks / live ranks (exactly stock's
-  figure while nobody has failed), and the line stays "per live GPU";
+- ``training_log`` divides ``lap()``, now the survivors' sum, by ``args.world_size``: the live world's while it runs
+  (``between_steps.live_world_size``), so the figure stays per live GPU;
 - ``train()`` calls ``lap()`` and ``get_total()`` once more after its loop, outside every guarded call: a peer lost
   there would take the survivors with it before the final save. Both are guarded there (fault injection phase
   ``end``): recovered from, the monitor's counters put back as the call found them, and the call run again in the
@@ -15,7 +14,6 @@ The energy a lost GPU drew is gone with its counter: the closing total counts th
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable
 
 from .between_steps import once_training
@@ -35,23 +33,8 @@ def keep_counters(monitor: Any, *args: Any, **kwargs: Any) -> Callable[[], None]
     return restore
 
 
-def per_live_gpu(total: float) -> float:
-    """``lap()``'s sum over the live ranks, as the launch's world would have summed it (unchanged until a failure)."""
-    import torch.distributed as dist
-
-    from megatron.training import get_args
-
-    launch, live = get_args().world_size, dist.get_world_size()
-    return total if live == launch else total * launch / live
-
-
 def lap(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def scaled(monitor: Any, *args: Any, **kwargs: Any) -> Any:
-        total = original(monitor, *args, **kwargs)
-        return per_live_gpu(total) if total else total
-
-    return once_training("end", "the energy lap", keep=keep_counters)(scaled)
+    return once_training("end", "the energy lap", keep=keep_counters)(original)
 
 
 def get_total(original: Callable[..., Any]) -> Callable[..., Any]:

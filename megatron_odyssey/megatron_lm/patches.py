@@ -231,7 +231,8 @@ PATCHES: tuple[Patch, ...] = (
     # failures between iterations (megatron_lm.between_steps)
     Patch(f"{_T}.training:training_log", _between_steps("training_log"),
           "its interval barrier and timer all-gathers run over the world outside train_step: a peer's failure "
-          "there is recovered from, and the log line abandoned"),
+          "there is recovered from, and the log line abandoned; it divides by args.world_size for the throughput "
+          "and energy per GPU: the live world's while it runs"),
     Patch(f"{_T}.training:save_checkpoint_and_time", _between_steps("save_checkpoint_and_time"),
           "its timer barrier and the save run over the world outside train_step: a peer's failure there is "
           "recovered from and the save redone by the survivors"),
@@ -246,9 +247,8 @@ PATCHES: tuple[Patch, ...] = (
           "--adlr-autoresume: a world barrier every --adlr-autoresume-interval iterations outside train_step, then "
           "a save: a peer's failure there is recovered from and the check run again"),
     Patch(f"{_C}.energy_monitor:EnergyMonitor.lap", _energy("lap"),
-          "--log-energy: training_log divides the world's sum by the launch's world size, which after a failure "
-          "sums the survivors only (scaled to per live GPU); train() calls it once more after its loop, a world "
-          "all-reduce outside every guarded call: recovered from there (megatron_lm.energy)", releases=(13, 20)),
+          "--log-energy: train() calls it once more after its loop, a world all-reduce outside every guarded call: "
+          "recovered from there (megatron_lm.energy)", releases=(13, 20)),
     Patch(f"{_C}.energy_monitor:EnergyMonitor.get_total", _energy("get_total"),
           "--log-energy: train()'s closing total, a world all-reduce outside every guarded call: recovered from",
           releases=(13, 20)),

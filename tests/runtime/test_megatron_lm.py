@@ -151,7 +151,8 @@ def test_tensorboard_and_wandb_follow_the_last_rank(tmp_path: Path, monkeypatch:
     lines went on from the new last rank. Now the new last rank opens its writers after the recovery: TensorBoard's
     directory holds every scalar of every iteration as stock wrote it (the gradient norm to float32 rounding: summed
     in another order over the plan), and W&B gets a second run of the job's name from iteration 3 on, as a relaunch
-    would. Killing another rank leaves the writers where they were."""
+    would. Killing another rank leaves the writers where they were. --log-world-size-to-tensorboard logs the live
+    world's size: 4 before the failure, 3 after (training_log runs with it)."""
     pytest.importorskip("tensorboard")
     from megatron_odyssey.testing.megatron_lm_job import WANDB_STAND_IN, tensorboard_scalars, wandb_runs
 
@@ -160,8 +161,8 @@ def test_tensorboard_and_wandb_follow_the_last_rank(tmp_path: Path, monkeypatch:
     def writers(name: str) -> list[str]:
         (tmp_path / f"{name}_wandb").mkdir()
         monkeypatch.setenv("WANDB_STAND_IN_LOG", str(tmp_path / f"{name}_wandb"))
-        return ["--tensorboard-dir", str(tmp_path / f"{name}_tb"), "--wandb-project", "odyssey",
-                "--wandb-exp-name", "tiny", "--wandb-save-dir", str(tmp_path / f"{name}_wandb")]
+        return ["--tensorboard-dir", str(tmp_path / f"{name}_tb"), "--log-world-size-to-tensorboard",
+                "--wandb-project", "odyssey", "--wandb-exp-name", "tiny", "--wandb-save-dir", str(tmp_path / f"{name}_wandb")]
 
     reference = run_stock(MLM, tmp_path / "stock", [*TINY_GPT, *writers("stock")], _port(1290 + rank))
     assert reference.returncode == 0, reference.logs[-4000:]
@@ -170,7 +171,12 @@ def test_tensorboard_and_wandb_follow_the_last_rank(tmp_path: Path, monkeypatch:
     assert job.returncode == 0, job.logs[-4000:]
     assert same_training(job.iterations(), reference.iterations())
 
+    live = {1: 4, 2: 4, 3: 3, 4: 3, 5: 3}  # world size by iteration
+
     def same(ours: dict[int, float], stock: dict[int, float], tag: str) -> bool:
+        if tag.startswith("world-size"):  # (vs samples: 8 samples per iteration)
+            assert set(stock.values()) == {4}
+            stock = {s: live[s if tag == "world-size" else s // 8] for s in stock}
         rel = 1e-6 if tag.startswith("grad-norm") else 0.0
         return sorted(ours) == sorted(stock) and all(ours[s] == pytest.approx(v, rel=rel, abs=0)
                                                      for s, v in stock.items())
