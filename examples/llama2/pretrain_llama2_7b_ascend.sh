@@ -56,6 +56,7 @@ TRAINING=(
   --data-path "$DATA_PREFIX" --split 990,8,2
   --save "$CKPT" --load "$CKPT" --save-interval 1000
   --log-interval 10 --eval-iters 10 --eval-interval 1000   # evaluates in any layout after a failure
+  --tensorboard-dir "$CKPT/tensorboard" --log-throughput   # the writer moves to the last live rank after a failure
   --distributed-backend nccl --distributed-timeout-minutes 10
 )
 ODYSSEY=(

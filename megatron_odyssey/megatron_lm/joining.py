@@ -21,6 +21,7 @@ import os
 from datetime import timedelta
 from typing import Any, Callable, ContextManager
 
+from . import log_writers
 from .hooks import STATE, odyssey_enabled, overridden
 
 JOIN_RANK_ENV = "ODYSSEY_JOIN_RANK"  # the global rank a joining process takes (set by odyssey-launch --join)
@@ -72,7 +73,7 @@ def private_layout(args: Any) -> None:
         if mine != theirs:
             raise OdysseyArgumentError(f"odyssey-launch --join: {flag} {mine} differs from the running job's "
                                        f"{theirs}; join with the job's own command line")
-    STATE.joining = {"load": getattr(args, "load", None)}
+    STATE.joining = {"load": getattr(args, "load", None), "writers": log_writers.withhold(args)}
     args.pipeline_model_parallel_size = 1
     for name in _PIPELINE_SHAPE:
         if getattr(args, name, None) is not None:
@@ -99,6 +100,7 @@ def resume_where_the_job_is(args: Any, scheduler: Any, ident: int, resume: int) 
     cfg = job_config()
     args.pipeline_model_parallel_size, args.world_size, args.data_parallel_size = cfg.pp, cfg.nproc, cfg.dp
     args.rank, args.load = ident, (STATE.joining or {}).get("load")
+    log_writers.give_back(args, (STATE.joining or {}).get("writers", {}))
     _micro_batches_of_the_job(args, cfg)
     ramp = BatchRamp.from_list(cfg.extra.get("batch_ramp"))
     consumed = ramp.samples_before(resume) if ramp else resume * cfg.global_batch

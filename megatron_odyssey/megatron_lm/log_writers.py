@@ -9,7 +9,9 @@ last rank but the writers died with the old one: the curves stopped at the failu
 After every recovery (and when a machine is taken back) the rank that is now last opens the writers, through
 Megatron's own set-up functions, and a rank that no longer is last closes its own (a machine taken back may be
 last now). TensorBoard reads every event file of its directory, so its curves go on; W&B starts a new run with the
-job's name and project, as a relaunch of the job would.
+job's name and project, as a relaunch of the job would. A machine that comes back sets Megatron up in a private
+world of its own, where it would be the last rank: its writers' flags are withheld there (:func:`withhold`) and
+given back at its admission, before it enters the job's generation.
 """
 from __future__ import annotations
 
@@ -57,3 +59,16 @@ def follow_the_last_rank(args: Any) -> None:
             w.open_as_last(global_vars, args)
         elif not last and writer is not None:
             w.shut(global_vars, writer)
+
+
+def withhold(args: Any) -> dict[str, Any]:
+    """Clear the writers' flags (a joining rank's private world, before Megatron opens writers); returns them."""
+    withheld = {w.flag: getattr(args, w.flag, None) for w in WRITERS}
+    for flag in withheld:
+        setattr(args, flag, None)
+    return withheld
+
+
+def give_back(args: Any, withheld: dict[str, Any]) -> None:
+    for flag, value in withheld.items():
+        setattr(args, flag, value)

@@ -68,7 +68,7 @@ def test_a_joining_rank_sets_up_one_stage_of_one_layer_and_loads_nothing(job) ->
     assert args.pipeline_model_parallel_size == 1 and args.load is None
     assert args.virtual_pipeline_model_parallel_size is None and args.num_layers_per_virtual_pipeline_stage is None
     assert STATE.stage_range == (0, 1)  # embedding, one layer, output: the admitted stage is built later
-    assert STATE.joining == {"load": "/ckpt"}
+    assert STATE.joining == {"load": "/ckpt", "writers": {"tensorboard_dir": None, "wandb_project": None}}
 
 
 @pytest.mark.parametrize("attr, flag, value", [("num_layers", "--num-layers", 16), ("global_batch_size",
@@ -81,7 +81,7 @@ def test_a_command_line_that_is_not_the_jobs_is_refused(job, attr: str, flag: st
 def test_a_machine_joins_an_fp16_job(job) -> None:
     """Its loss scale and schedule step count are handed over when it enters (loss_scale.hand_over)."""
     joining.private_layout(_args(fp16=True, accumulate_allreduce_grads_in_fp32=True))
-    assert STATE.joining == {"load": "/ckpt"}
+    assert STATE.joining["load"] == "/ckpt"
 
 
 def test_odyssey_flags_are_checked_against_the_jobs_world(job) -> None:
@@ -110,9 +110,13 @@ def test_megatrons_loop_resumes_at_the_jobs_iteration_and_learning_rate(job) -> 
     reference = scheduler()
     for _ in range(7):
         reference.step(increment=16)
-    args, joined = _args(), scheduler()
+    args, joined = _args(tensorboard_dir="/tb", wandb_project="llama"), scheduler()
     joining.private_layout(args)
+    # Megatron opens its TensorBoard and W&B writers on the world's last rank, which the private world makes this
+    # rank: their flags are withheld there, and given back with the job's layout (log_writers)
+    assert args.tensorboard_dir is None and args.wandb_project is None
     joining.resume_where_the_job_is(args, joined, ident=5, resume=7)
+    assert (args.tensorboard_dir, args.wandb_project) == ("/tb", "llama")
     assert (args.world_size, args.data_parallel_size, args.pipeline_model_parallel_size) == (8, 2, 2)
     assert (args.rank, args.load, args.iteration, args.consumed_train_samples) == (5, "/ckpt", 7, 112)
     assert joined.num_steps == reference.num_steps == 112

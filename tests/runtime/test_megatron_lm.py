@@ -1129,7 +1129,8 @@ def test_a_lost_machine_comes_back_and_joins(stock: dict, tmp_path: Path) -> Non
     3@2``); the planner admits it, it receives its stage's weights and Adam state from a live replica, trains the
     last iteration in its old place, and every iteration equals stock Megatron-LM's."""
     job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--odyssey-inject-fault", "step=1,rank=3,phase=forward,kind=kill-machine",
-                                      "--odyssey-rejoin", "3@2"], _port(750), nodes=4, join=(3,))
+                                      "--odyssey-rejoin", "3@2", "--tensorboard-dir", str(tmp_path / "tb")],
+                      _port(750), nodes=4, join=(3,))
     assert job.returncode == 0, job.logs[-4000:]
     report = job.report
     (failure,) = report["failures"]
@@ -1142,6 +1143,16 @@ def test_a_lost_machine_comes_back_and_joins(stock: dict, tmp_path: Path) -> Non
     assert "admitted into generation 2 at iteration 4" in job.logs
     assert job.global_batch_sizes() == {8}  # (the joined rank logs from iteration 5 on: it is the last rank)
     assert same_training(job.iterations(), stock)
+    # TensorBoard: machine 3 wrote iterations 1-2 and died, rank 2 (last of the survivors) wrote 3-4, and the joined
+    # rank, last again, wrote 5 (its private world opened no writer of its own)
+    try:
+        from megatron_odyssey.testing.megatron_lm_job import tensorboard_scalars
+
+        losses = tensorboard_scalars(tmp_path / "tb")["lm loss"]
+    except ImportError:  # (no tensorboard: Megatron wrote nothing)
+        return
+    assert {i: f"{v:.6E}" for i, v in losses.items()} == {i: stock[i][2] for i in stock}
+    assert len(list((tmp_path / "tb").glob("events.out.tfevents.*"))) == 3
 
 
 def test_a_lost_machine_comes_back_to_an_fp16_job(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
