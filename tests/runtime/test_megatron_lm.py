@@ -1144,15 +1144,41 @@ def test_a_lost_machine_comes_back_and_joins(stock: dict, tmp_path: Path) -> Non
     assert job.global_batch_sizes() == {8}  # (the joined rank logs from iteration 5 on: it is the last rank)
     assert same_training(job.iterations(), stock)
     # TensorBoard: machine 3 wrote iterations 1-2 and died, rank 2 (last of the survivors) wrote 3-4, and the joined
-    # rank, last again, wrote 5 (its private world opened no writer of its own)
+    # rank, last again, wrote 5 (its private world opened no writer of its own); the values against stock's are
+    # test_tensorboard_and_wandb_follow_the_last_rank's
     try:
         from megatron_odyssey.testing.megatron_lm_job import tensorboard_scalars
 
         losses = tensorboard_scalars(tmp_path / "tb")["lm loss"]
     except ImportError:  # (no tensorboard: Megatron wrote nothing)
         return
-    assert {i: f"{v:.6E}" for i, v in losses.items()} == {i: stock[i][2] for i in stock}
+    assert sorted(losses) == list(range(1, ITERS + 1))
     assert len(list((tmp_path / "tb").glob("events.out.tfevents.*"))) == 3
+
+
+def test_a_machine_that_comes_back_opens_no_log_writer_of_its_own(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Machine 1 is lost and comes back while rank 3 stays the last rank, with --tensorboard-dir and --wandb-project
+    (W&B's stand-in). The returning rank sets Megatron up in a private world of its own, where it is the last rank
+    and Megatron would open both writers: an empty event file and a stray W&B run of the job's name. Its writers'
+    flags are withheld there, so rank 3's writers are the job's only ones, from the first iteration to the last."""
+    pytest.importorskip("tensorboard")
+    from megatron_odyssey.testing.megatron_lm_job import WANDB_STAND_IN, tensorboard_scalars, wandb_runs
+
+    monkeypatch.setenv("PYTHONPATH", str(WANDB_STAND_IN))
+    monkeypatch.setenv("WANDB_STAND_IN_LOG", str(tmp_path / "wandb"))
+    (tmp_path / "wandb").mkdir()
+    job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--odyssey-inject-fault", "step=1,rank=1,phase=forward,kind=kill-machine",
+                                      "--odyssey-rejoin", "1@2", "--tensorboard-dir", str(tmp_path / "tb"),
+                                      "--wandb-project", "odyssey", "--wandb-exp-name", "tiny",
+                                      "--wandb-save-dir", str(tmp_path / "wandb")], _port(790), nodes=4, join=(1,))
+    assert job.returncode == 0, job.logs[-4000:]
+    (joined,) = job.report["joins"]
+    assert joined["ranks"] == [1]
+    assert len(list((tmp_path / "tb").glob("events.out.tfevents.*"))) == 1
+    assert sorted(tensorboard_scalars(tmp_path / "tb")["lm loss"]) == list(range(1, ITERS + 1))
+    (run,) = wandb_runs(tmp_path / "wandb")
+    assert sorted(run["scalars"]["lm loss"]) == list(range(1, ITERS + 1))
 
 
 def test_a_lost_machine_comes_back_to_an_fp16_job(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
