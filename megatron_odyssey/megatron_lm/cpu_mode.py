@@ -375,8 +375,7 @@ MEGATRON_LM_CPU_PATCHES: Tuple[Patch, ...] = (
     Patch(f"{_MC}.fault_injector.torch", NamedCudaDeviceCpuTorchView(),
           "0.18+ --fault-injector-*: setup_fault_injection() broadcasts its plan in a current_device() tensor"),
     Patch(f"{_MC}.energy_monitor.torch", _CORE_TORCH_VIEW,
-          "0.13+ --log-energy: setup() asks torch.cuda.current_device() for its NVML handle, lap() and get_total() "
-          "all-reduce device='cuda' tensors"),
+          "0.13+ --log-energy: setup() asks current_device() for NVML; lap() all-reduces device='cuda' tensors"),
     # --- process-wide (see above) ---
     Patch("torch.Tensor.cuda", _tensor_cuda,
           "get_model() model.cuda() / get_batch_on_this_tp_rank() .cuda(): keep tensors on CPU"),

@@ -32,15 +32,14 @@ class _Survivor:
 
 
 @pytest.fixture
-def world(tmp_path) -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+def world(gloo_world: None) -> Iterator[None]:
+    """The session's one-rank gloo world, with torch's barrier and no runtime again afterwards."""
     stock = dist.barrier
     try:
         yield
     finally:
         dist.barrier = stock
         STATE.runtime = None
-        dist.destroy_process_group()
 
 
 def test_the_next_world_barrier_is_recovered_from_once_then_torch_again(world: None) -> None:
