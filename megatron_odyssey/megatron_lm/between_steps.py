@@ -43,24 +43,22 @@ from typing import Any, Callable, Iterator
 from .hooks import STATE
 
 
-def _timer_states() -> dict[str, tuple[bool, float]]:
+def _megatron_timers() -> dict[str, Any]:
+    """Megatron's timers by name; none when they are not set up (tests of the guard alone)."""
     try:
         from megatron.training.global_vars import get_timers
 
-        timers = getattr(get_timers(), "_timers", {})
-    except Exception:  # timers not set up (tests of the guard alone)
+        return getattr(get_timers(), "_timers", {})
+    except Exception:
         return {}
-    return {name: (t._started, t._start_time) for name, t in timers.items() if hasattr(t, "_started")}
+
+
+def _timer_states() -> dict[str, tuple[bool, float]]:
+    return {name: (t._started, t._start_time) for name, t in _megatron_timers().items() if hasattr(t, "_started")}
 
 
 def _restore_timers(states: dict[str, tuple[bool, float]]) -> None:
-    try:
-        from megatron.training.global_vars import get_timers
-
-        timers = getattr(get_timers(), "_timers", {})
-    except Exception:  # as in _timer_states
-        return
-    for name, timer in timers.items():
+    for name, timer in _megatron_timers().items():
         if hasattr(timer, "_started"):
             timer._started, timer._start_time = states.get(name, (False, timer._start_time))
 
@@ -157,8 +155,6 @@ def _fresh_strategies(runtime: Any, *args: Any, **kwargs: Any) -> None:
         context["odyssey_generation"] = runtime.gen
 
 
-
-
 @contextlib.contextmanager
 def live_world_size() -> Iterator[None]:
     """``args.world_size`` is the live world's while ``training_log`` runs: it divides by it for the throughput per
@@ -186,6 +182,7 @@ def training_log(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(*args, **kwargs)
 
     return guarded("log", "training_log", keep=_keep_log_totals)(log)
+
 
 # save: Megatron marks a checkpoint as the latest only after every rank finished writing it, so an
 # interrupted save is never marked; the survivors write it again
@@ -233,6 +230,8 @@ def _guard_the_next_world_barrier(what: str) -> None:
 
     barrier._odyssey_guards_once = True  # type: ignore[attr-defined]
     dist.barrier = barrier
+
+
 # --adlr-autoresume: every --adlr-autoresume-interval iterations a world barrier, then (asked to terminate) a save
 # and sys.exit(0), which passes through (SystemExit is no Exception)
 check_adlr_autoresume_termination = guarded("exit", "the autoresume check")

@@ -106,13 +106,20 @@ def test_a_failure_after_the_last_iteration_still_writes_the_final_checkpoint(st
     ckpt = tmp_path / "ckpt"
     job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--save", str(ckpt), "--save-interval", "2", "--odyssey-inject-fault",
                                       f"step={ITERS - 1},rank=1,phase=end,kind=kill"], _port(1210))
+    _recovered_after_the_last_iteration(job, ckpt, stock, "print_datetime's barrier of iteration 5 was interrupted by a "
+                                                         "failure; the survivors run it again")
+    assert (ckpt / f"iter_{ITERS:07d}").is_dir()
+
+
+def _recovered_after_the_last_iteration(job: JobResult, ckpt: Path, stock: dict, said: str) -> None:
+    """Rank 1, killed after the last iteration, was the one failure; the survivors ``said`` so, trained as ``stock``
+    and wrote the final checkpoint."""
     assert job.returncode == 0, job.logs[-4000:]
     (failure,) = job.report["failures"]
     assert failure["ranks"] == [1] and failure["step"] == ITERS, failure
-    assert "print_datetime's barrier of iteration 5 was interrupted by a failure; the survivors run it again" in job.logs
+    assert said in job.logs
     assert same_training(job.iterations(), stock)
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
-    assert (ckpt / f"iter_{ITERS:07d}").is_dir()
 
 
 def test_log_energy_per_live_gpu_and_its_closing_total_through_kills(stock: dict, tmp_path: Path,
@@ -144,6 +151,18 @@ def test_log_energy_per_live_gpu_and_its_closing_total_through_kills(stock: dict
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
 
 
+def _log_writers(where: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Flags for Megatron's TensorBoard writer and W&B (its stand-in, first on PYTHONPATH, noting into ``where``/wandb)
+    writing under ``where``."""
+    from megatron_odyssey.testing.megatron_lm_job import WANDB_STAND_IN
+
+    (where / "wandb").mkdir(parents=True)
+    monkeypatch.setenv("PYTHONPATH", str(WANDB_STAND_IN))
+    monkeypatch.setenv("WANDB_STAND_IN_LOG", str(where / "wandb"))
+    return ["--tensorboard-dir", str(where / "tb"), "--wandb-project", "odyssey", "--wandb-exp-name", "tiny",
+            "--wandb-save-dir", str(where / "wandb")]
+
+
 @pytest.mark.parametrize("rank", [3, 1], ids=["the_writer", "another"])
 def test_tensorboard_and_wandb_follow_the_last_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rank: int) -> None:
     """--tensorboard-dir and --wandb-project (W&B's stand-in): Megatron opens both writers on the launch's last rank
@@ -154,20 +173,15 @@ def test_tensorboard_and_wandb_follow_the_last_rank(tmp_path: Path, monkeypatch:
     would. Killing another rank leaves the writers where they were. --log-world-size-to-tensorboard logs the live
     world's size: 4 before the failure, 3 after (training_log runs with it)."""
     pytest.importorskip("tensorboard")
-    from megatron_odyssey.testing.megatron_lm_job import WANDB_STAND_IN, tensorboard_scalars, wandb_runs
+    from megatron_odyssey.testing.megatron_lm_job import tensorboard_scalars, wandb_runs
 
-    monkeypatch.setenv("PYTHONPATH", str(WANDB_STAND_IN))
-
-    def writers(name: str) -> list[str]:
-        (tmp_path / f"{name}_wandb").mkdir()
-        monkeypatch.setenv("WANDB_STAND_IN_LOG", str(tmp_path / f"{name}_wandb"))
-        return ["--tensorboard-dir", str(tmp_path / f"{name}_tb"), "--log-world-size-to-tensorboard",
-                "--wandb-project", "odyssey", "--wandb-exp-name", "tiny", "--wandb-save-dir", str(tmp_path / f"{name}_wandb")]
-
-    reference = run_stock(MLM, tmp_path / "stock", [*TINY_GPT, *writers("stock")], _port(1290 + rank))
+    world_size = "--log-world-size-to-tensorboard"
+    reference = run_stock(MLM, tmp_path / "stock", [*TINY_GPT, *_log_writers(tmp_path / "stock", monkeypatch),
+                                                    world_size], _port(1290 + rank))
     assert reference.returncode == 0, reference.logs[-4000:]
-    job = run_odyssey(MLM, tmp_path / "odyssey", [*ODYSSEY, *writers("odyssey"), "--odyssey-inject-fault",
-                                                 f"step=2,rank={rank},phase=backward,kind=kill"], _port(1300 + 10 * rank))
+    job = run_odyssey(MLM, tmp_path / "odyssey", [*ODYSSEY, *_log_writers(tmp_path / "odyssey", monkeypatch), world_size,
+                                                 "--odyssey-inject-fault", f"step=2,rank={rank},phase=backward,kind=kill"],
+                      _port(1300 + 10 * rank))
     assert job.returncode == 0, job.logs[-4000:]
     assert same_training(job.iterations(), reference.iterations())
 
@@ -181,13 +195,13 @@ def test_tensorboard_and_wandb_follow_the_last_rank(tmp_path: Path, monkeypatch:
         return sorted(ours) == sorted(stock) and all(ours[s] == pytest.approx(v, rel=rel, abs=0)
                                                      for s, v in stock.items())
 
-    stock, ours = tensorboard_scalars(tmp_path / "stock_tb"), tensorboard_scalars(tmp_path / "odyssey_tb")
+    stock, ours = tensorboard_scalars(tmp_path / "stock" / "tb"), tensorboard_scalars(tmp_path / "odyssey" / "tb")
     assert "lm loss" in stock and sorted(stock["lm loss"]) == list(range(1, ITERS + 1))
     assert sorted(ours) == sorted(stock)
     assert all(same(ours[tag], series, tag) for tag, series in stock.items()), (ours, stock)
-    assert len(list((tmp_path / "odyssey_tb").glob("events.out.tfevents.*"))) == (2 if rank == 3 else 1)
+    assert len(list((tmp_path / "odyssey" / "tb").glob("events.out.tfevents.*"))) == (2 if rank == 3 else 1)
 
-    (stock_run,), runs = wandb_runs(tmp_path / "stock_wandb"), wandb_runs(tmp_path / "odyssey_wandb")
+    (stock_run,), runs = wandb_runs(tmp_path / "stock" / "wandb"), wandb_runs(tmp_path / "odyssey" / "wandb")
     assert sorted(stock_run["scalars"]["lm loss"]) == list(range(1, ITERS + 1))
     assert [(r["name"], r["project"]) for r in runs] == [("tiny", "odyssey")] * (2 if rank == 3 else 1)
     merged = {key: {s: v for r in runs for s, v in r["scalars"].get(key, {}).items()} for key in stock_run["scalars"]}
@@ -692,12 +706,8 @@ def test_a_failure_in_the_deferred_weight_all_gather_at_the_end_is_recovered_fro
     job = run_odyssey(MLM, tmp_path, [*ODYSSEY, *DISTOPT, *OVERLAPPED, "--save", str(ckpt), "--save-interval", "2",
                                       "--odyssey-inject-fault", f"step={ITERS - 1},rank=1,phase=end,kind=kill"],
                       _port(1250), nproc=8)
-    assert job.returncode == 0, job.logs[-4000:]
-    (failure,) = job.report["failures"]
-    assert failure["ranks"] == [1] and failure["step"] == ITERS, failure
-    assert "the deferred weight all-gather of iteration 5 was interrupted by a failure; the survivors run it" in job.logs
-    assert same_training(job.iterations(), stock_overlapped_distopt)
-    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
+    _recovered_after_the_last_iteration(job, ckpt, stock_overlapped_distopt, "the deferred weight all-gather of "
+                                        "iteration 5 was interrupted by a failure; the survivors run it")
 
 
 @pytest.mark.parametrize("layout", ["distopt-overlapped", "interleaved"])
@@ -1163,15 +1173,11 @@ def test_a_machine_that_comes_back_opens_no_log_writer_of_its_own(tmp_path: Path
     and Megatron would open both writers: an empty event file and a stray W&B run of the job's name. Its writers'
     flags are withheld there, so rank 3's writers are the job's only ones, from the first iteration to the last."""
     pytest.importorskip("tensorboard")
-    from megatron_odyssey.testing.megatron_lm_job import WANDB_STAND_IN, tensorboard_scalars, wandb_runs
+    from megatron_odyssey.testing.megatron_lm_job import tensorboard_scalars, wandb_runs
 
-    monkeypatch.setenv("PYTHONPATH", str(WANDB_STAND_IN))
-    monkeypatch.setenv("WANDB_STAND_IN_LOG", str(tmp_path / "wandb"))
-    (tmp_path / "wandb").mkdir()
     job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--odyssey-inject-fault", "step=1,rank=1,phase=forward,kind=kill-machine",
-                                      "--odyssey-rejoin", "1@2", "--tensorboard-dir", str(tmp_path / "tb"),
-                                      "--wandb-project", "odyssey", "--wandb-exp-name", "tiny",
-                                      "--wandb-save-dir", str(tmp_path / "wandb")], _port(790), nodes=4, join=(1,))
+                                      "--odyssey-rejoin", "1@2", *_log_writers(tmp_path, monkeypatch)],
+                      _port(790), nodes=4, join=(1,))
     assert job.returncode == 0, job.logs[-4000:]
     (joined,) = job.report["joins"]
     assert joined["ranks"] == [1]
