@@ -8,16 +8,24 @@ last rank but the writers died with the old one: the curves stopped at the failu
 
 After every recovery (and when a machine is taken back) the rank that is now last opens the writers, through
 Megatron's own set-up functions, and a rank that no longer is last closes its own (a machine taken back may be
-last now). TensorBoard reads every event file of its directory, so its curves go on; W&B starts a new run with the
-job's name and project, as a relaunch of the job would. A machine that comes back sets Megatron up in a private
-world of its own, where it would be the last rank: its writers' flags are withheld there (:func:`withhold`) and
-given back at its admission, before it enters the job's generation.
+last now). TensorBoard reads every event file of its directory, so its curves go on. W&B resumes the job's run:
+the launch's last rank puts its run's id in the job's store, and the next last rank opens W&B with that id and
+``resume="allow"`` (through W&B's ``WANDB_RUN_ID`` and ``WANDB_RESUME``, which ``wandb.init`` reads where Megatron
+passes neither), so one run holds the whole job; W&B keeps a resumed run's steps increasing and drops a step it
+already has (an iteration the dead rank logged before it died). A machine that comes back sets Megatron up in a
+private world of its own, where it would be the last rank: its writers' flags are withheld there (:func:`withhold`)
+and given back at its admission, before it enters the job's generation.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
+
+#: the store key of the W&B run the job logs to, for whichever rank is last after a failure
+WANDB_RUN_KEY = "odyssey/wandb/run"
 
 
 @dataclass(frozen=True)
@@ -44,8 +52,9 @@ WRITERS = (
 )
 
 
-def follow_the_last_rank(args: Any) -> None:
-    """Call once the new generation's world is up (``torch.distributed`` is the survivors')."""
+def follow_the_last_rank(args: Any, store: Any) -> None:
+    """Call once the new generation's world is up (``torch.distributed`` is the survivors'), and at start-up (the
+    launch's last rank publishes its W&B run)."""
     wanted = [w for w in WRITERS if getattr(args, w.flag, None)]
     if not wanted:
         return
@@ -56,9 +65,33 @@ def follow_the_last_rank(args: Any) -> None:
     for w in wanted:
         writer = getattr(global_vars, w.variable)
         if last and writer is None:
-            w.open_as_last(global_vars, args)
+            with _resuming(w, store):
+                w.open_as_last(global_vars, args)
         elif not last and writer is not None:
             w.shut(global_vars, writer)
+    run = getattr(getattr(global_vars, "_GLOBAL_WANDB_WRITER", None), "run", None)
+    if last and getattr(run, "id", None) and not store.check([WANDB_RUN_KEY]):
+        store.set(WANDB_RUN_KEY, str(run.id))
+
+
+@contextlib.contextmanager
+def _resuming(writer: _Writer, store: Any) -> Iterator[None]:
+    """Opening W&B where the job's run was published: W&B's environment names that run and resumes it, for this
+    call only (the launch's environment is put back after)."""
+    if writer.flag != "wandb_project" or not store.check([WANDB_RUN_KEY]):
+        yield
+        return
+    wanted = {"WANDB_RUN_ID": store.get(WANDB_RUN_KEY).decode(), "WANDB_RESUME": "allow"}
+    before = {name: os.environ.get(name) for name in wanted}
+    os.environ.update(wanted)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def withhold(args: Any) -> dict[str, Any]:

@@ -324,6 +324,7 @@ class MegatronRank(GenerationRank):
             self._adopt_private_world()
         else:
             self._adopt_generation0(plan)
+            log_writers.follow_the_last_rank(args, store)  # the launch's last rank publishes its W&B run
         from ..runtime.op_trace import ComputeTimer
 
         # generation 0's compute, timed in Megatron's own schedule for the diagnosis (the forward step in
@@ -579,7 +580,7 @@ class MegatronRank(GenerationRank):
         if policy != "restart":  # (a restart loads the scalers and the schedule from Megatron's checkpoint)
             self._hand_over_to_admitted()
         self.scheduler.step(increment=0)  # the fresh optimizer's groups take the schedule's current lr
-        log_writers.follow_the_last_rank(self.args)
+        log_writers.follow_the_last_rank(self.args, self.store)
 
     def _hand_over_to_admitted(self) -> None:
         """--fp16: ranks admitted into this generation (a machine that came back, a standby put to work) take the

@@ -75,6 +75,10 @@ class Diagnoser:
         self.last_factors: dict[int, float] = {}  # node -> its compute factor in the newest step
         # (node, its units) -> its ratios to every other node in recent steps where twins judged it normal
         self.baselines: dict[tuple[int, frozenset[int]], deque] = defaultdict(lambda: deque(maxlen=16))
+        # node -> (its receivers' wait, its all-reduce peers' wait) in each of the steps it is judged on: the
+        # evidence of a slow node is that of the window its factor's median comes from, not of one step (on a
+        # loaded host one step's order of entry into an all-reduce can be the scheduler's)
+        self.held_up: dict[int, deque] = defaultdict(lambda: deque(maxlen=self.options.window))
 
     # -- per step ---------------------------------------------------------------------------------------
     def observe(self, step: int, summaries: Mapping[int, dict[str, Any]], plan: ExecutionPlan,
@@ -88,8 +92,9 @@ class Diagnoser:
         held_up = self.reduce_waits(summaries)
         self.last_factors = factors
         for node, factor in factors.items():
+            self.held_up[node].append((waits.get(node, 0.0), held_up.get(node, 0.0)))
             found += self._update(("slow", node), step, factor, self.options.slow_factor, lambda m, n=node: Finding(
-                step, "slow", [n], _slow_evidence(n, m, waits.get(n), held_up.get(n)), m))
+                step, "slow", [n], _slow_evidence(n, m, list(self.held_up[n])), m))
         links = self.link_delays(summaries)
         for (src, dst), ratio in self.link_ratios(links).items():
             found += self._update(("comm-slow", (src, dst)), step, ratio, self.options.link_ratio,
@@ -115,6 +120,7 @@ class Diagnoser:
             del self.tracks[key]
         for key in [k for k in self.baselines if k[0] == node]:
             del self.baselines[key]
+        self.held_up.pop(node, None)
 
     def _against_baselines(self, factors: dict[int, float], speed: dict[int, float],
                            holdings: Mapping[int, frozenset[int]]) -> dict[int, float]:
@@ -237,12 +243,18 @@ class Diagnoser:
         return out
 
 
-def _slow_evidence(node: int, factor: float, waited: float | None, held_up: float | None = None) -> str:
+def _slow_evidence(node: int, factor: float, held_up: list[tuple[float, float]]) -> str:
+    """What the node's slowness cost the others over the steps it was judged on: ``held_up`` is (its receivers'
+    wait, its all-reduce peers' wait) per step."""
     text = f"node {node}'s compute per micro-batch takes {factor:.1f}x as long as its peers' for the same work"
+    steps = len(held_up)
+    waited = sum(w for w, _ in held_up)
     if waited:
-        text += f"; its receivers waited {waited * 1e3:.0f} ms for its messages in the last step"
-    if held_up:
-        text += f"; its gradient all-reduce peers waited {held_up * 1e3:.0f} ms for it"
+        text += f"; its receivers waited {waited * 1e3:.0f} ms for its messages in the last {steps} steps"
+    late = [r for _, r in held_up if r]
+    if late:
+        text += (f"; its gradient all-reduce peers waited {sum(late) * 1e3:.0f} ms for it (it entered last in "
+                 f"{len(late)} of those {steps} steps)")
     return text
 
 

@@ -277,15 +277,16 @@ def tensorboard_scalars(log_dir: str | Path) -> dict[str, dict[int, float]]:
 
 
 def wandb_runs(log_dir: str | Path) -> list[dict[str, Any]]:
-    """What the W&B stand-in noted, one entry per ``init``: its name and project, and the scalars logged to that run
-    (key -> step -> value), ordered by the first iteration each logged."""
+    """What the W&B stand-in noted, one entry per ``init``: its name, project, id and resume mode, and the scalars
+    logged to that run (key -> step -> value), ordered by the first iteration each logged."""
     runs: list[dict[str, Any]] = []
     for notes in Path(log_dir).glob("*.jsonl"):
         run: dict[str, Any] | None = None  # this process's current run
         for line in notes.read_text().splitlines():
             record = json.loads(line)
             if record["call"] == "init":
-                run = {"name": record["name"], "project": record["project"], "scalars": {}}
+                run = {"name": record["name"], "project": record["project"], "id": record["id"],
+                       "resume": record["resume"], "scalars": {}}
                 runs.append(run)
             elif record["call"] == "log":
                 assert run is not None, f"{notes}: logged before wandb.init"

@@ -142,6 +142,25 @@ def test_the_last_to_enter_an_all_reduce_is_the_one_its_peers_waited_for():
     assert Diagnoser.reduce_waits(s) == {5: pytest.approx(0.85)}
 
 
+
+def test_a_slow_nodes_evidence_covers_the_steps_it_was_judged_on():
+    """On a loaded host the slow node's peer can be descheduled into entering the all-reduce after it in the very
+    step it is named: the evidence is that of its judged window (here it entered last in 2 of 3 steps, the
+    receivers waited 50 ms in each), not the naming step's alone."""
+    d = Diagnoser()
+    named = []
+    for step, (slow_entered, twin_entered) in enumerate(((10.4, 10.0), (10.3, 10.0), (10.0, 10.2))):
+        s = step_summaries(step, {3: 3.0})
+        s[3]["ar"], s[1]["ar"], s[5]["ar"] = [[3, slow_entered, 11.0]], [[3, twin_entered, 11.0]], [[3, 10.0, 11.0]]
+        s[2]["rx"] = [[3, "B0.1.0", 9.0, 9.05]]  # node 2 waits 50 ms for node 3's gradient
+        named += d.observe(step, s, PLAN, PROFILE)
+    (finding,) = named
+    assert finding.step == 2 and finding.nodes == [3]  # named in the step where its twin entered last
+    assert "its receivers waited 150 ms for its messages in the last 3 steps" in finding.evidence
+    assert "all-reduce peers waited 700 ms for it (it entered last in 2 of those 3 steps)" in finding.evidence
+    d.forget(3)
+    assert 3 not in d.held_up
+
 class HostEvent:
     """What the timer asks of a device event (``torch.cuda.Event(enable_timing=True)``), on the host clock:
     the CPU has no timing events. Counts waits, which the device path must keep to one place per step."""

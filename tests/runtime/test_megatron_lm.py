@@ -169,8 +169,8 @@ def test_tensorboard_and_wandb_follow_the_last_rank(tmp_path: Path, monkeypatch:
     (3) only. Before, killing it (iteration 3's backward) ended both curves at iteration 2, silently, while the log
     lines went on from the new last rank. Now the new last rank opens its writers after the recovery: TensorBoard's
     directory holds every scalar of every iteration as stock wrote it (the gradient norm to float32 rounding: summed
-    in another order over the plan), and W&B gets a second run of the job's name from iteration 3 on, as a relaunch
-    would. Killing another rank leaves the writers where they were. --log-world-size-to-tensorboard logs the live
+    in another order over the plan), and W&B resumes the job's run (its id, resume="allow") from iteration 3 on, so
+    one W&B run holds the job. Killing another rank leaves the writers where they were. --log-world-size-to-tensorboard logs the live
     world's size: 4 before the failure, 3 after (training_log runs with it)."""
     pytest.importorskip("tensorboard")
     from megatron_odyssey.testing.megatron_lm_job import tensorboard_scalars, wandb_runs
@@ -206,8 +206,9 @@ def test_tensorboard_and_wandb_follow_the_last_rank(tmp_path: Path, monkeypatch:
     assert [(r["name"], r["project"]) for r in runs] == [("tiny", "odyssey")] * (2 if rank == 3 else 1)
     merged = {key: {s: v for r in runs for s, v in r["scalars"].get(key, {}).items()} for key in stock_run["scalars"]}
     assert all(same(merged[key], series, key) for key, series in stock_run["scalars"].items()), (merged, stock_run)
-    if rank == 3:
-        assert sorted(runs[1]["scalars"]["lm loss"]) == [3, 4, 5]
+    assert runs[0]["resume"] is None and len({r["id"] for r in runs}) == 1  # one run, opened by Megatron ...
+    if rank == 3:  # ... and resumed by the new last rank
+        assert runs[1]["resume"] == "allow" and sorted(runs[1]["scalars"]["lm loss"]) == [3, 4, 5]
 
 
 #: ADLR's cluster library that --adlr-autoresume imports from $SUBMIT_SCRIPTS (not public): the cluster asks the job

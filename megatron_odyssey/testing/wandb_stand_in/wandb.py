@@ -3,6 +3,7 @@ and name a folder in $WANDB_STAND_IN_LOG. Each process appends what Megatron-LM 
 ``finish``) to ``<pid>.jsonl`` there, so a test can read which rank logged which iteration to which run."""
 import json
 import os
+import uuid
 from pathlib import Path
 
 
@@ -20,8 +21,19 @@ def _note(**record):  # noqa: ANN003
         out.write(json.dumps(record, default=str) + "\n")
 
 
+class _Run:
+    def __init__(self, id):  # noqa: A002, ANN001 (wandb's own name)
+        self.id = id
+
+
 def init(**kwargs):  # noqa: ANN003, ANN201
-    _note(call="init", name=kwargs.get("name"), project=kwargs.get("project"), rank=os.environ.get("RANK"))
+    """As wandb's: the run's id and resume mode come from the arguments, else from $WANDB_RUN_ID and $WANDB_RESUME,
+    else a new id and no resuming."""
+    global run
+    run = _Run(kwargs.get("id") or os.environ.get("WANDB_RUN_ID") or uuid.uuid4().hex[:8])
+    _note(call="init", name=kwargs.get("name"), project=kwargs.get("project"), rank=os.environ.get("RANK"),
+          id=run.id, resume=kwargs.get("resume") or os.environ.get("WANDB_RESUME"))
+    return run
 
 
 def _number(value):  # noqa: ANN001, ANN202
@@ -36,6 +48,8 @@ def log(data, step=None):  # noqa: ANN001, ANN201
 
 
 def finish():  # noqa: ANN201
+    global run
+    run = None
     _note(call="finish")
 
 
