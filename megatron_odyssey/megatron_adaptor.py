@@ -7,7 +7,9 @@ original, and why. Importing this module applies them (:func:`apply_patches`, id
 :func:`remove_patches` puts every original back. Patches whose
 module is not importable (``megatron.training`` is not in the megatron-core wheel) are skipped and
 reported by :func:`patch_status`. Each replacement defers to the original unless ``--odyssey`` is on
-and a runtime is active, so the import alone changes nothing about a job.
+and a runtime is active, so the import alone changes nothing about a job; one exception: in the CPU mode a job
+that ends cleanly destroys its process groups first (``megatron_lm.clean_exit``: torch's gloo threads can abort
+the interpreter's shutdown).
 
 Aliases matter: ``from x import f`` copies the name, so a function used through such an import is
 patched where it is used (``initialize.parse_args``, ``training.get_forward_backward_func``...).

@@ -157,6 +157,12 @@ def _fault_injection(original: Callable[..., Any]) -> Callable[..., Any]:
     return setup_on_the_survivors(original)
 
 
+def _clean_exit(original: Callable[..., Any]) -> Callable[..., Any]:
+    from .clean_exit import leave_with_groups_destroyed
+
+    return leave_with_groups_destroyed(original)
+
+
 def _weight_grad_patch(original: Callable[..., Any]) -> Callable[..., Any]:
     from ..runtime.weight_grad import linear_backward
 
@@ -167,6 +173,11 @@ _T, _C = "megatron.training", "megatron.core"
 
 #: The registry: one entry per Megatron name Odyssey replaces.
 PATCHES: tuple[Patch, ...] = (
+    # the end of the job
+    Patch(f"{_T}:pretrain", _clean_exit,
+          "Megatron leaves its process groups to interpreter exit, where a gloo worker thread can still hold a "
+          "finished collective and abort the process (pytorch#190489): after a clean end they are destroyed "
+          "first (clean_exit)"),
     # arguments
     Patch(f"{_T}.arguments:parse_args", _parse_args,
           "pretrain_gpt.py passes no extra_args_provider for plugins: the --odyssey-* group is chained in here"),

@@ -1,0 +1,93 @@
+"""A Megatron-LM job that trained to its end leaves with its own exit code, not SIGABRT.
+
+Megatron never destroys its process groups: they go with the interpreter. A gloo group's worker thread can still
+hold a finished collective (its tensors) when the main thread shuts the interpreter down; dropping those tensors
+then takes the GIL from a dying interpreter, and the process aborts with "terminate called without an active
+exception" (pytorch/pytorch#190489; the core dump's aborting thread is in ``ProcessGroupGloo::runLoop``, destroying
+an ``AsyncAllgatherWork``). A 4-rank gloo script whose last call is an all-gather aborts in 6 of 10 runs here; the
+tiny CPU Megatron-LM job with evaluation, whose last collective is the evaluate timer's all-gather, in about 1 of
+15. Under ``odyssey-launch`` such a rank is a failure after the last step, so a job that trained to its end
+exited 1. Megatron on GPUs has gloo groups too (``--enable-gloo-process-groups``, the distributed optimizer's
+checkpoint gathers).
+
+So when ``pretrain()`` returns, or leaves through ``sys.exit`` with 0 (Megatron's exit checks), the process groups
+are destroyed while the interpreter is whole. Never after an error: a peer may still be inside a collective with
+this rank. Never under ``--inprocess-restart``, whose wrapper owns the groups' lifetime. Bounded: a teardown that
+does not end within :data:`TEARDOWN_LIMIT_S` leaves the process with the exit code it was leaving with.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+import threading
+from typing import Any, Callable, ContextManager
+
+TEARDOWN_LIMIT_S = 30.0
+
+
+def _wanted() -> bool:
+    """With ``--odyssey``, and in the CPU mode (stock Megatron-LM on gloo alone, the tests' reference)."""
+    from megatron.training import get_args
+
+    from .cpu_mode import megatron_lm_cpu_mode_enabled
+
+    try:
+        args = get_args()
+    except Exception:  # noqa: BLE001 - pretrain() left before parsing its arguments
+        return False
+    if getattr(args, "inprocess_restart", False):
+        return False
+    return bool(getattr(args, "odyssey", False)) or megatron_lm_cpu_mode_enabled()
+
+
+def destroy_groups(code: int = 0, limit_s: float = TEARDOWN_LIMIT_S,
+                   lock: ContextManager[Any] | None = None) -> None:
+    """Destroy every process group now (holding ``lock``: an ``--odyssey`` rank's abort watcher may be aborting
+    them); past ``limit_s`` leave with ``code`` instead of waiting on."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+
+    def too_long() -> None:
+        print(f"odyssey: the process groups did not shut down within {limit_s:.0f} s after the job ended; "
+              f"leaving without them (exit code {code})", file=sys.stderr, flush=True)
+        os._exit(code)
+
+    watchdog = threading.Timer(limit_s, too_long)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        with lock or contextlib.nullcontext():
+            dist.destroy_process_group()
+    finally:
+        watchdog.cancel()
+
+
+def _generation_lock() -> ContextManager[Any] | None:
+    from . import hooks
+
+    runtime = hooks.STATE.runtime
+    return getattr(runtime, "gen_lock", None)
+
+
+def leave_with_groups_destroyed(original: Callable[..., Any], wanted: Callable[[], bool] = _wanted,
+                                lock: Callable[[], ContextManager[Any] | None] = _generation_lock
+                                ) -> Callable[..., Any]:
+    """Wraps ``megatron.training.pretrain`` (``wanted``, ``lock``: whether to, and what to hold meanwhile)."""
+
+    @functools.wraps(original)
+    def pretrain(*args: Any, **kwargs: Any) -> Any:
+        try:
+            out = original(*args, **kwargs)
+        except SystemExit as leaving:
+            if leaving.code in (None, 0) and wanted():
+                destroy_groups(0, lock=lock())
+            raise
+        if wanted():
+            destroy_groups(0, lock=lock())
+        return out
+
+    return pretrain

@@ -1,0 +1,119 @@
+"""A job that trained to its end leaves with 0, not SIGABRT (``megatron_lm.clean_exit``), with real gloo ranks.
+
+The race (pytorch/pytorch#190489) is made certain here instead of waited for: rank 0's last collective is still in
+a gloo worker thread when its interpreter shuts down. Its peer joins only once rank 0 runs its exit handlers, which
+hold the GIL meanwhile, so the worker thread, done, is waiting for the GIL to drop the collective's tensors when the
+interpreter starts finalising; Python then ends that thread, through C++ code that may not be unwound: abort."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from megatron_odyssey.megatron_lm.clean_exit import leave_with_groups_destroyed
+
+RANK = textwrap.dedent("""
+    import atexit
+    # the last exit handler (they run last registered, first called): one C call that holds the GIL for a second
+    # or two, called from C, so no Python code runs between it and the interpreter's finalisation to hand the GIL
+    # over to the waiting worker thread
+    atexit.register(sum, range(300_000_000))
+    import os, sys, time
+    from pathlib import Path
+    import torch, torch.distributed as dist
+    from megatron_odyssey.megatron_lm.clean_exit import leave_with_groups_destroyed
+
+    flags = Path(sys.argv[1])
+    rank = int(os.environ["RANK"])
+    if rank == 0:  # the handler before it: the peer may join rank 0's last collective now
+        atexit.register((flags / "finalising").write_text, "")
+
+
+    def main():
+        dist.init_process_group("gloo")
+        if rank == 0:  # its last collective, still in the worker thread when it leaves main()
+            inp, out = torch.ones(4), torch.empty(8)
+            dist.all_gather_into_tensor(out, inp, async_op=True)
+            del inp, out
+            (flags / "returned").write_text("")
+            return
+        returned = None
+        while not (flags / "finalising").exists():  # rank 0 is finalising (or, with the fix, tearing down)
+            if returned is None and (flags / "returned").exists():
+                returned = time.time()
+            if returned is not None and time.time() - returned > 2:
+                break
+            time.sleep(0.01)
+        dist.all_gather_into_tensor(torch.empty(8), torch.ones(4))
+        dist.destroy_process_group()
+
+
+    if sys.argv[2] == "destroy":
+        main = leave_with_groups_destroyed(main, wanted=lambda: True, lock=lambda: None)
+    main()
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(tmp_path: Path, mode: str) -> list[int]:
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2",
+               OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[2]),
+                                                                 os.environ.get("PYTHONPATH", "")]))
+    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path), mode], env=dict(env, RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    return [p.returncode for p in procs], outs
+
+
+def test_a_collective_still_in_a_gloo_thread_at_exit_aborts_the_process(tmp_path: Path) -> None:
+    """The bug, without the fix: rank 0 leaves with SIGABRT, "terminate called without an active exception"."""
+    codes, outs = _run(tmp_path, "plain")
+    assert codes[0] == -signal.SIGABRT and "terminate called without an active exception" in outs[0], (codes, outs)
+    assert codes[1] == 0, outs[1]
+
+
+def test_destroying_the_groups_when_the_job_ends_leaves_with_0(tmp_path: Path) -> None:
+    """With ``pretrain`` wrapped: the groups are destroyed (waiting for the collective) before the interpreter
+    shuts down, and both ranks leave with 0."""
+    codes, outs = _run(tmp_path, "destroy")
+    assert codes == [0, 0], (codes, outs)
+
+
+def test_groups_are_left_alone_after_an_error_or_a_nonzero_exit() -> None:
+    """A peer may still be inside a collective with a rank that failed: no teardown then (it could wait for it)."""
+    calls: list[str] = []
+
+    def failing() -> None:
+        raise RuntimeError("boom")
+
+    def leaving(code: int):
+        def run() -> None:
+            raise SystemExit(code)
+        return run
+
+    def wanted() -> bool:
+        calls.append("asked")
+        return True
+
+    with pytest.raises(RuntimeError):
+        leave_with_groups_destroyed(failing, wanted=wanted, lock=lambda: None)()
+    with pytest.raises(SystemExit):
+        leave_with_groups_destroyed(leaving(1), wanted=wanted, lock=lambda: None)()
+    assert calls == []
+    with pytest.raises(SystemExit):  # Megatron's exit checks leave with 0: torn down (no group here: a no-op)
+        leave_with_groups_destroyed(leaving(0), wanted=wanted, lock=lambda: None)()
+    assert leave_with_groups_destroyed(lambda: 7, wanted=wanted, lock=lambda: None)() == 7
+    assert calls == ["asked", "asked"]
