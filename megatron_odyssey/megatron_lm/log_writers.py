@@ -12,7 +12,9 @@ last now). TensorBoard reads every event file of its directory, so its curves go
 the launch's last rank puts its run's id in the job's store, and the next last rank opens W&B with that id and
 ``resume="allow"`` (through W&B's ``WANDB_RUN_ID`` and ``WANDB_RESUME``, which ``wandb.init`` reads where Megatron
 passes neither), so one run holds the whole job; W&B keeps a resumed run's steps increasing and drops a step it
-already has (an iteration the dead rank logged before it died). A machine that comes back sets Megatron up in a
+already has (an iteration the dead rank logged before it died). Where a machine taken back becomes the last rank,
+the rank that was last finishes the run while the new one resumes it; the order of the two is not arranged (the
+store could order them; unchecked without a W&B service). A machine that comes back sets Megatron up in a
 private world of its own, where it would be the last rank: its writers' flags are withheld there (:func:`withhold`)
 and given back at its admission, before it enters the job's generation.
 """
