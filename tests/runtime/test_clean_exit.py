@@ -104,16 +104,16 @@ def test_groups_are_left_alone_after_an_error_or_a_nonzero_exit() -> None:
             raise SystemExit(code)
         return run
 
-    def wanted() -> bool:
-        calls.append("asked")
-        return True
+    def wanted() -> bool:  # (asked only where the groups would be destroyed; False: this process's session world
+        calls.append("asked")  # of other tests stays up)
+        return False
 
     with pytest.raises(RuntimeError):
         leave_with_groups_destroyed(failing, wanted=wanted, lock=lambda: None)()
     with pytest.raises(SystemExit):
         leave_with_groups_destroyed(leaving(1), wanted=wanted, lock=lambda: None)()
     assert calls == []
-    with pytest.raises(SystemExit):  # Megatron's exit checks leave with 0: torn down (no group here: a no-op)
+    with pytest.raises(SystemExit):  # Megatron's exit checks leave with 0: torn down
         leave_with_groups_destroyed(leaving(0), wanted=wanted, lock=lambda: None)()
     assert leave_with_groups_destroyed(lambda: 7, wanted=wanted, lock=lambda: None)() == 7
     assert calls == ["asked", "asked"]
