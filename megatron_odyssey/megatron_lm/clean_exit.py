@@ -42,10 +42,9 @@ def _wanted() -> bool:
     return bool(getattr(args, "odyssey", False)) or megatron_lm_cpu_mode_enabled()
 
 
-def destroy_groups(code: int = 0, limit_s: float = TEARDOWN_LIMIT_S,
-                   lock: ContextManager[Any] | None = None) -> None:
+def destroy_groups(limit_s: float = TEARDOWN_LIMIT_S, lock: ContextManager[Any] | None = None) -> None:
     """Destroy every process group now (holding ``lock``: an ``--odyssey`` rank's abort watcher may be aborting
-    them); past ``limit_s`` leave with ``code`` instead of waiting on."""
+    them); past ``limit_s`` leave with 0, the code of the clean end it is called at, instead of waiting on."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -53,8 +52,8 @@ def destroy_groups(code: int = 0, limit_s: float = TEARDOWN_LIMIT_S,
 
     def too_long() -> None:
         print(f"odyssey: the process groups did not shut down within {limit_s:.0f} s after the job ended; "
-              f"leaving without them (exit code {code})", file=sys.stderr, flush=True)
-        os._exit(code)
+              f"leaving without them (exit code 0)", file=sys.stderr, flush=True)
+        os._exit(0)
 
     watchdog = threading.Timer(limit_s, too_long)
     watchdog.daemon = True
@@ -84,10 +83,10 @@ def leave_with_groups_destroyed(original: Callable[..., Any], wanted: Callable[[
             out = original(*args, **kwargs)
         except SystemExit as leaving:
             if leaving.code in (None, 0) and wanted():
-                destroy_groups(0, lock=lock())
+                destroy_groups(lock=lock())
             raise
         if wanted():
-            destroy_groups(0, lock=lock())
+            destroy_groups(lock=lock())
         return out
 
     return pretrain

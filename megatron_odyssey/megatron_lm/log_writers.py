@@ -48,10 +48,9 @@ class _Writer:
         setattr(global_vars, self.variable, None)
 
 
-WRITERS = (
-    _Writer("tensorboard_dir", "_set_tensorboard_writer", "_GLOBAL_TENSORBOARD_WRITER", ("flush", "close")),
-    _Writer("wandb_project", "_set_wandb_writer", "_GLOBAL_WANDB_WRITER", ("finish",)),
-)
+TENSORBOARD = _Writer("tensorboard_dir", "_set_tensorboard_writer", "_GLOBAL_TENSORBOARD_WRITER", ("flush", "close"))
+WANDB = _Writer("wandb_project", "_set_wandb_writer", "_GLOBAL_WANDB_WRITER", ("finish",))
+WRITERS = (TENSORBOARD, WANDB)
 
 
 def follow_the_last_rank(args: Any, store: Any) -> None:
@@ -71,7 +70,7 @@ def follow_the_last_rank(args: Any, store: Any) -> None:
                 w.open_as_last(global_vars, args)
         elif not last and writer is not None:
             w.shut(global_vars, writer)
-    run = getattr(getattr(global_vars, "_GLOBAL_WANDB_WRITER", None), "run", None)
+    run = getattr(getattr(global_vars, WANDB.variable, None), "run", None)
     if last and getattr(run, "id", None) and not store.check([WANDB_RUN_KEY]):
         store.set(WANDB_RUN_KEY, str(run.id))
 
@@ -80,7 +79,7 @@ def follow_the_last_rank(args: Any, store: Any) -> None:
 def _resuming(writer: _Writer, store: Any) -> Iterator[None]:
     """Opening W&B where the job's run was published: W&B's environment names that run and resumes it, for this
     call only (the launch's environment is put back after)."""
-    if writer.flag != "wandb_project" or not store.check([WANDB_RUN_KEY]):
+    if writer is not WANDB or not store.check([WANDB_RUN_KEY]):
         yield
         return
     wanted = {"WANDB_RUN_ID": store.get(WANDB_RUN_KEY).decode(), "WANDB_RESUME": "allow"}

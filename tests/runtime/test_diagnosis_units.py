@@ -142,7 +142,6 @@ def test_the_last_to_enter_an_all_reduce_is_the_one_its_peers_waited_for():
     assert Diagnoser.reduce_waits(s) == {5: pytest.approx(0.85)}
 
 
-
 def test_a_slow_nodes_evidence_covers_the_steps_it_was_judged_on():
     """On a loaded host the slow node's peer can be descheduled into entering the all-reduce after it in the very
     step it is named: the evidence is that of its judged window (here it entered last in 2 of 3 steps, the
@@ -160,6 +159,7 @@ def test_a_slow_nodes_evidence_covers_the_steps_it_was_judged_on():
     assert "all-reduce peers waited 700 ms for it (it entered last in 2 of those 3 steps)" in finding.evidence
     d.forget(3)
     assert 3 not in d.held_up
+
 
 class HostEvent:
     """What the timer asks of a device event (``torch.cuda.Event(enable_timing=True)``), on the host clock:

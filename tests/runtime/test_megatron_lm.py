@@ -170,8 +170,9 @@ def test_tensorboard_and_wandb_follow_the_last_rank(tmp_path: Path, monkeypatch:
     lines went on from the new last rank. Now the new last rank opens its writers after the recovery: TensorBoard's
     directory holds every scalar of every iteration as stock wrote it (the gradient norm to float32 rounding: summed
     in another order over the plan), and W&B resumes the job's run (its id, resume="allow") from iteration 3 on, so
-    one W&B run holds the job. Killing another rank leaves the writers where they were. --log-world-size-to-tensorboard logs the live
-    world's size: 4 before the failure, 3 after (training_log runs with it)."""
+    one W&B run holds the job. Killing another rank leaves the writers where they were.
+    --log-world-size-to-tensorboard logs the live world's size: 4 before the failure, 3 after (training_log runs
+    with it)."""
     pytest.importorskip("tensorboard")
     from megatron_odyssey.testing.megatron_lm_job import tensorboard_scalars, wandb_runs
 
