@@ -35,7 +35,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from .runtime.control_plane import FENCE_KEY, free_port  # (no torch import: the launcher starts fast)
+from .runtime.control_plane import FENCE_KEY, LEAVING_KEY, free_port  # (no torch import: the launcher starts fast)
 from .runtime.errors import (DUMP_STACKS_KEY, STACKS_ASKED_KEY, STOPPED_EXIT, describe_exit, rank_log_stack,
                              rank_log_traceback)
 from .runtime.joining import CONFIG_KEY, read_job_config  # (rank 0 publishes the config when train() starts)
@@ -376,7 +376,8 @@ def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any
                     report_exit(store, ident, p.exitcode)
                     reported.add(ident)
                     fenced = store.check([fence[ident]])
-                    if p.exitcode not in (0, STOPPED_EXIT) and not fenced:  # its log is here: say how it ended
+                    chosen = store.check([LEAVING_KEY.format(ident)])  # the script's own exit code: not a failure
+                    if p.exitcode not in (0, STOPPED_EXIT) and not fenced and not chosen:  # say how it ended
                         print(f"[odyssey launch node {args.node_rank}] rank {ident} {describe_exit(p.exitcode)}:\n"
                               f"{startup_errors(args.workdir, [ident])}", file=sys.stderr, flush=True)
                     elif fenced and store.check([STACKS_ASKED_KEY.format(ident)]):  # fenced for making no progress

@@ -72,6 +72,8 @@ def megatron_batch_ramp(args: Any) -> BatchRamp | None:
              "seq_length": getattr(args, "seq_length", None)}
     build = nmc._build_num_microbatches_calculator
     calc = build(**{k: v for k, v in known.items() if k in inspect.signature(build).parameters})
+    if isinstance(calc, nmc.ConstantNumMicroBatchesCalculator):  # core_r0.18.0 on ignore --rampup-batch-size
+        return None
     final, consumed, step = calc.global_batch_size, 0, 0
     while True:
         calc.update(consumed, consistency_check=False)

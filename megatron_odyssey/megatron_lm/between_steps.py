@@ -14,7 +14,10 @@ from the state it began in, and says so on stderr:
   run it again, since its collectives would wait for them (its log line, if it is the logging rank, is lost);
 - a save (``save_checkpoint_and_time`` and ``save_checkpoint``, also the final one): Megatron marks a
   checkpoint as the latest only after every rank finished writing it (rank 0, after the save's closing
-  collective), so an interrupted save is never marked; the survivors write it again;
+  collective), so an interrupted save is never marked; the survivors write it again. Inside
+  ``save_checkpoint_and_time`` the whole of it is redone, not only its ``save_checkpoint``: from 0.19 on it
+  passes the process groups it reads off the model (``pg_collection``), and a redo with the arguments of the
+  first attempt would save over groups that died with the old world;
 - the exit check (``checkpoint_and_decide_exit``, after every iteration): with ``--exit-signal-handler`` it
   gathers every rank's SIGTERM flag over the world, with ``--exit-duration-in-mins`` it all-reduces the elapsed
   time; a failure there is recovered from and the check run again (the flags and the clock are where they were;
@@ -68,13 +71,15 @@ def _say(runtime: Any, text: str) -> None:
 
 
 def guarded(phase: str, what: str, keep: Callable[..., Callable[[], None]] | None = None,
-            prepare: Callable[..., None] | None = None, at_rest: bool = True
+            prepare: Callable[..., None] | None = None, at_rest: bool = True, redone_by: str | None = None
             ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Wrap a Megatron function that runs between iterations: fault injection point ``phase``, at rest (not
     judged by progress; ``at_rest=False``: the call marks its own progress and injection points); a peer's
     failure inside it is recovered from, then the call is redone from the state it began in (Megatron's
     timers, and what ``keep(*args, **kwargs)`` saves and its returned callable puts back);
-    ``prepare(runtime, *args, **kwargs)`` runs before every attempt."""
+    ``prepare(runtime, *args, **kwargs)`` runs before every attempt. Called inside the guarded function named
+    ``redone_by``, a failure is left to that one, which redoes itself and so computes this call's arguments
+    again."""
 
     def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
@@ -82,22 +87,27 @@ def guarded(phase: str, what: str, keep: Callable[..., Callable[[], None]] | Non
             runtime = STATE.runtime
             if runtime is None:
                 return original(*args, **kwargs)
-            _INSIDE[0] += 1
+            _ACTIVE.append(original.__name__)
             try:
+                if redone_by in _ACTIVE[:-1]:
+                    return _attempt(runtime, *args, **kwargs)
                 return _attempts(runtime, *args, **kwargs)
             finally:
-                _INSIDE[0] -= 1
+                _ACTIVE.pop()
+
+        def _attempt(runtime: Any, *args: Any, **kwargs: Any) -> Any:
+            if at_rest:
+                runtime.at_between_steps(phase)
+            if prepare is not None:
+                prepare(runtime, *args, **kwargs)
+            return original(*args, **kwargs)
 
         def _attempts(runtime: Any, *args: Any, **kwargs: Any) -> Any:
             while True:
                 timers = _timer_states()
                 restore = keep(*args, **kwargs) if keep is not None else None
                 try:
-                    if at_rest:
-                        runtime.at_between_steps(phase)
-                    if prepare is not None:
-                        prepare(runtime, *args, **kwargs)
-                    return original(*args, **kwargs)
+                    return _attempt(runtime, *args, **kwargs)
                 except Exception as exc:
                     redo = runtime.recover_outside_step(exc, f"{what} after iteration {runtime.committed + 1}")
                     _restore_timers(timers)
@@ -116,12 +126,13 @@ def guarded(phase: str, what: str, keep: Callable[..., Callable[[], None]] | Non
     return wrap
 
 
-#: guarded calls in progress on this rank: a timer's barrier inside one is left to it (it redoes the whole call)
-_INSIDE = [0]
+#: the guarded calls in progress on this rank, outermost first (their Megatron names): a timer's barrier inside
+#: one is left to it (it redoes the whole call)
+_ACTIVE: list[str] = []
 
 
 def outside_guarded_calls() -> bool:
-    return _INSIDE[0] == 0
+    return not _ACTIVE
 
 
 def _keep_log_totals(*args: Any, **kwargs: Any) -> Callable[[], None]:
@@ -142,6 +153,14 @@ def _keep_log_totals(*args: Any, **kwargs: Any) -> Callable[[], None]:
             totals.update(saved)
 
     return restore
+
+
+def _keep_energy(*args: Any, **kwargs: Any) -> Callable[[], None]:
+    """``save_checkpoint_and_time`` pauses the energy monitor (adds the interval's energy to its lap) before
+    the save: put the counters back so the redone call adds it once."""
+    from .energy import monitor_counters
+
+    return monitor_counters()
 
 
 def _fresh_strategies(runtime: Any, *args: Any, **kwargs: Any) -> None:
@@ -186,8 +205,9 @@ def training_log(original: Callable[..., Any]) -> Callable[..., Any]:
 
 # save: Megatron marks a checkpoint as the latest only after every rank finished writing it, so an
 # interrupted save is never marked; the survivors write it again
-save_checkpoint_and_time = guarded("save", "the checkpoint save")
-save_checkpoint = guarded("save", "the checkpoint save", prepare=_fresh_strategies)
+save_checkpoint_and_time = guarded("save", "the checkpoint save", keep=_keep_energy)
+save_checkpoint = guarded("save", "the checkpoint save", prepare=_fresh_strategies,
+                          redone_by="save_checkpoint_and_time")
 
 
 def checkpoint_and_decide_exit(original: Callable[..., Any]) -> Callable[..., Any]:

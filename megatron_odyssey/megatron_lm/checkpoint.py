@@ -11,7 +11,8 @@ layout-free (layers are stacked on a global axis), so it is enough to say who wr
   copies as replicas (``replica_id`` != 0) so the writer's validation sees each element once;
 - the RNG state keeps Megatron's global shape (original pipeline stages x TP): each slot is written by
   one live rank, the first surviving node of that original stage, or the owner of the stage's first
-  layer when the whole stage is gone.
+  layer when the whole stage is gone;
+- the rerun state machine's per-rank state keeps the launch's world (:func:`original_layout_rerun_state`).
 
 The legacy ``torch`` format names one file per pipeline rank and holds the whole stage's state in it; a
 re-arranged job has no such files to write, so it is refused with ``--odyssey`` (see ``arguments``).
@@ -126,8 +127,38 @@ def original_layout_rng(sharded: Any, runtime: Any) -> list[Any]:
     return rng_state_objects(data, writers, runtime.node, runtime.tp_rank, runtime.cfg.tp)
 
 
-__all__ = ["mark_replicas", "original_layout_rng", "rng_state_objects", "rng_writers",
-           "rewrite_sharded_state_dict", "sharded_unit", "with_plan_replicas"]
+def rerun_state_slots(ident: int, live: list[int], launch_world: int, loading: bool) -> list[int]:
+    """The launch ranks whose slot of the rerun state machine's per-rank state this rank writes (its own; the
+    lowest live rank also the lost ranks') or, ``loading``, reads (its own)."""
+    if loading or ident != min(live):
+        return [ident]
+    return [ident, *(i for i in range(launch_world) if i not in live)]
+
+
+def original_layout_rerun_state(state: Any, runtime: Any, loading: bool) -> Any:
+    """Megatron's rerun state machine's checkpoint entry after a recovery, in the launch's layout: its per-rank
+    ShardedObject is keyed by the world's size and this rank's place in it (core_r0.18.0 on write it at every save,
+    before only while a rerun is pending), so the survivors would write "shard_r_7" where a job relaunched at the
+    original size reads "shard_r_8", and a restart from a checkpoint written before the failure would not find its
+    slots. Each rank writes (and reads) the slot of its launch rank; the lowest live rank also writes the slots of
+    the lost ranks, with its own rank-level state (theirs is gone with them)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    from ..planning.cluster import node_ranks
+
+    sharded = state.get("sharded") if isinstance(state, dict) else None
+    if not isinstance(sharded, ShardedObject):
+        return state
+    cfg = runtime.cfg
+    world = cfg.pp * cfg.dp * cfg.tp
+    live = node_ranks(runtime.rank_map.live_nodes, cfg.tp)
+    slots = rerun_state_slots(runtime.ident, live, world, loading)
+    state["sharded"] = [ShardedObject(sharded.key, sharded.data, (world,), (slot,), replica_id=0) for slot in slots]
+    return state
+
+
+__all__ = ["mark_replicas", "original_layout_rerun_state", "original_layout_rng", "rerun_state_slots",
+           "rng_state_objects", "rng_writers", "rewrite_sharded_state_dict", "sharded_unit", "with_plan_replicas"]
 
 
 
@@ -141,11 +172,70 @@ def optimizer_format(save_dir: str, iteration: int) -> str | None:
     with ``--dist-ckpt-optim-fully-reshardable`` and after a failure); None if it cannot be read."""
     from pathlib import Path
 
-    import torch
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    common = Path(save_dir) / f"iter_{iteration:07d}" / "common.pt"
     try:
-        state = torch.load(common, map_location="cpu", weights_only=False)
-    except Exception:  # unreadable here (missing, or pickled classes this process cannot import): unknown
+        common = _common_state(Path(save_dir) / f"iter_{iteration:07d}")
+    except (Exception, CheckpointException):  # unreadable (missing, not torch_dist): unknown (a BaseException)
         return None
-    return ((state or {}).get("content_metadata") or {}).get("distrib_optim_sharding_type")
+    return ((common or {}).get("content_metadata") or {}).get("distrib_optim_sharding_type")
+
+
+#: where core_r0.19.0 on keeps a checkpoint's common state: one ShardedObject among the torch_dist files
+COMMON_STATE_KEY = "common_state/shard_0_1"
+
+
+def _common_state(directory: Any) -> dict:
+    """A checkpoint's common (non-sharded) state: ``common.pt`` up to core_r0.18.0, the ShardedObject
+    ``common_state`` from core_r0.19.0 on. Read here, not with ``dist_checkpointing.load_common_state_dict``: the
+    agent reading it may have another megatron-core than the job that wrote it, or none, so a class the pickle
+    names and this process cannot import (``args`` holds core_r0.19.0's enums) is read as a stand-in."""
+    import io
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    if (directory / "common.pt").exists():
+        return torch.load(directory / "common.pt", map_location="cpu", weights_only=False, pickle_module=_Tolerant)
+
+    class RawBytes(DefaultLoadPlanner):
+        """Keeps a pickled item's bytes (the default planner unpickles them, with every class importable)."""
+
+        raw: dict[str, bytes] = {}
+
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            self.raw = {**self.raw, read_item.dest_index.fqn: value.read()}
+
+    if not (directory / ".metadata").exists():  # (torch would print its own traceback before raising)
+        raise FileNotFoundError(f"{directory} is not a torch_dist checkpoint")
+    planner = RawBytes(flatten_state_dict=False)
+    dcp.load({COMMON_STATE_KEY: b""}, storage_reader=dcp.FileSystemReader(str(directory)), planner=planner,
+             no_dist=True)
+    return torch.load(io.BytesIO(planner.raw[COMMON_STATE_KEY]), map_location="cpu", weights_only=False,
+                      pickle_module=_Tolerant)[0]
+
+
+class _StandIn:
+    """A class a checkpoint's pickle names that this process cannot import: takes whatever it is built from."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args = args
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+
+class _Tolerant:
+    """``pickle`` as ``torch.load`` uses it, with classes it cannot find read as :class:`_StandIn`."""
+
+    import pickle as _pickle
+
+    load = _pickle.load
+
+    class Unpickler(_pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            try:
+                return super().find_class(module, name)
+            except (ImportError, AttributeError):
+                return _StandIn

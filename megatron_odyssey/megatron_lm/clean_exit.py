@@ -10,15 +10,21 @@ tiny CPU Megatron-LM job with evaluation, whose last collective is the evaluate 
 exited 1. Megatron on GPUs has gloo groups too (``--enable-gloo-process-groups``, the distributed optimizer's
 checkpoint gathers).
 
-So when ``pretrain()`` returns, or leaves through ``sys.exit`` with 0 (Megatron's exit checks), the process groups
-are destroyed while the interpreter is whole. Never after an error: a peer may still be inside a collective with
-this rank. Never under ``--inprocess-restart``, whose wrapper owns the groups' lifetime. Bounded: a teardown that
-does not end within :data:`TEARDOWN_LIMIT_S` leaves the process with the exit code it was leaving with.
+So when ``pretrain()`` returns, or leaves through ``sys.exit`` with 0 (Megatron's exit checks) or with a code of
+Megatron's rerun state machine (:func:`chosen_exits`: every rank leaves with it, after the save it asks for),
+the process groups are destroyed while the interpreter is whole. Never after an error: a peer may still be inside
+a collective with this rank. Never under ``--inprocess-restart``, whose wrapper owns the groups' lifetime. Bounded:
+a teardown that does not end within :data:`TEARDOWN_LIMIT_S` leaves the process with the exit code it was leaving
+with.
+
+An ``--odyssey`` rank leaving with such a code first tells the agent (``control_plane.LEAVING_KEY``): the exit is
+the job's end, chosen by Megatron, not a failure to recover from, and the job leaves with that code.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import sys
 import threading
@@ -42,9 +48,23 @@ def _wanted() -> bool:
     return bool(getattr(args, "odyssey", False)) or megatron_lm_cpu_mode_enabled()
 
 
-def destroy_groups(limit_s: float = TEARDOWN_LIMIT_S, lock: ContextManager[Any] | None = None) -> None:
+def chosen_exits() -> dict[int, str]:
+    """The codes Megatron-LM's ``train()`` leaves with by its own decision, on every rank at once (its rerun state
+    machine's, after the checkpoint it asks for, where it asks for one), and what each means."""
+    try:
+        from megatron.core import rerun_state_machine as rerun
+    except ImportError:  # megatron-core without the rerun machine
+        return {}
+    meanings = {"EXIT_CODE_RESUME_TO_DISAMBIGUATE": "Megatron-LM's rerun state machine asks to resume the job from "
+                "its last checkpoint, to tell a transient fault from a faulty device",
+                "EXIT_CODE_FAILED_ON_RESULT_VALIDATION": "Megatron-LM's rerun state machine found a result that "
+                "failed its validation (NaN, Inf or a spiky loss) and ended the job"}
+    return {getattr(rerun, name): meaning for name, meaning in meanings.items() if hasattr(rerun, name)}
+
+
+def destroy_groups(limit_s: float = TEARDOWN_LIMIT_S, lock: ContextManager[Any] | None = None, code: int = 0) -> None:
     """Destroy every process group now (holding ``lock``: an ``--odyssey`` rank's abort watcher may be aborting
-    them); past ``limit_s`` leave with 0, the code of the clean end it is called at, instead of waiting on."""
+    them); past ``limit_s`` leave with ``code``, the one of the end it is called at, instead of waiting on."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -52,8 +72,8 @@ def destroy_groups(limit_s: float = TEARDOWN_LIMIT_S, lock: ContextManager[Any] 
 
     def too_long() -> None:
         print(f"odyssey: the process groups did not shut down within {limit_s:.0f} s after the job ended; "
-              f"leaving without them (exit code 0)", file=sys.stderr, flush=True)
-        os._exit(0)
+              f"leaving without them (exit code {code})", file=sys.stderr, flush=True)
+        os._exit(code)
 
     watchdog = threading.Timer(limit_s, too_long)
     watchdog.daemon = True
@@ -72,18 +92,38 @@ def _generation_lock() -> ContextManager[Any] | None:
     return getattr(runtime, "gen_lock", None)
 
 
+def say_leaving(code: int, why: str) -> None:
+    """Tell the agent, before leaving, that this exit code is the script's choice (an ``--odyssey`` rank only)."""
+    from ..runtime.control_plane import LEAVING_KEY
+    from . import hooks
+
+    runtime = hooks.STATE.runtime
+    store = getattr(runtime, "store", None)
+    if store is None:
+        return
+    try:
+        store.set(LEAVING_KEY.format(runtime.ident), json.dumps({"code": code, "why": why}))
+        store.check([LEAVING_KEY.format(runtime.ident)])  # a round trip: in the store before the process exits
+    except Exception:  # noqa: BLE001 - the agent is gone: nobody to tell
+        pass
+
+
 def leave_with_groups_destroyed(original: Callable[..., Any], wanted: Callable[[], bool] = _wanted,
-                                lock: Callable[[], ContextManager[Any] | None] = _generation_lock
-                                ) -> Callable[..., Any]:
-    """Wraps ``megatron.training.pretrain`` (``wanted``, ``lock``: whether to, and what to hold meanwhile)."""
+                                lock: Callable[[], ContextManager[Any] | None] = _generation_lock,
+                                chosen: Callable[[], dict[int, str]] = chosen_exits) -> Callable[..., Any]:
+    """Wraps ``megatron.training.pretrain`` (``wanted``, ``lock``: whether to, and what to hold meanwhile;
+    ``chosen``: the non-zero codes it leaves with by its own decision, and their meaning)."""
 
     @functools.wraps(original)
     def pretrain(*args: Any, **kwargs: Any) -> Any:
         try:
             out = original(*args, **kwargs)
         except SystemExit as leaving:
-            if leaving.code in (None, 0) and wanted():
-                destroy_groups(lock=lock())
+            code = leaving.code or 0
+            if isinstance(code, int) and (code == 0 or code in chosen()) and wanted():
+                if code:
+                    say_leaving(code, chosen()[code])
+                destroy_groups(lock=lock(), code=code)
             raise
         if wanted():
             destroy_groups(lock=lock())

@@ -473,7 +473,7 @@ def describe_megatron_lm_cpu_patches() -> List[dict]:
 def with_fp16_loss_scaling(flags: List[str]) -> List[str]:
     """``flags`` in fp16 (with fp32 gradient accumulation, which ``--odyssey`` needs) with a dynamic loss scale that
     overflows and grows every few iterations of the tiny GPT (2^20 to start, doubled after 2 clean iterations,
-    halved at each overflow): Megatron skips iterations 3 and 6 of 8 on PP=2 x DP=2."""
+    halved at each overflow): Megatron skips iterations 3 and 6 of 8 on PP=2 x DP=2 (core_r0.19.0: and 7)."""
     return [*flags, "--fp16", "--accumulate-allreduce-grads-in-fp32", "--initial-loss-scale", "1048576",
             "--loss-scale-window", "2", "--hysteresis", "1"]
 

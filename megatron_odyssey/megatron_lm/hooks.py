@@ -416,6 +416,23 @@ def plan_replica_state_dict(original: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def original_layout_rerun_state(original: Callable[..., Any]) -> Callable[..., Any]:
+    """megatron-core's ``RerunStateMachine.state_dict``: after a recovery, its per-rank entry in the launch's
+    world (``checkpoint.original_layout_rerun_state``); ``force=True`` is its load path (0.19+)."""
+
+    @functools.wraps(original)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        runtime = _recovered_runtime()
+        if runtime is None:
+            return out
+        from .checkpoint import original_layout_rerun_state
+
+        return original_layout_rerun_state(out, runtime, loading=bool(kwargs.get("force", False)))
+
+    return wrapper
+
+
 def original_layout_rng_state(original: Callable[..., Any]) -> Callable[..., Any]:
     """megatron's ``get_rng_state``: after a recovery, the RNG slots of the original (stage x TP) layout
     this rank writes, instead of slot (0, tp) that every rank would claim under our parallel_state."""

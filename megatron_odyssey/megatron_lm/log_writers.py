@@ -13,8 +13,10 @@ the launch's last rank puts its run's id in the job's store, and the next last r
 ``resume="allow"`` (through W&B's ``WANDB_RUN_ID`` and ``WANDB_RESUME``, which ``wandb.init`` reads where Megatron
 passes neither), so one run holds the whole job; W&B keeps a resumed run's steps increasing and drops a step it
 already has (an iteration the dead rank logged before it died). Where a machine taken back becomes the last rank,
-the rank that was last finishes the run while the new one resumes it; the order of the two is not arranged (the
-store could order them; unchecked without a W&B service). A machine that comes back sets Megatron up in a
+the rank that was last is alive and finishes the run while the new one resumes it: the new one waits, through the
+store, until every other member of the generation has shut its writers (:class:`HandOver`), so the run is never
+open in two processes; the wait is bounded by half the soft progress timeout, so it never looks like a stall.
+A machine that comes back sets Megatron up in a
 private world of its own, where it would be the last rank: its writers' flags are withheld there (:func:`withhold`)
 and given back at its admission, before it enters the job's generation.
 """
@@ -23,11 +25,15 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import sys
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 #: the store key of the W&B run the job logs to, for whichever rank is last after a failure
 WANDB_RUN_KEY = "odyssey/wandb/run"
+#: a member of generation {gen} other than the last rank has shut its writers (if it had any)
+SETTLED_KEY = "odyssey/gen{gen}/writers-settled/{ident}"
 
 
 @dataclass(frozen=True)
@@ -53,9 +59,36 @@ WANDB = _Writer("wandb_project", "_set_wandb_writer", "_GLOBAL_WANDB_WRITER", ("
 WRITERS = (TENSORBOARD, WANDB)
 
 
-def follow_the_last_rank(args: Any, store: Any) -> None:
-    """Call once the new generation's world is up (``torch.distributed`` is the survivors'), and at start-up (the
-    launch's last rank publishes its W&B run)."""
+@dataclass(frozen=True)
+class HandOver:
+    """The generation being entered, as the W&B hand-over needs it: the new last rank resumes the job's run only
+    once every other member (``members``: global idents) has shut its writers, since the member that was last may
+    be alive and still finishing the run (a machine taken back became the last rank)."""
+    gen: int
+    ident: int  # this rank's
+    members: tuple[int, ...]
+    limit_s: float  # longest wait; past it the run is resumed anyway, with a warning
+
+    def settled(self, store: Any) -> None:
+        store.set(SETTLED_KEY.format(gen=self.gen, ident=self.ident), "1")
+
+    def wait_for_the_others(self, store: Any) -> None:
+        """Polls (``check``) rather than ``wait``: the rank's other threads share nothing with a blocked client."""
+        keys = {i: SETTLED_KEY.format(gen=self.gen, ident=i) for i in self.members if i != self.ident}
+        deadline = time.monotonic() + self.limit_s
+        while not store.check(list(keys.values())):
+            if time.monotonic() > deadline:
+                late = [i for i, key in keys.items() if not store.check([key])]
+                print(f"[odyssey rank {self.ident}] generation {self.gen}: rank(s) {late} did not shut their "
+                      f"W&B writer within {self.limit_s:.0f} s; resuming the job's W&B run without waiting longer "
+                      f"(it may be open twice for a while)", file=sys.stderr, flush=True)
+                return
+            time.sleep(0.05)
+
+
+def follow_the_last_rank(args: Any, store: Any, hand_over: HandOver | None = None) -> None:
+    """Call once the new generation's world is up (``torch.distributed`` is the survivors'), with its
+    ``hand_over``, and at start-up without (the launch's last rank publishes its W&B run)."""
     wanted = [w for w in WRITERS if getattr(args, w.flag, None)]
     if not wanted:
         return
@@ -66,10 +99,14 @@ def follow_the_last_rank(args: Any, store: Any) -> None:
     for w in wanted:
         writer = getattr(global_vars, w.variable)
         if last and writer is None:
+            if w is WANDB and hand_over is not None and store.check([WANDB_RUN_KEY]):
+                hand_over.wait_for_the_others(store)
             with _resuming(w, store):
                 w.open_as_last(global_vars, args)
         elif not last and writer is not None:
             w.shut(global_vars, writer)
+    if hand_over is not None and not last:
+        hand_over.settled(store)
     run = getattr(getattr(global_vars, WANDB.variable, None), "run", None)
     if last and getattr(run, "id", None) and not store.check([WANDB_RUN_KEY]):
         store.set(WANDB_RUN_KEY, str(run.id))

@@ -295,6 +295,9 @@ PATCHES: tuple[Patch, ...] = (
     Patch(f"{_T}.checkpointing:get_rng_state", hooks.original_layout_rng_state,
           "the RNG state is sharded by pipeline rank (0 of 1 under our parallel_state): written in the "
           "original stage x TP layout, one live rank per slot, so a stock job finds every slot"),
+    Patch(f"{_C}.rerun_state_machine:RerunStateMachine.state_dict", hooks.original_layout_rerun_state,
+          "its per-rank state is sharded by the world's size and rank (0.18+: at every save): after a recovery "
+          "written and read in the launch's world, so a relaunch at the original size finds every slot"),
     # the batch (before pretrain_gpt.py imports its alias)
     Patch(f"{_T}.utils:get_batch_on_this_tp_rank", hooks.whole_batch_on_every_stage,
           "with TP > 1, tensor-parallel rank 0 broadcasts only what its pipeline stage needs, judged by "

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..arguments import parse_rejoin
+from ..planning.cluster import node_ranks
 from ..planning.plan import ExecutionPlan, symmetric_plan
 from ..runtime.config import TrainConfig
 from ..runtime.executor import PipelineExecutor
@@ -580,7 +581,9 @@ class MegatronRank(GenerationRank):
         if policy != "restart":  # (a restart loads the scalers and the schedule from Megatron's checkpoint)
             self._hand_over_to_admitted()
         self.scheduler.step(increment=0)  # the fresh optimizer's groups take the schedule's current lr
-        log_writers.follow_the_last_rank(self.args, self.store)
+        members = tuple(node_ranks(self.rank_map.live_nodes, self.cfg.tp))
+        log_writers.follow_the_last_rank(self.args, self.store, log_writers.HandOver(
+            self.gen, self.ident, members, limit_s=self.cfg.soft_timeout_s / 2))
 
     def _hand_over_to_admitted(self) -> None:
         """--fp16: ranks admitted into this generation (a machine that came back, a standby put to work) take the

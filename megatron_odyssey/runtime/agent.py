@@ -50,7 +50,7 @@ from ..planning.planner import Decision, Planner, PlannerOptions
 from ..planning.schedule import overlapped_nodes
 from ..planning.sharding import lost_units
 from .config import TrainConfig
-from .control_plane import Deposed, Replica, free_port, listening
+from .control_plane import LEAVING_KEY, Deposed, Replica, free_port, listening
 from .plan_message import checkpoint_due, encode_plan_message
 from .liveness import COMM, IDLE, WAITING, WORKING, Beat
 from .diagnosis import DiagnosisOptions
@@ -177,6 +177,8 @@ class Agent:
         # the optimizer state is sharded: generation 0's distributed optimizer, then replicated shards (_lost_shards)
         self.sharded_state = bool(cfg.extra.get("distopt_instances"))
         self.exiting: dict[int, float] = {}  # rank -> when it was first seen finished but not yet exited
+        self.leaving: dict[int, dict[str, Any]] = {}  # rank -> the exit the script chose (LEAVING_KEY), once left
+        self.ended_by: dict[str, Any] | None = None  # the script's own end of the job, for the report
         self.killed_after_done: set[int] = set()
         self.gen = 0
         self.started_gen = True  # generation 0 needs no join barrier
@@ -338,6 +340,8 @@ class Agent:
                 self.give_up(self.unexplained)
                 self.write_report(ok=False)
                 return 1
+            if self.leaving:
+                return self._ended_by_the_script()
             if failed and getattr(self.termination, "signum", None):
                 return self._stopped_by_signal(failed)
             if failed and self.started_gen:
@@ -395,6 +399,8 @@ class Agent:
             if ident in self.dead:
                 continue
             code = self.procs[ident].exitcode
+            if code is not None and code != 0 and self._left_on_purpose(ident, code):
+                continue
             if code is not None and code != 0:
                 self.procs[ident].kill()  # leftovers (a launched rank's data-loader workers hold its sockets)
                 out.add(ident)
@@ -631,6 +637,47 @@ class Agent:
         self.give_up(reason)
         self.write_report(ok=False)
         return 128 + self.termination.signum
+
+    def _left_on_purpose(self, ident: int, code: int) -> bool:
+        """The rank said, before it left, that it leaves with this code by the script's own decision (Megatron-LM's
+        rerun state machine: every rank leaves with it after the checkpoint it asked for)."""
+        if ident not in self.leaving:
+            try:
+                said = self.store.check([LEAVING_KEY.format(ident)])
+                leaving = json.loads(self.store.get(LEAVING_KEY.format(ident))) if said else None
+            except Exception:  # noqa: BLE001 - the store is this agent's: a failure here is not the rank's
+                return False
+            if not leaving or leaving.get("code") != code:
+                return False
+            self.leaving[ident] = leaving
+        return True
+
+    def _ended_by_the_script(self) -> int:
+        """The script ended the job with a code of its own: nothing to recover. The other ranks are leaving the
+        same way (after the same checkpoint save, which a stop now could cut short): wait for them, at most the
+        hard timeout, then stop the rest; the job leaves with the script's code, as under torchrun or srun, so
+        that a wrapper that relaunches on it (Megatron-LM's 16: resume to disambiguate) does."""
+        first = next(iter(self.leaving.values()))
+        code, why = int(first["code"]), str(first.get("why") or "")
+        self.log(f"rank(s) {sorted(self.leaving)} left with exit code {code}: {why}; not a failure, nothing to "
+                 f"recover; waiting for the other ranks to leave")
+        deadline = time.time() + self.cfg.hard_timeout_s
+        live = [i for i in self.members() if i not in self.dead]
+        while time.time() < deadline and any(self.procs[i].exitcode is None for i in live):
+            time.sleep(0.05)
+        for ident in live:
+            if self.procs[ident].exitcode is not None:
+                self._left_on_purpose(ident, self.procs[ident].exitcode)
+        others = {i: describe_exit(self.procs[i].exitcode) if self.procs[i].exitcode is not None else "still running"
+                  for i in live if i not in self.leaving}
+        reason = f"the training script ended the job with exit code {code} at step {self.next_step}: {why}"
+        if others:
+            reason += f" (rank(s) otherwise: {others})"
+        self.ended_by = {"code": code, "why": why, "step": self.next_step, "ranks": sorted(self.leaving),
+                         "others": {str(i): e for i, e in others.items()}}
+        self.give_up(reason)
+        self.write_report(ok=False)
+        return code
 
     def _say_how_it_ended(self, ident: int) -> None:
         """A rank that failed without an error record of its own: a signal (the kernel's OOM killer, a
@@ -1506,6 +1553,7 @@ class Agent:
                    if self.store is not None and self.store.check([f"odyssey/device/{i}"])}
         report = {"ok": ok, "running": not final, "steps": self.steps.records(), "failures": failures,
                   "takeovers": takeovers, **self._diagnoses_and_joins(),
+                  **({"ended_by_script": self.ended_by} if self.ended_by else {}),
                   "profile": self.profile.name, "devices": devices, "host": host_summary(),
                   "final_plan": self.plan.to_dict(), "config": {k: v for k, v in vars(self.cfg).items()}}
         path = Path(self.cfg.report)

@@ -54,6 +54,8 @@ STEP_KEY = "odyssey/replica/step"  # the agent's per-commit state (written ahead
 STEP_SLOT = "odyssey/replica/steps/{}"  # the committed steps' records by commit number, a ring the standby reads
 SLOTS = 256
 DONE_KEY = "odyssey/done/{}"  # a rank finished the job (set before it exits)
+#: a rank leaves with a non-zero code the training script chose, not a failure: {"code": ..., "why": ...}
+LEAVING_KEY = "odyssey/leaving/{}"
 FENCE_KEY = "odyssey/fence/{}"  # the agent asks a rank's node agent to SIGKILL it (or, without one, the rank itself)
 PROBE_TIMEOUT_S = 1.0  # a connect or an operation on a store that may be gone
 

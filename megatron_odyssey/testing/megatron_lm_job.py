@@ -162,6 +162,24 @@ def job_env(megatron_lm: str | Path, gpu: bool = False, shared: str = "") -> dic
     return env
 
 
+def release_minor(megatron_lm: str | Path) -> int:
+    """The megatron-core minor version of a Megatron-LM checkout (16 for core_r0.16.0)."""
+    info = (Path(megatron_lm) / "megatron" / "core" / "package_info.py").read_text()
+    return int(next(line.split("=")[1] for line in info.splitlines() if line.startswith("MINOR")))
+
+
+def with_batch_ramp(flags: list[str], minor: int, samples: int = 52) -> list[str]:
+    """``flags`` with a global batch growing 4, 4, 6, 6, then 8 from iteration 5 (``--rampup-batch-size 4 2 16`` to
+    core_r0.17; core_r0.18 replaced it with ``--step-batch-size-schedule``, thresholds in tokens of 32, and ignores
+    the old flag), in sample-based training, where alone Megatron ramps (52 samples: 8 iterations)."""
+    at = flags.index("--train-iters")
+    flags = [*flags[:at], "--train-samples", str(samples), *flags[at + 2:]]
+    if minor >= 18:
+        at = flags.index("--global-batch-size")
+        return [*flags[:at], *flags[at + 2:], "--step-batch-size-schedule", "0:4 256:6 640:8"]
+    return [*flags, "--rampup-batch-size", "4", "2", "16"]
+
+
 def shared_device_flags(flags: list[str]) -> list[str]:
     """``flags`` for ranks sharing one GPU (``ODYSSEY_SHARED_DEVICE=1``, ``runtime.host_staging``): gloo, which
     takes several ranks on one device where NCCL refuses them."""
@@ -277,8 +295,9 @@ def tensorboard_scalars(log_dir: str | Path) -> dict[str, dict[int, float]]:
 
 
 def wandb_runs(log_dir: str | Path) -> list[dict[str, Any]]:
-    """What the W&B stand-in noted, one entry per ``init``: its name, project, id and resume mode, and the scalars
-    logged to that run (key -> step -> value), ordered by the first iteration each logged."""
+    """What the W&B stand-in noted, one entry per ``init``: its name, project, id and resume mode, the scalars
+    logged to that run (key -> step -> value), and when it was opened and finished (``time.time()``; None: never,
+    its process died), ordered by the first iteration each logged."""
     runs: list[dict[str, Any]] = []
     for notes in Path(log_dir).glob("*.jsonl"):
         run: dict[str, Any] | None = None  # this process's current run
@@ -286,27 +305,33 @@ def wandb_runs(log_dir: str | Path) -> list[dict[str, Any]]:
             record = json.loads(line)
             if record["call"] == "init":
                 run = {"name": record["name"], "project": record["project"], "id": record["id"],
-                       "resume": record["resume"], "scalars": {}}
+                       "resume": record["resume"], "scalars": {}, "opened": record["t"], "finished": None}
                 runs.append(run)
             elif record["call"] == "log":
                 assert run is not None, f"{notes}: logged before wandb.init"
                 for key, value in record["data"].items():
                     run["scalars"].setdefault(key, {})[record["step"]] = value
+            elif record["call"] == "finish" and run is not None:
+                run["finished"] = record["t"]
     return sorted(runs, key=lambda run: min(run["scalars"].get("lm loss", {}) or [float("inf")]))
 
 
 def read_torch_dist(checkpoint: str | Path) -> dict[str, Any]:
     """A torch_dist checkpoint directory (``iter_0000006``) as one flat dict, read without a process
-    group: every tensor at its global shape (layers stacked), whichever ranks wrote it."""
-    import tempfile
-
+    group: every tensor at its global shape (layers stacked), whichever ranks wrote it. Every other item (a
+    pickled Python object: RNG states, the rerun state machine's, extra states) is there by name only, as None:
+    unpickling one needs the writer's megatron-core, and a checkpoint core_r0.19.0 wrote names classes that the
+    megatron-core installed beside the tests (0.16.1) does not have."""
     import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "flat.pt"
-        dcp_to_torch_save(str(checkpoint), str(out))
-        return torch.load(out, weights_only=False)
+    reader = dcp.FileSystemReader(str(checkpoint))
+    items = reader.read_metadata().state_dict_metadata
+    tensors = {key: torch.empty(item.size, dtype=item.properties.dtype) for key, item in items.items()
+               if isinstance(item, TensorStorageMetadata)}
+    dcp.load(tensors, storage_reader=reader, no_dist=True)
+    return {**dict.fromkeys(items), **tensors}
 
 
 def max_tensor_difference(a: dict[str, Any], b: dict[str, Any]) -> float:

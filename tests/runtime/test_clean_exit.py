@@ -113,7 +113,23 @@ def test_groups_are_left_alone_after_an_error_or_a_nonzero_exit() -> None:
     with pytest.raises(SystemExit):
         leave_with_groups_destroyed(leaving(1), wanted=wanted, lock=lambda: None)()
     assert calls == []
+    with pytest.raises(SystemExit):  # a code not of Megatron's choosing is an error's
+        leave_with_groups_destroyed(leaving(16), wanted=wanted, lock=lambda: None, chosen=dict)()
+    assert calls == []
     with pytest.raises(SystemExit):  # Megatron's exit checks leave with 0: torn down
         leave_with_groups_destroyed(leaving(0), wanted=wanted, lock=lambda: None)()
     assert leave_with_groups_destroyed(lambda: 7, wanted=wanted, lock=lambda: None)() == 7
-    assert calls == ["asked", "asked"]
+    with pytest.raises(SystemExit):  # and so does Megatron's rerun state machine, with its own codes
+        leave_with_groups_destroyed(leaving(16), wanted=wanted, lock=lambda: None, chosen=lambda: {16: "resume"})()
+    assert calls == ["asked"] * 3
+
+
+def test_megatrons_own_exit_codes_are_its_rerun_state_machines() -> None:
+    """16 (resume to tell a transient fault from a faulty device) and 17 (a result failed validation), each read
+    from the installed megatron-core, with what it means for the terminal."""
+    pytest.importorskip("megatron.core.rerun_state_machine")
+    from megatron_odyssey.megatron_lm.clean_exit import chosen_exits
+
+    chosen = chosen_exits()
+    assert sorted(chosen) == [16, 17]
+    assert "resume the job" in chosen[16] and "failed its validation" in chosen[17]

@@ -21,8 +21,9 @@ import pytest
 
 from megatron_odyssey.megatron_lm.cpu_mode import tiny_gpt_flags
 from megatron_odyssey.megatron_lm.versions import KNOWN_RELEASES
-from megatron_odyssey.testing.megatron_lm_job import (NVML_STAND_IN, job_env, run_odyssey, run_stock, same_evaluations,
-                                                      same_training, same_training_where_logged, with_evaluation)
+from megatron_odyssey.testing.megatron_lm_job import (NVML_STAND_IN, job_env, release_minor, run_odyssey, run_stock,
+                                                      same_evaluations, same_training, same_training_where_logged,
+                                                      with_batch_ramp, with_evaluation)
 
 CHECKOUTS = [p for p in os.environ.get("MEGATRON_LM_CHECKOUTS", "").split(os.pathsep) if p]
 
@@ -37,8 +38,7 @@ def _flags(checkout: str) -> list[str]:
 
 
 def _minor(checkout: str) -> int:
-    info = (Path(checkout) / "megatron" / "core" / "package_info.py").read_text()
-    return int(next(line.split("=")[1] for line in info.splitlines() if line.startswith("MINOR")))
+    return release_minor(checkout)
 
 
 def _port(checkout: str, offset: int) -> int:
@@ -128,6 +128,31 @@ def test_release_writes_the_final_checkpoint_through_a_kill_after_the_last_itera
     assert same_training(job.iterations(), stock), (job.iterations(), stock)
     if saves:
         assert (work / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
+
+
+@pytest.mark.parametrize("checkout", CHECKOUTS, ids=[Path(c).name for c in CHECKOUTS])
+def test_release_writes_again_a_checkpoint_a_kill_interrupted(checkout: str, references: dict,
+                                                              tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Rank 1 killed inside iteration 2's interval save (--save-interval 2): the survivors recover and write it
+    again in the new layout, through this release's save_checkpoint_and_time (from core_r0.19.0 on it passes the
+    process groups it reads off the model: the redo must read them again, not reuse generation 0's), then train
+    on as stock and write the final checkpoint. (core_r0.12-0.15 cannot save under numpy 2, see above.)"""
+    import numpy
+
+    if _minor(checkout) < 16 and not hasattr(numpy, "product"):
+        pytest.skip("this release's checkpointing calls numpy.product, gone in numpy 2: stock cannot save")
+    stock = _stock(checkout, references, tmp_path_factory)
+    work = tmp_path_factory.mktemp("save")
+    job = run_odyssey(checkout, work, [*_flags(checkout), "--save", str(work / "ckpt"), "--save-interval", "2",
+                                       "--odyssey-inject-fault", "step=1,rank=1,phase=save,kind=kill"],
+                      _port(checkout, 760))
+    assert job.returncode == 0, job.logs[-4000:]
+    (failure,) = job.report["failures"]
+    assert failure["ranks"] == [1], failure
+    assert "the checkpoint save of iteration 2 was interrupted by a failure; the survivors run it again" in job.logs
+    assert same_training(job.iterations(), stock), (job.iterations(), stock)
+    assert (work / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
+    assert (work / "ckpt" / "iter_0000002").is_dir() and (work / "ckpt" / "iter_0000004").is_dir()
 
 
 @pytest.mark.parametrize("checkout", CHECKOUTS, ids=[Path(c).name for c in CHECKOUTS])
@@ -311,14 +336,7 @@ def test_release_batch_size_ramp_through_a_kill(checkout: str, tmp_path_factory:
     core_r0.18 replaced it with --step-batch-size-schedule, thresholds in tokens of 32, and ignores the old flag):
     rank 1 dies in iteration 6, past the ramp, and the plan reads from where Megatron's own calculator says the
     ramp ended. Equal to stock."""
-    flags = _flags(checkout)
-    if _minor(checkout) >= 18:
-        at = flags.index("--global-batch-size")
-        flags = [*flags[:at], *flags[at + 2:], "--step-batch-size-schedule", "0:4 256:6 640:8"]
-    else:
-        flags = [*flags, "--rampup-batch-size", "4", "2", "16"]
-    at = flags.index("--train-iters")  # (Megatron ramps only in sample-based training: 52 samples, 8 iterations)
-    flags = [*flags[:at], "--train-samples", "52", *flags[at + 2:]]
+    flags = with_batch_ramp(_flags(checkout), _minor(checkout))
     stock = run_stock(checkout, tmp_path_factory.mktemp("stock_ramp"), flags, _port(checkout, 440))
     assert stock.returncode == 0, stock.logs[-4000:]
     assert [stock.iterations()[i][0] for i in range(1, 7)] == ["4", "8", "14", "20", "28", "36"]
@@ -328,6 +346,22 @@ def test_release_batch_size_ramp_through_a_kill(checkout: str, tmp_path_factory:
     assert job.returncode == 0, job.logs[-4000:]
     assert [f["ranks"] for f in job.report["failures"]] == [[1]]
     assert same_training(job.iterations(), stock.iterations()), (job.iterations(), stock.iterations())
+
+
+@pytest.mark.parametrize("checkout", CHECKOUTS, ids=[Path(c).name for c in CHECKOUTS])
+def test_release_ignores_the_old_ramp_flag_as_stock(checkout: str, references: dict,
+                                                    tmp_path_factory: pytest.TempPathFactory) -> None:
+    """core_r0.18.0 on ignore --rampup-batch-size (the global batch stays 8): so does --odyssey, through a kill.
+    Before, every rank failed at start-up reading the ramp's end off Megatron's constant calculator."""
+    if _minor(checkout) < 18:
+        pytest.skip("up to core_r0.17 --rampup-batch-size ramps (test_release_batch_size_ramp_through_a_kill)")
+    stock = _stock(checkout, references, tmp_path_factory)
+    job = run_odyssey(checkout, tmp_path_factory.mktemp("old_ramp"), [
+        *_flags(checkout), "--rampup-batch-size", "4", "2", "16", "--odyssey-heartbeat-timeout", "10",
+        "--odyssey-inject-fault", "step=2,rank=1,phase=backward,kind=kill"], _port(checkout, 770))
+    assert job.returncode == 0, job.logs[-4000:]
+    assert job.global_batch_sizes() == {8}
+    assert same_training(job.iterations(), stock), (job.iterations(), stock)
 
 
 DISTOPT = ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"]

@@ -1,8 +1,11 @@
 """A stand-in for Weights & Biases (``wandb``) on machines without its service: put this folder first on PYTHONPATH
 and name a folder in $WANDB_STAND_IN_LOG. Each process appends what Megatron-LM asks of it (``init``, ``log``,
-``finish``) to ``<pid>.jsonl`` there, so a test can read which rank logged which iteration to which run."""
+``finish``) to ``<pid>.jsonl`` there, with the time, so a test can read which rank logged which iteration to which
+run, and when each run was opened and finished. ``finish`` takes $WANDB_STAND_IN_FINISH_S seconds (default 0), as a
+real one takes the time to upload what it has not yet sent."""
 import json
 import os
+import time
 import uuid
 from pathlib import Path
 
@@ -18,7 +21,7 @@ run = None
 
 def _note(**record):  # noqa: ANN003
     with open(Path(os.environ["WANDB_STAND_IN_LOG"]) / f"{os.getpid()}.jsonl", "a") as out:
-        out.write(json.dumps(record, default=str) + "\n")
+        out.write(json.dumps({**record, "t": time.time()}, default=str) + "\n")
 
 
 class _Run:
@@ -49,6 +52,7 @@ def log(data, step=None):  # noqa: ANN001, ANN201
 
 def finish():  # noqa: ANN201
     global run
+    time.sleep(float(os.environ.get("WANDB_STAND_IN_FINISH_S", "0")))
     run = None
     _note(call="finish")
 
