@@ -172,7 +172,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         launch(cfg, args.workdir)
     except TrainingFailed as exc:
         print(exc, file=sys.stderr)
-        return 1
+        return exc.code  # (as the agent left: a wrapper that relaunches on the script's own code sees it)
     return 0
 
 

@@ -181,6 +181,18 @@ def optimizer_format(save_dir: str, iteration: int) -> str | None:
     return ((common or {}).get("content_metadata") or {}).get("distrib_optim_sharding_type")
 
 
+def load_in_one_process(state_dict: dict, directory: Any, **kwargs: Any) -> None:
+    """``torch.distributed.checkpoint.load`` without a process group (the agent, the tests), quiet about it:
+    torch warns on every such call that it assumes a single process, which is the point here."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        dcp.load(state_dict, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=True, **kwargs)
+
+
 #: where core_r0.19.0 on keeps a checkpoint's common state: one ShardedObject among the torch_dist files
 COMMON_STATE_KEY = "common_state/shard_0_1"
 
@@ -193,26 +205,24 @@ def _common_state(directory: Any) -> dict:
     import io
 
     import torch
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     if (directory / "common.pt").exists():
         return torch.load(directory / "common.pt", map_location="cpu", weights_only=False, pickle_module=_Tolerant)
 
     class RawBytes(DefaultLoadPlanner):
-        """Keeps a pickled item's bytes (the default planner unpickles them, with every class importable)."""
+        """Keeps the pickled item's bytes (the default planner unpickles them, with every class importable)."""
 
-        raw: dict[str, bytes] = {}
+        raw = b""
 
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-            self.raw = {**self.raw, read_item.dest_index.fqn: value.read()}
+            self.raw = value.read()  # one key is asked for, so one item comes
 
     if not (directory / ".metadata").exists():  # (torch would print its own traceback before raising)
         raise FileNotFoundError(f"{directory} is not a torch_dist checkpoint")
     planner = RawBytes(flatten_state_dict=False)
-    dcp.load({COMMON_STATE_KEY: b""}, storage_reader=dcp.FileSystemReader(str(directory)), planner=planner,
-             no_dist=True)
-    return torch.load(io.BytesIO(planner.raw[COMMON_STATE_KEY]), map_location="cpu", weights_only=False,
+    load_in_one_process({COMMON_STATE_KEY: b""}, directory, planner=planner)
+    return torch.load(io.BytesIO(planner.raw), map_location="cpu", weights_only=False,
                       pickle_module=_Tolerant)[0]
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import os
 import sys
 import threading
@@ -94,18 +93,12 @@ def _generation_lock() -> ContextManager[Any] | None:
 
 def say_leaving(code: int, why: str) -> None:
     """Tell the agent, before leaving, that this exit code is the script's choice (an ``--odyssey`` rank only)."""
-    from ..runtime.control_plane import LEAVING_KEY
+    from ..runtime import control_plane
     from . import hooks
 
     runtime = hooks.STATE.runtime
-    store = getattr(runtime, "store", None)
-    if store is None:
-        return
-    try:
-        store.set(LEAVING_KEY.format(runtime.ident), json.dumps({"code": code, "why": why}))
-        store.check([LEAVING_KEY.format(runtime.ident)])  # a round trip: in the store before the process exits
-    except Exception:  # noqa: BLE001 - the agent is gone: nobody to tell
-        pass
+    if getattr(runtime, "store", None) is not None:
+        control_plane.say_leaving(runtime.store, runtime.ident, code, why)
 
 
 def leave_with_groups_destroyed(original: Callable[..., Any], wanted: Callable[[], bool] = _wanted,
@@ -120,9 +113,10 @@ def leave_with_groups_destroyed(original: Callable[..., Any], wanted: Callable[[
             out = original(*args, **kwargs)
         except SystemExit as leaving:
             code = leaving.code or 0
-            if isinstance(code, int) and (code == 0 or code in chosen()) and wanted():
-                if code:
-                    say_leaving(code, chosen()[code])
+            why = chosen().get(code) if isinstance(code, int) and code else None
+            if (code == 0 or why is not None) and wanted():  # (asked last: it reads Megatron's arguments)
+                if why is not None:
+                    say_leaving(code, why)
                 destroy_groups(lock=lock(), code=code)
             raise
         if wanted():

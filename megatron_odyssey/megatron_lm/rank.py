@@ -43,7 +43,8 @@ from .distributed_optimizer import (ShardedState, capture_pieces, deferred_param
                                     reassemble, stage_holder_groups, unit_holder_groups)
 from .batch_ramp import BatchRamp, megatron_batch_ramp
 from .replica_optimizer import ReplicaShards
-from . import log_writers, loss_scale
+from . import log_writers, loss_scale, rerun
+from .rerun import RerunExit
 from .samples import GlobalMicroBatches
 from .hooks import ORIGINAL_ATTR, STATE, overridden, sub_optimizers
 from .interleaved import InterleavedCapture, chunk_layer_start, reshuffle_transfers, shapes_for_layers
@@ -111,8 +112,10 @@ class MegatronStageRunner:
         from megatron.core.utils import get_attr_wrapped_model
 
         get_attr_wrapped_model(self.chunk, "set_input_tensor")(input_tensor)
-        out = self.forward_step_func(iter([dict(batch)]), self.chunk)
-        return out[0]  # (output_tensor, loss_func): the last stage's output is the per-token loss
+        out = self.forward_step_func(iter([dict(batch)]), self.chunk)  # (output_tensor, loss_func)
+        if self.is_last:  # the executor computes the loss from this per-token loss; the script's checks run here
+            rerun.check_loss(out[1], out[0])
+        return out[0]
 
 
 class OptimizerStateView:
@@ -631,8 +634,9 @@ class MegatronRank(GenerationRank):
     def _redo(self, start: int, end: int) -> None:
         """Train steps [start, end) again after a restart from a checkpoint, inside the current call of
         Megatron's loop (which logs only its own iterations)."""
-        for step in range(start, end):
-            self._train_plan_step(self.last_forward_step, step, self.last_forward_backward)
+        with rerun.disabled():  # (an exit here would save the model under Megatron's later iteration)
+            for step in range(start, end):
+                self._train_plan_step(self.last_forward_step, step, self.last_forward_backward)
 
     def _abort_locked(self) -> None:
         with self.gen_lock:
@@ -750,7 +754,7 @@ class MegatronRank(GenerationRank):
                 return result
             except Exception as exc:
                 self._take_failure(exc, f"iteration {step}")
-                _abandon_rerun_step()
+                rerun.abandon_step()
                 failed = True
             if failed:
                 resume = self.recover(step)
@@ -934,23 +938,35 @@ class MegatronRank(GenerationRank):
         return get_timers()("odyssey-forward-backward", log_level=0)
 
     def _step(self, forward_step_func: Callable[..., Any], step: int, forward_backward_func: Callable[..., Any]) -> tuple:
-        return self._megatron_result(*self._train_plan_step(forward_step_func, step, forward_backward_func))
+        out = self._train_plan_step(forward_step_func, step, forward_backward_func)
+        if isinstance(out, RerunExit):
+            return self._megatron_exit(out)
+        return self._megatron_result(*out)
 
     def _train_plan_step(self, forward_step_func: Callable[..., Any], step: int,
-                         forward_backward_func: Callable[..., Any]) -> tuple[float, bool, float]:
-        """One step of the current plan through the commit protocol: (committed loss, applied, norm)."""
+                         forward_backward_func: Callable[..., Any]) -> tuple[float, bool, float] | RerunExit:
+        """One step of the current plan through the commit protocol: (committed loss, applied, norm); or, where
+        Megatron's rerun state machine ends the job in it (:mod:`.rerun`), what ``train()`` is to do instead."""
         from megatron.training.global_vars import get_timers
 
         timers = get_timers()
-        for chunk in self.megatron_model:
-            chunk.zero_grad_buffer()
-        self.megatron_optimizer.zero_grad()
-        self.pending = step
-        timers("forward-backward", log_level=1).start(barrier=False)
-        forward_backward_func(forward_step_func=forward_step_func, data_iterator=None, model=self.megatron_model,
-                              num_microbatches=self.cfg.num_micro_batches, seq_length=self.cfg.seq,
-                              micro_batch_size=self.cfg.micro_batch, forward_only=False, odyssey_step=step)
-        timers("forward-backward").stop()
+        machine = rerun.machine()
+        for _ in rerun.runs(machine):  # (again, in place, where the machine rejected a result)
+            for chunk in self.megatron_model:
+                chunk.zero_grad_buffer()
+            self.megatron_optimizer.zero_grad()
+            self.pending = step
+            timers("forward-backward", log_level=1).start(barrier=False)
+            forward_backward_func(forward_step_func=forward_step_func, data_iterator=None, model=self.megatron_model,
+                                  num_microbatches=self.cfg.num_micro_batches, seq_length=self.cfg.seq,
+                                  micro_batch_size=self.cfg.micro_batch, forward_only=False, odyssey_step=step)
+            timers("forward-backward").stop()
+            rerun.check_grads([p.main_grad for _, p in self.named if getattr(p, "main_grad", None) is not None],
+                              nan_or_inf=bool(getattr(self.args, "check_for_nan_in_loss_and_grad", False)),
+                              large=bool(getattr(self.args, "check_for_large_grads", False)))
+        leaving = rerun.exit_asked(machine)
+        if leaving is not None:
+            return leaving
         result = self.last_result
         self.at(step, "grad-sync")
         self.sync()
@@ -1021,6 +1037,12 @@ class MegatronRank(GenerationRank):
         else:
             super()._restore(state)
 
+    def _megatron_exit(self, leaving: RerunExit) -> tuple:
+        """What Megatron's ``train_step`` returns where its rerun state machine ends the job: ``train()`` saves a
+        checkpoint where asked, and leaves with the code."""
+        base = ({}, True, leaving.checkpoint, True, leaving.code, None, None)
+        return base + (0,) if self.arity == 8 else base
+
     def _megatron_result(self, loss: float, ok: bool, norm: float) -> tuple:
         """What Megatron's ``train_step`` returns, and the consumed-sample count kept right: ``train()``
         adds data-parallel size x micro-batch x micro-batches, which differs from the (fixed) global
@@ -1043,18 +1065,6 @@ def _pg_collection_of(model: Any) -> Any:
         return get_attr_wrapped_model(model, "pg_collection")
     except RuntimeError:  # not found (0.12-0.14's get_attr_wrapped_model has no allow_none)
         return None
-
-
-def _abandon_rerun_step() -> None:
-    """Megatron's rerun state machine back to "no step running": a failure left its ``train_step`` in the
-    middle of an iteration (state ``INITIAL_RUN``), and a machine in that state writes a per-rank shard of
-    itself into every later checkpoint, keyed by the world size of the survivors, which a job at the
-    original size then cannot load."""
-    try:
-        from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine
-    except ImportError:  # megatron-core without the rerun machine
-        return
-    get_rerun_state_machine().state = RerunState.NOT_RUNNING_YET
 
 
 def _store_or_none() -> Any:

@@ -60,6 +60,16 @@ FENCE_KEY = "odyssey/fence/{}"  # the agent asks a rank's node agent to SIGKILL 
 PROBE_TIMEOUT_S = 1.0  # a connect or an operation on a store that may be gone
 
 
+def say_leaving(store: Any, ident: int, code: int, why: str) -> None:
+    """Tell the agent, before this rank leaves with ``code``, that the code is the training script's own choice (the
+    agent then ends the job with it instead of recovering). Best effort: with the agent gone there is nobody to tell."""
+    try:
+        store.set(LEAVING_KEY.format(ident), json.dumps({"code": code, "why": why}))
+        store.check([LEAVING_KEY.format(ident)])  # a round trip: in the store before the process exits
+    except Exception:  # noqa: BLE001 - the agent is gone
+        pass
+
+
 def parse_address(text: str) -> tuple[str, int]:
     host, port = text.rsplit(":", 1)
     return host, int(port)

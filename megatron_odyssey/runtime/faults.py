@@ -17,6 +17,9 @@ a kernel library or a driver would), so the process dies of SIGSEGV with the Pyt
 its log, which the agent shows on the terminal. ``kill-agent`` SIGKILLs the rank's agent (its parent: the agent
 of ``odyssey train``, the launcher of machine 0 under ``odyssey-launch``) and goes on; ``kill-with-agent`` kills the
 agent and the rank itself (a lost machine that held both): the standby agent must take over;
+``exit`` with ``code=C`` is no fault: the training script ends the job with a code of its own, as Megatron-LM's
+rerun state machine does on every rank at once (16: resume to disambiguate, 17: a result failed validation); the
+rank tells the agent (``control_plane.say_leaving``) and leaves with C, and the job must end with C, not recover;
 ``kill-machine`` (``odyssey-launch`` only) kills the rank's launcher and every rank it started: the
 whole machine is lost (on machine 0, with the agent).
 The rank records when it fired in the store, so the agent can report detection latency.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass, replace
 
@@ -41,7 +45,7 @@ from ..planning.errors import PlanningError
 PHASES = ("forward", "backward", "weight-grad", "grad-sync", "optimizer", "data", "recovery", "log", "save", "between",
           "eval", "exit", "end")
 KINDS = ("kill", "hang", "stall", "block", "slow", "slow-link", "error", "crash", "kill-agent", "kill-with-agent",
-         "kill-machine")
+         "kill-machine", "exit")
 SUSTAINED = ("slow", "slow-link")  # kinds that take factor=F and last from their step on
 SLOW_S = 2.0
 
@@ -58,6 +62,7 @@ class FailSpec:
     kind: str = "kill"
     factor: float = 0.0  # slow, slow-link: the sustained slowdown (0: slow is a one-off 2 s sleep)
     steps: int = 0  # slow, slow-link with factor: how many steps it lasts (0: to the end of the job)
+    code: int = 0  # exit: the exit code the script leaves with
 
     @classmethod
     def parse(cls, text: str) -> "FailSpec":
@@ -67,10 +72,10 @@ class FailSpec:
                 raise PlanningError(f"--fail {text!r}: expected key=value pairs like step=5,rank=3,phase=backward,kind=kill")
             key, value = (x.strip() for x in part.split("=", 1))
             fields[key] = value
-        unknown = set(fields) - {"step", "rank", "phase", "kind", "factor", "steps"}
+        unknown = set(fields) - {"step", "rank", "phase", "kind", "factor", "steps", "code"}
         if unknown:
             raise PlanningError(f"--fail {text!r}: unknown key(s) {sorted(unknown)}; use step, rank, phase, kind, "
-                                f"factor, steps")
+                                f"factor, steps, code")
         try:
             spec = cls(int(fields["step"]), int(fields["rank"]), fields.get("phase", "forward"), fields.get("kind", "kill"))
         except KeyError as missing:
@@ -97,6 +102,13 @@ class FailSpec:
             if not fields["steps"].isdigit() or int(fields["steps"]) < 1:
                 raise PlanningError(f"--fail {text!r}: steps must be an integer >= 1, got {fields['steps']!r}")
             spec = replace(spec, steps=int(fields["steps"]))
+        if "code" in fields or spec.kind == "exit":
+            if spec.kind != "exit":
+                raise PlanningError(f"--fail {text!r}: code= applies to kind=exit only")
+            code = fields.get("code", "")
+            if not code.isdigit() or not 1 <= int(code) <= 255:
+                raise PlanningError(f"--fail {text!r}: kind=exit needs code=C, an exit code from 1 to 255")
+            spec = replace(spec, code=int(code))
         if spec.phase not in PHASES:
             raise PlanningError(f"--fail {text!r}: phase must be one of {PHASES}")
         if spec.kind not in KINDS:
@@ -181,6 +193,19 @@ class Injector:
                 raise InjectedError(f"injected error (--fail step={step},rank={self.ident},phase={phase},kind=error)")
             elif spec.kind == "slow":
                 time.sleep(SLOW_S)
+            elif spec.kind == "exit":
+                self._leave(spec, f"the training script ended the job (--fail step={step},rank={self.ident},"
+                                  f"phase={phase},kind=exit,code={spec.code})")
+
+    def _leave(self, spec: FailSpec, why: str) -> None:
+        """Say so, then leave at once with the code (no teardown: the test is the agent's answer to the exit)."""
+        if self.store is not None:
+            from .control_plane import say_leaving
+
+            say_leaving(self.store, self.ident, spec.code, why)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(spec.code)
 
 
 def _busy(cpu_seconds: float) -> None:

@@ -19,11 +19,14 @@ from ..runtime.errors import STOP_LINE
 
 
 class TrainingFailed(RuntimeError):
-    """The job failed; ``stderr`` holds what the agent printed there (the ranks' errors)."""
+    """The job failed; ``stderr`` holds what the agent printed there (the ranks' errors), ``code`` the agent's exit
+    code: 1 for a failure, 128 + N when stopped by signal N, or the training script's own code when it ended the job
+    (``--fail ...,kind=exit,code=C``; Megatron-LM's rerun state machine), which ``odyssey train`` leaves with."""
 
-    def __init__(self, message: str, stderr: str = ""):
+    def __init__(self, message: str, stderr: str = "", code: int = 1):
         super().__init__(message)
         self.stderr = stderr
+        self.code = code if code > 0 else 128 - code  # (an agent killed by signal N: -N)
 
 
 def launch(cfg: TrainConfig, workdir: str | Path | None = None, quiet: bool = False) -> str:
@@ -70,7 +73,7 @@ def launch(cfg: TrainConfig, workdir: str | Path | None = None, quiet: bool = Fa
         reader.join()
     text = "".join(err)
     if code:
-        raise TrainingFailed(failure_message(code, text, workdir, quiet), text)
+        raise TrainingFailed(failure_message(code, text, workdir, quiet), text, code)
     if temporary and cfg.workdir == str(workdir):
         shutil.rmtree(workdir, ignore_errors=True)  # nothing in it is needed after a clean finish
     return text

@@ -326,11 +326,13 @@ def read_torch_dist(checkpoint: str | Path) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from ..megatron_lm.checkpoint import load_in_one_process
+
     reader = dcp.FileSystemReader(str(checkpoint))
     items = reader.read_metadata().state_dict_metadata
     tensors = {key: torch.empty(item.size, dtype=item.properties.dtype) for key, item in items.items()
                if isinstance(item, TensorStorageMetadata)}
-    dcp.load(tensors, storage_reader=reader, no_dist=True)
+    load_in_one_process(tensors, checkpoint)
     return {**dict.fromkeys(items), **tensors}
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -138,6 +139,34 @@ def test_the_same_error_on_a_second_rank_stops_the_job_within_seconds(tmp_path: 
     stop_s = ended - last["error"]["time"]  # from the second raise to the end of `odyssey train`
     print(f"the deterministic error stopped the job {stop_s:.2f} s after it was raised (wall {wall:.1f} s)")
     assert stop_s < 20.0, stop_s
+
+
+@pytest.mark.parametrize("leaving", [[0, 1, 2, 3], [0, 1, 2]], ids=["every rank", "all but rank 3"])
+def test_the_training_scripts_own_exit_ends_the_job_with_its_code(tmp_path: Path, leaving: list[int]) -> None:
+    """The script ends the job with a code of its own after step 2 (as Megatron-LM's rerun state machine does with
+    16, resume to disambiguate, on every rank at once): nothing is recovered, the job leaves with 16 (a wrapper that
+    relaunches on it does), and the terminal and the report say why. A rank that does not leave with the others is
+    waited for at most the hard timeout, then stopped and named."""
+    fails = [f"step=2,rank={r},phase=between,kind=exit,code=16" for r in leaving]
+    proc, wall = odyssey_train(tmp_path, *(x for f in fails for x in ("--fail", f)), "--soft-timeout", "3", "--hard-timeout", "6")
+    terminal = proc.stdout + proc.stderr
+    assert proc.returncode == 16, terminal[-4000:]
+    # (which of the leaving ranks the agent saw first is a race: its reason is the one quoted)
+    assert re.search(r"rank\(s\) \[[0-3, ]+\] left with exit code 16: the training script ended the job \(--fail "
+                     r"step=2,rank=[0-3],phase=between,kind=exit,code=16\); not a failure, nothing to recover", terminal)
+    assert re.search(r"training failed: the training script ended the job with exit code 16 at step 3: the training "
+                     r"script ended the job \(--fail step=2,rank=[0-3],phase=between,kind=exit,code=16\)", terminal)
+    assert "recover" not in terminal.split("left with exit code 16")[0][-2000:]  # nothing recovered before it
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["ok"] is False and not [f for f in report["failures"] if f.get("policy")]
+    ended = report["ended_by_script"]
+    assert (ended["code"], ended["step"], ended["ranks"]) == (16, 3, leaving)
+    assert [s["step"] for s in report["steps"]] == [0, 1, 2]  # the steps before the exit were committed
+    if leaving == [0, 1, 2, 3]:
+        assert ended["others"] == {}
+        assert wall < TIMEOUT_S / 2, wall  # nobody waited for a rank that had left
+    else:
+        assert set(ended["others"]) == {"3"}  # stopped (or failed without its peers) and named
 
 
 def test_a_start_up_failure_ends_the_job_promptly_with_the_real_error(tmp_path: Path) -> None:

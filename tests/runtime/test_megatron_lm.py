@@ -962,6 +962,41 @@ def test_the_rerun_state_machines_exit_ends_the_job_with_its_code(tmp_path: Path
                                      read_torch_dist(tmp_path / "stock" / "ckpt" / "iter_0000001")) == 0
 
 
+@pytest.mark.parametrize("kind, code", [("transient_error", 17), ("persistent_error", 16)])
+def test_the_rerun_state_machine_validates_the_steps_after_a_failure(tmp_path: Path, kind: str, code: int) -> None:
+    """Megatron's result validation outlives the hand-off (megatron_lm.rerun). Rank 1 is killed in iteration 0, so
+    every later iteration is one of the plan's steps, whose loss is the executor's. With Megatron's own error
+    injection at every validation from iteration 1 on (--error-injection-rate 1), the plan's iteration 1 is
+    rejected by the script's loss check or DDP's gradient check, run again in place over the survivors' world, and
+    the job ends as stock's does: 17 (not reproducible: a transient fault) or 16 (reproducible: resume on other
+    devices to tell), every survivor leaving with it after the checkpoint the machine asks for, equal to stock's.
+    Before, the plan's steps never called the machine: the injected rejection went unseen and training went on."""
+    def flags(work: Path) -> list[str]:
+        return [*TINY_GPT, "--rerun-mode", "validate_results", "--error-injection-rate", "1",
+                "--error-injection-type", kind, "--save", str(work / "ckpt"), "--save-interval", "100"]
+
+    port = {"transient_error": 1420, "persistent_error": 1440}[kind]
+    stock = run_stock(MLM, tmp_path / "stock", flags(tmp_path / "stock"), _port(port))
+    assert f"exitcode  : {code}" in stock.logs, stock.logs[-4000:]
+    job = run_odyssey(MLM, tmp_path / "odyssey", [*flags(tmp_path / "odyssey"), "--odyssey-heartbeat-timeout", "10",
+                                                  "--odyssey-inject-fault", "step=0,rank=1,phase=backward,kind=kill"],
+                      _port(port + 10))
+    assert job.returncode == code, job.logs[-4000:]
+    (failure,) = job.report["failures"]
+    assert failure["ranks"] == [1] and failure["step"] == 0
+    ended = job.report["ended_by_script"]
+    assert ended["code"] == code and ended["ranks"] == [0, 2, 3] and ended["step"] == 1, ended
+    assert "Need to rerun step to check reproducibility of initial result" in job.logs  # the rerun in place
+    assert ("Possible transient error" if code == 17 else "Need to rerun on a different GPU") in job.logs
+    assert [s["step"] for s in job.report["steps"]] == [0]  # iteration 1 was not committed: it ended the job
+    saved = (tmp_path / "stock" / "ckpt" / "iter_0000001" / ".metadata").exists()
+    assert (tmp_path / "odyssey" / "ckpt" / "iter_0000001" / ".metadata").exists() == saved
+    if saved:
+        # (iteration 0 was trained again as a plan step: a per-layer sum, equal to stock's to float rounding)
+        assert max_tensor_difference(read_torch_dist(tmp_path / "odyssey" / "ckpt" / "iter_0000001"),
+                                     read_torch_dist(tmp_path / "stock" / "ckpt" / "iter_0000001")) < 1e-6
+
+
 # -- tied embeddings (Megatron's default for GPT models) ------------------------------------------------
 
 TIED = [f for f in tiny_gpt_flags(ITERS) if f != "--untie-embeddings-and-output-weights"]
