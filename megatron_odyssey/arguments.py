@@ -123,7 +123,8 @@ def add_odyssey_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         "iteration, at the barrier after train() returns; rank is the launch-time global rank; "
                         "error: the rank raises, as a local bug would; crash: it segfaults in native code; "
                         "kind=slow,factor=F[,steps=N]: its compute F times slower from iteration I on, for N "
-                        "iterations or to the end)")
+                        "iterations or to the end; kind=exit,code=C: the rank leaves with C by the script's own "
+                        "choice, as Megatron's rerun state machine does)")
     g.add_argument("--odyssey-rejoin", action="append", default=[], metavar="RANK@STEP",
                    help="testing: rank R's machine comes back after iteration S (repeatable). Its replacement, "
                         "started with `odyssey-launch --join` at any time, asks to join once that iteration is "

@@ -39,7 +39,8 @@ def add_train_arguments(p: argparse.ArgumentParser, defaults: TrainConfig) -> No
                         "kind=kill|hang|stall|slow|slow-link|error|crash (repeatable; error: the rank raises, as a "
                         "local bug would; crash: it segfaults in native code; slow,factor=F: its compute F times "
                         "slower from that step on, steps=N: for N steps; "
-                        "slow-link,factor=F: its messages held back as on a slow link)"
+                        "slow-link,factor=F: its messages held back as on a slow link; exit,code=C: no fault, the "
+                        "script ends the job with its own code C, which odyssey train then leaves with)"
                         + (f"; replaces the built-in faults ({'; '.join(d.fail)}); --fail none: no faults"
                            if d.fail else ""))
     p.add_argument("--policy", choices=POLICIES, default=d.policy,

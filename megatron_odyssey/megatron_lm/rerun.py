@@ -90,7 +90,8 @@ def check_grads(grads: list[torch.Tensor], nan_or_inf: bool, large: bool) -> Non
     rsm = machine()
     if not grads or not (nan_or_inf or large) or not _validating(rsm):
         return
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+    norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).float())  # (one launch per dtype, as
+    # clip_grad_norm_ does: the check is on by default, every step)
     where = "in local grad norm for bucket #0 in backward pass before data-parallel communication collective"
     if nan_or_inf:
         for name, reject in (("NaN", torch.isnan), ("Inf", torch.isinf)):
