@@ -961,6 +961,9 @@ class MegatronRank(GenerationRank):
                                   num_microbatches=self.cfg.num_micro_batches, seq_length=self.cfg.seq,
                                   micro_batch_size=self.cfg.micro_batch, forward_only=False, odyssey_step=step)
             timers("forward-backward").stop()
+            self.at(step, "grad-sync")
+            self.sync()  # (waits for the reductions overlapped with the backward: the check reads their sums)
+            self._sync_sequence_parallel_grads()
             rerun.check_grads([p.main_grad for _, p in self.named if getattr(p, "main_grad", None) is not None],
                               nan_or_inf=bool(getattr(self.args, "check_for_nan_in_loss_and_grad", False)),
                               large=bool(getattr(self.args, "check_for_large_grads", False)))
@@ -968,9 +971,6 @@ class MegatronRank(GenerationRank):
         if leaving is not None:
             return leaving
         result = self.last_result
-        self.at(step, "grad-sync")
-        self.sync()
-        self._sync_sequence_parallel_grads()
         norm = plan_grad_norm(self.named, self.owners, self.node, self.tp_rank, self.cfg.layers, self.device)
         # --fp16: the gradients are scaled by the loss scale; a non-finite sum of squares is an overflow, agreed
         # plan-wide by the norm's all-reduce (loss_scale)

@@ -13,7 +13,9 @@ script's loss function, and the gradients are reduced by Odyssey's per-layer syn
   world all-reduces go over the generation's world (the survivors);
 - the script's loss function is called on the last stage's output of every micro-batch for its checks only
   (:func:`check_loss`): the loss that trains is the executor's, the same masked sum of the same output;
-- the rank's gradients are checked after the backward as DDP checks a bucket (:func:`check_grads`);
+- the rank's gradients are checked as DDP checks a bucket (:func:`check_grads`), once reduced: with
+  ``--overlap-grad-reduce`` their reductions are in flight when the backward ends, and a norm read then would race
+  them (a value that differs between the run and its rerun in place). A NaN or Inf is one in the sum too;
 - the machine's answer after the loop is the step's (:func:`exit_asked`): ``train()`` then saves and leaves as
   stock does, and ``clean_exit`` tells the agent the exit is Megatron's choice.
 
@@ -85,22 +87,23 @@ def check_loss(loss_func: Callable[[torch.Tensor], Any], output: torch.Tensor) -
 
 
 def check_grads(grads: list[torch.Tensor], nan_or_inf: bool, large: bool) -> None:
-    """DDP's ``check_grads`` over this rank's gradients as one bucket: NaN and Inf (``--check-for-nan-in-loss-
-    and-grad``, fatal) and unexpectedly large gradients (``--check-for-large-grads``, not fatal)."""
+    """DDP's ``check_grads`` over this rank's reduced gradients as one bucket: NaN and Inf (``--check-for-nan-in-
+    loss-and-grad``, fatal) and unexpectedly large gradients (``--check-for-large-grads``, not fatal; against their
+    own history, not that of DDP's per-bucket local norms before the failure, which are on another scale)."""
     rsm = machine()
     if not grads or not (nan_or_inf or large) or not _validating(rsm):
         return
     norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).float())  # (one launch per dtype, as
     # clip_grad_norm_ does: the check is on by default, every step)
-    where = "in local grad norm for bucket #0 in backward pass before data-parallel communication collective"
+    where = "in the grad norm of this rank's gradients after Odyssey's data-parallel reduction"
     if nan_or_inf:
         for name, reject in (("NaN", torch.isnan), ("Inf", torch.isinf)):
             rsm.validate_result(result=norm, rejection_func=reject, message=f"found {name} {where}",
                                 tolerance=0.001, fatal=True)
     if large:
         rsm.validate_result(result=norm, rejection_func=functools.partial(rsm.is_unexpectedly_large, threshold=10,
-                                                                          context="grads"),
-                            message=f"found unexpected large grads {where.replace('in local grad norm ', 'in ')}",
+                                                                          context="grads after the hand-off"),
+                            message=f"found unexpected large grads {where[len('in the grad norm of '):]}",
                             tolerance=0.001, fatal=False)
 
 
