@@ -284,10 +284,11 @@ class MegatronRank(GenerationRank):
         self.progress = Progress()
         track(self.progress)  # marked by the executor and gradient sync around communication (liveness)
         self.device = next(model[0].parameters()).device
-        from ..runtime.accelerator import dist_backend
+        from ..runtime.accelerator import survivors_backend
 
-        # the backend of the device the model lives on (Megatron's flag says "nccl" on Ascend too)
-        self.backend = dist_backend(self.device.type)
+        # gloo where Megatron's world is gloo's (ranks sharing one GPU too), else the device's; Megatron's flag says
+        # "nccl" on Ascend too
+        self.backend = survivors_backend(dist.get_backend(), self.device.type)
         self.p2p = P2P.for_backend(self.backend, self.device)
         self.stock = not joining  # generation 0: Megatron's own schedule and DDP (see module docstring)
         self.admission: tuple[int, dict] | None = None  # a joining rank's generation and plan, until it enters

@@ -18,3 +18,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Each failure written out as it happens (``ODYSSEY_GPU_FAILURES``, a file; the device script sets it under the
+    device tool's $OUT): a device run stopped at its time limit never prints pytest's summary, and its tree is gone."""
+    import os
+
+    path = os.environ.get("ODYSSEY_GPU_FAILURES")
+    if path and report.failed:
+        with open(path, "a") as out:
+            out.write(f"==== {report.nodeid} ({report.when}, pid {os.getpid()})\n{report.longreprtext}\n\n")
