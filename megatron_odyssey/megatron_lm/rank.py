@@ -284,11 +284,11 @@ class MegatronRank(GenerationRank):
         self.progress = Progress()
         track(self.progress)  # marked by the executor and gradient sync around communication (liveness)
         self.device = next(model[0].parameters()).device
-        from ..runtime.accelerator import survivors_backend
+        from ..runtime.accelerator import rank_backend
 
-        # gloo where Megatron's world is gloo's (ranks sharing one GPU too), else the device's; Megatron's flag says
-        # "nccl" on Ascend too
-        self.backend = survivors_backend(dist.get_backend(), self.device.type)
+        # the survivors' worlds: gloo where Megatron's world is gloo's (ranks sharing one GPU too), else the device's
+        # (read from the world, not Megatron's flag: it says "nccl" on Ascend too, whose world is HCCL's)
+        self.backend = rank_backend(shared=dist.get_backend() == "gloo", device_type=self.device.type)
         self.p2p = P2P.for_backend(self.backend, self.device)
         self.stock = not joining  # generation 0: Megatron's own schedule and DDP (see module docstring)
         self.admission: tuple[int, dict] | None = None  # a joining rank's generation and plan, until it enters

@@ -95,15 +95,15 @@ def check_grads(grads: list[torch.Tensor], nan_or_inf: bool, large: bool) -> Non
         return
     norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).float())  # (one launch per dtype, as
     # clip_grad_norm_ does: the check is on by default, every step)
-    where = "in the grad norm of this rank's gradients after Odyssey's data-parallel reduction"
+    grads_here = "this rank's gradients after Odyssey's data-parallel reduction"
     if nan_or_inf:
         for name, reject in (("NaN", torch.isnan), ("Inf", torch.isinf)):
-            rsm.validate_result(result=norm, rejection_func=reject, message=f"found {name} {where}",
-                                tolerance=0.001, fatal=True)
+            rsm.validate_result(result=norm, rejection_func=reject,
+                                message=f"found {name} in the grad norm of {grads_here}", tolerance=0.001, fatal=True)
     if large:
         rsm.validate_result(result=norm, rejection_func=functools.partial(rsm.is_unexpectedly_large, threshold=10,
                                                                           context="grads after the hand-off"),
-                            message=f"found unexpected large grads {where[len('in the grad norm of '):]}",
+                            message=f"found unexpected large grads in {grads_here}",
                             tolerance=0.001, fatal=False)
 
 

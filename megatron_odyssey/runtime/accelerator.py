@@ -204,18 +204,11 @@ def bind_rank_device(local_rank: int, shared: bool = False) -> torch.device:
     return acc.device(index)
 
 
-def rank_backend(shared: bool = False) -> str:
-    """The process-group backend of a rank: the device's (nccl/hccl/gloo), gloo when ranks share a device."""
-    return "gloo" if shared else dist_backend()
-
-
-def survivors_backend(launch_backend: str, device_type: str) -> str:
-    """The backend of the worlds built after a failure in a job launched over ``launch_backend`` (the world's, as
-    ``torch.distributed.get_backend()`` says): gloo where the job runs over gloo, CPU jobs and ranks sharing one
-    device (``runtime.host_staging``: the staged host copies need gloo, and a recovering rank must shut its gloo
-    connections for its peers to fail at once), else the device's own. Not Megatron-LM's flag: it says "nccl" on
-    Ascend too, whose world is HCCL's."""
-    return "gloo" if launch_backend == "gloo" else dist_backend(device_type)
+def rank_backend(shared: bool = False, device_type: Optional[str] = None) -> str:
+    """The process-group backend of a rank: the device's (nccl/hccl/gloo; ``device_type``, default the current
+    accelerator's), gloo when ranks share a device (``runtime.host_staging``: its host copies need gloo, and a
+    recovering rank must shut its gloo connections for its peers to fail at once)."""
+    return "gloo" if shared else dist_backend(device_type)
 
 
 def dist_backend(device_type: Optional[str] = None) -> str:

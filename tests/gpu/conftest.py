@@ -26,6 +26,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     import os
 
     path = os.environ.get("ODYSSEY_GPU_FAILURES")
+    if getattr(report, "node", None) is not None:  # pytest-xdist's controller, passing on what its worker wrote
+        return
     if path and report.failed:
         with open(path, "a") as out:
             out.write(f"==== {report.nodeid} ({report.when}, pid {os.getpid()})\n{report.longreprtext}\n\n")

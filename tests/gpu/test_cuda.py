@@ -146,7 +146,6 @@ def test_pretrain_gpt_ranks_share_the_gpu_through_a_kill(tmp_path: Path, layout:
     assert same_training(job.iterations(), stock.iterations(), rel=1e-5)
 
 
-
 @pytest.mark.skipif(not MLM or not (Path(MLM) / "pretrain_gpt.py").exists(),
                     reason="set MEGATRON_LM_PATH to a Megatron-LM checkout")
 def test_the_rerun_state_machine_validates_the_steps_after_a_failure_on_the_gpu(tmp_path: Path) -> None:
@@ -182,6 +181,7 @@ def test_the_rerun_state_machine_validates_the_steps_after_a_failure_on_the_gpu(
     if saved:  # one Adam step at lr 1e-4 from the same start: bf16 gradients summed in another order after the kill
         assert max_tensor_difference(read_torch_dist(tmp_path / "odyssey" / "ckpt" / "iter_0000001"),
                                      read_torch_dist(tmp_path / "stock" / "ckpt" / "iter_0000001")) < 2e-4
+
 
 @pytest.mark.gpu
 def test_compute_is_timed_by_device_events_not_by_the_host() -> None:

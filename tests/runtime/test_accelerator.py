@@ -22,25 +22,22 @@ def test_backend_for_each_device_type() -> None:
         acc.Accelerator("tpu", "xla")
 
 
-
-def test_the_survivors_world_keeps_the_launch_worlds_gloo(tmp_path) -> None:
+def test_the_survivors_world_keeps_the_launch_worlds_gloo(gloo_world: None) -> None:
     """Ranks sharing one GPU run over gloo with their CUDA tensors staged through the host: the worlds built after a
-    failure must be gloo's too. Seen on an H100 (2026-11-26) when the Megatron-LM host took the device's backend
-    instead: the survivors' world was NCCL's, a staged host tensor had no backend ("No backend type associated
-    with device type cpu"), and a recovering rank left its gloo connections open, so its peers hung in a
-    reduce-scatter until fenced. The launch world's backend is read as the host reads it, from a real world."""
+    failure must be gloo's too. Seen on the device (2026-11-26, H100 then H200) when the Megatron-LM host took the
+    device's backend instead: the survivors' world was NCCL's, a staged host tensor had no backend ("No backend
+    type associated with device type cpu"), and a recovering rank left its gloo connections open, so its peers hung
+    in a reduce-scatter until fenced. The launch world's backend is read as the host reads it, from a real gloo
+    world (the tests' shared one)."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        launch = dist.get_backend()
-    finally:
-        dist.destroy_process_group()
-    assert acc.survivors_backend(launch, "cuda") == "gloo"
-    assert acc.survivors_backend("gloo", "cpu") == "gloo"
-    assert acc.survivors_backend("nccl", "cuda") == "nccl"
-    assert acc.survivors_backend("nccl", "npu") == "hccl"  # Megatron-LM's flag on Ascend: the world is HCCL's
-    assert acc.survivors_backend("hccl", "npu") == "hccl"
+    launch = dist.get_backend()
+    assert launch == "gloo"  # what MegatronRank compares (shared: Megatron's world is gloo's)
+    assert acc.rank_backend(shared=True, device_type="cuda") == "gloo"
+    assert acc.rank_backend(shared=False, device_type="cuda") == "nccl"
+    assert acc.rank_backend(shared=False, device_type="npu") == "hccl"  # whatever Megatron's flag says on Ascend
+    assert acc.rank_backend(shared=False, device_type="cpu") == "gloo"
+
 
 def test_env_var_forces_device(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(acc.DEVICE_ENV_VAR, "cpu")

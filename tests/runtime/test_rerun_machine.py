@@ -118,5 +118,24 @@ def test_steps_trained_again_after_a_restart_validate_with_the_machine_disabled(
     assert rsm.get_mode() == core_rerun.RerunMode.VALIDATE_RESULTS
 
 
+
+def test_the_gradient_checks_say_what_they_found(machine, caplog: pytest.LogCaptureFixture) -> None:
+    """Where the machine does not rerun (disabled), a rejected gradient norm fails or warns with its message: an Inf
+    (fatal), and gradients over 10x the largest of the norms seen before (--check-for-large-grads, a warning)."""
+    import logging
+
+    machine()
+    assert _step(1.0) == (1, None)
+    here = "this rank's gradients after Odyssey's data-parallel reduction"
+    with rerun.disabled():
+        with pytest.raises(RuntimeError, match=f"found Inf in the grad norm of {here}"):
+            rerun.check_grads([torch.full((3,), float("inf"))], nan_or_inf=True, large=False)
+        with caplog.at_level(logging.WARNING):
+            for _ in range(101):  # the machine's sample of norms before it judges one
+                rerun.check_grads([torch.full((3,), 1.0)], nan_or_inf=False, large=True)
+            assert not any("large grads" in r.getMessage() for r in caplog.records)
+            rerun.check_grads([torch.full((3,), 1000.0)], nan_or_inf=False, large=True)
+    assert f"found unexpected large grads in {here}" in caplog.text
+
 def test_without_a_machine_a_step_runs_once() -> None:
     assert list(rerun.runs(None)) == [0] and rerun.exit_asked(None) is None
