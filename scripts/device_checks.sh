@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
 # The GPU checks as one command for the workplace's device tool (one GPU; Python 3.12 and torch with CUDA there,
-# no megatron-core). Prepare here, both listed in .git/info/exclude and named in the call's carry (13 MiB):
-#   .whl/  for pkg in megatron-core==0.16.1 pydantic pydantic-core annotated-types typing-inspection typing-extensions;
-#          do python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#          --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl $pkg; done
-#          (pydantic pins pydantic-core exactly: keep the pair pip picks together)
-#   .mlm/  Megatron-LM core_r0.16.0 without its tests: git --git-dir=<mirror of NVIDIA/Megatron-LM> archive
-#          core_r0.16.0 megatron pretrain_gpt.py gpt_builders.py model_provider.py | tar -x -C .mlm
+# no megatron-core). Prepare here, each listed in .git/info/exclude and named in the call's carry (23 MiB in all):
+#   .whl/   for pkg in megatron-core==0.16.1 pydantic pydantic-core annotated-types typing-inspection typing-extensions;
+#           do python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#           --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl $pkg; done
+#           (pydantic pins pydantic-core exactly: keep the pair pip picks together)
+#           and nvidia-resiliency-ext 0.6.0 for Megatron's fault injector (not on PyPI; pure Python without its
+#           CUPTI extension, built under Python 3.12 for a cp312 tag): git --git-dir=<mirror of
+#           NVIDIA/nvidia-resiliency-ext> archive v0.6.0 | tar -x -C /tmp/nvrx; STRAGGLER_DET_SKIP_CUPTI_EXT_BUILD=1
+#           POETRY_DYNAMIC_VERSIONING_BYPASS=0.6.0 <python3.12> -m pip wheel --no-deps /tmp/nvrx -w .whl
+#           (what it imports there - torch, psutil, pynvml, yaml, httpx - is in the device image)
+#   .mlm/   Megatron-LM core_r0.16.0 without its tests: git --git-dir=<mirror of NVIDIA/Megatron-LM> archive
+#           core_r0.16.0 megatron pretrain_gpt.py gpt_builders.py model_provider.py | tar -x -C .mlm
+#   .mlm18/ the same of core_r0.18.0 (its own megatron.core, first on the jobs' path): Megatron's fault injector's
+#           device faults (tests/gpu/test_megatron_fault_injector.py; skipped without it)
 # then: bash scripts/device_checks.sh ["pytest -k expression" [more pytest arguments]]   (default: every test in
 # tests/gpu; "" selects every test too), e.g. bash scripts/device_checks.sh "" -n 6 --timeout 300 (pytest-xdist and
 # pytest-timeout are in the device image; the tests use distinct ports and share the GPU fine)
@@ -14,15 +21,21 @@
 # prints no summary); record the result (command, device, outcome) in docs/benchmarks.md.
 # Timing (2026-11-26, H100, 6 workers): the eight lighter tests take about 4 min together; each shared-device
 # Megatron-LM case runs stock then Odyssey, over 2 min each under that load. A session has 15 device minutes, the
-# machine's start included: one call, e.g. run with timeout_s 560:
-#   timeout 530 bash scripts/device_checks.sh "" -n 7 --timeout 400
+# machine's start included: two calls on one warm machine, carry [".whl", ".mlm", ".mlm18"], e.g. first with
+# timeout_s 560 (the Megatron-LM jobs: 8 tests),
+#   timeout 530 bash scripts/device_checks.sh "pretrain_gpt or rerun_state or megatron_device_faults" -n 8 --timeout 450
+# then at once, before the machine goes idle, the rest (7 tests) with what is left:
+#   timeout 200 bash scripts/device_checks.sh "not (pretrain_gpt or rerun_state or megatron_device_faults)" -n 7
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || { echo "device_checks: could not install .whl/ (carry it)" >&2; exit 2; }
 [ -f .mlm/pretrain_gpt.py ] || { echo "device_checks: no Megatron-LM checkout in .mlm/ (carry it)" >&2; exit 2; }
 export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 MEGATRON_LM_PATH="$PWD/.mlm" ODYSSEY_GPU_FAILURES="${OUT:-/tmp}/gpu_failures.log"
+[ -f .mlm18/pretrain_gpt.py ] && export MEGATRON_LM_CHECKOUTS="$PWD/.mlm18"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, megatron.core as m; print('torch', torch.__version__, 'megatron-core', m.__version__)"
+python3 -c "import nvidia_resiliency_ext as n; print('nvidia-resiliency-ext', n.__version__)" 2>/dev/null \
+  || echo "device_checks: no nvidia-resiliency-ext in .whl/: Megatron's fault injector tests skip"
 k="${1:-}"; shift $(( $# > 0 ))
 python3 -m pytest -v -rA --durations=0 tests/gpu ${k:+-k "$k"} "$@" 2>&1 | tee "${OUT:-/tmp}/gpu_tests.log"

@@ -812,6 +812,11 @@ class MegatronRank(GenerationRank):
         if self.timing:
             self._fb_timer().start(barrier=False)
         self.pending = step
+        # inside the step from here on, for the agent's progress check: a later stage's first act in Megatron's
+        # schedule is to receive its input, before its first forward marks anything, and a rank waiting there must
+        # show as waiting on a peer in this step, not as still parked at the last stop of the previous iteration
+        # (the agent would fence it as the rank the others wait for)
+        self.progress.mark(step, "start")
         self.stock_messages.begin(step)  # (and this step's operation record)
         opt.step = functools.partial(self._guarded_optimizer_step, type(opt).step.__get__(opt), step)
         try:

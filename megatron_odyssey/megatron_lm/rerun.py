@@ -51,15 +51,13 @@ def machine() -> Any | None:
     return rerun.get_rerun_state_machine() if getattr(rerun, "_GLOBAL_RERUN_STATE_MACHINE", None) else None
 
 
-def runs(rsm: Any | None) -> Iterator[int]:
+def runs(rsm: Any | None) -> Iterator[None]:
     """The step's forward-backward passes: one, or more where the machine asks to run the iteration again."""
     if rsm is None:
-        yield 0
+        yield
         return
-    attempt = 0
     while rsm.should_run_forward_backward(None):  # (no data iterator to rewind: a step's batches are by its number)
-        yield attempt
-        attempt += 1
+        yield
 
 
 def exit_asked(rsm: Any | None) -> RerunExit | None:

@@ -10,6 +10,9 @@ at ``wait()`` for an asynchronous one, at the end of a ``_coalescing_manager`` b
 operations it coalesced). Megatron-LM's own schedule, DDP buckets, distributed optimizer and timers, and Odyssey's
 recovery, then run unchanged on the device, with every message on the wire as in the CPU tests.
 
+A rank blocked in one of these copies waits on its own device, not on a peer: the copies say so to the agent
+(``liveness.on_own_device``), so a rank whose device hangs is the one fenced, not the peers waiting for its message.
+
 It is test machinery: slower than NCCL (every message crosses PCIe twice) and never what a user runs.
 ``odyssey-launch`` jobs turn it on with ``ODYSSEY_SHARED_DEVICE=1`` (``megatron_adaptor``: every rank then binds
 device 0 and Megatron-LM runs with ``--distributed-backend gloo``). ``stage_host_tensors=True`` stages host
@@ -31,6 +34,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+
+from .liveness import on_own_device
 
 #: each operation's tensor arguments: "in" (read), "out" (written), "inout" (both); lists of tensors alike
 ROLES: dict[str, dict[str, str]] = {
@@ -93,7 +98,8 @@ def _needs_staging(t: Any) -> bool:
 def _host_copy(t: torch.Tensor, role: str) -> torch.Tensor:
     if role == "out":
         return torch.empty(t.shape, dtype=t.dtype)
-    return t.detach().to("cpu", copy=True)
+    with on_own_device():
+        return t.detach().to("cpu", copy=True)
 
 
 def _stage(value: Any, role: str, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
@@ -112,7 +118,7 @@ def _stage(value: Any, role: str, copies: list[tuple[torch.Tensor, torch.Tensor]
 
 def _copier(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> Callable[[], None]:
     def copy_back() -> None:
-        with torch.no_grad():
+        with torch.no_grad(), on_own_device():
             for device_tensor, host in copies:
                 device_tensor.copy_(host)
 

@@ -132,6 +132,23 @@ def communicating() -> Iterator[None]:
         progress.set_state(WORKING)
 
 
+@contextmanager
+def on_own_device() -> Iterator[None]:
+    """Around a wait on the rank's own device inside a communication call (a host-staged message copied off or onto
+    the device, which waits for the kernels before it): a rank blocked there is stuck itself - its device hangs, as
+    under nvidia-resiliency-ext's GPU_SLEEP - not waiting on a peer, so the agent must blame it, not the peers that
+    wait for its message (they entered their waits earlier and would look stopped longest)."""
+    progress = _PROCESS[0]
+    if progress is None or progress.state != COMM:
+        yield
+        return
+    progress.set_state(WORKING)
+    try:
+        yield
+    finally:
+        progress.set_state(COMM)
+
+
 class StoreThread(threading.Thread):
     """A daemon thread doing one small store operation every ``interval_s`` (:meth:`tick`) over its own
     client. A store error is retried with a fresh client and said once on stderr (and when the store

@@ -114,12 +114,13 @@ def same_training(a: dict[int, tuple[str, ...]], b: dict[int, tuple[str, ...]], 
     return True
 
 
-def same_training_where_logged(job: JobResult, stock: dict[int, tuple[str, ...]]) -> bool:
+def same_training_where_logged(job: JobResult, stock: dict[int, tuple[str, ...]], rel: float = 0.0) -> bool:
     """:func:`same_training` for a failure at a moment nobody chose (Megatron's fault injector's): an iteration whose
     log line was given up (:meth:`JobResult.unlogged_iterations`) may be missing, every other one is there and equal."""
     logged = job.iterations()
     missing = set(stock) - set(logged)
-    return missing <= job.unlogged_iterations() and same_training(logged, {i: stock[i] for i in stock if i in logged})
+    return missing <= job.unlogged_iterations() and same_training(logged, {i: stock[i] for i in stock if i in logged},
+                                                                  rel)
 
 
 def same_evaluations(a: list[tuple[str, str, str]], b: list[tuple[str, str, str]]) -> bool:
@@ -166,6 +167,15 @@ def release_minor(megatron_lm: str | Path) -> int:
     """The megatron-core minor version of a Megatron-LM checkout (16 for core_r0.16.0)."""
     info = (Path(megatron_lm) / "megatron" / "core" / "package_info.py").read_text()
     return int(next(line.split("=")[1] for line in info.splitlines() if line.startswith("MINOR")))
+
+
+def tiny_gpt_flags_for(megatron_lm: str | Path, train_iters: int) -> list[str]:
+    """:func:`~megatron_odyssey.megatron_lm.cpu_mode.tiny_gpt_flags` with a vocabulary this checkout's mock data
+    fits: megatron-core 0.12-0.15's mock documents hold tokens up to 4095 (reduced modulo the vocabulary from 0.16
+    on; with 128 an older release's embedding fails on "index out of range")."""
+    from ..megatron_lm.cpu_mode import tiny_gpt_flags
+
+    return tiny_gpt_flags(train_iters, vocab_size=4096 if release_minor(megatron_lm) <= 15 else 128)
 
 
 def with_batch_ramp(flags: list[str], minor: int, samples: int = 52) -> list[str]:

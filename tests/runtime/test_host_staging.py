@@ -42,3 +42,44 @@ def test_a_shared_device_setting_the_adaptor_does_not_know_is_refused(monkeypatc
     with pytest.raises(ValueError, match="ODYSSEY_SHARED_DEVICE='yes': expected 1"):
         _shared_device_if_asked()
     assert not host_staging_enabled()
+
+
+def test_a_rank_waiting_on_its_own_device_in_a_staged_message_is_working_not_communicating(gloo_world) -> None:
+    """A staged message copies off the device before it goes and onto it when it arrives, and each copy waits for
+    the rank's own kernels. A rank whose device hangs (nvidia-resiliency-ext's GPU_SLEEP) blocks there: it must show
+    as working (stuck itself, the one the agent fences), not as communicating (waiting on a peer, which would make
+    the agent blame the peers that wait for its message and entered their waits earlier)."""
+    import torch
+
+    from megatron_odyssey.runtime import liveness
+
+    seen: list[tuple[str, str]] = []
+
+    class Recorded(torch.Tensor):
+        """A tensor that notes the rank's state whenever it is copied off or onto (the copies that wait on the
+        device)."""
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", "")
+            if name in ("to", "copy_"):
+                seen.append((name, progress.state))
+            out = super().__torch_function__(func, types, args, kwargs or {})
+            return out.as_subclass(torch.Tensor) if name == "to" else out
+
+    progress = liveness.Progress()
+    liveness.track(progress)
+    enable_host_staging(stage_host_tensors=True)
+    try:
+        progress.mark(0, "forward")
+        tensor = torch.ones(3).as_subclass(Recorded)
+        with liveness.communicating():
+            assert progress.state == liveness.COMM
+            dist.all_reduce(tensor)
+            assert progress.state == liveness.COMM  # back to waiting on peers after each copy
+        assert progress.state == liveness.WORKING
+    finally:
+        disable_host_staging()
+        liveness.track(None)
+    assert seen == [("to", liveness.WORKING), ("copy_", liveness.WORKING)]
+    assert tensor.as_subclass(torch.Tensor).tolist() == [1.0, 1.0, 1.0]

@@ -21,8 +21,7 @@ import pytest
 from megatron_odyssey.testing.megatron_lm_job import (NVML_STAND_IN, JobResult, job_env, max_tensor_difference,
                                                       read_torch_dist, release_minor, run_odyssey, run_stock,
                                                       same_evaluations, same_training, shared_device_flags,
-                                                      with_batch_ramp, with_evaluation)
-from megatron_odyssey.megatron_lm.cpu_mode import tiny_gpt_flags
+                                                      tiny_gpt_flags_for, with_batch_ramp, with_evaluation)
 
 MLM = os.environ.get("MEGATRON_LM_PATH")
 
@@ -30,7 +29,7 @@ pytestmark = pytest.mark.skipif(not MLM or not (Path(MLM) / "pretrain_gpt.py").e
                                 reason="set MEGATRON_LM_PATH to a Megatron-LM checkout to run pretrain_gpt.py")
 
 ITERS = 5
-TINY_GPT = tiny_gpt_flags(ITERS)
+TINY_GPT = tiny_gpt_flags_for(MLM, ITERS) if MLM and (Path(MLM) / "pretrain_gpt.py").exists() else []
 ODYSSEY = [*TINY_GPT, "--odyssey-heartbeat-timeout", "10"]
 
 
@@ -299,6 +298,26 @@ def test_a_rank_blocked_between_iterations_is_fenced(stock: dict, tmp_path: Path
         assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
 
 
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_a_rank_stalled_inside_megatrons_own_step_is_the_one_fenced(stock: dict, tmp_path: Path, phase: str) -> None:
+    """Rank 1 (first stage) stops in its own work inside iteration 3 of Megatron's own schedule while its process and
+    heartbeat live on (kind=stall: as a hung kernel stops its host, nvidia-resiliency-ext's GPU_SLEEP); its stage-2
+    peer (rank 3) waits for its activations in its first receive of the iteration. Before, a rank entered Megatron's
+    step only at its first forward, so rank 3 still looked parked at the exit check after iteration 2 while the
+    others were inside iteration 3: the agent fenced it as the rank they waited for, then rank 0, then rank 1, and
+    the job ended with stage 0 lost. Now the step begins for every rank when Megatron's train_step does: exactly rank
+    1 is fenced, at the hard timeout, and training goes on as stock."""
+    job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--odyssey-soft-timeout", "5", "--odyssey-hard-timeout", "10",
+                                      "--odyssey-inject-fault", f"step=2,rank=1,phase={phase},kind=stall"],
+                      _port(1420 + 10 * (phase == "backward")))
+    assert job.returncode == 0, job.logs[-4000:]
+    (failure,) = job.report["failures"]
+    assert failure["ranks"] == [1] and failure["step"] == 2, failure
+    assert failure["ended"]["1"].startswith("was fenced (SIGKILL): made no progress for 1"), failure["ended"]
+    assert f"rank 1 has made no progress for 5.0 s inside step 2 (last operation: {phase}, working)" in job.logs
+    assert same_training(job.iterations(), stock)
+
+
 def test_ranks_whose_collective_timed_out_name_the_rank_they_waited_for(stock: dict, tmp_path: Path) -> None:
     """Rank 1 blocks in training_log after iteration 3 while the hard timeout (90 s) is longer than Megatron's
     --distributed-timeout-minutes (1): the others' collective times out first, they take it for a peer's failure and
@@ -463,7 +482,7 @@ def test_fp16_loss_scale_skips_and_grows_as_stock(tmp_path_factory: pytest.TempP
     order). With --accumulate-allreduce-grads-in-fp32, which --odyssey needs with --fp16."""
     from megatron_odyssey.megatron_lm.cpu_mode import with_fp16_loss_scaling
 
-    flags = with_fp16_loss_scaling(tiny_gpt_flags(8))
+    flags = with_fp16_loss_scaling(tiny_gpt_flags_for(MLM, 8))
     stock = run_stock(MLM, tmp_path_factory.mktemp("stock_fp16"), flags, _port(560 + 10 * (policy == "reroute")))
     assert stock.returncode == 0, stock.logs[-4000:]
     scales = stock.loss_scales()
@@ -585,7 +604,7 @@ def test_fp16_distributed_optimizer_through_two_kills(tmp_path_factory: pytest.T
     that overflows: every iteration's loss scale and skip equal stock's, losses and norms to 5 digits."""
     from megatron_odyssey.megatron_lm.cpu_mode import with_fp16_loss_scaling
 
-    flags = [*with_fp16_loss_scaling(tiny_gpt_flags(8)), *DISTOPT]
+    flags = [*with_fp16_loss_scaling(tiny_gpt_flags_for(MLM, 8)), *DISTOPT]
     stock = run_stock(MLM, tmp_path_factory.mktemp("stock_fp16_distopt"), flags, _port(650), nproc=8)
     assert stock.returncode == 0, stock.logs[-4000:]
     scales = stock.loss_scales()
@@ -856,13 +875,13 @@ SAVED_ITERS, SAVE_AT = 6, 3
 
 
 def _saving(work: Path) -> list[str]:
-    return [*tiny_gpt_flags(SAVED_ITERS), "--save", str(work / "ckpt"), "--save-interval", str(SAVE_AT)]
+    return [*tiny_gpt_flags_for(MLM, SAVED_ITERS), "--save", str(work / "ckpt"), "--save-interval", str(SAVE_AT)]
 
 
 def _resume(work: Path, checkpoint: Path, port: int):
     """Stock Megatron-LM (torchrun, original PP=2 x DP=2) resuming from ``checkpoint``'s iteration SAVE_AT."""
-    job = run_stock(MLM, work, [*tiny_gpt_flags(SAVED_ITERS), "--load", str(checkpoint), "--ckpt-step", str(SAVE_AT),
-                                "--save", str(work / "ckpt"), "--save-interval", str(SAVED_ITERS)], port)
+    job = run_stock(MLM, work, [*tiny_gpt_flags_for(MLM, SAVED_ITERS), "--load", str(checkpoint), "--ckpt-step",
+                                str(SAVE_AT), "--save", str(work / "ckpt"), "--save-interval", str(SAVED_ITERS)], port)
     assert job.returncode == 0, job.logs[-4000:]
     assert sorted(job.iterations()) == list(range(SAVE_AT + 1, SAVED_ITERS + 1))
     return job
@@ -908,7 +927,7 @@ def test_a_scheduler_stops_the_job_after_a_recovery(tmp_path: Path, handler: boo
     behaviour); without, the ranks die of the signal and the agent ends the job (128 + 15) instead of taking their
     ends for failures to recover from."""
     iters = 400  # long enough that the signal lands inside training
-    flags = [*tiny_gpt_flags(iters), "--odyssey-heartbeat-timeout", "10", "--save", str(tmp_path / "ckpt"),
+    flags = [*tiny_gpt_flags_for(MLM, iters), "--odyssey-heartbeat-timeout", "10", "--save", str(tmp_path / "ckpt"),
              "--save-interval", str(iters), "--odyssey-inject-fault", "step=1,rank=1,phase=backward,kind=kill",
              *(["--exit-signal-handler"] if handler else [])]
     job = run_odyssey(MLM, tmp_path, flags, _port(1060 + 10 * handler), sigterm_after_iteration=4)
@@ -999,7 +1018,7 @@ def test_the_rerun_state_machine_validates_the_steps_after_a_failure(tmp_path: P
 
 # -- tied embeddings (Megatron's default for GPT models) ------------------------------------------------
 
-TIED = [f for f in tiny_gpt_flags(ITERS) if f != "--untie-embeddings-and-output-weights"]
+TIED = [f for f in TINY_GPT if f != "--untie-embeddings-and-output-weights"]
 
 
 def _tied_saving(work: Path) -> list[str]:
@@ -1088,7 +1107,7 @@ def test_tied_embeddings_with_the_distributed_optimizer_through_kills(
 
 def _ramp() -> list[str]:
     """4, 4, 6, 6, then 8 from iteration 5: 52 samples are 8 iterations (the flags of this checkout's release)."""
-    return with_batch_ramp(tiny_gpt_flags(8), release_minor(MLM))
+    return with_batch_ramp(tiny_gpt_flags_for(MLM, 8), release_minor(MLM))
 
 
 @pytest.fixture(scope="module")
@@ -1274,7 +1293,7 @@ def test_a_lost_machine_comes_back_to_an_fp16_job(tmp_path_factory: pytest.TempP
     losses and norms to 5 digits as in the other fp16 tests."""
     from megatron_odyssey.megatron_lm.cpu_mode import with_fp16_loss_scaling
 
-    flags = with_fp16_loss_scaling(tiny_gpt_flags(8))
+    flags = with_fp16_loss_scaling(tiny_gpt_flags_for(MLM, 8))
     stock = run_stock(MLM, tmp_path_factory.mktemp("stock_fp16_join"), flags, _port(1030))
     assert stock.returncode == 0, stock.logs[-4000:]
     scales = stock.loss_scales()

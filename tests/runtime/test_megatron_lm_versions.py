@@ -19,11 +19,10 @@ from typing import Any
 
 import pytest
 
-from megatron_odyssey.megatron_lm.cpu_mode import tiny_gpt_flags
 from megatron_odyssey.megatron_lm.versions import KNOWN_RELEASES
 from megatron_odyssey.testing.megatron_lm_job import (NVML_STAND_IN, job_env, release_minor, run_odyssey, run_stock,
                                                       same_evaluations, same_training, same_training_where_logged,
-                                                      with_batch_ramp, with_evaluation)
+                                                      tiny_gpt_flags_for, with_batch_ramp, with_evaluation)
 
 CHECKOUTS = [p for p in os.environ.get("MEGATRON_LM_CHECKOUTS", "").split(os.pathsep) if p]
 
@@ -33,8 +32,7 @@ ITERS = 5
 
 
 def _flags(checkout: str) -> list[str]:
-    """megatron-core 0.12-0.15's mock documents hold tokens up to 4095 (see tiny_gpt_flags)."""
-    return tiny_gpt_flags(ITERS, vocab_size=4096 if _minor(checkout) <= 15 else 128)
+    return tiny_gpt_flags_for(checkout, ITERS)
 
 
 def _minor(checkout: str) -> int:
@@ -446,7 +444,7 @@ def _fp16_stock(checkout: str, references: dict, tmp_path_factory: pytest.TempPa
     from megatron_odyssey.megatron_lm.cpu_mode import with_fp16_loss_scaling
 
     if checkout not in references:
-        flags = with_fp16_loss_scaling(tiny_gpt_flags(8, vocab_size=4096 if _minor(checkout) <= 15 else 128))
+        flags = with_fp16_loss_scaling(tiny_gpt_flags_for(checkout, 8))
         stock = run_stock(checkout, tmp_path_factory.mktemp("stock_fp16"), flags, _port(checkout, 300))
         assert stock.returncode == 0, stock.logs[-4000:]
         references[checkout] = (flags, stock)

@@ -138,4 +138,4 @@ def test_the_gradient_checks_say_what_they_found(machine, caplog: pytest.LogCapt
     assert f"found unexpected large grads in {here}" in caplog.text
 
 def test_without_a_machine_a_step_runs_once() -> None:
-    assert list(rerun.runs(None)) == [0] and rerun.exit_asked(None) is None
+    assert len(list(rerun.runs(None))) == 1 and rerun.exit_asked(None) is None
