@@ -30,7 +30,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 WORKING, COMM, WAITING, IDLE = "working", "comm", "waiting", "idle"
 
@@ -118,35 +118,31 @@ def track(progress: Progress) -> None:
     _PROCESS[0] = progress
 
 
-@contextmanager
-def communicating() -> Iterator[None]:
+def communicating() -> ContextManager[None]:
     """Around a blocking communication call: the rank is waiting on peers, not stuck itself."""
-    progress = _PROCESS[0]
-    if progress is None or progress.state != WORKING:
-        yield
-        return
-    progress.set_state(COMM)
-    try:
-        yield
-    finally:
-        progress.set_state(WORKING)
+    return _switched(WORKING, COMM)
 
 
-@contextmanager
-def on_own_device() -> Iterator[None]:
+def on_own_device() -> ContextManager[None]:
     """Around a wait on the rank's own device inside a communication call (a host-staged message copied off or onto
     the device, which waits for the kernels before it): a rank blocked there is stuck itself - its device hangs, as
     under nvidia-resiliency-ext's GPU_SLEEP - not waiting on a peer, so the agent must blame it, not the peers that
     wait for its message (they entered their waits earlier and would look stopped longest)."""
+    return _switched(COMM, WORKING)
+
+
+@contextmanager
+def _switched(usual: str, meanwhile: str) -> Iterator[None]:
+    """The rank's state ``meanwhile`` for a while, where it is ``usual`` now (else left as it is)."""
     progress = _PROCESS[0]
-    if progress is None or progress.state != COMM:
+    if progress is None or progress.state != usual:
         yield
         return
-    progress.set_state(WORKING)
+    progress.set_state(meanwhile)
     try:
         yield
     finally:
-        progress.set_state(COMM)
+        progress.set_state(usual)
 
 
 class StoreThread(threading.Thread):
