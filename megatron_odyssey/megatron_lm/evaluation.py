@@ -13,8 +13,8 @@ that make ``evaluate``'s own arithmetic give stock's figure. Under our parallel_
 pipeline stage of a data-parallel world of one, so ``evaluate``'s reduction over data-parallel ranks does
 nothing; what stock spreads over its ranks is summed here in stock's order (:func:`stock_loss_dicts`).
 
-An evaluation is watched like a step: each micro-batch's forward marks progress (phase ``eval``, also where
-``--odyssey-inject-fault ...,phase=eval`` fires), so a rank that stops inside it while its heartbeat goes on is
+An evaluation is watched like a step: its start and each micro-batch's forward mark progress (phase ``eval``;
+the forward is also where ``--odyssey-inject-fault ...,phase=eval`` fires), so a rank that stops inside it while its heartbeat goes on is
 named and fenced after the soft and hard timeouts; the rank is at rest again when ``evaluate`` returns.
 A failure during an evaluation (stock's, or one of ours) is recovered from like any between iterations
 (``between_steps``); the survivors then run the whole evaluation again, in the new layout, from the position it
@@ -173,6 +173,10 @@ def evaluate(original: Callable[..., Any]) -> Callable[..., Any]:
         margs = get_args()
         # (an iterator of the script's own is fine before a failure: stock evaluates it; after one it is refused)
         EVAL.current, EVAL.valid_at_start = EVAL.lookup(data_iterator), int(margs.consumed_valid_samples)
+        # inside the evaluation from here on (no injection point): a later stage's first act is to receive its
+        # input, before its first forward marks anything, and a rank waiting there must not look parked at the
+        # last stop (the agent judges nobody by progress while a rank is at rest)
+        STATE.runtime.progress.mark(STATE.runtime.committed, "eval")
         try:
             return guarded_original(_watched(STATE.runtime, forward_step_func), data_iterator, *args, **kwargs)
         finally:

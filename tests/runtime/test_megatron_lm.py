@@ -831,24 +831,31 @@ def test_a_rank_lost_before_an_evaluation_under_a_sparse_log(tmp_path: Path) -> 
     assert same_training(job.iterations(), stock.iterations())
 
 
-@pytest.mark.parametrize("schedule", ["stock", "plan"])
-def test_a_rank_stalled_in_an_evaluation_is_fenced(stock_evaluating: tuple, tmp_path: Path, schedule: str) -> None:
-    """Rank 2's main thread stops in the evaluation after iteration 2 while its process and heartbeat live on
+@pytest.mark.parametrize("schedule, stalled", [("stock", 2), ("plan", 2), ("stock", 1)])
+def test_a_rank_stalled_in_an_evaluation_is_fenced(stock_evaluating: tuple, tmp_path: Path, schedule: str,
+                                                   stalled: int) -> None:
+    """A rank's main thread stops in the evaluation after iteration 2 while its process and heartbeat live on
     (kind=stall): the evaluation marks progress like a step, so the agent names it after the soft timeout and
     fences it after the hard one, and the survivors run the evaluation again. stock: in generation 0, inside
     Megatron's own forward-only schedule; plan: after rank 1 died in iteration 1, inside the plan's forward-only
-    pass. Every evaluation and iteration equal to stock's."""
+    pass. Rank 2 is a last stage; rank 1 a first one, whose peer rank 3 waits for its activations in its first
+    receive of the evaluation: it is in the evaluation from its start (before, it looked parked at the previous
+    stop, which kept the agent from judging anyone by progress until rank 3's receive timed out after Megatron's
+    10 minutes). Every evaluation and iteration equal to stock's."""
     flags, stock = stock_evaluating
-    faults = ["step=1,rank=2,phase=eval,kind=stall"]
+    faults = [f"step=1,rank={stalled},phase=eval,kind=stall"]
     if schedule == "plan":
         faults.insert(0, "step=0,rank=1,phase=backward,kind=kill")
     job = run_odyssey(MLM, tmp_path, [*flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-soft-timeout", "5",
                                       "--odyssey-hard-timeout", "10",
                                       *[x for f in faults for x in ("--odyssey-inject-fault", f)]],
-                      _port(880 + 20 * (schedule == "plan")))
+                      _port(880 + 20 * (schedule == "plan") + 10 * (stalled == 1)))
     assert job.returncode == 0, job.logs[-4000:]
-    assert [f["ranks"] for f in job.report["failures"]] == [[1], [2]][-len(faults):]
-    assert "rank 2 has made no progress" in job.logs and "last operation: eval" in job.logs
+    assert [f["ranks"] for f in job.report["failures"]] == [[1], [stalled]][-len(faults):]
+    assert f"rank {stalled} has made no progress" in job.logs and "last operation: eval" in job.logs
+    # fenced at the hard timeout (before, with rank 1 stalled: 610 s, when rank 3's receive timed out in Megatron's
+    # --distributed-timeout-minutes)
+    assert 10.0 <= job.report["failures"][-1]["detection_s"] < 30.0, job.report["failures"][-1]
     assert "the evaluation of iteration 2 was interrupted by a failure; the survivors run it again" in job.logs
     assert same_evaluations(job.validations(), stock.validations()), (job.validations(), stock.validations())
     assert same_training(job.iterations(), stock.iterations())
