@@ -30,6 +30,12 @@ pytestmark = pytest.mark.skipif(not MLM or not (Path(MLM) / "pretrain_gpt.py").e
 
 ITERS = 5
 TINY_GPT = tiny_gpt_flags_for(MLM, ITERS) if MLM and (Path(MLM) / "pretrain_gpt.py").exists() else []
+#: how far a gradient norm written to TensorBoard may be from stock's. After a failure Odyssey sums the squares in
+#: float64 (plan_grad_norm); stock's norm is float32 (torch.norm per tensor, on the CPU), which for core_r0.12-0.15's
+#: (4224, 64) embedding and output layer (their mock data needs a 4096-token vocabulary) is 2e-5 off the float64
+#: sum of its very gradients (measured at iteration 3: stock 0.9597247, the float64 sum of stock's gradients
+#: 0.9597434, Odyssey's 0.9597434, every gradient's squares within 5e-8 of stock's)
+GRAD_NORM_REL = 5e-5 if TINY_GPT and release_minor(MLM) <= 15 else 1e-6
 ODYSSEY = [*TINY_GPT, "--odyssey-heartbeat-timeout", "10"]
 
 
@@ -192,7 +198,7 @@ def test_tensorboard_and_wandb_follow_the_last_rank(tmp_path: Path, monkeypatch:
         if tag.startswith("world-size"):  # (vs samples: 8 samples per iteration)
             assert set(stock.values()) == {4}
             stock = {s: live[s if tag == "world-size" else s // 8] for s in stock}
-        rel = 1e-6 if tag.startswith("grad-norm") else 0.0
+        rel = GRAD_NORM_REL if tag.startswith("grad-norm") else 0.0
         return sorted(ours) == sorted(stock) and all(ours[s] == pytest.approx(v, rel=rel, abs=0)
                                                      for s, v in stock.items())
 
