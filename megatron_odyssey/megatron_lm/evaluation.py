@@ -14,8 +14,9 @@ pipeline stage of a data-parallel world of one, so ``evaluate``'s reduction over
 nothing; what stock spreads over its ranks is summed here in stock's order (:func:`stock_loss_dicts`).
 
 An evaluation is watched like a step: its start and each micro-batch's forward mark progress (phase ``eval``;
-the forward is also where ``--odyssey-inject-fault ...,phase=eval`` fires), so a rank that stops inside it while its heartbeat goes on is
-named and fenced after the soft and hard timeouts; the rank is at rest again when ``evaluate`` returns.
+the forward is also where ``--odyssey-inject-fault ...,phase=eval`` fires), so a rank that stops inside it while
+its heartbeat goes on is named and fenced after the soft and hard timeouts; the rank is at rest again when
+``evaluate`` returns.
 A failure during an evaluation (stock's, or one of ours) is recovered from like any between iterations
 (``between_steps``); the survivors then run the whole evaluation again, in the new layout, from the position it
 began at. Where a split's position comes from: the validation split's is Megatron's own
