@@ -39,6 +39,12 @@ TINY_GPT = tiny_gpt_flags_for(MLM, ITERS) if CHECKOUT else tiny_gpt_flags(ITERS)
 #: sum of its very gradients (measured at iteration 3: stock 0.9597247, the float64 sum of stock's gradients
 #: 0.9597434, Odyssey's 0.9597434, every gradient's squares within 5e-8 of stock's)
 GRAD_NORM_REL = 5e-5 if CHECKOUT and release_minor(MLM) <= 15 else 1e-6
+#: how far a checkpoint's tensors may be from stock's after a failure (gradients summed in another order). Adam
+#: divides by the root of its second moment, so a row of the embedding that sees almost no gradient moves by
+#: lr x (rounding / its own tiny scale): with core_r0.12-0.15's 4224-row embedding stock itself moves it 2.0e-6
+#: between two of its own layouts (core_r0.15.0, iteration 4: the distributed optimizer in two instances vs plain
+#: DDP and Adam; every other tensor within 2e-7), Odyssey 2.3e-6 (every other tensor within 6e-8)
+CHECKPOINT_TOL = 5e-6 if CHECKOUT and release_minor(MLM) <= 15 else 1e-6
 ODYSSEY = [*TINY_GPT, "--odyssey-heartbeat-timeout", "10"]
 
 
@@ -617,10 +623,14 @@ def test_fp16_distributed_optimizer_through_two_kills(tmp_path_factory: pytest.T
     stock = run_stock(MLM, tmp_path_factory.mktemp("stock_fp16_distopt"), flags, _port(650), nproc=8)
     assert stock.returncode == 0, stock.logs[-4000:]
     scales = stock.loss_scales()
-    assert 6 in [it for it, (_, skip) in scales.items() if skip], scales
+    # the second kill in an iteration that overflows in stock, after the first failure: 6 with the vocabulary of 0.16
+    # on; core_r0.12-0.15's larger model overflows in iterations 1, 4 and 7 instead (its first after iteration 2)
+    skipped = [it for it, (_, skip) in scales.items() if skip and it >= 3]
+    assert skipped, scales
+    overflow = 6 if 6 in skipped else min(skipped)
     job = run_odyssey(MLM, tmp_path, [*flags, "--odyssey-heartbeat-timeout", "10",
                                       "--odyssey-inject-fault", "step=1,rank=1,phase=backward,kind=kill",
-                                      "--odyssey-inject-fault", "step=5,rank=5,phase=forward,kind=kill"],
+                                      "--odyssey-inject-fault", f"step={overflow - 1},rank=5,phase=forward,kind=kill"],
                       _port(660), nproc=8)
     assert job.returncode == 0, job.logs[-4000:]
     assert [f["ranks"] for f in job.report["failures"]] == [[1], [5]]
@@ -667,7 +677,7 @@ def test_distributed_optimizer_checkpoint_after_a_failure_holds_what_stock_write
     assert any(k.startswith("optimizer.state.exp_avg_sq.") for k in theirs)
     # the same keys (max_tensor_difference is inf otherwise); fp32 weights and moments to rounding (stock reduces
     # gradients by reduce-scatter, Odyssey by all-reduce after the failure)
-    assert max_tensor_difference(ours, theirs) < 1e-6
+    assert max_tensor_difference(ours, theirs) < CHECKPOINT_TOL
 
 
 def test_distributed_optimizer_shard_lost_with_every_replica_stops_clearly(tmp_path: Path) -> None:
@@ -929,11 +939,12 @@ def test_checkpoint_saved_after_a_recovery_resumes_like_stock(stock_saved: tuple
     saved = f"iter_{SAVE_AT:07d}"
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == str(SAVED_ITERS)
     # parameters, Adam moments, RNG and scheduler state: those of the fault-free run
-    assert max_tensor_difference(read_torch_dist(tmp_path / "ckpt" / saved), read_torch_dist(stock_ckpt / saved)) < 1e-6
+    assert max_tensor_difference(read_torch_dist(tmp_path / "ckpt" / saved),
+                                 read_torch_dist(stock_ckpt / saved)) < CHECKPOINT_TOL
     resumed = _resume(tmp_path / "resume", tmp_path / "ckpt", _port(150 + 10 * rank))
     assert same_training(resumed.iterations(), stock_resumed)
     final = read_torch_dist(tmp_path / "resume" / "ckpt" / f"iter_{SAVED_ITERS:07d}")
-    assert max_tensor_difference(final, stock_final) < 1e-6
+    assert max_tensor_difference(final, stock_final) < CHECKPOINT_TOL
 
 
 @pytest.mark.parametrize("handler", [True, False], ids=["exit_signal_handler", "no_handler"])
@@ -1029,7 +1040,7 @@ def test_the_rerun_state_machine_validates_the_steps_after_a_failure(tmp_path: P
     if saved:
         # (iteration 0 was trained again as a plan step: a per-layer sum, equal to stock's to float rounding)
         assert max_tensor_difference(read_torch_dist(tmp_path / "odyssey" / "ckpt" / "iter_0000001"),
-                                     read_torch_dist(tmp_path / "stock" / "ckpt" / "iter_0000001")) < 1e-6
+                                     read_torch_dist(tmp_path / "stock" / "ckpt" / "iter_0000001")) < CHECKPOINT_TOL
 
 
 # -- tied embeddings (Megatron's default for GPT models) ------------------------------------------------
@@ -1066,7 +1077,7 @@ def test_tied_embeddings_through_a_kill(stock_tied: tuple, tmp_path: Path, polic
     assert [f["policy"] for f in job.report["failures"]] == [policy]
     assert same_training(job.iterations(), stock)
     final = read_torch_dist(tmp_path / "ckpt" / f"iter_{ITERS:07d}")
-    assert set(final) == set(stock_final) and max_tensor_difference(final, stock_final) < 1e-6
+    assert set(final) == set(stock_final) and max_tensor_difference(final, stock_final) < CHECKPOINT_TOL
 
 
 def _tied_distopt(work: Path) -> list[str]:
@@ -1114,7 +1125,7 @@ def test_tied_embeddings_with_the_distributed_optimizer_through_kills(
     assert [f["policy"] for f in job.report["failures"]] == [policy] * len(faults)
     assert same_training(job.iterations(), stock)
     final = read_torch_dist(tmp_path / "ckpt" / f"iter_{ITERS:07d}")
-    assert set(final) == set(stock_final) and max_tensor_difference(final, stock_final) < 1e-6
+    assert set(final) == set(stock_final) and max_tensor_difference(final, stock_final) < CHECKPOINT_TOL
     # after the first failure every survivor keeps part of the shared weight's state (three holders or more)
     assert all(v < 1.0 for v in job.report["failures"][0]["optimizer_shares"].values())
 
