@@ -19,13 +19,13 @@
 # pytest-timeout are in the device image; the tests use distinct ports and share the GPU fine)
 # The log goes to $OUT/gpu_tests.log, each failure at once to $OUT/gpu_failures.log (a run stopped at its limit
 # prints no summary); record the result (command, device, outcome) in docs/benchmarks.md.
-# Timing (2026-11-26, H100, 6 workers): the eight lighter tests take about 4 min together; each shared-device
-# Megatron-LM case runs stock then Odyssey, over 2 min each under that load. A session has 15 device minutes, the
-# machine's start included: two calls on one warm machine, carry [".whl", ".mlm", ".mlm18"], e.g. first with
-# timeout_s 560 (the Megatron-LM jobs: 8 tests),
+# Timing (2026-11-27, H200, one warm machine): the Megatron-LM group (8 tests, -n 8) took 224 s and the rest (then
+# 7 tests, -n 7) 78 s; the machine's start about 30 s. A session has 15 device minutes, the start included: two
+# calls on one warm machine, carry [".whl", ".mlm", ".mlm18"], first with timeout_s 560,
 #   timeout 530 bash scripts/device_checks.sh "pretrain_gpt or rerun_state or megatron_device_faults" -n 8 --timeout 450
-# then at once, before the machine goes idle, the rest (7 tests) with what is left:
-#   timeout 200 bash scripts/device_checks.sh "not (pretrain_gpt or rerun_state or megatron_device_faults)" -n 7
+# then at once, before the machine goes idle, the rest (9 tests) with what is left:
+#   timeout 230 bash scripts/device_checks.sh "not (pretrain_gpt or rerun_state or megatron_device_faults)" -n 8
+# A failed test's logs come back too, packed as $OUT/logs-<test>.tgz (tests/gpu/conftest.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

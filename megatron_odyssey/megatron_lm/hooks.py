@@ -178,11 +178,29 @@ def grad_sync_once(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(self, *args, **kwargs)
         if getattr(self, _REDUCED, False):
             return None
+        _communication_stream_after_the_callers(self)
         out = original(self, *args, **kwargs)
         setattr(self, _REDUCED, True)
         return out
 
     return start_grad_sync
+
+
+def _communication_stream_after_the_callers(bucket_group: Any) -> None:
+    """The bucket group's reduction stream waits for the stream the call comes from, not only the default one.
+
+    core_r0.16.0 builds DDP under a side stream (``training.get_model``'s ``ddp_stream``), so torch (2.9+) runs
+    the gradient-ready hooks - Megatron's ``main_grad.add_`` and this call - on that stream, while
+    ``start_grad_sync`` makes its communication stream wait for the *default* stream only: the reduction can read a
+    bucket before its last gradients are added (found on an H200: iteration 2's grad norm 2.767 against 1.725 when
+    the hook, not the schedule, started the reduction). core_r0.17.0 on waits for ``torch.cuda.current_stream()``
+    itself; this is that wait, a no-op there and on releases that build DDP on the default stream."""
+    import torch
+
+    stream = getattr(bucket_group, "communication_stream", None)
+    if stream is None or not torch.cuda.is_available():  # (the CPU mode's streams keep no order: nothing to wait for)
+        return
+    stream.wait_stream(torch.cuda.current_stream())
 
 
 def grad_sync_finished(original: Callable[..., Any]) -> Callable[..., Any]:

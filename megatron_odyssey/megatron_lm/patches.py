@@ -218,7 +218,9 @@ PATCHES: tuple[Patch, ...] = (
     Patch(f"{_C}.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.start_grad_sync", hooks.grad_sync_once,
           "with --overlap-grad-reduce and 2+ distributed-optimizer instances stock Megatron-LM reduces each step's "
           "gradients twice under pipeline parallelism (backward hook and the schedule's grad_sync_func; its "
-          "second-dispatch guard needs an async handle those instances never leave): reduced once under --odyssey"),
+          "second-dispatch guard needs an async handle those instances never leave): reduced once under --odyssey; "
+          "and (core_r0.16.0) its reduction stream waits for the default stream only while the gradient hooks run on "
+          "DDP's set-up stream: it waits for the caller's stream too, as core_r0.17.0 does"),
     Patch(f"{_C}.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.finish_grad_sync",
           hooks.grad_sync_finished, "ends the step's one reduction (start_grad_sync above); behaviour unchanged"),
     Patch(f"{_C}.optimizer.optimizer:get_grad_norm_fp32", hooks.grad_norm_fp32,

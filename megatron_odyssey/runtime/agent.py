@@ -122,6 +122,7 @@ class Stall:
     why: str
     bound: str
     waiting: list[int]
+    since: float  # when it last made progress: where the failure's detection time starts
 
 
 @dataclass
@@ -187,7 +188,8 @@ class Agent:
         self.dead: set[int] = set()
         self.fenced: set[int] = set()
         self.termination: Any = None  # odyssey-launch's Termination: a signal stops the job (its .signum, .reason)
-        self.silent_since: dict[int, float] = {}  # a rank fenced for missed heartbeats -> its last heartbeat
+        # a rank fenced for missed heartbeats -> its last heartbeat; for a stop in progress -> its last progress
+        self.silent_since: dict[int, float] = {}
         self.endings: dict[int, str] = {}  # a failed rank without an error record -> how its process ended (ended)
         # committed steps go to disk as they commit (beside the report, else in the workdir)
         self.steps = StepLog(Path(cfg.report).with_suffix(".steps.jsonl") if cfg.report else workdir / "steps.jsonl")
@@ -422,6 +424,7 @@ class Agent:
             kind = "comm-hang" if beat.state == COMM or stall.waiting else "hang"
             self.slow_nodes.hang(beat.step, [stall.rank], kind, f"rank {stall.rank} {stall.why} ({beat.state})"
                                  + (f"; ranks {stall.waiting} wait on it in communication" if stall.waiting else ""))
+            self.silent_since[stall.rank] = stall.since
             self._fence(stall.rank, f"{stall.why} ({stall.bound})", stacks=True)
             out.add(stall.rank)
         if supervising and not out and not done:
@@ -542,7 +545,7 @@ class Agent:
             return None
         return Stall(first, f"made no progress for {idle[first]:.1f} s inside step {beat.step} (last operation: "
                             f"{beat.phase}) while its heartbeat went on", f"--hard-timeout {self.cfg.hard_timeout_s:g} s",
-                     sorted(i for i in live if i != first and self.beats[i].state == COMM))
+                     sorted(i for i in live if i != first and self.beats[i].state == COMM), beat.since)
 
     def _behind_the_others(self, live: list[int], now: float) -> Stall | None:
         """A member left behind every other, at a stop of the loop between steps (``liveness``: every rank makes the
@@ -587,7 +590,7 @@ class Agent:
         bound = f"--first-step-timeout {self.cfg.first_step_timeout_s:g} s" if extra else \
             f"--hard-timeout {self.cfg.hard_timeout_s:g} s"
         return Stall(first, f"stopped for {stopped:.1f} s at {where} while {waiting} and its heartbeat went on", bound,
-                     others)
+                     others, beat.since)
 
     def _dump_stacks(self, ident: int) -> None:
         """Ask the rank for its stacks (into its log): by signal (ranks register faulthandler on it) when it runs

@@ -5,10 +5,11 @@ device, and gloo, the backend that accepts them, sends and receives host tensors
 send/recv fail with ``writev ... Bad address``), has no all-gather or reduce-scatter into device tensors, and a
 CUDA all-reduce torn down mid-operation by a peer's failure ended an H100 rank in ``std::terminate``. With this
 module enabled every torch.distributed operation that carries a device tensor runs on a host copy instead: its
-inputs copied to the host, its outputs copied back to the device when it completes (at once for a blocking call,
-at ``wait()`` for an asynchronous one, at the end of a ``_coalescing_manager`` block or at its ``wait()`` for the
-operations it coalesced). Megatron-LM's own schedule, DDP buckets, distributed optimizer and timers, and Odyssey's
-recovery, then run unchanged on the device, with every message on the wire as in the CPU tests.
+inputs copied to the host (once every stream of the rank's device is through), its outputs copied back to the
+device when it completes (at once for a blocking call, at ``wait()`` for an asynchronous one, at the end of a
+``_coalescing_manager`` block or at its ``wait()`` for the operations it coalesced). Megatron-LM's own schedule,
+DDP buckets, distributed optimizer and timers, and Odyssey's recovery, then run unchanged on the device, with
+every message on the wire as in the CPU tests.
 
 A rank blocked in one of these copies waits on its own device, not on a peer: the copies say so to the agent
 (``liveness.on_own_device``), so a rank whose device hangs is the one fenced, not the peers waiting for its message.
@@ -96,9 +97,15 @@ def _needs_staging(t: Any) -> bool:
 
 
 def _host_copy(t: torch.Tensor, role: str) -> torch.Tensor:
+    """A host copy of what the operation reads, taken once everything this rank queued on the device is done: a
+    copy waits for the caller's stream only, while what it reads may still be written on another (core_r0.16.0's
+    gradient hooks add into a bucket on DDP's set-up stream, and its reduction waits for the default stream), and
+    a race there would make a shared-device run differ from itself, not only from NCCL's."""
     if role == "out":
         return torch.empty(t.shape, dtype=t.dtype)
     with on_own_device():
+        if t.device.type == "cuda":
+            torch.cuda.synchronize(t.device)
         return t.detach().to("cpu", copy=True)
 
 

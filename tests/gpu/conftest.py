@@ -31,3 +31,30 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if path and report.failed:
         with open(path, "a") as out:
             out.write(f"==== {report.nodeid} ({report.when}, pid {os.getpid()})\n{report.longreprtext}\n\n")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> object:
+    """A failed test's job logs (every rank's, the launcher's, the agent's: ``*.log``, ``*.json``, ``*.txt`` under
+    its ``tmp_path``) packed beside ``ODYSSEY_GPU_FAILURES``: the assertion shows a log's last 4000 characters, the
+    real cause is often a rank's earlier line, and the device machine is gone after the call."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call" and report.failed:
+        _keep_logs(item)
+
+
+def _keep_logs(item: pytest.Item) -> None:
+    import os
+    import re
+    import tarfile
+    from pathlib import Path
+
+    failures, tmp = os.environ.get("ODYSSEY_GPU_FAILURES"), getattr(item, "funcargs", {}).get("tmp_path")
+    if not failures or tmp is None:
+        return
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", item.name)[:120]
+    with tarfile.open(Path(failures).parent / f"logs-{name}.tgz", "w:gz") as tar:
+        for path in sorted(Path(tmp).rglob("*")):
+            if path.is_file() and path.suffix in (".log", ".json", ".txt") and path.stat().st_size < 8 << 20:
+                tar.add(path, arcname=str(path.relative_to(tmp)))

@@ -273,6 +273,7 @@ def test_a_rank_left_behind_the_others_between_steps_is_named_then_fenced(tmp_pa
     assert (found[-1].why, found[-1].bound) == ("stopped for 41.0 s at between after step 4 while ranks [0, 1, 2] "
                                                 "wait further on and its heartbeat went on", "--hard-timeout 40 s")
     assert found[-1].waiting == [0, 1, 2]
+    assert found[-1].since == now - 41  # the failure's detection time counts from there, not from the fencing
     # the others at a later stop after the same step: in training_log's collective, the exit check's
     assert beats(behind_s=41, ahead_s=45, ahead=(IDLE, 4, 2, "log")) == 3
     assert beats(behind_s=41, ahead_s=45, ahead=(IDLE, 4, 3, "exit"), behind=(4, 2, "log")) == 3
@@ -300,6 +301,27 @@ def test_a_rank_left_behind_the_others_between_steps_is_named_then_fenced(tmp_pa
     assert beats(behind_s=41, ahead_s=45, ahead=(WAITING, 5, 0, "optimizer")) is None  # waiting on the agent
     agent.recovering = {0}
     assert beats(behind_s=700, ahead_s=650) is None  # a recovery is under way
+
+def test_a_rank_stopped_in_its_own_work_is_fenced_with_the_time_it_stopped(tmp_path, capsys) -> None:
+    """A rank stopped inside a step while its heartbeat goes on (a kernel that never ends: Megatron's GPU_SLEEP),
+    its peers waiting on it in communication: fenced at the hard timeout, and the stall carries when it stopped, so
+    the failure's detection time counts from there (a fault Odyssey did not inject has no other start)."""
+    from megatron_odyssey.runtime.agent import Agent
+    from megatron_odyssey.runtime.config import TrainConfig
+    from megatron_odyssey.runtime.liveness import COMM, WORKING, Beat
+
+    cfg = TrainConfig(nproc=4, tp=1, pp=2, layers=4, hidden=32, heads=4, seq=16, global_batch=4, micro_batch=1,
+                      steps=8, soft_timeout_s=10.0, hard_timeout_s=20.0, first_step_timeout_s=600.0)
+    agent = Agent(cfg, None, tmp_path, procs={i: None for i in range(4)}, store=None)
+    agent.warm, agent.judged_from, now = True, 0.0, time.time()
+    agent.beats = {i: Beat(now, 10, COMM, 3, "forward", now - 18, 0, True) for i in (0, 2, 3)}
+    agent.beats[1] = Beat(now, 7, WORKING, 3, "start", now - 21, 0)
+    stall = agent._stalled(now)
+    assert stall is not None and stall.rank == 1 and stall.waiting == [0, 2, 3]
+    assert stall.since == now - 21 and stall.bound == "--hard-timeout 20 s"
+    agent.beats[1] = Beat(now, 8, WORKING, 3, "start", now - 19, 0)
+    assert agent._stalled(now) is None  # named at the soft timeout, not yet fenced
+
 
 def test_ranks_waiting_for_a_recovery_nobody_called_name_the_one_they_waited_for(tmp_path, capsys) -> None:
     """Ranks whose collective timed out took it for a peer's failure and wait for a plan, while the agent knows of no
