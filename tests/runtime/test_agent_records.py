@@ -323,6 +323,45 @@ def test_a_rank_stopped_in_its_own_work_is_fenced_with_the_time_it_stopped(tmp_p
     assert agent._stalled(now) is None  # named at the soft timeout, not yet fenced
 
 
+def test_a_fenced_stall_starts_its_failures_detection_time_where_the_rank_stopped(tmp_path) -> None:
+    """The agent's own look (``detect``) at four live rank processes, rank 1 stopped in its own work for 21 s: it is
+    fenced (SIGKILL; its process ends) and its failure's start is recorded as the moment it stopped, which
+    ``recover`` turns into the detection time (a fault Odyssey did not inject, like Megatron's GPU_SLEEP, has no
+    other start: it was 0.0 s on an H200)."""
+    import signal
+    import subprocess
+    import sys
+
+    import torch.distributed as dist
+
+    from megatron_odyssey.launch import LocalRank
+    from megatron_odyssey.runtime.agent import Agent
+    from megatron_odyssey.runtime.config import TrainConfig
+    from megatron_odyssey.runtime.liveness import COMM, WORKING, Beat
+
+    ranks = {i: LocalRank(subprocess.Popen(
+        [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGUSR1, signal.SIG_IGN); print('up', "
+         "flush=True); time.sleep(120)"], stdout=subprocess.PIPE, start_new_session=True)) for i in range(4)}
+    try:
+        assert all(rank.popen.stdout.readline() == b"up\n" for rank in ranks.values())  # (the stack signal is ignored)
+        cfg = TrainConfig(nproc=4, tp=1, pp=2, layers=4, hidden=32, heads=4, seq=16, global_batch=4, micro_batch=1,
+                          steps=8, soft_timeout_s=10.0, hard_timeout_s=20.0, first_step_timeout_s=600.0,
+                          stack_dump_signal=int(signal.SIGUSR1))
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        agent = Agent(cfg, None, tmp_path, procs=ranks, store=store)
+        agent.warm, agent.judged_from, now = True, 0.0, time.time()
+        agent.beats = {i: Beat(now, 10, COMM, 3, "forward", now - 18, 0, True) for i in (0, 2, 3)}
+        agent.beats[1] = Beat(now, 7, WORKING, 3, "start", now - 21, 0)
+        agent.beats_read = now + 60  # (the beats above stand: no store round trip replaces them)
+        assert agent.detect() == {1}
+        assert ranks[1].exitcode == -signal.SIGKILL and all(ranks[i].exitcode is None for i in (0, 2, 3))
+        assert agent.silent_since[1] == now - 21
+    finally:
+        for rank in ranks.values():
+            rank.kill()
+            rank.join(5)
+
+
 def test_ranks_waiting_for_a_recovery_nobody_called_name_the_one_they_waited_for(tmp_path, capsys) -> None:
     """Ranks whose collective timed out took it for a peer's failure and wait for a plan, while the agent knows of no
     failure: after the heartbeat timeout (a failure they saw would have been found by then) the member that is not
