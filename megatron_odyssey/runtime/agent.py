@@ -221,6 +221,7 @@ class Agent:
         self.beats_read = 0.0  # when the heartbeats were last read (at most every half interval)
         self.judged_from = 0.0  # progress is judged from the last abort on (see _stalled)
         self.warm = False  # a step of this generation has committed (its first step warms up: not judged)
+        self.generation_began = 0.0  # when this generation's plan went out: older heartbeats tell of the last one
         self.recovering: set[int] = set()  # ranks registered for the recovery in progress (not judged)
         self.replica: Replica | None = None  # the standby's copy of this agent's state (control_plane)
         self.published: dict[str, Any] | None = None  # this generation's plan message, as published
@@ -557,7 +558,10 @@ class Agent:
         waiting on the agent, nor when nothing tells which one the others wait for (several equally far behind
         and out of any collective)."""
         if len(live) < 2 or any(i not in self.beats or i in self.recovering or self.beats[i].state == WAITING
-                                for i in live):
+                                or self.beats[i].t < self.generation_began for i in live):
+            # (a heartbeat from before this generation's plan says where the rank waited when the last one broke:
+            # a recovery and a first step take less than a heartbeat interval on a GPU, and the peers the last
+            # stall held up still look stopped there for as long - on an H200 a survivor was fenced for it)
             return None
         last = min(self.beats[i].position for i in live)
         behind = [i for i in live if self.beats[i].position == last]
@@ -1296,6 +1300,7 @@ class Agent:
         self.step_started = time.time()
         self.started_gen = False
         self.judged_from, self.warm = time.time(), False
+        self.generation_began = self.judged_from
         self.held = set()  # standbys are considered again on the new plan
         msg.setdefault("redo_between", self.redo_between)
         msg.setdefault("save_on_entry", self._fragile(plan) and msg.get("policy") != "restart")

@@ -323,6 +323,30 @@ def test_a_rank_stopped_in_its_own_work_is_fenced_with_the_time_it_stopped(tmp_p
     assert agent._stalled(now) is None  # named at the soft timeout, not yet fenced
 
 
+def test_heartbeats_from_before_a_recovery_blame_nobody_in_the_next_generation(tmp_path, capsys) -> None:
+    """On an H200 a survivor was fenced 0.02 s after the new generation's first commit: the recovery and that step
+    took under a heartbeat interval, so the agent still held every survivor's last beat from the broken generation,
+    all stopped 21 s at the log stop where the fenced rank had held them up, one of them just out of the collective
+    (it had seen the abort). Such beats tell nothing about the new generation; fresh ones are judged as before."""
+    from megatron_odyssey.runtime.agent import Agent
+    from megatron_odyssey.runtime.config import TrainConfig
+    from megatron_odyssey.runtime.liveness import IDLE, Beat
+
+    cfg = TrainConfig(nproc=4, tp=1, pp=2, layers=4, hidden=32, heads=4, seq=16, global_batch=4, micro_batch=1,
+                      steps=8, soft_timeout_s=10.0, hard_timeout_s=20.0, first_step_timeout_s=600.0)
+    agent = Agent(cfg, None, tmp_path, procs={i: None for i in range(4)}, store=None)
+    agent.dead = {1}
+    now = time.time()
+    agent.warm, agent.judged_from, agent.generation_began = True, now - 0.02, now - 1.0
+    agent.beats = {i: Beat(now - 1.2, 40, IDLE, 2, "log", now - 21.0, 1, i != 0) for i in (0, 2, 3)}
+    assert agent._stalled(now) is None
+    assert "rank 0" not in capsys.readouterr().out
+    # the same picture heard in this generation is a rank the others wait for: fenced at the hard timeout
+    agent.beats = {i: Beat(now, 40, IDLE, 2, "log", now - 21.0, 1, i != 0) for i in (0, 2, 3)}
+    stall = agent._stalled(now)
+    assert stall is not None and stall.rank == 0 and stall.waiting == [2, 3]
+
+
 def test_a_fenced_stall_starts_its_failures_detection_time_where_the_rank_stopped(tmp_path) -> None:
     """The agent's own look (``detect``) at four live rank processes, rank 1 stopped in its own work for 21 s: it is
     fenced (SIGKILL; its process ends) and its failure's start is recorded as the moment it stopped, which
