@@ -58,6 +58,7 @@ DONE_KEY = "odyssey/done/{}"  # a rank finished the job (set before it exits)
 LEAVING_KEY = "odyssey/leaving/{}"
 FENCE_KEY = "odyssey/fence/{}"  # the agent asks a rank's node agent to SIGKILL it (or, without one, the rank itself)
 PROBE_TIMEOUT_S = 1.0  # a connect or an operation on a store that may be gone
+ANNOUNCE_S = 60.0  # how long a standby on the agent's machine waits for the agent it backs to be started
 
 
 def say_leaving(store: Any, ident: int, code: int, why: str) -> None:
@@ -148,7 +149,9 @@ class Standby:
 
     ``store`` is this standby's own store (the agent writes into it); ``agent_address`` the agent's store;
     ``same_machine``: both agents run on this machine, so a live agent process (its pid is in the replicated
-    state) is never taken over from, however slowly its store answers.
+    state) is never taken over from, however slowly its store answers; and the agent starts after this standby
+    listens, so until its launcher (or the agent itself) says its pid, there is no agent to lose yet: waited for up
+    to ``announce_s``.
     """
 
     store: Any
@@ -157,10 +160,12 @@ class Standby:
     takeover_after_s: float = 2.0
     poll_s: float = 0.05
     same_machine: bool = False
+    announce_s: float = ANNOUNCE_S
     log: Callable[[str], None] = lambda msg: print(f"[odyssey standby] {msg}", flush=True)
     seen: int = -1  # the newest commit (its number) whose record was copied
     lost_since: float | None = None
     last_contact: float = field(default_factory=time.time)
+    started: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:
         self.steps_path.parent.mkdir(parents=True, exist_ok=True)
@@ -190,6 +195,14 @@ class Standby:
                     if self.store.check([FINISHED_KEY]):
                         continue
                     if not self.store.check([STATE_KEY]):
+                        if self.same_machine and not self.store.check([AGENT_PID_KEY]):
+                            # (no agent said yet: it starts once this store listens; before, a standby gave a
+                            # starting agent 2 s, and under load left its job to wait 60 s for this store and fail)
+                            if now - self.started < self.announce_s:
+                                time.sleep(self.poll_s)
+                                continue
+                            self.log(f"no agent was started within {self.announce_s:g} s: nothing to back up")
+                            return 1
                         self.log("the agent was lost before it started the job: nothing to take over")
                         return 1
                     self.copy_steps()

@@ -11,8 +11,9 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
-from typing import IO
+from typing import IO, Callable
 
 from ..runtime.config import TrainConfig
 from ..runtime.errors import STOP_LINE
@@ -42,13 +43,6 @@ def launch(cfg: TrainConfig, workdir: str | Path | None = None, quiet: bool = Fa
         cfg.workdir = str(workdir)  # checkpoints go next to the logs
     cfg_path = workdir / "config.json"
     standby = "control" in cfg.extra
-    if standby:  # both agents' stores on this machine; the standby starts first (the agent writes into it)
-        from ..runtime.agent import free_port
-
-        primary_port, standby_port = free_port(), free_port()
-        while standby_port == primary_port:
-            standby_port = free_port()
-        cfg.extra["control"].update(primary=f"127.0.0.1:{primary_port}", standby=f"127.0.0.1:{standby_port}")
     cfg.save(cfg_path)
     cmd = [sys.executable, "-m", "megatron_odyssey.runtime.agent", "--config", str(cfg_path), "--workdir", str(workdir)]
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
@@ -56,19 +50,23 @@ def launch(cfg: TrainConfig, workdir: str | Path | None = None, quiet: bool = Fa
         env.update(TORCH_SHOW_CPP_STACKTRACES="0", TORCH_CPP_LOG_LEVEL=os.environ.get("TORCH_CPP_LOG_LEVEL", "FATAL"))
     out = None if not quiet else subprocess.DEVNULL
     err: list[str] = []
-    procs = []
-    if standby:
-        procs.append(subprocess.Popen(cmd + ["--standby"], env=env, stdout=out, stderr=subprocess.PIPE, text=True,
-                                      errors="replace"))
-    agent = subprocess.Popen(cmd + (["--quiet"] if quiet else []), env=env, stdout=out, stderr=subprocess.PIPE,
-                             text=True, errors="replace")
-    procs.append(agent)
-    readers = [threading.Thread(target=_relay, args=(p.stderr, err, quiet), daemon=True) for p in procs]
-    for reader in readers:
+    readers: list[threading.Thread] = []
+
+    def start(args: list[str]) -> subprocess.Popen:
+        proc = subprocess.Popen(cmd + args, env=env, stdout=out, stderr=subprocess.PIPE, text=True, errors="replace")
+        reader = threading.Thread(target=_relay, args=(proc.stderr, err, quiet), daemon=True)
         reader.start()
+        readers.append(reader)
+        return proc
+
+    # both agents' stores on this machine; the standby's listens before the agent starts writing into it
+    standby_agent = _start_standby(cfg, cfg_path, start, readers, err) if standby else None
+    agent = start(["--quiet"] if quiet else [])
+    if standby_agent is not None:
+        _announce(cfg, agent.pid)
     code = agent.wait()
-    if standby:
-        code = job_exit_code(code, procs[0].wait())
+    if standby_agent is not None:
+        code = job_exit_code(code, standby_agent.wait())
     for reader in readers:
         reader.join()
     text = "".join(err)
@@ -77,6 +75,57 @@ def launch(cfg: TrainConfig, workdir: str | Path | None = None, quiet: bool = Fa
     if temporary and cfg.workdir == str(workdir):
         shutil.rmtree(workdir, ignore_errors=True)  # nothing in it is needed after a clean finish
     return text
+
+
+#: Tries at the standby agent's store when its port was taken between choosing it and binding it (another job's
+#: connection can get that port from the kernel meanwhile, on a busy machine).
+STANDBY_TRIES = 3
+
+
+def _start_standby(cfg: TrainConfig, cfg_path: Path, start: Callable[[list[str]], subprocess.Popen],
+                   readers: list[threading.Thread], err: list[str]) -> subprocess.Popen:
+    """Start the standby agent and wait until its store listens, or until it exits: the agent then connects at once.
+    Before, both started together and the agent gave the standby's store 60 s; on a loaded machine (CI beside
+    8-rank jobs) that ran out, and a standby that had died at start cost those 60 s and hid its reason."""
+    from ..runtime.control_plane import free_port, listening
+
+    for attempt in range(1, STANDBY_TRIES + 1):
+        primary_port, standby_port = free_port(), free_port()
+        while standby_port == primary_port:
+            standby_port = free_port()
+        cfg.extra["control"].update(primary=f"127.0.0.1:{primary_port}", standby=f"127.0.0.1:{standby_port}")
+        cfg.save(cfg_path)
+        proc = start(["--standby"])
+        while not listening(("127.0.0.1", standby_port), timeout_s=1.0):
+            if proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        else:
+            return proc
+        readers[-1].join()  # (its stderr, whole)
+        said = "".join(err)
+        if "EADDRINUSE" in said and attempt < STANDBY_TRIES:
+            line = f"[odyssey] the standby agent's port {standby_port} was taken before it could listen: trying another\n"
+            err.append(line)
+            sys.stderr.write(line)
+            continue
+        raise TrainingFailed(f"training failed: the standby agent exited {proc.returncode} before its store "
+                             f"listened on 127.0.0.1:{standby_port}:\n{said[-4000:]}", said, proc.returncode or 1)
+    raise AssertionError("unreachable")
+
+
+def _announce(cfg: TrainConfig, pid: int) -> None:
+    """Tell the standby which process is its agent, the moment it exists: an agent that dies while it imports is
+    then found lost at once, and a live one slow to start is not taken for lost."""
+    from ..runtime.control_plane import AGENT_PID_KEY, client, parse_address
+
+    try:
+        store = client(parse_address(cfg.extra["control"]["standby"]), 10.0)
+        store.set(AGENT_PID_KEY, str(pid))
+        store.check([AGENT_PID_KEY])
+    except Exception as exc:  # noqa: BLE001 - a standby gone meanwhile: the agent finds it and says so
+        print(f"[odyssey] could not tell the standby agent its agent's pid: {type(exc).__name__}: {exc}",
+              file=sys.stderr, flush=True)
 
 
 def _relay(stream: IO[str], sink: list[str], quiet: bool) -> None:

@@ -8,11 +8,13 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from megatron_odyssey.runtime.agent import DEPOSED_EXIT, free_port
@@ -60,6 +62,71 @@ def test_the_agents_machine_is_lost_with_a_rank(reference, tmp_path):
     (failure,) = report["failures"]
     assert failure["ranks"] == [0] and failure["step"] == 2
     assert report["steps"][-1]["alive"] == 5
+
+
+def _taking(monkeypatch, taken: int, calls: set[int]) -> None:
+    """``free_port`` hands out ``taken`` (bound here, never listening: as another job's connection holds a port) at
+    the given calls, and free ports otherwise (a standby job's launcher asks for two per try: agent, standby)."""
+    from megatron_odyssey.runtime import control_plane
+
+    count, real = [0], control_plane.free_port
+
+    def free_port() -> int:
+        count[0] += 1
+        return taken if count[0] in calls else real()
+
+    monkeypatch.setattr(control_plane, "free_port", free_port)
+
+
+def test_a_standby_port_taken_before_it_could_listen_is_chosen_again(tmp_path, monkeypatch):
+    """The standby's port is taken between the launcher choosing it and the standby binding it: the standby exits on
+    EADDRINUSE, the launcher says so and starts it on another port, and the job runs to its end backed by it. Before,
+    the agent gave the standby's store 60 s and failed."""
+    import socket
+
+    from megatron_odyssey.runtime.config import TrainConfig
+    from megatron_odyssey.standalone.launcher import launch
+
+    from recovery_job import MODEL
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        _taking(monkeypatch, held.getsockname()[1], {2})
+        cfg = TrainConfig(nproc=2, tp=1, pp=2, fail=[], report=str(tmp_path / "report.json"),
+                          extra={"control": {}}, **{**MODEL, "steps": 2})
+        said = launch(cfg, tmp_path / "run", quiet=True)
+    assert said.count("was taken before it could listen: trying another") == 1 and "EADDRINUSE" in said
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["ok"] and [s["step"] for s in report["steps"]] == [0, 1] and report["takeovers"] == []
+    copied = (tmp_path / "report.standby.steps.jsonl").read_text().splitlines()
+    steps = [json.loads(line)["step"] for line in copied]
+    assert steps == [0, 1]  # the second standby backed the job: it holds every committed step
+
+
+def test_a_standby_that_cannot_listen_stops_the_job_at_once_with_its_reason(tmp_path, monkeypatch):
+    """Every try's port is taken: the job stops when the last standby exits, with its own error, instead of the agent
+    waiting 60 s for a store that will never listen."""
+    import socket
+
+    from megatron_odyssey.runtime.config import TrainConfig
+    from megatron_odyssey.standalone import launcher
+
+    from recovery_job import MODEL
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+        monkeypatch.setattr(launcher, "STANDBY_TRIES", 2)
+        _taking(monkeypatch, port, {2, 4})
+        cfg = TrainConfig(nproc=2, tp=1, pp=2, fail=[], report=str(tmp_path / "report.json"),
+                          extra={"control": {}}, **MODEL)
+        with pytest.raises(TrainingFailed) as failed:
+            launcher.launch(cfg, tmp_path / "run", quiet=True)
+    message = str(failed.value)
+    assert f"the standby agent exited 1 before its store listened on 127.0.0.1:{port}" in message
+    assert "EADDRINUSE" in message and failed.value.code == 1
+    assert failed.value.stderr.count("was taken before it could listen: trying another") == 1
+    assert not (tmp_path / "report.json").exists()  # no agent was started (it is what waited 60 s before)
 
 
 def test_the_agent_killed_during_a_recovery(reference, tmp_path):
@@ -155,6 +222,37 @@ def test_a_finished_job_is_not_taken_over_and_a_deposed_agent_learns_it(tmp_path
     with pytest.raises(Deposed):
         replica.step({"generation": 0, "committed": 0, "loss": 1.0, "next_step": 1}, {"step": 0})
     assert store.check([STATE_KEY])
+
+
+def test_a_standby_on_the_agents_machine_waits_for_its_agent_to_be_started(tmp_path):
+    """The agent starts once the standby's store listens, and may take seconds to import on a loaded machine: until
+    its pid is said there is nothing to lose, so the standby waits (before, it gave up after 2 s, and its job then
+    waited 60 s for this store and failed). Once said, a process that is gone is found at once; with nothing said
+    for ``announce_s`` the standby leaves, saying why."""
+    from megatron_odyssey.runtime.control_plane import AGENT_PID_KEY
+
+    said: list[str] = []
+    port = free_port()
+    store = _master(port)
+    agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        standby = Standby(store, ("127.0.0.1", free_port()), tmp_path / "steps.jsonl", takeover_after_s=0.1,
+                          same_machine=True, announce_s=30.0, log=said.append)
+        threading.Timer(1.0, lambda: store.set(AGENT_PID_KEY, str(agent.pid))).start()
+        threading.Timer(2.0, agent.kill).start()
+        t0 = time.monotonic()
+        assert standby.watch() == 1
+        assert 2.0 <= time.monotonic() - t0 < 10
+        assert said[-1] == "the agent was lost before it started the job: nothing to take over"
+    finally:
+        agent.kill()
+        agent.wait()
+    store.delete_key(AGENT_PID_KEY)
+    standby = Standby(store, ("127.0.0.1", free_port()), tmp_path / "steps.jsonl", takeover_after_s=0.1,
+                      same_machine=True, announce_s=1.0, log=said.append)
+    t0 = time.monotonic()
+    assert standby.watch() == 1 and time.monotonic() - t0 >= 1.0
+    assert said[-1] == "no agent was started within 1 s: nothing to back up"
 
 
 def test_the_job_exit_code_follows_whoever_ran_the_job_to_its_end():
