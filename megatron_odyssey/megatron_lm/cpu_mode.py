@@ -174,6 +174,36 @@ def _no_fp8_params_to_quantize(original: Callable[..., Any]) -> Callable[..., An
     return quantize
 
 
+def _before_016() -> bool:
+    from .versions import installed_version
+
+    version = installed_version()
+    return version is not None and version.major == 0 and version.minor < 16
+
+
+def _no_step_in_bucket_state(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``DistributedOptimizer.get_parameter_state_dp_reshardable`` in megatron-core 0.15 (0.12-0.14 lack this
+    format; later releases are left alone): the save of its default checkpoint format asserts that every
+    per-parameter optimizer state is a slice of the gradient buffer, and torch's Adam (every CPU: no Apex or
+    Transformer Engine) also keeps a 0-dim ``step`` there, so stock fails its first save. 0.16 keeps ``step`` out of the checkpoint (it is saved in the param groups); so does this. (Loading
+    such a checkpoint fails on every CPU in every release, 0.16 too: the distributed optimizer's ``state_dict`` asserts
+    one step over torch Adam's still empty state; nothing here changes that.)"""
+    if not _before_016():
+        return original
+
+    @functools.wraps(original)
+    def get_parameter_state_dp_reshardable(self: Any) -> Any:
+        state = original(self)
+        for gbuf_idx in range(len(self.gbuf_ranges)):
+            for buckets in state[gbuf_idx].values():
+                for bucket in buckets:
+                    for tensors in bucket:
+                        tensors.pop("step", None)
+        return state
+
+    return get_parameter_state_dp_reshardable
+
+
 def _cuda_type_names(original: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap ``Float16OptimizerWithFloat16Params.__init__``: it sorts parameters by ``param.type()``
     and accepts only ``torch.cuda.*`` names; while it runs, a CPU tensor's ``type()`` answers with
@@ -356,6 +386,9 @@ MEGATRON_LM_CPU_PATCHES: Tuple[Patch, ...] = (
           "--bf16: the mixed-precision optimizer accepts only torch.cuda.* parameter type names"),
     Patch(f"{_MC}.optimizer.distrib_optimizer.DistributedOptimizer.__init__", _WrapOriginal(_cuda_type_names),
           "--use-distributed-optimizer: its shard groups accept only torch.cuda.* parameter type names"),
+    Patch(f"{_MC}.optimizer.distrib_optimizer.DistributedOptimizer.get_parameter_state_dp_reshardable",
+          _WrapOriginal(_no_step_in_bucket_state),
+          "0.15 --use-distributed-optimizer --save: torch Adam's 0-dim step fails the bucket-slice assertion"),
     Patch(f"{_MC}.fp8_utils._quantize_param_shard_impl", _WrapOriginal(_no_fp8_params_to_quantize),
           "0.12 --use-distributed-optimizer: each step quantizes its (no) fp8 params, which raises without TE"),
     Patch(f"{_MC}.optimizer.clip_grads.torch", _CORE_TORCH_VIEW,
@@ -389,7 +422,9 @@ MEGATRON_LM_CPU_PATCHES: Tuple[Patch, ...] = (
 
 #: Targets in modules that only some Megatron-LM releases have (skipped where the module is absent).
 _ONLY_SOME_RELEASES = frozenset({f"{_MT}.utils.common_utils.torch", f"{_MT}.models.dist_utils.torch",
-                                 f"{_MC}.fault_injector.torch", f"{_MC}.energy_monitor.torch"})
+                                 f"{_MC}.fault_injector.torch", f"{_MC}.energy_monitor.torch",
+                                 f"{_MC}.optimizer.distrib_optimizer.DistributedOptimizer"
+                                 ".get_parameter_state_dp_reshardable"})
 
 _LOCK = threading.RLock()
 _APPLIED: List[_Applied] = []
@@ -411,6 +446,18 @@ def _owner_and_attr(target: str) -> Tuple[Any, str]:
                 "source checkout (not the megatron-core wheel): put one on sys.path"
             ) from exc
     return _resolve(target)  # e.g. a class attribute such as torch.Tensor.cuda
+
+
+def _target_exists(target: str) -> bool:
+    """A module-level target's module, or a class attribute (a method some releases have), exists."""
+    owner = target.rsplit(".", 1)[0]
+    if _module_exists(owner):
+        return True
+    try:
+        found, attr = _resolve(target)
+    except (ImportError, AttributeError):
+        return False
+    return hasattr(found, attr)
 
 
 def _module_exists(name: str) -> bool:
@@ -439,7 +486,7 @@ def enable_megatron_lm_cpu_mode() -> None:
         enable_cpu_mode()
         try:
             for patch in MEGATRON_LM_CPU_PATCHES:
-                if patch.target in _ONLY_SOME_RELEASES and not _module_exists(patch.target.rsplit(".", 1)[0]):
+                if patch.target in _ONLY_SOME_RELEASES and not _target_exists(patch.target):
                     continue
                 value = patch.replacement
                 build = value.build if isinstance(value, _WrapOriginal) else (lambda _original, value=value: value)

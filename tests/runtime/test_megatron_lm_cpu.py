@@ -89,7 +89,9 @@ def test_enable_is_idempotent_and_disable_restores(monkeypatch: pytest.MonkeyPat
         patched = {p.target: _current(p.target) for p in WHEEL_PATCHES}
         for patch in WHEEL_PATCHES:
             if isinstance(patch.replacement, mlc._WrapOriginal):  # built around the original at apply time
-                assert patched[patch.target].__wrapped__ is originals[patch.target], patch.target
+                # (or the original itself, where this release needs no wrapper: 0.15's distributed-optimizer step)
+                assert getattr(patched[patch.target], "__wrapped__", patched[patch.target]) is \
+                    originals[patch.target], patch.target
             else:
                 assert patched[patch.target] is patch.replacement, patch.target
         mlc.enable_megatron_lm_cpu_mode()  # second call: nothing changes
