@@ -26,6 +26,10 @@
 # then at once, before the machine goes idle, the rest (9 tests) with what is left:
 #   timeout 230 bash scripts/device_checks.sh "not (pretrain_gpt or rerun_state or megatron_device_faults)" -n 8
 # A failed test's logs come back too, packed as $OUT/logs-<test>.tgz (tests/gpu/conftest.py).
+# Next device session, first: GPU_SLEEP twice (about 80 s each), to check the fix for its survivor fenced on a
+# heartbeat from before the recovery (0c0cd25), timeout_s 300:
+#   for i in 1 2; do timeout 140 bash scripts/device_checks.sh gpu_sleep --timeout 130; done
+# then the plan above with what is left.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
