@@ -847,7 +847,9 @@ def test_a_rank_lost_before_an_evaluation_under_a_sparse_log(tmp_path: Path) -> 
     assert job.returncode == 0, job.logs[-4000:]
     assert [f["ranks"] for f in job.report["failures"]] == [[3]]
     assert "a timer's barrier of iteration 2 was interrupted by a failure; the survivors run it again" in job.logs
-    assert sorted(stock.iterations()) == [1, 5] and len(stock.validations()) == 4  # (Megatron logs the first)
+    # (Megatron logs the first iteration too from core_r0.16.0 on: training_log's is_first_iteration)
+    assert sorted(stock.iterations()) == ([1, 5] if release_minor(MLM) >= 16 else [5])
+    assert len(stock.validations()) == 4
     assert same_evaluations(job.validations(), stock.validations()), (job.validations(), stock.validations())
     assert same_training(job.iterations(), stock.iterations())
 
