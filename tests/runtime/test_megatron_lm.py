@@ -716,12 +716,17 @@ def test_stock_reduces_twice_with_overlapped_reduce_over_optimizer_instances(
     stock Megatron-LM's pipeline schedule (grad_sync_func, --align-grad-reduce) starts a second reduction of
     gradients its backward hook (or finish_grad_sync) already reduced, and trains on other gradients than
     without overlap. With --no-align-grad-reduce it reduces once and equals the run without overlap. When this
-    test fails, Megatron-LM fixed it: the patch can go."""
+    test fails, Megatron-LM fixed it: the patch can go. core_r0.15.0 does not reduce twice (measured 2026-11-27:
+    its first step's grad norm is the same with and without overlap)."""
     assert same_training(stock_overlapped_distopt, stock_distopt)
     aligned = run_stock(MLM, tmp_path_factory.mktemp("stock_aligned"), [*TINY_GPT, *DISTOPT, *OVERLAPPED],
                         _port(660), nproc=8)
     assert aligned.returncode == 0, aligned.logs[-4000:]
-    assert aligned.iterations()[1][3] != stock_distopt[1][3]  # the grad norm of the very first step differs
+    first_norm, without_overlap = aligned.iterations()[1][3], stock_distopt[1][3]
+    if release_minor(MLM) == 15:
+        assert first_norm == without_overlap
+    else:
+        assert first_norm != without_overlap  # the grad norm of the very first step differs
 
 
 def test_overlapped_distributed_optimizer_survives_a_kill(stock_overlapped_distopt: dict, tmp_path: Path) -> None:
