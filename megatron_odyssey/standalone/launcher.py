@@ -85,8 +85,8 @@ STANDBY_TRIES = 3
 def _start_standby(cfg: TrainConfig, cfg_path: Path, start: Callable[[list[str]], subprocess.Popen],
                    readers: list[threading.Thread], err: list[str]) -> subprocess.Popen:
     """Start the standby agent and wait until its store listens, or until it exits: the agent then connects at once.
-    Before, both started together and the agent gave the standby's store 60 s; on a loaded machine (CI beside
-    8-rank jobs) that ran out, and a standby that had died at start cost those 60 s and hid its reason."""
+    Before, both started together: under load a standby that heard of no agent within 2 s left (``Standby.watch``)
+    and the agent waited 60 s for its store, then failed without the standby's reason (a CI flake)."""
     from ..runtime.control_plane import free_port, listening
 
     for attempt in range(1, STANDBY_TRIES + 1):
@@ -95,6 +95,7 @@ def _start_standby(cfg: TrainConfig, cfg_path: Path, start: Callable[[list[str]]
             standby_port = free_port()
         cfg.extra["control"].update(primary=f"127.0.0.1:{primary_port}", standby=f"127.0.0.1:{standby_port}")
         cfg.save(cfg_path)
+        said_before = len(err)
         proc = start(["--standby"])
         while not listening(("127.0.0.1", standby_port), timeout_s=1.0):
             if proc.poll() is not None:
@@ -103,14 +104,16 @@ def _start_standby(cfg: TrainConfig, cfg_path: Path, start: Callable[[list[str]]
         else:
             return proc
         readers[-1].join()  # (its stderr, whole)
-        said = "".join(err)
+        said = "".join(err[said_before:])
         if "EADDRINUSE" in said and attempt < STANDBY_TRIES:
-            line = f"[odyssey] the standby agent's port {standby_port} was taken before it could listen: trying another\n"
+            line = (f"[odyssey] the standby agent's port {standby_port} was taken before it could listen: trying "
+                    f"another\n")
             err.append(line)
             sys.stderr.write(line)
             continue
         raise TrainingFailed(f"training failed: the standby agent exited {proc.returncode} before its store "
-                             f"listened on 127.0.0.1:{standby_port}:\n{said[-4000:]}", said, proc.returncode or 1)
+                             f"listened on 127.0.0.1:{standby_port}:\n{said[-4000:]}", "".join(err),
+                             proc.returncode or 1)
     raise AssertionError("unreachable")
 
 
