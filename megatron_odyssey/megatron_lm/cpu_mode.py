@@ -185,9 +185,10 @@ def _no_step_in_bucket_state(original: Callable[..., Any]) -> Callable[..., Any]
     """Wrap ``DistributedOptimizer.get_parameter_state_dp_reshardable`` in megatron-core 0.15 (0.12-0.14 lack this
     format; later releases are left alone): the save of its default checkpoint format asserts that every
     per-parameter optimizer state is a slice of the gradient buffer, and torch's Adam (every CPU: no Apex or
-    Transformer Engine) also keeps a 0-dim ``step`` there, so stock fails its first save. 0.16 keeps ``step`` out of the checkpoint (it is saved in the param groups); so does this. (Loading
-    such a checkpoint fails on every CPU in every release, 0.16 too: the distributed optimizer's ``state_dict`` asserts
-    one step over torch Adam's still empty state; nothing here changes that.)"""
+    Transformer Engine) also keeps a 0-dim ``step`` there, so stock fails its first save. 0.16 keeps ``step`` out
+    of the checkpoint (it is saved in the param groups); so does this. (Loading such a checkpoint fails on every CPU
+    in every release, 0.16 too: the distributed optimizer's ``state_dict`` asserts one step over torch Adam's still
+    empty state; nothing here changes that.)"""
     if not _before_016():
         return original
 
