@@ -4,8 +4,8 @@ Rerouting runs a failed node's micro-batches on its peers, and reconfiguration c
 rank computes which micro-batch; both only preserve the training trajectory if a micro-batch is
 a pure function of ``(step, global micro-batch index)``, never of the rank or of an iterator's
 position. :class:`MicroBatchData` gives exactly that on top of megatron-core's ``GPTDataset``
-(built through ``BlendedMegatronDatasetBuilder``/``GPTDatasetConfig``; ``MockGPTDataset`` when no
-data path is given)::
+(built through ``BlendedMegatronDatasetBuilder``/``GPTDatasetConfig``; megatron's ``MockGPTDataset``,
+over fewer documents, when no data path is given)::
 
     samples(step t, micro-batch j) = t * global_batch + j * micro_batch + range(micro_batch)
 
@@ -36,7 +36,12 @@ import torch
 
 try:
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    from megatron.core.datasets.gpt_dataset import (
+        GPTDataset,
+        GPTDatasetConfig,
+        MockGPTDataset,
+        MockGPTLowLevelDataset,
+    )
     from megatron.core.datasets.indexed_dataset import (
         DType,
         IndexedDataset,
@@ -166,9 +171,10 @@ class DataConfig:
     """What to read and how batches are cut.
 
     ``data_path``: prefix of a Megatron indexed dataset (``.bin``/``.idx``), or None for
-    megatron's ``MockGPTDataset``. ``train_samples`` defaults to ``train_steps * global_batch_size``;
-    indices past the dataset's end wrap around. ``create_attention_mask`` adds megatron's boolean
-    ``[b, 1, s, s]`` mask (True = masked); off by default since the model builds the causal mask.
+    megatron's ``MockGPTDataset`` (:class:`LabMockGPTDataset`). ``train_samples`` defaults to
+    ``train_steps * global_batch_size``; indices past the dataset's end wrap around. ``create_attention_mask``
+    adds megatron's boolean ``[b, 1, s, s]`` mask (True = masked); off by default since the model builds the
+    causal mask.
     """
 
     seq_length: int = 32
@@ -224,8 +230,32 @@ def gpt_dataset_config(cfg: DataConfig, tokenizer: MegatronTokenizerBase) -> GPT
     )
 
 
+#: Mock documents (a third of them in the train split); megatron's own mock has 100,000.
+MOCK_DOCUMENTS = 3000
+
+
+class FewerMockDocuments(MockGPTLowLevelDataset):
+    """megatron's mock documents (same seed, same length distribution), fewer of them."""
+
+    size = MOCK_DOCUMENTS
+
+
+class LabMockGPTDataset(MockGPTDataset):
+    """megatron's ``MockGPTDataset`` over :data:`MOCK_DOCUMENTS` mock documents.
+
+    Why: megatron's 100,000 documents of up to 4,096 tokens make 4.3 M samples of 16 tokens in the train split,
+    and ``GPTDataset`` shuffles the whole epoch in every process that builds it: 2 s of CPU per rank and per
+    reference run at start-up, most of a lab job's CPU, for the few dozen samples it reads. Samples are still cut,
+    shuffled and repeated epoch after epoch by megatron's ``GPTDataset``; only the document list is shorter.
+    """
+
+    @staticmethod
+    def build_low_level_dataset(dataset_path: Optional[str], config: GPTDatasetConfig) -> MockGPTLowLevelDataset:
+        return FewerMockDocuments(config.tokenizer)
+
+
 def build_train_dataset(cfg: DataConfig, tokenizer: Optional[MegatronTokenizerBase] = None) -> GPTDataset:
-    """The training ``GPTDataset`` (``MockGPTDataset`` without ``data_path``) via megatron's builder.
+    """The training ``GPTDataset`` (:class:`LabMockGPTDataset` without ``data_path``) via megatron's builder.
 
     When ``torch.distributed`` is initialised megatron's builder builds on rank 0 first and puts
     barriers on the *world* group, so every rank must call this together, at start-up (before
@@ -235,7 +265,7 @@ def build_train_dataset(cfg: DataConfig, tokenizer: Optional[MegatronTokenizerBa
     build it while the others wait, then load the finished files.
     """
     tokenizer = tokenizer or ByteTokenizer()
-    cls = GPTDataset if cfg.data_path is not None else MockGPTDataset
+    cls = GPTDataset if cfg.data_path is not None else LabMockGPTDataset
     # Mock mode forces megatron's split "1,1,1"; ask the other two splits for one sample only.
     sizes = [cfg.num_samples, None, None] if cfg.data_path is not None else [cfg.num_samples, 1, 1]
     with cache_lock(cfg):

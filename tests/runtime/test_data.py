@@ -84,6 +84,23 @@ def test_same_micro_batch_from_independent_builds() -> None:
     assert isinstance(a.dataset, MockGPTDataset)
 
 
+def test_the_lab_mock_is_megatrons_first_documents_cut_and_shuffled_by_megatron() -> None:
+    """LabMockGPTDataset: megatron's own mock documents (the first MOCK_DOCUMENTS of them, same lengths and
+    tokens) through megatron's GPTDataset, so a job reads the samples megatron would cut from them; a train
+    split smaller than the job's samples repeats as megatron's epochs do."""
+    from megatron.core.datasets.gpt_dataset import MockGPTLowLevelDataset
+
+    tokenizer = D.ByteTokenizer()
+    ours, megatrons = D.FewerMockDocuments(tokenizer), MockGPTLowLevelDataset(tokenizer)
+    assert len(ours) == D.MOCK_DOCUMENTS < len(megatrons)
+    assert (ours.sequence_lengths == megatrons.sequence_lengths[:D.MOCK_DOCUMENTS]).all()
+    assert all((ours[i] == megatrons[i]).all() for i in (0, 1, D.MOCK_DOCUMENTS - 1))
+    cfg = D.DataConfig(seq_length=2048, micro_batch_size=1, global_batch_size=8, train_steps=1000)
+    dataset = D.build_train_dataset(cfg)
+    assert len(dataset) >= cfg.num_samples  # megatron repeats the 1,000 train documents' epochs to cover them
+    assert dataset.document_index.size > D.MOCK_DOCUMENTS // 3
+
+
 def test_same_micro_batch_from_any_rank(two_rank_results: dict) -> None:
     """Two gloo ranks build mock and real datasets (real: rank 0 writes the index cache) and ask
     the same addresses in opposite orders: identical micro-batches."""
