@@ -8,6 +8,9 @@ the executor, groups or gradient sync, so exactness tests compare against an ind
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -17,6 +20,11 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.config import TrainConfig
+
+# Every TrainConfig field the reference run reads, directly or through model_config() / data_config();
+# the rest (ranks, plan, faults, timeouts...) describe the job under test, not the fault-free run.
+REFERENCE_FIELDS = ("layers", "hidden", "heads", "seq", "global_batch", "micro_batch", "steps", "seed", "ffn_hidden",
+                    "vocab", "lr", "hidden_dropout", "attention_dropout", "data_path")
 
 
 def run_reference(cfg: TrainConfig) -> dict:
@@ -78,13 +86,36 @@ def reference_in_subprocess(cfg: TrainConfig, folder: Path) -> dict:
     return torch.load(folder / "reference.pt")
 
 
+def reference_key(cfg: TrainConfig) -> str:
+    """Names one fault-free run: jobs that differ only in layout, faults or timeouts share it."""
+    fields = json.dumps({name: getattr(cfg, name) for name in REFERENCE_FIELDS}, sort_keys=True)
+    return hashlib.sha256(fields.encode()).hexdigest()[:16]
+
+
+def cached_reference(cfg: TrainConfig, cache: Path) -> dict:
+    """:func:`reference_in_subprocess`, run once per :func:`reference_key` in ``cache``, a folder that every
+    process of a test session shares (pytest-xdist workers too): the lock makes a second process wait for the
+    first one's run instead of repeating it (each run is a fresh interpreter importing megatron-core, seconds
+    of CPU)."""
+    from filelock import FileLock
+
+    folder = Path(cache) / reference_key(cfg)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{folder}.lock"):
+        if not (folder / "reference.pt").exists():
+            return reference_in_subprocess(cfg, folder)
+    return torch.load(folder / "reference.pt")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    torch.save(run_reference(TrainConfig.load(args.config)), args.out)
+    result = run_reference(TrainConfig.load(args.config))
+    torch.save(result, f"{args.out}.partial")
+    os.replace(f"{args.out}.partial", args.out)  # a run killed while saving leaves no file to be taken for a result
 
 
 if __name__ == "__main__":

@@ -10,14 +10,14 @@ import torch
 
 from megatron_odyssey.runtime.config import TrainConfig
 from megatron_odyssey.standalone.launcher import launch
-from megatron_odyssey.testing.reference import reference_in_subprocess
 
 TOL = 1e-5
 MODEL = dict(layers=6, hidden=32, heads=4, seq=16, global_batch=12, micro_batch=1, steps=4, seed=11)
 
 
-def reference_run(tmp_path_factory):
-    return reference_in_subprocess(TrainConfig(nproc=1, tp=1, pp=1, **MODEL), tmp_path_factory.mktemp("ref"))
+def reference_run(fault_free_reference, **changes):
+    """The fault-free run of MODEL (``changes``: other steps...), from the session's cache (tests/conftest.py)."""
+    return fault_free_reference(TrainConfig(nproc=1, tp=1, pp=1, **{**MODEL, **changes}))
 
 
 def run(tmp_path, fail, policy="auto", nproc=6, tp=1, pp=2, **extra):

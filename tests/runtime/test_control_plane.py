@@ -14,7 +14,6 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from megatron_odyssey.runtime.agent import DEPOSED_EXIT, free_port
@@ -27,9 +26,9 @@ from recovery_job import assert_exact, reference_run, run
 STANDBY = {"control": {}}
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return reference_run(tmp_path_factory)
+@pytest.fixture
+def reference(fault_free_reference):
+    return reference_run(fault_free_reference)
 
 
 def _only_takeover(report: dict) -> dict:

@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_odyssey.runtime.config import TrainConfig
-from megatron_odyssey.testing.reference import reference_in_subprocess
-from recovery_job import MODEL, assert_exact, run
+from recovery_job import assert_exact, reference_run, run
 
 STEPS = 12
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return reference_in_subprocess(TrainConfig(nproc=1, tp=1, pp=1, **{**MODEL, "steps": STEPS}),
-                                   tmp_path_factory.mktemp("ref"))
+@pytest.fixture
+def reference(fault_free_reference):
+    return reference_run(fault_free_reference, steps=STEPS)
 
 
 def _eq8_best(record: dict) -> str:

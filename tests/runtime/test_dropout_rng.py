@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from megatron_odyssey.runtime.dropout_rng import key_seed
-from megatron_odyssey.testing.reference import reference_in_subprocess
 
 TOL = 1e-5
 MODEL = dict(layers=4, hidden=32, heads=4, seq=16, global_batch=12, micro_batch=1, steps=4, seed=5,
@@ -47,15 +46,16 @@ def test_masks_do_not_depend_on_the_generator_state_before(gloo_world) -> None:
     assert not torch.equal(outs[0], other)  # another micro-batch draws other masks
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+@pytest.fixture
+def reference(fault_free_reference):
     from megatron_odyssey.runtime.config import TrainConfig
 
-    return reference_in_subprocess(TrainConfig(nproc=1, tp=1, pp=1, **MODEL), tmp_path_factory.mktemp("ref_dropout"))
+    return fault_free_reference(TrainConfig(nproc=1, tp=1, pp=1, **MODEL))
 
 
 @pytest.mark.parametrize("policy", ["reroute", "reconfigure"])
-def test_dropout_through_a_failure_equals_fault_free_training(reference, tmp_path, policy) -> None:
+def test_dropout_through_a_failure_equals_fault_free_training(reference, fault_free_reference, tmp_path,
+                                                             policy) -> None:
     from megatron_odyssey.runtime.config import TrainConfig
     from megatron_odyssey.standalone.launcher import launch
 
@@ -68,11 +68,6 @@ def test_dropout_through_a_failure_equals_fault_free_training(reference, tmp_pat
     assert worst < TOL, worst
     assert [s["loss"] for s in report["steps"]] == pytest.approx(reference["losses"], abs=TOL)
     # dropout is really on: the reference's losses differ from a run without it
-    assert reference["losses"][0] != pytest.approx(_no_dropout_first_loss(tmp_path), abs=1e-4)
-
-
-def _no_dropout_first_loss(tmp_path) -> float:
-    from megatron_odyssey.runtime.config import TrainConfig
-
-    cfg = TrainConfig(nproc=1, tp=1, pp=1, **{**MODEL, "hidden_dropout": 0.0, "attention_dropout": 0.0, "steps": 1})
-    return reference_in_subprocess(cfg, tmp_path / "no_dropout")["losses"][0]
+    no_dropout = TrainConfig(nproc=1, tp=1, pp=1, **{**MODEL, "hidden_dropout": 0.0, "attention_dropout": 0.0,
+                                                     "steps": 1})
+    assert reference["losses"][0] != pytest.approx(fault_free_reference(no_dropout)["losses"][0], abs=1e-4)

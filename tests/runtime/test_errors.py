@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from megatron_odyssey.runtime.config import TrainConfig
-from megatron_odyssey.testing.reference import reference_in_subprocess
 from megatron_odyssey.runtime.errors import ErrorRecord, describe_exit, error_place, is_peer_failure, last_traceback
 from megatron_odyssey.runtime.faults import FailSpec, InjectedError, Injector
 
@@ -36,9 +35,9 @@ def odyssey_train(tmp_path: Path, *flags: str) -> tuple[subprocess.CompletedProc
     return proc, time.monotonic() - t0
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return reference_in_subprocess(TrainConfig(nproc=1, tp=1, pp=1, **MODEL), tmp_path_factory.mktemp("ref"))
+@pytest.fixture
+def reference(fault_free_reference):
+    return fault_free_reference(TrainConfig(nproc=1, tp=1, pp=1, **MODEL))
 
 
 def test_a_rank_error_is_printed_and_the_job_recovers_without_it(reference, tmp_path: Path) -> None:

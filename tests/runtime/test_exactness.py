@@ -15,24 +15,15 @@ from megatron_odyssey.planning.errors import PlanningError
 from megatron_odyssey.planning.plan import layout, symmetric_plan
 from megatron_odyssey.planning.planner import reroute_plan
 from megatron_odyssey.runtime.config import TrainConfig
-from megatron_odyssey.testing.reference import reference_in_subprocess
 from megatron_odyssey.standalone.launcher import launch
 
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """One reference per model/data config (they all share it)."""
-    cache = {}
-
-    def get(cfg: TrainConfig):
-        key = (cfg.layers, cfg.hidden, cfg.heads, cfg.seq, cfg.global_batch, cfg.micro_batch, cfg.steps, cfg.seed)
-        if key not in cache:
-            cache[key] = reference_in_subprocess(cfg, tmp_path_factory.mktemp("ref"))
-        return cache[key]
-
-    return get
+@pytest.fixture
+def reference(fault_free_reference):
+    """The fault-free run of a job's model, data and steps (jobs that differ only in layout share one)."""
+    return fault_free_reference
 
 
 def _train(cfg: TrainConfig, tmp_path):

@@ -8,9 +8,9 @@ import pytest
 from recovery_job import assert_exact, reference_run, run
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return reference_run(tmp_path_factory)
+@pytest.fixture
+def reference(fault_free_reference):
+    return reference_run(fault_free_reference)
 
 
 @pytest.mark.parametrize("phase", ["forward", "backward", "grad-sync", "optimizer"])

@@ -3,18 +3,15 @@ address; the planner admits it at a step boundary, live replicas send it its sta
 the parameters of a fault-free run."""
 from __future__ import annotations
 
-from megatron_odyssey.runtime.config import TrainConfig
-from megatron_odyssey.testing.reference import reference_in_subprocess
-from recovery_job import MODEL, assert_exact, run
+from recovery_job import assert_exact, reference_run, run
 
 # the commit after --rejoin's step waits for the replacement to ask (agent._awaiting_rejoiner), so where it joins
 # does not depend on the machine's speed; 30 steps leave room for the second failure after the join
 STEPS = 30
 
 
-def test_a_killed_ranks_replacement_rejoins_and_training_stays_exact(tmp_path):
-    reference = reference_in_subprocess(TrainConfig(nproc=1, tp=1, pp=1, **{**MODEL, "steps": STEPS}),
-                                        tmp_path / "ref")
+def test_a_killed_ranks_replacement_rejoins_and_training_stays_exact(fault_free_reference, tmp_path):
+    reference = reference_run(fault_free_reference, steps=STEPS)
     params, report = run(tmp_path, ["step=2,rank=4,kind=kill"], steps=STEPS,
                          extra={"rejoin": [{"rank": 4, "after_step": 2}]})
     assert_exact(reference, params, report)
@@ -29,11 +26,10 @@ def test_a_killed_ranks_replacement_rejoins_and_training_stays_exact(tmp_path):
     assert [s["alive"] for s in report["steps"]].count(5) >= 1
 
 
-def test_a_standby_is_offered_to_the_next_failures_recovery(tmp_path):
+def test_a_standby_is_offered_to_the_next_failures_recovery(fault_free_reference, tmp_path):
     """With failures expected every few seconds (the demo's MTBF) a returning rank is held as a standby;
     the next failure's recovery weighs putting it to work (standby-* candidates) and training stays exact."""
-    reference = reference_in_subprocess(TrainConfig(nproc=1, tp=1, pp=1, **{**MODEL, "steps": STEPS}),
-                                        tmp_path / "ref")
+    reference = reference_run(fault_free_reference, steps=STEPS)
     # the second failure after the join decision (taken at step 4, the commit after --rejoin's step 3)
     params, report = run(tmp_path, ["step=2,rank=4,kind=kill", f"step={STEPS - 6},rank=1,kind=kill"], steps=STEPS,
                          mtbf_hours=0.0035, extra={"rejoin": [{"rank": 4, "after_step": 3}]})
