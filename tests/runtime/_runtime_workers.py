@@ -349,11 +349,12 @@ def _megatron_cpu_patches(*prefixes: str) -> None:
             install_patch(*_resolve(patch.target), build, [])
 
 
-def replica_optimizer_worker(rank: int, world: int, store_file: str, out: str, dtype: str) -> None:
+def replica_optimizer_worker(rank: int, world: int, store_file: str, out: str, dtypes: list[str]) -> None:
     """``world`` ranks holding one stage (every unit on every rank): Megatron's optimizer (bf16: with fp32 main
     copies; fp32: stepping the model parameters) cut down to each rank's replicated shards
     (megatron_lm.replica_optimizer) against the plain one, over the same gradients; rank 0 saves what both
-    did, the shares, and the checkpoint dictionaries."""
+    did, the shares, and the checkpoint dictionaries, for each of ``dtypes`` (one spawn: each process imports
+    megatron-core once)."""
     import copy
 
     import torch.distributed as dist
@@ -374,90 +375,96 @@ def replica_optimizer_worker(rank: int, world: int, store_file: str, out: str, d
     shapes = {"embedding.word_embeddings.weight": (7, 5), "decoder.layers.0.mlp.weight": (13,),
               "decoder.layers.0.mlp.bias": (4,), "decoder.layers.1.mlp.weight": (5, 3), "output_layer.weight": (6, 5)}
 
-    def build(cut: bool):
-        torch.manual_seed(0)
-        named = []
-        for name, shape in shapes.items():
-            p = torch.nn.Parameter(torch.randn(shape).to(getattr(torch, dtype)))
-            p.main_grad = torch.zeros(shape)  # Megatron DDP's fp32 gradient buffer
-            named.append((name, p))
-        decay = [p for n, p in named if not n.endswith("bias")]
-        megatron_keys = {"lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False}  # _get_param_groups'
-        adam = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1, "wd_mult": 1.0, **megatron_keys},
-                                  {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0,
-                                   "wd_mult": 0.0, **megatron_keys}],
-                                 lr=0.05, betas=(0.9, 0.95), eps=1e-8)
+    def case(dtype: str) -> dict:
+        def build(cut: bool):
+            torch.manual_seed(0)
+            named = []
+            for name, shape in shapes.items():
+                p = torch.nn.Parameter(torch.randn(shape).to(getattr(torch, dtype)))
+                p.main_grad = torch.zeros(shape)  # Megatron DDP's fp32 gradient buffer
+                named.append((name, p))
+            decay = [p for n, p in named if not n.endswith("bias")]
+            # the keys Megatron's _get_param_groups adds
+            megatron_keys = {"lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False}
+            adam = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1, "wd_mult": 1.0, **megatron_keys},
+                                      {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0,
+                                       "wd_mult": 0.0, **megatron_keys}],
+                                     lr=0.05, betas=(0.9, 0.95), eps=1e-8)
 
-        def init_state(opt, config=None):
-            for group in opt.param_groups:
-                for q in group["params"]:
-                    if not opt.state[q]:
-                        opt.state[q]["exp_avg"] = torch.zeros_like(q)
-                        opt.state[q]["exp_avg_sq"] = torch.zeros_like(q)
+            def init_state(opt, config=None):
+                for group in opt.param_groups:
+                    for q in group["params"]:
+                        if not opt.state[q]:
+                            opt.state[q]["exp_avg"] = torch.zeros_like(q)
+                            opt.state[q]["exp_avg_sq"] = torch.zeros_like(q)
 
-        if dtype == "bfloat16":
-            opt = Float16OptimizerWithFloat16Params(adam, OptimizerConfig(bf16=True, lr=0.05, clip_grad=1.0), None,
-                                                    init_state)
-        else:
-            opt = FP32Optimizer(adam, OptimizerConfig(lr=0.05, clip_grad=1.0), init_state)
-        shards = ReplicaShards(opt, named, groups.unit_groups, rank, 2, copies=2) if cut else None
-        return named, opt, shards
+            if dtype == "bfloat16":
+                opt = Float16OptimizerWithFloat16Params(adam, OptimizerConfig(bf16=True, lr=0.05, clip_grad=1.0), None,
+                                                        init_state)
+            else:
+                opt = FP32Optimizer(adam, OptimizerConfig(lr=0.05, clip_grad=1.0), init_state)
+            shards = ReplicaShards(opt, named, groups.unit_groups, rank, 2, copies=2) if cut else None
+            return named, opt, shards
 
-    plain, sharded = build(False), build(True)
-    for step in range(3):
-        g = torch.Generator().manual_seed(10 + step)
-        grads = {n: torch.randn(s, generator=g) * 3 for n, s in shapes.items()}  # the same reduced gradients
-        norm = float(torch.cat([v.reshape(-1) for v in grads.values()]).norm())
-        for named, opt, shards in (plain, sharded):
-            for n, p in named:
-                p.main_grad.copy_(grads[n])
-            # the plan-wide norm, agreed before the commit (megatron_lm.patches replaces this function so)
-            core_optimizer.get_grad_norm_fp32 = lambda *_, norm=norm, **__: norm
-            ok, _, _ = opt.step()
-            assert ok
-            if shards is not None:
-                shards.gather_params()
-    named_p, opt_p, _ = plain
-    named_s, opt_s, shards = sharded
+        plain, sharded = build(False), build(True)
+        for step in range(3):
+            g = torch.Generator().manual_seed(10 + step)
+            grads = {n: torch.randn(s, generator=g) * 3 for n, s in shapes.items()}  # the same reduced gradients
+            norm = float(torch.cat([v.reshape(-1) for v in grads.values()]).norm())
+            for named, opt, shards in (plain, sharded):
+                for n, p in named:
+                    p.main_grad.copy_(grads[n])
+                # the plan-wide norm, agreed before the commit (megatron_lm.patches replaces this function so)
+                core_optimizer.get_grad_norm_fp32 = lambda *_, norm=norm, **__: norm
+                ok, _, _ = opt.step()
+                assert ok
+                if shards is not None:
+                    shards.gather_params()
+        named_p, opt_p, _ = plain
+        named_s, opt_s, shards = sharded
 
-    def by_key(tree, out):
-        """Megatron's checkpoint as it lands on disk: each ShardedTensor's data under its key."""
-        if isinstance(tree, dict):
-            for v in tree.values():
-                by_key(v, out)
-        elif isinstance(tree, ShardedTensor):
-            out[tree.key] = tree.data.detach().clone()
-        return out
+        def by_key(tree, out):
+            """Megatron's checkpoint as it lands on disk: each ShardedTensor's data under its key."""
+            if isinstance(tree, dict):
+                for v in tree.values():
+                    by_key(v, out)
+            elif isinstance(tree, ShardedTensor):
+                out[tree.key] = tree.data.detach().clone()
+            return out
 
-    def filled(tree, saved):
-        """What Megatron's load makes of a template: the saved data in place of each ShardedTensor."""
-        if isinstance(tree, dict):
-            return {k: filled(v, saved) for k, v in tree.items()}
-        return saved[tree.key].clone() if isinstance(tree, ShardedTensor) else copy.deepcopy(tree)
+        def filled(tree, saved):
+            """What Megatron's load makes of a template: the saved data in place of each ShardedTensor."""
+            if isinstance(tree, dict):
+                return {k: filled(v, saved) for k, v in tree.items()}
+            return saved[tree.key].clone() if isinstance(tree, ShardedTensor) else copy.deepcopy(tree)
 
-    model_sd = {n: ShardedTensor.from_rank_offsets(n, p) for n, p in named_s}
-    written = opt_s.sharded_state_dict(model_sd)  # (collective: gathers the full state)
-    saved = by_key(written, {})
-    common = {k: v for k, v in written.items() if k != "param_state"}
-    # a fresh cut-down optimizer loads it the way Megatron's load_checkpoint does (template, then load_state_dict)
-    named_l, opt_l, shards_l = build(True)
-    template = opt_l.sharded_state_dict({n: ShardedTensor.from_rank_offsets(n, p) for n, p in named_l}, is_loading=True)
-    opt_l.load_state_dict({**filled(template, saved), **copy.deepcopy(common)})  # (common: the checkpoint's own)
-    share = shards.capture(plan)
-    shares = [None] * world
-    dist.all_gather_object(shares, share)
-    loaded = [None] * world
-    dist.all_gather_object(loaded, shards_l.capture(plan))
-    main_of = ({id(m): f for mg, fg in zip(opt_p.float16_groups, opt_p.fp32_from_float16_groups) for m, f in zip(mg, fg)}
-               if dtype == "bfloat16" else {id(p): p for _, p in named_p})
-    reference = {n: {"param": main_of[id(p)].detach().clone(),
-                     **{k: v.clone() for k, v in opt_p.optimizer.state[main_of[id(p)]].items()}} for n, p in named_p}
+        model_sd = {n: ShardedTensor.from_rank_offsets(n, p) for n, p in named_s}
+        written = opt_s.sharded_state_dict(model_sd)  # (collective: gathers the full state)
+        saved = by_key(written, {})
+        common = {k: v for k, v in written.items() if k != "param_state"}
+        # a fresh cut-down optimizer loads it the way Megatron's load_checkpoint does (template, then load_state_dict)
+        named_l, opt_l, shards_l = build(True)
+        template = opt_l.sharded_state_dict({n: ShardedTensor.from_rank_offsets(n, p) for n, p in named_l},
+                                            is_loading=True)
+        opt_l.load_state_dict({**filled(template, saved), **copy.deepcopy(common)})  # (common: the checkpoint's own)
+        share = shards.capture(plan)
+        shares = [None] * world
+        dist.all_gather_object(shares, share)
+        loaded = [None] * world
+        dist.all_gather_object(loaded, shards_l.capture(plan))
+        main_of = ({id(m): f for mg, fg in zip(opt_p.float16_groups, opt_p.fp32_from_float16_groups)
+                    for m, f in zip(mg, fg)} if dtype == "bfloat16" else {id(p): p for _, p in named_p})
+        reference = {n: {"param": main_of[id(p)].detach().clone(),
+                         **{k: v.clone() for k, v in opt_p.optimizer.state[main_of[id(p)]].items()}}
+                     for n, p in named_p}
+        return {"plain_params": {n: p.detach().clone() for n, p in named_p},
+                "sharded_params": {n: p.detach().clone() for n, p in named_s},
+                "kept": shards.kept_numel(), "total": sum(p.numel() for _, p in named_p),
+                "reference": reference, "shares": shares, "loaded": loaded, "saved": saved, "common": common}
+
+    results = {dtype: case(dtype) for dtype in dtypes}
     if rank == 0:
-        torch.save({"plain_params": {n: p.detach().clone() for n, p in named_p},
-                    "sharded_params": {n: p.detach().clone() for n, p in named_s},
-                    "kept": shards.kept_numel(), "total": sum(p.numel() for _, p in named_p),
-                    "reference": reference, "shares": shares, "loaded": loaded,
-                    "saved": saved, "common": common}, out)
+        torch.save(results, out)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -14,14 +14,22 @@ from megatron_odyssey.planning.sharding import kept_shards, shard_bounds
 WORLD = 3
 
 
-@pytest.fixture(scope="module", params=["bfloat16", "float32"])
-def result(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """bf16: Megatron's Float16OptimizerWithFloat16Params (fp32 main copies); fp32: its FP32Optimizer."""
+DTYPES = ["bfloat16", "float32"]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Both dtypes from one spawn (each process imports megatron-core once)."""
     tmp = tmp_path_factory.mktemp("replica")
     out = tmp / "result.pt"
-    mp.spawn(replica_optimizer_worker, args=(WORLD, str(tmp / "store"), str(out), request.param), nprocs=WORLD,
-             join=True)
+    mp.spawn(replica_optimizer_worker, args=(WORLD, str(tmp / "store"), str(out), DTYPES), nprocs=WORLD, join=True)
     return torch.load(out, weights_only=False)
+
+
+@pytest.fixture(params=DTYPES)
+def result(request: pytest.FixtureRequest, results: dict) -> dict:
+    """bf16: Megatron's Float16OptimizerWithFloat16Params (fp32 main copies); fp32: its FP32Optimizer."""
+    return results[request.param]
 
 
 def test_sharded_steps_give_the_plain_optimizers_weights_bit_for_bit(result: dict) -> None:
