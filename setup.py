@@ -20,7 +20,7 @@ setup(
     ],
     extras_require={
         "runtime": ["torch==2.13.0", "megatron-core==0.16.1"],
-        "test": ["pytest"],
+        "test": ["pytest", "pytest-xdist", "filelock"],
     },
     entry_points={"console_scripts": ["odyssey=megatron_odyssey.cli:main",
                                      "odyssey-launch=megatron_odyssey.launch:main"]},
