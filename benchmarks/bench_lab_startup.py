@@ -60,11 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_odyssey.runtime import data
 
     megatrons = statistics.median(build_seconds(MockGPTDataset) for _ in range(args.repeats))
-    print(f"dataset build, seq 16: megatron's MockGPTDataset {megatrons:.3f} s", end="")
+    line = f"dataset build, seq 16: megatron's MockGPTDataset {megatrons:.3f} s"
     if hasattr(data, "LabMockGPTDataset"):  # (absent from the code before it)
         ours = statistics.median(build_seconds(data.LabMockGPTDataset) for _ in range(args.repeats))
-        print(f", LabMockGPTDataset {ours:.3f} s ({megatrons / ours:.1f}x)", end="")
-    print()
+        line += f", LabMockGPTDataset {ours:.3f} s ({megatrons / ours:.1f}x)"
+    print(line)
     runs = [job_seconds() for _ in range(args.repeats)]
     print(f"job (6 ranks, 3 steps), code from {Path(data.__file__).parents[2]}: wall "
           f"{statistics.median(w for w, _ in runs):.2f} s, CPU {statistics.median(c for _, c in runs):.2f} s "
