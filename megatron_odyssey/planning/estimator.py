@@ -16,8 +16,8 @@ from typing import Mapping
 from .plan import ExecutionPlan
 from .profile import LayerCost, ModelProfile
 from .sharding import loss_sets, optimizer_share, tied_holders
-from .schedule import (BACKWARD, FORWARD, WEIGHT_GRAD, Op, coupled_orders, coupled_pipelines, deferred, dependency,
-                       fault_free_slots, lone_filled_plan, one_f_one_b)
+from .schedule import (BACKWARD, FORWARD, WEIGHT_GRAD, coupled_orders, coupled_pipelines, deferred, lone_filled_plan,
+                       one_f_one_b)
 
 # -- closed forms ---------------------------------------------------------------------------------
 
@@ -79,34 +79,69 @@ def stage_layers(plan: ExecutionPlan, profile: ModelProfile, pipeline: int, stag
 
 
 @lru_cache(maxsize=4096)
-def _one_f_one_b_order(p: int, m: int) -> tuple[tuple[int, str, int, int], ...]:
-    """Every operation of a p-stage, m-micro-batch 1F1B pipeline in the order the play visits them (the
-    layer split search plays thousands of splits of the same shape)."""
-    slots = fault_free_slots(p, m)
-    return tuple(sorted((slots[(kind, i, j)], kind, i, j) for i in range(p) for kind, j in one_f_one_b(p, i, m)))
+def _one_f_one_b_order(p: int, m: int) -> tuple[tuple[tuple[bool, int, int], ...], tuple[int, ...]]:
+    """Every operation of a p-stage, m-micro-batch 1F1B pipeline, as (forward?, stage, micro-batch), in an
+    order where each comes after its stage's previous operation and after the operation it consumes, and each
+    stage's peak in-flight count.
+
+    Any such order plays to the same times, to the bit (each end time is its stage's previous end or its
+    input's arrival, whichever is later, plus its duration), so this is not the fault-free slot order but the
+    first one found by letting each stage run ahead as far as its inputs allow: O(p x m) list steps, where
+    sorting by fault-free slots cost as much as twenty plays. The layer split and batch searches meet dozens of
+    micro-batch counts per decision."""
+    orders = [one_f_one_b(p, i, m) for i in range(p)]
+    done_f, done_b, pos = [0] * p, [0] * p, [0] * p
+    out: list[tuple[bool, int, int]] = []
+    while len(out) < 2 * p * m:
+        for i, order in enumerate(orders):
+            k = pos[i]
+            while k < len(order):
+                kind, j = order[k]
+                if kind == FORWARD:
+                    if i and done_f[i - 1] <= j:
+                        break
+                    done_f[i] += 1
+                else:
+                    if i < p - 1 and done_b[i + 1] <= j:
+                        break
+                    done_b[i] += 1
+                out.append((kind == FORWARD, i, j))
+                k += 1
+            pos[i] = k
+    peak = []
+    for order in orders:
+        in_flight = most = 0
+        for kind, _ in order:
+            in_flight += 1 if kind == FORWARD else -1
+            most = max(most, in_flight)
+        peak.append(most)
+    return tuple(out), tuple(peak)
 
 
 @lru_cache(maxsize=65536)
 def _plain_pipeline(costs: tuple[tuple[float, float], ...], m: int, p2p: float) -> tuple[float, tuple[int, ...]]:
-    """Time and per-stage peak in-flight count of one 1F1B pipeline with its own nodes (memoised by shape)."""
+    """Time and per-stage peak in-flight count of one 1F1B pipeline with its own nodes (memoised by shape).
+
+    Each operation starts when its stage is free and its input has arrived (the previous stage's forward, the
+    next stage's backward, or on the last stage its own forward), in fault-free slot order."""
     p = len(costs)
-    ops = _one_f_one_b_order(p, m)
-    end: dict[tuple[str, int, int], float] = {}
+    order, peak = _one_f_one_b_order(p, m)
+    fwd = [c[0] for c in costs]
+    bwd = [c[1] for c in costs]
+    end_f = [[0.0] * m for _ in range(p)]
+    end_b = [[0.0] * m for _ in range(p)]
     free = [0.0] * p
-    in_flight = [0] * p
-    peak = [0] * p
-    for _, kind, i, j in ops:
-        if kind == FORWARD:
-            ready = end[(FORWARD, i - 1, j)] + p2p if i > 0 else 0.0
-            dur = costs[i][0]
-            in_flight[i] += 1
-            peak[i] = max(peak[i], in_flight[i])
+    last = p - 1
+    for is_forward, i, j in order:
+        if is_forward:
+            ready = end_f[i - 1][j] + p2p if i else 0.0
+            t = free[i]
+            free[i] = end_f[i][j] = (t if t >= ready else ready) + fwd[i]
         else:
-            ready = end[(BACKWARD, i + 1, j)] + p2p if i < p - 1 else end[(FORWARD, i, j)]
-            dur = costs[i][1]
-            in_flight[i] -= 1
-        free[i] = end[(kind, i, j)] = max(free[i], ready) + dur
-    return max(free), tuple(peak)
+            ready = end_b[i + 1][j] + p2p if i < last else end_f[i][j]
+            t = free[i]
+            free[i] = end_b[i][j] = (t if t >= ready else ready) + bwd[i]
+    return max(free), peak
 
 
 def simulate(plan: ExecutionPlan, profile: ModelProfile, staggered: bool = False,
@@ -173,31 +208,37 @@ def _simulate_coupled(plan: ExecutionPlan, p2p_s: float, costs: list, coupled: f
     period is max(end of its last B, end - that wait)."""
     orders, slot_of = coupled_orders(plan, coupled)
     split = deferred(plan)
-    executor_of: dict[Op, int] = {}
-    ops: list[tuple[int, Op]] = []
+    lengths = [pipe.length for pipe in plan.pipelines]
+    executor_of: dict[tuple, int] = {}
+    ops: list[tuple[int, int, int, str, int, int]] = []
     for node, node_ops in orders.items():
         for op in node_ops:
             executor_of[op] = node
-            ops.append((slot_of[op], op))
-    ops.sort(key=lambda x: (x[0], x[1].pipeline, x[1].stage, x[1].kind, x[1].micro_batch))
-    end: dict[Op, float] = {}
+            ops.append((slot_of[op], op.pipeline, op.stage, op.kind, op.micro_batch, node))
+    ops.sort()  # (an operation is unique by its kind, pipeline, stage and micro-batch: the node never decides)
+    # keyed by plain (kind, pipeline, stage, micro-batch) tuples, which equal and hash as the Op named tuples do
+    end: dict[tuple, float] = {}
     free: dict[int, float] = {}
     first: dict[int, float] = {}  # when each node's first operation starts (its warm-up wait)
     last_b: dict[int, float] = {}  # when its last non-W operation ends
     in_flight: dict[int, int] = {}
-    for _, op in ops:
-        node = executor_of[op]
-        dep = dependency(op, plan.pipelines[op.pipeline].length)
+    for _, k, i, kind, j, node in ops:
+        if kind == WEIGHT_GRAD:  # (schedule.dependency, inlined: this loop runs per operation of every candidate)
+            dep = (BACKWARD, k, i, j)
+        elif kind == FORWARD:
+            dep = (FORWARD, k, i - 1, j) if i > 0 else None
+        else:
+            dep = (BACKWARD, k, i + 1, j) if i < lengths[k] - 1 else (FORWARD, k, i, j)
         ready = 0.0
         if dep is not None:
             ready = end[dep] + (p2p_s if executor_of[dep] != node else 0.0)
-        f, b, w = costs[op.pipeline][op.stage]
-        split_here = (op.pipeline, op.stage) in split
-        if op.kind == FORWARD:
+        f, b, w = costs[k][i]
+        split_here = (k, i) in split
+        if kind == FORWARD:
             in_flight[node] = in_flight.get(node, 0) + 1
             peak[node] = max(peak.get(node, 0), in_flight[node])
             dur = f
-        elif op.kind == WEIGHT_GRAD:  # a deferred W frees the micro-batch's activations, not its B
+        elif kind == WEIGHT_GRAD:  # a deferred W frees the micro-batch's activations, not its B
             in_flight[node] -= 1
             dur = w
         else:
@@ -207,15 +248,16 @@ def _simulate_coupled(plan: ExecutionPlan, p2p_s: float, costs: list, coupled: f
             dur *= slow.get(node, 1.0)
         begin = max(free.get(node, 0.0), ready)
         first.setdefault(node, begin)
-        end[op] = free[node] = begin + dur
-        if op.kind != WEIGHT_GRAD:
-            last_b[node] = end[op]
+        end[(kind, k, i, j)] = free[node] = begin + dur
+        if kind != WEIGHT_GRAD:
+            last_b[node] = end[(kind, k, i, j)]
     for op, t in end.items():
-        if op.pipeline in coupled:
+        k = op[1]
+        if k in coupled:
             node = executor_of[op]
             if staggered:
                 t = min(t, max(last_b[node], free[node] - first[node]))
-            times[op.pipeline] = max(times[op.pipeline], t)
+            times[k] = max(times[k], t)
 
 
 # -- full step estimate ---------------------------------------------------------------------------

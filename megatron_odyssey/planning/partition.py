@@ -163,6 +163,20 @@ class PipelineModel:
     def time(self, split: tuple[int, ...], micro_batches: int) -> float:
         return _plain_pipeline(self.stage_costs(split), micro_batches, self.profile.p2p_s)[0]
 
+    def time_bound(self, split: tuple[int, ...], micro_batches: int) -> float:
+        """A time no play of ``split`` beats, in O(stages): stage i cannot start before the first
+        micro-batch's forward reaches it, then runs m forwards and m backwards one after another, and its last
+        backward must still travel back to stage 0. The searches play only the splits whose bound leaves them a
+        chance: a play costs O(stages x micro-batches), and hundreds of micro-batches per pipeline are common.
+        (Lowered by 1e-9 of itself: the play adds the same durations in another order, so float rounding
+        could put it a hair below the bound.)"""
+        c, m = self.profile.p2p_s, micro_batches
+        before, bound = 0.0, 0.0
+        for i, (f, b) in enumerate(self.stage_costs(split)):
+            bound = max(bound, before + 2 * i * c + m * (f + b))
+            before += f + b
+        return bound * (1 - 1e-9)
+
 
 def _prefix(values: list[float]) -> list[float]:
     out = [0]
@@ -232,13 +246,22 @@ def _split_layers_cached(model: PipelineModel, stages: int, micro_batches: int, 
     def cost(split: tuple[int, ...]) -> float:
         return model.time(split, micro_batches)
 
-    best, best_t = None, float("inf")
-    for split in remainder_placements(model.profile.num_layers, stages):
-        if model.fits(split, micro_batches):
-            t = cost(split)
-            if t < best_t:
-                best, best_t = split, t
-    if best is None or not improve:
+    def bound(split: tuple[int, ...]) -> float:
+        return model.time_bound(split, micro_batches)
+
+    # the fastest placement, the first in placement order among equals; a placement whose bound exceeds the best
+    # time so far cannot be it, so placements are played in bound order until the bound passes the best
+    fitting = [s for s in remainder_placements(model.profile.num_layers, stages) if model.fits(s, micro_batches)]
+    bounds = [bound(s) for s in fitting]
+    best_key: tuple[float, int] = (float("inf"), -1)
+    for n in sorted(range(len(fitting)), key=lambda n: bounds[n]):
+        if bounds[n] > best_key[0]:
+            break
+        best_key = min(best_key, (cost(fitting[n]), n))
+    if best_key[1] < 0:
+        return None
+    best_t, best = best_key[0], fitting[best_key[1]]
+    if not improve:
         return best
     while True:
         moved = False
@@ -255,7 +278,7 @@ def _split_layers_cached(model: PipelineModel, stages: int, micro_batches: int, 
                 trial[src] -= 1
                 trial[dst] += 1
                 trial_t = tuple(trial)
-                if model.fits(trial_t, micro_batches):
+                if model.fits(trial_t, micro_batches) and bound(trial_t) < best_t - 1e-12:
                     t = cost(trial_t)
                     if t < best_t - 1e-12:
                         best, best_t, moved = trial_t, t, True
@@ -301,7 +324,10 @@ def _single_moves(split: tuple[int, ...], sources: Iterable[int], neighbours_onl
 def _front(splits: list[tuple[int, ...]], model: PipelineModel, micro_batches: int) -> tuple[tuple[int, ...], ...]:
     best: dict[int, tuple[float, tuple[int, ...]]] = {}
     for split in splits:
-        units, t = max_units(split), model.time(split, micro_batches)
+        units = max_units(split)
+        if units in best and model.time_bound(split, micro_batches) >= best[units][0]:
+            continue  # (cannot be faster than the split kept for its units)
+        t = model.time(split, micro_batches)
         if units not in best or t < best[units][0]:
             best[units] = (t, split)
     front, fastest = [], float("inf")

@@ -619,35 +619,62 @@ class Planner:
         return worst, splits
 
     def _refine_batch(self, lengths: tuple[int, ...], batch: list[int], splits: list[tuple[int, ...]]):
-        """Move single micro-batches from the slowest pipeline to the one that stays fastest while the
-        slowest pipeline gets faster (fixes rounding in the proportional split)."""
+        """Move micro-batches from the slowest pipeline to the one that stays fastest while the slowest
+        pipeline gets faster (fixes rounding in the proportional split, and pipelines of equal length but
+        unequal speed). A move takes as many micro-batches as the gap between the two pipelines' times
+        suggests (:meth:`_refine_step`), halved down to one while it would not help: with hundreds of
+        micro-batches per pipeline, one at a time was hundreds of layer-split searches per layout."""
         batch, splits, model = list(batch), list(splits), self.model.with_pipelines(len(lengths))
         times = [model.time(s, m) for s, m in zip(splits, batch)]
         while True:
             slow = max(range(len(batch)), key=lambda k: times[k])
             if batch[slow] <= 1:
                 return batch, splits
-            best = None
-            for k in range(len(batch)):
-                if k == slow:
-                    continue
-                split = split_layers(model, lengths[k], batch[k] + 1)
-                if split is None:
-                    continue
-                t = model.time(split, batch[k] + 1)
-                if best is None or t < best[0]:
-                    best = (t, k, split)
-            slow_split = split_layers(model, lengths[slow], batch[slow] - 1)
-            if best is None or slow_split is None:
-                return batch, splits
-            new_slow = model.time(slow_split, batch[slow] - 1)
-            if max(best[0], new_slow, *(t for k, t in enumerate(times) if k not in (slow, best[1]))) >= times[slow] - 1e-12:
-                return batch, splits
-            t, k, split = best
-            batch[slow] -= 1
-            batch[k] += 1
+            step = self._refine_step(lengths, batch, times, slow)
+            while (move := self._refine_move(model, lengths, batch, times, slow, step)) is None:
+                if step == 1:
+                    return batch, splits
+                step //= 2
+            t, k, split, new_slow, slow_split = move
+            batch[slow] -= step
+            batch[k] += step
             splits[slow], splits[k] = slow_split, split
             times[slow], times[k] = new_slow, t
+
+    @staticmethod
+    def _refine_step(lengths: tuple[int, ...], batch: list[int], times: list[float], slow: int) -> int:
+        """Micro-batches to move off the slowest pipeline at once: the gap to the fastest other pipeline over
+        the sum of their times per micro-batch (Eq. 9: a p-stage pipeline takes T / (m + p - 1) per
+        micro-batch)."""
+        others = [k for k in range(len(batch)) if k != slow]
+        if not others:
+            return 1
+        fast = min(others, key=lambda k: times[k])
+        rate = sum(times[k] / (batch[k] + lengths[k] - 1) for k in (slow, fast))
+        gap = int((times[slow] - times[fast]) / rate) if rate > 0 else 1
+        return max(1, min(gap, batch[slow] - 1))
+
+    def _refine_move(self, model: PipelineModel, lengths: tuple[int, ...], batch: list[int], times: list[float],
+                     slow: int, step: int):
+        """The pipeline that takes ``step`` micro-batches from the slowest and stays fastest, with both new layer
+        splits and times, if the step's slowest pipeline is then faster than before; else None."""
+        best = None
+        for k in range(len(batch)):
+            if k == slow:
+                continue
+            split = split_layers(model, lengths[k], batch[k] + step)
+            if split is None:
+                continue
+            t = model.time(split, batch[k] + step)
+            if best is None or t < best[0]:
+                best = (t, k, split)
+        slow_split = split_layers(model, lengths[slow], batch[slow] - step)
+        if best is None or slow_split is None:
+            return None
+        new_slow = model.time(slow_split, batch[slow] - step)
+        if max(best[0], new_slow, *(t for k, t in enumerate(times) if k not in (slow, best[1]))) >= times[slow] - 1e-12:
+            return None
+        return (*best, new_slow, slow_split)
 
     def _search_exhaustive(self, num_nodes: int, current_dp: int, current_pp: int, floor: int = 1) -> ExecutionPlan | None:
         """Every pipeline count, length multiset, batch split and Pareto-optimal layer split

@@ -17,16 +17,18 @@ that respects every dependency.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import lru_cache
+from typing import NamedTuple
 
 from .plan import ExecutionPlan, symmetric_plan
 
 FORWARD, BACKWARD, WEIGHT_GRAD = "F", "B", "W"
 
 
-@dataclass(frozen=True, order=True)
-class Op:
+class Op(NamedTuple):
+    """One operation of a step. A named tuple, not a dataclass: the estimator hashes and compares hundreds of
+    thousands of them per decision at hundreds of micro-batches per pipeline, and a tuple does that in C."""
     kind: str  # FORWARD, BACKWARD (with a W later: input gradient only) or WEIGHT_GRAD
     pipeline: int
     stage: int
@@ -47,29 +49,40 @@ def one_f_one_b(num_stages: int, stage: int, num_micro_batches: int) -> list[tup
 
 @lru_cache(maxsize=4096)
 def fault_free_slots(num_stages: int, num_micro_batches: int) -> dict[tuple[str, int, int], int]:
-    """Start slot of (kind, stage, micro-batch) in a fault-free 1F1B pipeline with F=1, B=2 time units."""
-    orders = [one_f_one_b(num_stages, i, num_micro_batches) for i in range(num_stages)]
-    end: dict[tuple[str, int, int], int] = {}
+    """Start slot of (kind, stage, micro-batch) in a fault-free 1F1B pipeline with F=1, B=2 time units.
+
+    Each stage runs ahead as far as its inputs allow, round after round (per-stage lists, not a dict per
+    operation: the planner meets dozens of micro-batch counts per decision, at hundreds of micro-batches)."""
+    p, m = num_stages, num_micro_batches
+    orders = [one_f_one_b(p, i, m) for i in range(p)]
+    end_f = [[-1] * m for _ in range(p)]
+    end_b = [[-1] * m for _ in range(p)]
     start: dict[tuple[str, int, int], int] = {}
-    pos = [0] * num_stages
-    free = [0] * num_stages
-    remaining = sum(len(o) for o in orders)
+    pos, free = [0] * p, [0] * p
+    remaining = 2 * p * m
     while remaining:
         progressed = False
-        for i in range(num_stages):
-            while pos[i] < len(orders[i]):
-                kind, j = orders[i][pos[i]]
+        for i, order in enumerate(orders):
+            k = pos[i]
+            while k < len(order):
+                kind, j = order[k]
                 if kind == FORWARD:
-                    dep = (FORWARD, i - 1, j) if i > 0 else None
+                    ready = end_f[i - 1][j] if i > 0 else 0
+                    if ready < 0:
+                        break
+                    t0 = max(free[i], ready)
+                    free[i] = end_f[i][j] = t0 + 1
                 else:
-                    dep = (BACKWARD, i + 1, j) if i < num_stages - 1 else (FORWARD, i, j)
-                if dep is not None and dep not in end:
-                    break
-                t0 = max(free[i], end[dep] if dep is not None else 0)
+                    ready = end_b[i + 1][j] if i < p - 1 else end_f[i][j]
+                    if ready < 0:
+                        break
+                    t0 = max(free[i], ready)
+                    free[i] = end_b[i][j] = t0 + 2
                 start[(kind, i, j)] = t0
-                end[(kind, i, j)] = free[i] = t0 + (1 if kind == FORWARD else 2)
-                pos[i] += 1
-                remaining -= 1
+                k += 1
+            if k > pos[i]:
+                remaining -= k - pos[i]
+                pos[i] = k
                 progressed = True
         if not progressed:  # pragma: no cover - 1F1B orders always make progress
             raise RuntimeError("1F1B schedule deadlocked")
@@ -205,6 +218,7 @@ def _play_filled(plan: ExecutionPlan, orders: dict[int, list[Op]]) -> tuple[dict
     pending: dict[int, list[Op]] = {n: [] for n in orders}
     seq: dict[int, list[Op]] = {n: [] for n in orders}
     cap = {n: plan.pipelines[ops[0].pipeline].length if ops else 1 for n, ops in orders.items()}
+    lengths = [pipe.length for pipe in plan.pipelines]
     busy = sorted(orders)
     t = 0
     while busy:
@@ -215,7 +229,7 @@ def _play_filled(plan: ExecutionPlan, orders: dict[int, list[Op]]) -> tuple[dict
                 op = ops[idx[n]] if idx[n] < len(ops) else None
                 if len(pending[n]) >= cap[n]:  # bound the activations held for W
                     op = None
-                dep = dependency(op, plan.pipelines[op.pipeline].length) if op is not None else None
+                dep = dependency(op, lengths[op.pipeline]) if op is not None else None
                 if op is not None and (dep is None or end.get(dep, t + 1) <= t):
                     if op.kind == BACKWARD and (op.pipeline, op.stage) in split:
                         dur = 1
@@ -240,13 +254,14 @@ def _play_filled(plan: ExecutionPlan, orders: dict[int, list[Op]]) -> tuple[dict
 
 def dependency(op: Op, num_stages: int) -> Op | None:
     """The operation whose output ``op`` consumes (Eq. 11's f1/f2 mapping); a W consumes its own B's."""
-    if op.kind == WEIGHT_GRAD:
-        return Op(BACKWARD, op.pipeline, op.stage, op.micro_batch)
-    if op.kind == FORWARD:
-        return Op(FORWARD, op.pipeline, op.stage - 1, op.micro_batch) if op.stage > 0 else None
-    if op.stage < num_stages - 1:
-        return Op(BACKWARD, op.pipeline, op.stage + 1, op.micro_batch)
-    return Op(FORWARD, op.pipeline, op.stage, op.micro_batch)
+    kind, k, i, j = op
+    if kind == WEIGHT_GRAD:
+        return Op(BACKWARD, k, i, j)
+    if kind == FORWARD:
+        return Op(FORWARD, k, i - 1, j) if i > 0 else None
+    if i < num_stages - 1:
+        return Op(BACKWARD, k, i + 1, j)
+    return Op(FORWARD, k, i, j)
 
 
 # -- point-to-point messages ----------------------------------------------------------------------

@@ -1,14 +1,16 @@
 """Closed forms against hand computation, and the Eq. 11 simulation against them."""
 import math
+import random
 from dataclasses import replace
 
 import pytest
 
-from megatron_odyssey.planning.estimator import (eq9_step_time, eq12_step_time, eq13_step_time, eq14_peak_memory,
-                                                 estimate_step, simulate)
+from megatron_odyssey.planning.estimator import (_plain_pipeline, eq9_step_time, eq12_step_time, eq13_step_time,
+                                                 eq14_peak_memory, estimate_step, simulate)
 from megatron_odyssey.planning.plan import ExecutionPlan, layout, symmetric_plan
 from megatron_odyssey.planning.planner import reroute_plan
 from megatron_odyssey.planning.profile import LayerCost, uniform_profile
+from megatron_odyssey.planning.schedule import fault_free_slots, one_f_one_b
 
 
 def test_eq9_hand_computed():
@@ -215,3 +217,40 @@ def test_profile_rejects_a_weight_gradient_longer_than_backward():
     data["layers"][0]["weight_grad_s"] = 5.0
     with pytest.raises(PlanningError, match="weight_grad_s.*between 0 and backward_s"):
         ModelProfile.from_dict(data, source="p.json")
+
+
+def _slot_ordered_play(costs: tuple[tuple[float, float], ...], m: int, p2p: float) -> float:
+    """The plain pipeline's play as first written: every operation in fault-free slot order, ends in a dict."""
+    p = len(costs)
+    slots = fault_free_slots(p, m)
+    ops = sorted((slots[(kind, i, j)], kind, i, j) for i in range(p) for kind, j in one_f_one_b(p, i, m))
+    end: dict[tuple[str, int, int], float] = {}
+    free = [0.0] * p
+    for _, kind, i, j in ops:
+        if kind == "F":
+            ready, dur = (end[("F", i - 1, j)] + p2p if i > 0 else 0.0), costs[i][0]
+        else:
+            ready, dur = (end[("B", i + 1, j)] + p2p if i < p - 1 else end[("F", i, j)]), costs[i][1]
+        free[i] = end[(kind, i, j)] = max(free[i], ready) + dur
+    return max(free)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_plain_pipelines_play_equals_the_slot_ordered_play_to_the_bit(seed):
+    """The play visits operations in any order that respects each stage's sequence and each input (cheaper to
+    build than the fault-free slot order at hundreds of micro-batches); the times must not move by one bit, or
+    the searches would break ties differently."""
+    rng = random.Random(seed)
+    for _ in range(25):
+        p, m = rng.randint(1, 9), rng.choice([1, 2, 3, 5, 8, 13, 64, 257])
+        costs = tuple((rng.choice([0.25, 1 / 3, rng.random()]) + 0.01, rng.choice([0.5, 2 / 3, 2 * rng.random()]) + 0.01)
+                      for _ in range(p))
+        p2p = rng.choice([0.0, 1e-4, 0.37])
+        time_s, peak = _plain_pipeline.__wrapped__(costs, m, p2p)
+        assert time_s == _slot_ordered_play(costs, m, p2p), (costs, m, p2p)
+        assert peak == tuple(min(p - i, m) for i in range(p))  # 1F1B: stage i holds its warm-up + 1
+
+
+def test_the_plain_pipeline_is_eq9_at_hundreds_of_micro_batches():
+    time_s, _ = _plain_pipeline.__wrapped__(((1.0, 2.0),) * 8, 512, 0.0)
+    assert time_s == eq9_step_time(8, 512, 1.0, 2.0)

@@ -1,14 +1,16 @@
 """Planner: batch and layer splits, heuristic vs exhaustive, rerouting, policy choice, cache."""
 import itertools
+import math
+import random
 from dataclasses import replace
 
 import pytest
 
 from megatron_odyssey.planning.cache import PlanCache
 from megatron_odyssey.planning.errors import PlanningError
-from megatron_odyssey.planning.estimator import estimate_step
+from megatron_odyssey.planning.estimator import eq9_step_time, estimate_step
 from megatron_odyssey.planning.partition import (PipelineModel, balanced_multisets, compositions, distribute_batch, length_multisets,
-                                                 split_layers)
+                                                 remainder_placements, split_layers)
 from megatron_odyssey.planning.plan import symmetric_plan
 from megatron_odyssey.planning.planner import Planner, PlannerOptions, reroute_plan
 from megatron_odyssey.planning.profile import builtin_profile, uniform_profile
@@ -346,3 +348,68 @@ def test_lost_distributed_optimizer_shards_mean_restart_although_nodes_hold_the_
     assert "distributed-optimizer shards with every replica" in decision.reason
     assert not any(c.feasible for c in decision.candidates if c.policy != "restart")
     assert Planner(prof, 8, 1).decide(current, {1, 3}).policy != "restart"  # the plain optimizer's state survives
+
+
+def _random_profile(rng: random.Random, layers: int):
+    prof = builtin_profile(num_layers=layers, seq_length=4096)
+    scaled = tuple(replace(u, forward_s=u.forward_s * rng.uniform(0.5, 1.5), backward_s=u.backward_s * rng.uniform(0.5, 1.5))
+                   for u in prof.layers)
+    return replace(prof, layers=scaled, p2p_s=rng.choice([0.0, prof.p2p_s, 0.05]))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_time_bound_never_exceeds_the_play(seed):
+    """The layer-split searches skip every split whose bound is above the best time found: a bound above a
+    play would skip the fastest split."""
+    rng = random.Random(seed)
+    prof = _random_profile(rng, 12)
+    model = PipelineModel(prof)
+    for stages in (1, 2, 3, 5):
+        for m in (1, 2, 7, 40):
+            for split in compositions(12, stages):
+                assert model.time_bound(split, m) <= model.time(split, m)
+
+
+def test_the_time_bound_is_eq9_on_even_stages():
+    """Tight where the paper's closed form holds: no split's play can prove it too loose to prune."""
+    model = PipelineModel(uniform_profile(8))
+    for m in (1, 4, 512):
+        assert model.time_bound((2, 2, 2, 2), m) == pytest.approx(eq9_step_time(4, m, 2.0, 4.0), rel=2e-9)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_pruned_split_search_keeps_the_first_fastest_placement(seed):
+    """Played in bound order and stopped at the bound, the search still returns the fastest remainder placement,
+    the first of equals in placement order, as playing every placement did."""
+    rng = random.Random(seed)
+    for layers, stages, m in ((13, 4, 9), (21, 5, 64), (30, 8, 3)):
+        model = PipelineModel(_random_profile(rng, layers))
+        placements = remainder_placements(layers, stages)
+        times = [model.time(s, m) for s in placements]
+        assert split_layers(model, stages, m, improve=False) == placements[times.index(min(times))]
+
+
+@pytest.mark.parametrize("first_step", ["estimated", "everything but one"])
+@pytest.mark.parametrize("lengths,total", [((3, 2), 200), ((4, 3), 301), ((2, 2), 97), ((5, 1), 120)])
+def test_the_batch_refinement_reaches_the_best_two_pipeline_split(lengths, total, first_step, monkeypatch):
+    """Two pipelines, hundreds of micro-batches: moves of many micro-batches at once, halved when they overshoot,
+    must still end where the best split is (found here by trying every split), not one micro-batch short. The
+    estimated first step is usually right at once; a first step of all but one micro-batch always overshoots and
+    makes the halving do the work."""
+    if first_step != "estimated":
+        monkeypatch.setattr(Planner, "_refine_step", staticmethod(lambda lengths, batch, times, slow: batch[slow] - 1))
+    prof = builtin_profile(num_layers=12, seq_length=4096)
+    planner = Planner(prof, total, 1, PlannerOptions())
+    model = planner.model.with_pipelines(2)
+
+    def best_time(n: int, m: int) -> float:
+        split = split_layers(model, n, m)
+        return model.time(split, m) if split is not None else math.inf
+
+    batch = distribute_batch(total, list(lengths))
+    splits = [split_layers(model, n, m) for n, m in zip(lengths, batch)]
+    refined, refined_splits = planner._refine_batch(lengths, batch, splits)
+    assert sum(refined) == total
+    got = max(model.time(s, m) for s, m in zip(refined_splits, refined))
+    best = min(max(best_time(lengths[0], m0), best_time(lengths[1], total - m0)) for m0 in range(1, total))
+    assert got == best
