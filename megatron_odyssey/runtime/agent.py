@@ -53,6 +53,7 @@ from .config import TrainConfig
 from .control_plane import LEAVING_KEY, Deposed, Replica, free_port, listening
 from .plan_message import checkpoint_due, encode_plan_message
 from .liveness import COMM, IDLE, WAITING, WORKING, Beat
+from .process_probe import SilenceJudge
 from .diagnosis import DiagnosisOptions
 from .slow_nodes import Action, SlowNodes
 from .joining import ADMIT_KEY, REJOIN_KEY, JoinRecord, JoinRequests, publish_job
@@ -190,6 +191,7 @@ class Agent:
         self.termination: Any = None  # odyssey-launch's Termination: a signal stops the job (its .signum, .reason)
         # a rank fenced for missed heartbeats -> its last heartbeat; for a stop in progress -> its last progress
         self.silent_since: dict[int, float] = {}
+        self.silence = SilenceJudge(cfg.heartbeat_timeout_s, self.log)  # a silent rank: stopped, or starved?
         self.endings: dict[int, str] = {}  # a failed rank without an error record -> how its process ended (ended)
         # committed steps go to disk as they commit (beside the report, else in the workdir)
         self.steps = StepLog(Path(cfg.report).with_suffix(".steps.jsonl") if cfg.report else workdir / "steps.jsonl")
@@ -411,12 +413,23 @@ class Agent:
                 if done and self._said_done(ident):
                     self._finish_exit(ident, now)  # past its last step and shutting down: not a hang
                     continue
-                why = f"missed heartbeats for {self.cfg.heartbeat_timeout_s:.1f} s"
-                if ident in self.beats:
-                    self.silent_since[ident] = self.beats[ident].t
-                self.slow_nodes.hang(self.next_step, [ident], "hang", f"rank {ident} {why}: its process stopped")
+                beat, pid = self.beats.get(ident), getattr(self.procs[ident], "pid", None)
+                fence, state = (True, "") if beat is None else self.silence.fence(ident, pid, now - beat.t)
+                if not fence:
+                    continue  # its process runs: a starved heartbeat, given a grace (said on the terminal)
+                graced = ident in self.silence.graced
+                why = f"missed heartbeats for {self.cfg.heartbeat_timeout_s * (2 if graced else 1):.1f} s"
+                if beat is not None:
+                    self.silent_since[ident] = beat.t
+                self.slow_nodes.hang(self.next_step, [ident], "hang", f"rank {ident} {why}: its process "
+                                     + (f"did not beat though not stopped ({state})" if graced else
+                                        f"stopped ({state})" if state else "stopped"))
+                if state:
+                    self.log(f"rank {ident}'s process: {state}")
                 self._fence(ident, why)
                 out.add(ident)
+            elif code is None and ident in self.beats:
+                self.silence.look(ident, getattr(self.procs[ident], "pid", None), now - self.beats[ident].t)
         stall = None if done else self._stalled(now)
         if stall is not None and stall.rank not in out:
             beat = self.beats[stall.rank]

@@ -45,6 +45,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
+from .process_probe import is_zombie
+
 STANDBY_KEY = "odyssey/standby"  # in the agent's store: HOST:PORT of the standby's store (launch mode)
 TAKEOVER_KEY = "odyssey/takeover"  # in the standby's store: set when it takes over (JSON: generation, reason)
 FINISHED_KEY = "odyssey/replica/finished"  # in the standby's store: the agent ended the job (its exit code)
@@ -236,7 +238,7 @@ class Standby:
             return False
         except PermissionError:
             return True
-        return not _zombie(pid)
+        return not is_zombie(pid)
 
     def copy_steps(self) -> None:
         """Committed steps' records the agent wrote ahead, onto this machine's disk."""
@@ -270,14 +272,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return False
-
-
 class PidRank:
     """A rank on this machine that another process started (the lost agent forked it): seen by its pid.
     Its exit status went to its parent, which is gone: a rank that said it finished (``DONE_KEY``) exited 0,
@@ -292,7 +286,7 @@ class PidRank:
         if self.code is None:
             try:
                 os.kill(self.pid, 0)
-                gone = _zombie(self.pid)
+                gone = is_zombie(self.pid)
             except ProcessLookupError:
                 gone = True
             except PermissionError:

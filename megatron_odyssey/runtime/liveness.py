@@ -113,6 +113,14 @@ def in_collective(thread_id: int | None = None) -> bool:
     return frame is not None and frame.f_code.co_filename.endswith(_C10D)
 
 
+def main_thread_place() -> str:
+    """Where the main thread is: its innermost Python frame, as file:line in function."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return "unknown"
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
 def track(progress: Progress) -> None:
     """Make ``progress`` the one :func:`communicating` marks (the rank's own, set by its host)."""
     _PROCESS[0] = progress
@@ -224,9 +232,16 @@ class Heartbeat(StoreThread):
             kw.setdefault("grace_s", control.wait_s)
         super().__init__(host, port, ident, interval_s, **kw)
         self.key, self.progress, self.control = f"odyssey/hb/{ident}", progress or Progress(), control
+        self.last_beat: float | None = None  # time.monotonic() of the last beat sent
 
     def tick(self, store: Any) -> None:
         store.set(self.key, self.progress.beat(self.progress.state == IDLE and in_collective()))
+        now = time.monotonic()
+        late = now - self.last_beat - self.interval_s if self.last_beat is not None else 0.0
+        self.last_beat = now
+        if late > max(1.0, 5 * self.interval_s):  # (the agent may have taken the silence for a hang: say why)
+            self.say(f"this beat is {late:.1f} s late: the process got no CPU time, or its main thread held the GIL "
+                     f"(the main thread is now at {main_thread_place()})")
         if self.control is not None and self.control.fenced(store):
             from .errors import stop_now
 

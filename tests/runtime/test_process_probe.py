@@ -1,0 +1,142 @@
+"""A silent heartbeat: a stopped process, or one whose heartbeat thread got no time? What /proc says decides."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from megatron_odyssey.runtime.process_probe import SilenceJudge, is_zombie, sample
+
+
+def _python(code: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", f"print('up', flush=True)\n{code}"], stdout=subprocess.PIPE,
+                            start_new_session=True)
+    assert proc.stdout.readline() == b"up\n"
+    return proc
+
+
+def test_a_sample_tells_running_sleeping_stopped_and_gone_processes_apart() -> None:
+    spinning, sleeping = _python("while True: pass"), _python("import time; time.sleep(120)")
+    try:
+        first = sample(spinning.pid)
+        time.sleep(0.5)
+        later = sample(spinning.pid)
+        assert later.state == "R" and later.cpu_s > first.cpu_s
+        assert "s of CPU in the last" in later.describe(first)
+        assert sample(sleeping.pid).state == "S"
+        # the main thread asleep, another one running (as when it holds the GIL): the process runs
+        side = _python("import threading, time\nthreading.Thread(target=lambda: [0 for _ in iter(int, 1)], daemon=True)"
+                       ".start()\ntime.sleep(120)")
+        try:
+            with open(f"/proc/{side.pid}/stat") as f:
+                assert f.read().rsplit(")", 1)[1].split()[0] in "SR"  # (its own field: the main thread's)
+            assert sample(side.pid).state == "R"
+        finally:
+            side.kill()
+            side.wait()
+        os.kill(sleeping.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while sample(sleeping.pid).state != "T" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sample(sleeping.pid).describe() == "state T, stopped"
+        sleeping.kill()
+        deadline = time.monotonic() + 10
+        while not is_zombie(sleeping.pid) and time.monotonic() < deadline:  # (dead, not yet reaped)
+            time.sleep(0.01)
+        assert is_zombie(sleeping.pid)
+        sleeping.wait()
+        assert sample(sleeping.pid) is None and sample(None) is None
+    finally:
+        for proc in (spinning, sleeping):
+            proc.kill()
+            proc.wait()
+
+
+def test_the_agent_gives_a_running_silent_rank_a_grace_and_fences_stopped_ones(tmp_path, capsys) -> None:
+    """The agent's own look (``detect``) at four live rank processes whose heartbeats it holds: rank 0 spins (its
+    heartbeat thread starved: a loaded machine, the GIL held in native code), rank 1 sleeps without CPU (its
+    heartbeat thread gone), rank 2 is stopped (SIGSTOP), rank 3 beats. Past the 5 s timeout ranks 1 and 2 are fenced
+    at once, rank 0 is said to be running and left alone; silent again past twice the timeout, it is fenced too."""
+    import torch.distributed as dist
+
+    from megatron_odyssey.launch import LocalRank
+    from megatron_odyssey.runtime.agent import Agent
+    from megatron_odyssey.runtime.config import TrainConfig
+    from megatron_odyssey.runtime.liveness import Beat
+
+    ranks = {0: LocalRank(_python("while True: pass")), 1: LocalRank(_python("import time; time.sleep(120)")),
+             2: LocalRank(_python("import time; time.sleep(120)")), 3: LocalRank(_python("import time; time.sleep(120)"))}
+    os.kill(ranks[2].pid, signal.SIGSTOP)
+    try:
+        cfg = TrainConfig(nproc=4, tp=1, pp=2, layers=4, hidden=32, heads=4, seq=16, global_batch=4, micro_batch=1,
+                          steps=8, heartbeat_timeout_s=5.0)
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        agent = Agent(cfg, None, tmp_path, procs=ranks, store=store)
+
+        def silent_for(seconds: dict[int, float]) -> set[int]:
+            now = time.time()
+            agent.beats = {i: Beat(now - seconds.get(i, 0.0)) for i in ranks if i not in agent.dead}
+            agent.beats_read = now + 600  # (the beats above stand: no store round trip replaces them)
+            failed = agent.detect()
+            agent.dead |= failed
+            return failed
+
+        assert silent_for({0: 3.0, 1: 3.0, 2: 3.0}) == set()  # half the timeout: each silent process is sampled
+        time.sleep(0.5)
+        assert silent_for({0: 6.0, 1: 6.0, 2: 6.0}) == {1, 2}
+        out = capsys.readouterr().out
+        assert "rank 0 missed heartbeats for 6.0 s, but its process is not stopped (state R, running; " in out
+        assert "rank 1's process: state S, sleeping; 0.00 s of CPU in the last" in out
+        assert "rank 2's process: state T, stopped" in out
+        assert "rank 1 missed heartbeats for 5.0 s: fencing it" in out and "rank 0" not in out.split("not stopped")[1]
+        assert ranks[1].exitcode is not None and ranks[2].exitcode is not None and ranks[0].exitcode is None
+
+        assert silent_for({0: 1.0}) == set()
+        assert "rank 0 beats again after 6.0 s of silence" in capsys.readouterr().out
+        assert silent_for({0: 3.0}) == set() and silent_for({0: 6.0}) == set()  # a new silence, a new grace
+        assert silent_for({0: 10.5}) == {0}
+        out = capsys.readouterr().out
+        assert "rank 0 missed heartbeats for 10.0 s: fencing it" in out and "rank 0's process: state R" in out
+        assert ranks[0].exitcode is not None and ranks[3].exitcode is None
+        assert [r.kind for r in agent.slow_nodes.records] == ["hang"] * 3
+    finally:
+        for rank in ranks.values():
+            rank.kill()
+            rank.join(5)
+
+
+def test_a_judge_without_a_process_to_read_fences_at_the_timeout() -> None:
+    """A rank on another machine (no pid here): its heartbeat alone decides, as before."""
+    said: list[str] = []
+    judge = SilenceJudge(5.0, said.append)
+    judge.look(7, None, 3.0)
+    assert judge.fence(7, None, 5.5) == (True, "") and said == []
+
+
+def test_a_late_heartbeat_says_so_and_where_the_main_thread_is(capfd) -> None:
+    """The main thread holds the GIL for 1.5 s in a native call (ctypes' PyDLL keeps it): the heartbeat thread beats
+    late, and says so on the rank's stderr with where the main thread was, for whoever reads why it was fenced."""
+    import ctypes
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from megatron_odyssey.runtime.liveness import Heartbeat
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    beat = Heartbeat("127.0.0.1", store.port, 5, 0.05)
+    beat.start()
+    try:
+        deadline = time.monotonic() + 10
+        while beat.last_beat is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        ctypes.PyDLL(None).usleep(1_500_000)  # the GIL held, no Python code runs: no beat either
+        time.sleep(0.5)
+    finally:
+        beat.stop()
+    err = capfd.readouterr().err
+    assert "[odyssey rank 5] heartbeat: this beat is 1." in err, err
+    # (the heartbeat thread gets the GIL back as the call returns: the main thread is still in this test)
+    assert f"(the main thread is now at {__file__}:" in err and " in test_a_late_heartbeat_says_so" in err, err
