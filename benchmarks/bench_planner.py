@@ -1,6 +1,7 @@
 """Decision latency of the planner, cold (full search) and from the plan cache.
 
     python benchmarks/bench_planner.py [--repeats 5] [--write docs/benchmarks.md]
+    PYTHONPATH=<checkout> python benchmarks/bench_planner.py --cold-only --repeats 3   # two versions side by side
 
 Model: 80 Llama-2-7B-shaped layers (h=4096, seq 2048), one failure. TP=1 runs PP=16 (2048 devices =
 2048 nodes); TP=8 runs PP=4. Global batch = 8 micro-batches per pipeline. Pinned to one core.
@@ -18,9 +19,10 @@ from pathlib import Path
 
 from docs_section import write_section
 from megatron_odyssey.planning.cache import PlanCache
-from megatron_odyssey.planning.estimator import _one_f_one_b_order, _plain_pipeline
+from megatron_odyssey.planning.estimator import _filled_pipeline, _one_f_one_b_order, _plain_pipeline
 from megatron_odyssey.planning.partition import _split_layers_cached, split_front
-from megatron_odyssey.planning.schedule import fault_free_slots
+from megatron_odyssey.planning.schedule import (coupled_orders, fault_free_slots, filled_schedule, lone_filled_pipeline,
+                                                lone_filled_plan)
 from megatron_odyssey.planning.plan import symmetric_plan
 from megatron_odyssey.planning.planner import Planner, PlannerOptions
 from megatron_odyssey.planning.profile import builtin_profile
@@ -31,13 +33,15 @@ def clear_memos() -> None:
     fault_free_slots.cache_clear()
     _split_layers_cached.cache_clear()
     split_front.cache_clear()
+    for memo in (coupled_orders, filled_schedule, lone_filled_plan, lone_filled_pipeline, _filled_pipeline):
+        memo.cache_clear()
 
 
 DEVICES = (32, 256, 1024, 2048)
 START, END = "<!-- planner:start -->", "<!-- planner:end -->"
 
 
-def measure(devices: int, tp: int, repeats: int) -> dict:
+def measure(devices: int, tp: int, repeats: int, cold_only: bool = False) -> dict:
     nodes = devices // tp
     pp = min(16 if tp == 1 else 4, nodes)
     dp = nodes // pp
@@ -53,6 +57,9 @@ def measure(devices: int, tp: int, repeats: int) -> dict:
         decision = planner.decide(current, failed)
         cold.append(time.perf_counter() - t)
         policy = decision.policy
+    if cold_only:  # (the choice too: two versions must choose the same)
+        return {"devices": devices, "tp": tp, "policy": policy, "step_s": decision.chosen.step_time_s,
+                "cold_median_s": statistics.median(cold)}
     planner = Planner(profile, gb, 1, PlannerOptions(tp=tp))
     cache = PlanCache(planner, current, max_failures=1)
     t = time.perf_counter()
@@ -94,9 +101,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--write", type=Path, default=None, help="refresh the planner section of this markdown file")
+    parser.add_argument("--cold-only", action="store_true",
+                        help="time only cold decisions and print each choice (no cache fill, nothing written)")
     args = parser.parse_args()
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    if args.cold_only:
+        import megatron_odyssey
+
+        print(f"megatron_odyssey from {Path(megatron_odyssey.__file__).parent}")
+        for devices, tp in ((32, 1), (256, 1), (2048, 1), (256, 8), (2048, 8)):
+            r = measure(devices, tp, args.repeats, cold_only=True)
+            print(f"devices={devices:5d} tp={tp} {r['policy']} step {r['step_s']:.6f} s  "
+                  f"cold median {r['cold_median_s']:.3f} s", flush=True)
+        return
     rows = []
     for tp in (1, 8):
         for devices in DEVICES:
