@@ -427,6 +427,7 @@ class Agent:
                 if state:
                     self.log(f"rank {ident}'s process: {state}")
                 self._fence(ident, why)
+                self.silence.forget(ident)
                 out.add(ident)
             elif code is None and ident in self.beats:
                 self.silence.look(ident, getattr(self.procs[ident], "pid", None), now - self.beats[ident].t)

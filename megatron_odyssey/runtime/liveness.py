@@ -240,8 +240,8 @@ class Heartbeat(StoreThread):
         late = now - self.last_beat - self.interval_s if self.last_beat is not None else 0.0
         self.last_beat = now
         if late > max(1.0, 5 * self.interval_s):  # (the agent may have taken the silence for a hang: say why)
-            self.say(f"this beat is {late:.1f} s late: the process got no CPU time, or its main thread held the GIL "
-                     f"(the main thread is now at {main_thread_place()})")
+            self.say(f"this beat is {late:.1f} s late: the process got no CPU time, its main thread held the GIL, or "
+                     f"the store answered slowly (the main thread is now at {main_thread_place()})")
         if self.control is not None and self.control.fenced(store):
             from .errors import stop_now
 

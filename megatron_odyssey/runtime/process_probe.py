@@ -99,6 +99,11 @@ class SilenceJudge:
         self.graced[ident] = silent_s
         return False, detail
 
+    def forget(self, ident: int) -> None:
+        """The rank was fenced: a rank that later takes its place starts with a clean slate."""
+        self.first.pop(ident, None)
+        self.graced.pop(ident, None)
+
     def look(self, ident: int, pid: int | None, silent_s: float) -> None:
         """Every look at a rank below the timeout: a sample past half of it; a silence that ended is forgotten."""
         if silent_s < self.timeout_s / 2:

@@ -100,6 +100,7 @@ def test_the_agent_gives_a_running_silent_rank_a_grace_and_fences_stopped_ones(t
         out = capsys.readouterr().out
         assert "rank 0 missed heartbeats for 10.0 s: fencing it" in out and "rank 0's process: state R" in out
         assert ranks[0].exitcode is not None and ranks[3].exitcode is None
+        assert not agent.silence.graced and not agent.silence.first  # (a rank taking its place starts afresh)
         assert [r.kind for r in agent.slow_nodes.records] == ["hang"] * 3
     finally:
         for rank in ranks.values():
