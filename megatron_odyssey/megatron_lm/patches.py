@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
+from ..runtime.liveness import communicating
 from . import hooks
 from .hooks import ORIGINAL_ATTR
 from .versions import installed_version, unknown_version_error
@@ -91,7 +92,11 @@ def _finalize_model_grads(original: Callable[..., Any]) -> Callable[..., Any]:
                 return original(model, *args, **kwargs)
             runtime.at(runtime.current_step, "grad-sync")  # generation 0: Megatron's own DDP reduction
             entered = time.time()
-            out = original(model, *args, **kwargs)
+            # (a rank there waits for its data-parallel peers: a peer stopped in its own work, still in its
+            # pipeline's backward, is the one to blame, however early this rank got here; counted as its own work,
+            # this rank stopped first and was fenced instead of the stalled peer)
+            with communicating():
+                out = original(model, *args, **kwargs)
             runtime.stock_messages.all_reduced(entered, time.time())  # who held up the data-parallel peers
             return out
         runtime.sync()  # per layer, over exactly the ranks holding it
