@@ -618,6 +618,8 @@ class MegatronRank(GenerationRank):
                 ("no_load_rng", "ckpt_step", "finetune", "consumed_train_samples", "skipped_train_samples",
                  "consumed_valid_samples", "num_floating_point_operations_so_far")}
         args.no_load_rng, args.ckpt_step, args.finetune = True, iteration, False
+        # to core_r0.14.0 load_checkpoint asserts a fresh job's zero sample counters (restored below, as they were)
+        args.consumed_train_samples = args.skipped_train_samples = args.consumed_valid_samples = 0
         # Megatron's OptimizerParamScheduler.load_state_dict *adds* the saved step count to its own (it
         # expects a fresh scheduler): start it from zero, as a relaunched job would
         self.scheduler.num_steps = 0
