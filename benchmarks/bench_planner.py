@@ -22,7 +22,7 @@ from megatron_odyssey.planning.cache import PlanCache
 from megatron_odyssey.planning.estimator import _filled_pipeline, _one_f_one_b_order, _plain_pipeline
 from megatron_odyssey.planning.partition import _split_layers_cached, split_front
 from megatron_odyssey.planning.schedule import (coupled_orders, fault_free_slots, filled_schedule, lone_filled_pipeline,
-                                                lone_filled_plan)
+                                                lone_filled_plan, run_ahead_order)
 from megatron_odyssey.planning.plan import symmetric_plan
 from megatron_odyssey.planning.planner import Planner, PlannerOptions
 from megatron_odyssey.planning.profile import builtin_profile
@@ -31,6 +31,7 @@ def clear_memos() -> None:
     _plain_pipeline.cache_clear()
     _one_f_one_b_order.cache_clear()
     fault_free_slots.cache_clear()
+    run_ahead_order.cache_clear()
     _split_layers_cached.cache_clear()
     split_front.cache_clear()
     for memo in (coupled_orders, filled_schedule, lone_filled_plan, lone_filled_pipeline, _filled_pipeline):

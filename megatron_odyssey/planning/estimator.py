@@ -17,7 +17,7 @@ from .plan import ExecutionPlan
 from .profile import LayerCost, ModelProfile
 from .sharding import loss_sets, optimizer_share, tied_holders
 from .schedule import (BACKWARD, FORWARD, WEIGHT_GRAD, coupled_orders, coupled_pipelines, deferred, lone_filled_plan,
-                       one_f_one_b)
+                       run_ahead_order)
 
 # -- closed forms ---------------------------------------------------------------------------------
 
@@ -80,42 +80,10 @@ def stage_layers(plan: ExecutionPlan, profile: ModelProfile, pipeline: int, stag
 
 @lru_cache(maxsize=4096)
 def _one_f_one_b_order(p: int, m: int) -> tuple[tuple[tuple[bool, int, int], ...], tuple[int, ...]]:
-    """Every operation of a p-stage, m-micro-batch 1F1B pipeline, as (forward?, stage, micro-batch), in an
-    order where each comes after its stage's previous operation and after the operation it consumes, and each
-    stage's peak in-flight count.
-
-    Any such order plays to the same times, to the bit (each end time is its stage's previous end or its
-    input's arrival, whichever is later, plus its duration), so this is not the fault-free slot order but the
-    first one found by letting each stage run ahead as far as its inputs allow: O(p x m) list steps, where
-    sorting by fault-free slots cost as much as twenty plays. The layer split and batch searches meet dozens of
-    micro-batch counts per decision."""
-    orders = [one_f_one_b(p, i, m) for i in range(p)]
-    done_f, done_b, pos = [0] * p, [0] * p, [0] * p
-    out: list[tuple[bool, int, int]] = []
-    while len(out) < 2 * p * m:
-        for i, order in enumerate(orders):
-            k = pos[i]
-            while k < len(order):
-                kind, j = order[k]
-                if kind == FORWARD:
-                    if i and done_f[i - 1] <= j:
-                        break
-                    done_f[i] += 1
-                else:
-                    if i < p - 1 and done_b[i + 1] <= j:
-                        break
-                    done_b[i] += 1
-                out.append((kind == FORWARD, i, j))
-                k += 1
-            pos[i] = k
-    peak = []
-    for order in orders:
-        in_flight = most = 0
-        for kind, _ in order:
-            in_flight += 1 if kind == FORWARD else -1
-            most = max(most, in_flight)
-        peak.append(most)
-    return tuple(out), tuple(peak)
+    """The play's order of a p-stage, m-micro-batch 1F1B pipeline (:func:`schedule.run_ahead_order`, as
+    (forward?, stage, micro-batch)), and each stage's peak in-flight count: its warm-up forwards plus one."""
+    order = tuple((kind == FORWARD, i, j) for kind, i, j in run_ahead_order(p, m))
+    return order, tuple(min(p - i, m) for i in range(p))
 
 
 @lru_cache(maxsize=65536)
@@ -123,7 +91,7 @@ def _plain_pipeline(costs: tuple[tuple[float, float], ...], m: int, p2p: float) 
     """Time and per-stage peak in-flight count of one 1F1B pipeline with its own nodes (memoised by shape).
 
     Each operation starts when its stage is free and its input has arrived (the previous stage's forward, the
-    next stage's backward, or on the last stage its own forward), in fault-free slot order."""
+    next stage's backward, or on the last stage its own forward)."""
     p = len(costs)
     order, peak = _one_f_one_b_order(p, m)
     fwd = [c[0] for c in costs]

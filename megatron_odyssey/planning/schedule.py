@@ -48,44 +48,54 @@ def one_f_one_b(num_stages: int, stage: int, num_micro_batches: int) -> list[tup
 
 
 @lru_cache(maxsize=4096)
-def fault_free_slots(num_stages: int, num_micro_batches: int) -> dict[tuple[str, int, int], int]:
-    """Start slot of (kind, stage, micro-batch) in a fault-free 1F1B pipeline with F=1, B=2 time units.
-
-    Each stage runs ahead as far as its inputs allow, round after round (per-stage lists, not a dict per
-    operation: the planner meets dozens of micro-batch counts per decision, at hundreds of micro-batches)."""
+def run_ahead_order(num_stages: int, num_micro_batches: int) -> tuple[tuple[str, int, int], ...]:
+    """Every (kind, stage, micro-batch) of a 1F1B pipeline in an order where each comes after its stage's previous
+    operation and after the operation it consumes: each stage runs ahead as far as its inputs allow, round after
+    round. Playing operations in any such order gives the same times, to the bit; this one is O(p x m) list
+    steps (the planner meets dozens of micro-batch counts per decision, at hundreds of micro-batches)."""
     p, m = num_stages, num_micro_batches
     orders = [one_f_one_b(p, i, m) for i in range(p)]
-    end_f = [[-1] * m for _ in range(p)]
-    end_b = [[-1] * m for _ in range(p)]
-    start: dict[tuple[str, int, int], int] = {}
-    pos, free = [0] * p, [0] * p
-    remaining = 2 * p * m
-    while remaining:
+    done_f, done_b, pos = [0] * p, [0] * p, [0] * p
+    out: list[tuple[str, int, int]] = []
+    while len(out) < 2 * p * m:
         progressed = False
         for i, order in enumerate(orders):
             k = pos[i]
             while k < len(order):
                 kind, j = order[k]
                 if kind == FORWARD:
-                    ready = end_f[i - 1][j] if i > 0 else 0
-                    if ready < 0:
+                    if i and done_f[i - 1] <= j:
                         break
-                    t0 = max(free[i], ready)
-                    free[i] = end_f[i][j] = t0 + 1
+                    done_f[i] += 1
                 else:
-                    ready = end_b[i + 1][j] if i < p - 1 else end_f[i][j]
-                    if ready < 0:
+                    if i < p - 1 and done_b[i + 1] <= j:
                         break
-                    t0 = max(free[i], ready)
-                    free[i] = end_b[i][j] = t0 + 2
-                start[(kind, i, j)] = t0
+                    done_b[i] += 1
+                out.append((kind, i, j))
                 k += 1
-            if k > pos[i]:
-                remaining -= k - pos[i]
-                pos[i] = k
-                progressed = True
+            progressed |= k > pos[i]
+            pos[i] = k
         if not progressed:  # pragma: no cover - 1F1B orders always make progress
             raise RuntimeError("1F1B schedule deadlocked")
+    return tuple(out)
+
+
+@lru_cache(maxsize=4096)
+def fault_free_slots(num_stages: int, num_micro_batches: int) -> dict[tuple[str, int, int], int]:
+    """Start slot of (kind, stage, micro-batch) in a fault-free 1F1B pipeline with F=1, B=2 time units."""
+    p, m = num_stages, num_micro_batches
+    end_f = [[0] * m for _ in range(p)]
+    end_b = [[0] * m for _ in range(p)]
+    start: dict[tuple[str, int, int], int] = {}
+    free = [0] * p
+    for kind, i, j in run_ahead_order(p, m):
+        if kind == FORWARD:
+            t0 = max(free[i], end_f[i - 1][j] if i > 0 else 0)
+            free[i] = end_f[i][j] = t0 + 1
+        else:
+            t0 = max(free[i], end_b[i + 1][j] if i < p - 1 else end_f[i][j])
+            free[i] = end_b[i][j] = t0 + 2
+        start[(kind, i, j)] = t0
     return start
 
 
