@@ -39,6 +39,7 @@ from .runtime.control_plane import FENCE_KEY, LEAVING_KEY, free_port  # (no torc
 from .runtime.errors import (DUMP_STACKS_KEY, STACKS_ASKED_KEY, STOPPED_EXIT, describe_exit, rank_log_stack,
                              rank_log_traceback)
 from .runtime.joining import CONFIG_KEY, read_job_config  # (rank 0 publishes the config when train() starts)
+from .runtime.process_probe import ProbeRequests, RemoteProcess
 
 FINISHED_KEY = "odyssey/finished"  # the agent ran the job to its end (its exit code): node agents stop
 
@@ -165,6 +166,7 @@ class RemoteRank:
     def __init__(self, store: Any, ident: int, exits: RemoteExits | None = None, fence_key: str | None = None):
         self.store, self.ident, self.exits = store, ident, exits or RemoteExits(store, every_s=0.0)
         self.fence_key = fence_key or FENCE_KEY.format(ident)
+        self.process_probe = RemoteProcess(store, ident)  # its process, as its node agent samples it
 
     @property
     def exitcode(self) -> int | None:
@@ -364,11 +366,13 @@ def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any
     fence = {ident: incarnation_fence_key(ident, p.pid) if getattr(args, "join", None) else FENCE_KEY.format(ident)
              for ident, p in local.items()}
     stacks = StackRequests(local)
+    probes = ProbeRequests(lambda: {ident: p.pid for ident, p in local.items() if ident not in reported})
     while len(reported) < len(local):
         try:
             if store.check([FINISHED_KEY]) or (stop is not None and stop.is_set()):
                 break
             stacks.poll(store, reported)
+            probes.poll(store)
             for ident, p in local.items():
                 if ident not in reported and store.check([fence[ident]]):
                     p.kill()

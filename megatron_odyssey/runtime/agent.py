@@ -413,8 +413,9 @@ class Agent:
                 if done and self._said_done(ident):
                     self._finish_exit(ident, now)  # past its last step and shutting down: not a hang
                     continue
-                beat, pid = self.beats.get(ident), getattr(self.procs[ident], "pid", None)
-                fence, state = (True, "") if beat is None else self.silence.fence(ident, pid, now - beat.t)
+                beat = self.beats.get(ident)
+                fence, state = (True, "") if beat is None else self.silence.fence(ident, self.procs[ident],
+                                                                                  now - beat.t)
                 if not fence:
                     continue  # its process runs: a starved heartbeat, given a grace (said on the terminal)
                 graced = ident in self.silence.graced
@@ -430,7 +431,7 @@ class Agent:
                 self.silence.forget(ident)
                 out.add(ident)
             elif code is None and ident in self.beats:
-                self.silence.look(ident, getattr(self.procs[ident], "pid", None), now - self.beats[ident].t)
+                self.silence.look(ident, self.procs[ident], now - self.beats[ident].t)
         stall = None if done else self._stalled(now)
         if stall is not None and stall.rank not in out:
             beat = self.beats[stall.rank]

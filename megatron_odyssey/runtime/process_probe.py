@@ -3,15 +3,21 @@
 A heartbeat that stops means the process stopped (SIGSTOP, a frozen node) - or that its heartbeat thread got no
 time: on an overloaded machine, or while its main thread holds the GIL in a long native call. The agent tells the
 two apart before it fences a silent rank: a process that is runnable or still burning CPU has not stopped. Read
-from ``/proc`` (Linux); elsewhere, and for ranks on other machines, there is nothing to read and the heartbeat
-alone decides.
+from ``/proc`` (Linux): here for the agent's own machine's ranks (:class:`LocalProcess`), and by each other
+machine's node agent for its own, on the agent's request (:class:`RemoteProcess`, :class:`ProbeRequests`). Where
+nothing can be read (no ``/proc``, a rank whose launcher is gone or does not answer) the heartbeat alone decides.
 """
 from __future__ import annotations
 
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Protocol
+
+#: the agent asks a rank's node agent to sample its process (``RemoteProcess``); while the key stands, the node
+#: agent writes a fresh sample to ``PROBE_KEY`` every ``ProbeRequests.every_s``
+PROBE_ASK_KEY = "odyssey/probe-ask/{}"
+PROBE_KEY = "odyssey/probe/{}"
 
 STATES = {"R": "running", "S": "sleeping", "D": "in uninterruptible wait", "T": "stopped", "t": "stopped by a tracer",
           "Z": "a zombie", "X": "dead", "I": "idle"}
@@ -27,6 +33,14 @@ class ProcessSample:
     @property
     def runnable(self) -> bool:
         return self.state == "R"
+
+    def encode(self) -> str:
+        return f"{self.state} {self.cpu_s!r} {self.at!r}"
+
+    @staticmethod
+    def decode(text: str) -> ProcessSample:
+        state, cpu_s, at = text.split()
+        return ProcessSample(state, float(cpu_s), float(at))
 
     def describe(self, since: ProcessSample | None = None) -> str:
         text = f"state {self.state}, {STATES.get(self.state, 'unknown')}"
@@ -67,6 +81,85 @@ def is_zombie(pid: int) -> bool:
     return probe is not None and probe.state == "Z"
 
 
+class ProcessProbe(Protocol):
+    """A rank's process as the agent can look at it: sampled now (None: nothing to read), and let go of."""
+
+    def sample(self) -> ProcessSample | None: ...
+
+    def release(self) -> None: ...
+
+
+class LocalProcess:
+    """A rank on the agent's own machine: its ``/proc``."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+
+    def sample(self) -> ProcessSample | None:
+        return sample(self.pid)
+
+    def release(self) -> None:
+        pass
+
+
+class RemoteProcess:
+    """A rank on another machine, sampled by its node agent (:class:`ProbeRequests`) once asked: the first look asks
+    and finds nothing yet; later looks read the newest answer. An answer that has not changed for ``stale_s`` (the
+    node agent, or its machine, stopped) counts as nothing to read: the heartbeat alone decides."""
+
+    def __init__(self, store: Any, ident: int, stale_s: float = 2.0, every_s: float = 0.1):
+        self.store, self.ident, self.stale_s, self.every_s = store, ident, stale_s, every_s
+        self.asked = False
+        self.last: ProcessSample | None = None
+        self.changed_at = self.read_at = 0.0  # time.monotonic() here when the answer last changed / was read
+
+    def sample(self) -> ProcessSample | None:
+        if not self.asked:
+            self.store.set(PROBE_ASK_KEY.format(self.ident), "1")
+            self.asked, self.last = True, None
+            return None
+        now = time.monotonic()
+        if now - self.read_at >= self.every_s:  # (the agent looks every few ms: the store is asked less often)
+            self.read_at = now
+            key = PROBE_KEY.format(self.ident)
+            answer = ProcessSample.decode(self.store.get(key).decode()) if self.store.check([key]) else None
+            if answer is not None and answer != self.last:
+                self.last, self.changed_at = answer, now
+        return self.last if self.last is not None and now - self.changed_at < self.stale_s else None
+
+    def release(self) -> None:
+        if self.asked:
+            self.store.delete_key(PROBE_ASK_KEY.format(self.ident))
+            self.store.delete_key(PROBE_KEY.format(self.ident))
+            self.asked, self.last = False, None
+
+
+def probe_of(rank: Any) -> ProcessProbe | None:
+    """How the agent can look at a rank it supervises: the probe the rank brings (``process_probe``: one on another
+    machine), else its pid here, else nothing."""
+    probe = getattr(rank, "process_probe", None)
+    if probe is not None:
+        return probe
+    pid = getattr(rank, "pid", None)
+    return LocalProcess(pid) if pid else None
+
+
+class ProbeRequests:
+    """A node agent's half: each of its ranks the agent asked about (``PROBE_ASK_KEY``) is sampled and the sample
+    written back, every ``every_s``, for as long as the ask stands."""
+
+    def __init__(self, pids: Callable[[], dict[int, int]], every_s: float = 0.5):
+        self.pids, self.every_s, self.polled = pids, every_s, 0.0
+
+    def poll(self, store: Any) -> None:
+        if time.monotonic() - self.polled < self.every_s:
+            return
+        self.polled = time.monotonic()
+        for ident, pid in self.pids().items():
+            if store.check([PROBE_ASK_KEY.format(ident)]) and (now := sample(pid)) is not None:
+                store.set(PROBE_KEY.format(ident), now.encode())
+
+
 class SilenceJudge:
     """Whether a rank whose heartbeat is silent has stopped, from its process on this machine.
 
@@ -74,17 +167,32 @@ class SilenceJudge:
     then, or that used CPU in between, is not stopped: its heartbeat thread got no time (a loaded machine, or the
     GIL held by its main thread in native code). It gets a grace of a second heartbeat timeout, said on the
     terminal, and is fenced only if still silent at twice the timeout. A process stopped (T), asleep without CPU,
-    in an uninterruptible wait or gone is fenced at the timeout, as before. Without a process to read (a rank on
-    another machine) the heartbeat alone decides."""
+    in an uninterruptible wait or gone is fenced at the timeout, as before. Without a process to read (no probe, or
+    one that has no answer) the heartbeat alone decides. ``rank``: the rank as the agent supervises it
+    (:func:`probe_of`)."""
 
     def __init__(self, timeout_s: float, say: Callable[[str], None]):
         self.timeout_s, self.say = timeout_s, say
         self.first: dict[int, ProcessSample] = {}  # rank -> its sample past half the timeout, this silence
         self.graced: dict[int, float] = {}  # rank -> the longest silence it was given grace in
+        # rank -> (the process supervised, its probe), from half the timeout until the silence ends
+        self.watched: dict[int, tuple[Any, ProcessProbe]] = {}
 
-    def fence(self, ident: int, pid: int | None, silent_s: float) -> tuple[bool, str]:
+    def _probe(self, ident: int, rank: Any) -> ProcessProbe | None:
+        if ident in self.watched and self.watched[ident][0] is not rank:  # (another process took the rank's place)
+            self._release(ident)
+        if ident not in self.watched and (probe := probe_of(rank)) is not None:
+            self.watched[ident] = rank, probe
+        return self.watched[ident][1] if ident in self.watched else None
+
+    def _release(self, ident: int) -> None:
+        if (watched := self.watched.pop(ident, None)) is not None:
+            watched[1].release()
+
+    def fence(self, ident: int, rank: Any, silent_s: float) -> tuple[bool, str]:
         """At or past the timeout: (whether to fence now, what its process was doing, for the message)."""
-        now = sample(pid)
+        probe = self._probe(ident, rank)
+        now = probe.sample() if probe is not None else None
         if now is None:
             return True, ""
         first = self.first.get(ident)
@@ -103,12 +211,15 @@ class SilenceJudge:
         """The rank was fenced: a rank that later takes its place starts with a clean slate."""
         self.first.pop(ident, None)
         self.graced.pop(ident, None)
+        self._release(ident)
 
-    def look(self, ident: int, pid: int | None, silent_s: float) -> None:
+    def look(self, ident: int, rank: Any, silent_s: float) -> None:
         """Every look at a rank below the timeout: a sample past half of it; a silence that ended is forgotten."""
         if silent_s < self.timeout_s / 2:
             self.first.pop(ident, None)
+            self._release(ident)
             if ident in self.graced:
                 self.say(f"rank {ident} beats again after {self.graced.pop(ident):.1f} s of silence")
-        elif ident not in self.first and (probe := sample(pid)) is not None:
-            self.first[ident] = probe
+        elif ident not in self.first and (probe := self._probe(ident, rank)) is not None \
+                and (first := probe.sample()) is not None:
+            self.first[ident] = first

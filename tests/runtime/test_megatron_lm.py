@@ -412,15 +412,21 @@ def test_pretrain_gpt_rank_error_is_reported_and_recovered(stock: dict, tmp_path
     assert same_training(job.iterations(), stock)
 
 
-def test_two_machines_rank_on_the_second_dies(stock: dict, tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["kill", "hang"])
+def test_two_machines_rank_on_the_second_dies(stock: dict, tmp_path: Path, kind: str) -> None:
     """Two odyssey-launch processes stand for two machines (coordinator + node agent); the planner
-    switches to the stage costs Megatron's timers measured in iteration 1."""
-    job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--odyssey-inject-fault", "step=3,rank=3,phase=forward,kind=kill",
-                                      "--odyssey-profile-iters", "1"], _port(30), nodes=2)
+    switches to the stage costs Megatron's timers measured in iteration 1. hang: rank 3 is SIGSTOPped; the agent,
+    which has no /proc of the other machine's ranks, has its node agent sample it, and fences it at the heartbeat
+    timeout as stopped (a starved rank there would get a grace instead)."""
+    job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--odyssey-inject-fault", f"step=3,rank=3,phase=forward,kind={kind}",
+                                      "--odyssey-profile-iters", "1"], _port(30 + 5 * (kind == "hang")), nodes=2)
     assert job.returncode == 0, job.logs[-4000:]
     report = job.report
     (failure,) = report["failures"]
     assert failure["ranks"] == [3]
+    if kind == "hang":
+        assert 10.0 <= failure["detection_s"] < 20, failure
+        assert "rank 3's process: state T, stopped" in (tmp_path / "console0.txt").read_text()
     assert [s["step"] for s in report["steps"]] == list(range(ITERS))
     assert report["profile"] == "measured"  # planned from Megatron's timers after iteration 1
     assert same_training(job.iterations(), stock)

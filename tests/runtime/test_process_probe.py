@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from megatron_odyssey.runtime.process_probe import SilenceJudge, is_zombie, sample
+from megatron_odyssey.runtime.process_probe import PROBE_ASK_KEY, PROBE_KEY, SilenceJudge, is_zombie, sample
 
 
 def _python(code: str) -> subprocess.Popen:
@@ -104,6 +104,80 @@ def test_the_agent_gives_a_running_silent_rank_a_grace_and_fences_stopped_ones(t
         assert [r.kind for r in agent.slow_nodes.records] == ["hang"] * 3
     finally:
         for rank in ranks.values():
+            rank.kill()
+            rank.join(5)
+
+
+def test_ranks_on_another_machine_are_sampled_by_their_node_agent(tmp_path, capsys) -> None:
+    """The same four ranks on another machine: the agent has no /proc of theirs, so it asks their node agent (the
+    launcher's ``node_agent``, here in a thread, over the same store), which samples them and writes the samples
+    back while asked. Rank 0 (spinning) gets its grace; ranks 1 (asleep without CPU) and 2 (stopped) are fenced at
+    the timeout, through their node agent, with their states on the terminal; asks are withdrawn when a silence
+    ends. A node agent that stops answering leaves the heartbeat alone to decide: rank 0 is then fenced at the
+    timeout."""
+    import argparse
+    import threading
+
+    import torch.distributed as dist
+
+    from megatron_odyssey.launch import LocalRank, RemoteExits, RemoteRank, node_agent
+    from megatron_odyssey.runtime.agent import Agent
+    from megatron_odyssey.runtime.config import TrainConfig
+    from megatron_odyssey.runtime.liveness import Beat
+
+    there = {0: LocalRank(_python("while True: pass")), 1: LocalRank(_python("import time; time.sleep(120)")),
+             2: LocalRank(_python("import time; time.sleep(120)")), 3: LocalRank(_python("import time; time.sleep(120)"))}
+    os.kill(there[2].pid, signal.SIGSTOP)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    stop = threading.Event()
+    node = threading.Thread(target=node_agent, args=(argparse.Namespace(node_rank=1, workdir=tmp_path, join=None),
+                                                     there, dist.TCPStore("127.0.0.1", store.port), None, stop))
+    node.start()
+    try:
+        cfg = TrainConfig(nproc=4, tp=1, pp=2, layers=4, hidden=32, heads=4, seq=16, global_batch=4, micro_batch=1,
+                          steps=8, heartbeat_timeout_s=5.0)
+        exits = RemoteExits(store)
+        agent = Agent(cfg, None, tmp_path, procs={i: RemoteRank(store, i, exits) for i in there}, store=store)
+
+        def silent_for(seconds: dict[int, float]) -> set[int]:
+            now = time.time()
+            agent.beats = {i: Beat(now - seconds.get(i, 0.0)) for i in there if i not in agent.dead}
+            agent.beats_read = now + 600
+            failed = agent.detect()
+            agent.dead |= failed
+            return failed
+
+        deadline = time.monotonic() + 20
+        while len(agent.silence.first) < 3 and time.monotonic() < deadline:  # asked, then answered
+            assert silent_for({0: 3.0, 1: 3.0, 2: 3.0}) == set()
+            time.sleep(0.05)
+        assert set(agent.silence.first) == {0, 1, 2} and store.check([PROBE_ASK_KEY.format(0)])
+        assert not store.check([PROBE_ASK_KEY.format(3)])  # (a rank that beats is not asked about)
+        time.sleep(1.2)  # (the node agent samples again: CPU time accrues between the two samples)
+        assert silent_for({0: 6.0, 1: 6.0, 2: 6.0}) == {1, 2}
+        out = capsys.readouterr().out
+        assert "rank 0 missed heartbeats for 6.0 s, but its process is not stopped (state R, running; " in out
+        assert "rank 1's process: state S, sleeping; 0.00 s of CPU in the last" in out
+        assert "rank 2's process: state T, stopped" in out
+        assert there[1].exitcode is not None and there[2].exitcode is not None and there[0].exitcode is None
+        assert not store.check([PROBE_ASK_KEY.format(1)]) and not store.check([PROBE_KEY.format(2)])
+
+        assert silent_for({0: 1.0}) == set()
+        assert "rank 0 beats again after 6.0 s of silence" in capsys.readouterr().out
+        assert not store.check([PROBE_ASK_KEY.format(0)]) and not store.check([PROBE_KEY.format(0)])
+
+        stop.set()  # the node agent no longer answers
+        node.join(10)
+        for _ in range(20):
+            assert silent_for({0: 3.0}) == set()
+            time.sleep(0.05)
+        assert 0 not in agent.silence.first
+        assert silent_for({0: 5.5}) == {0}
+        assert "rank 0 missed heartbeats for 5.0 s: fencing it" in capsys.readouterr().out
+    finally:
+        stop.set()
+        node.join(10)
+        for rank in there.values():
             rank.kill()
             rank.join(5)
 
