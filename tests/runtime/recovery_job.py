@@ -27,6 +27,13 @@ def run(tmp_path, fail, policy="auto", nproc=6, tp=1, pp=2, **extra):
     return torch.load(tmp_path / "p.pt"), json.loads((tmp_path / "report.json").read_text())
 
 
+def failure_story(report) -> str:
+    """What each failure of the run was, for an assertion's message: a flaky count of failures says why."""
+    return "; ".join(f"{f['ranks']} at step {f.get('step')} ({f.get('phase')}, {f.get('kind')}): "
+                     f"{f.get('ended') or f.get('dropped') or f.get('error')}" for f in report["failures"]) \
+        + f" | diagnoses: {[(d['step'], d['kind'], d['ranks'], d.get('evidence')) for d in report['diagnoses']]}"
+
+
 def assert_exact(reference, params, report):
     assert set(params) == set(reference["params"])
     worst = max((params[k] - reference["params"][k]).abs().max().item() for k in params)

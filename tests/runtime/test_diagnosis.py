@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from recovery_job import assert_exact, reference_run, run
+from recovery_job import assert_exact, failure_story, reference_run, run
 
 STEPS = 12
 
@@ -30,8 +30,9 @@ def test_a_slow_rank_is_named_within_5_steps_and_handled_as_eq8_prefers(referenc
     assert {o["action"] for o in first["options"]} >= {"none", "drop"}
     assert first["action"] == _eq8_best(first)
     if first["action"] == "drop":
-        assert [f["ranks"] for f in report["failures"]] == [[3]] and report["failures"][0]["dropped"]
-    assert all(d["ranks"] == [3] for d in report["diagnoses"]), report["diagnoses"]
+        assert [f["ranks"] for f in report["failures"]] == [[3]], failure_story(report)
+        assert report["failures"][0]["dropped"]
+    assert all(d["ranks"] == [3] for d in report["diagnoses"]), failure_story(report)
 
 
 def test_rebalance_then_readmit_trains_exactly(reference, tmp_path):

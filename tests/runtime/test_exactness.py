@@ -20,12 +20,6 @@ from megatron_odyssey.standalone.launcher import launch
 TOL = 1e-5
 
 
-@pytest.fixture
-def reference(fault_free_reference):
-    """The fault-free run of a job's model, data and steps (jobs that differ only in layout share one)."""
-    return fault_free_reference
-
-
 def _train(cfg: TrainConfig, tmp_path):
     cfg.save_params = str(tmp_path / "params.pt")
     cfg.report = str(tmp_path / "report.json")
@@ -45,21 +39,21 @@ def _assert_matches(ref, params, report):
 BASE = dict(layers=6, hidden=32, heads=4, seq=16, global_batch=12, micro_batch=1, steps=3, seed=7)
 
 
-def test_symmetric_pp2_dp2(reference, tmp_path):
+def test_symmetric_pp2_dp2(fault_free_reference, tmp_path):
     cfg = TrainConfig(nproc=4, tp=1, pp=2, **{**BASE, "global_batch": 8})
     params, report = _train(cfg, tmp_path)
-    _assert_matches(reference(cfg), params, report)
+    _assert_matches(fault_free_reference(cfg), params, report)
 
 
-def test_rerouted_plan_one_of_six_nodes_dead(reference, tmp_path):
+def test_rerouted_plan_one_of_six_nodes_dead(fault_free_reference, tmp_path):
     plan = reroute_plan(symmetric_plan(2, 3, 6, 12), frozenset({4}))  # stage 1 of replica 1 is dead
     cfg = TrainConfig(nproc=6, tp=1, pp=2, plan=plan.to_dict(), **BASE)
     params, report = _train(cfg, tmp_path)
     assert report["steps"][0]["alive"] == 5
-    _assert_matches(reference(cfg), params, report)
+    _assert_matches(fault_free_reference(cfg), params, report)
 
 
-def test_two_pipelines_share_one_link_in_different_orders(reference, tmp_path):
+def test_two_pipelines_share_one_link_in_different_orders(fault_free_reference, tmp_path):
     """Stage 0 of replica 0 and stage 1 of replica 1 are dead: node 1 runs both pipelines' stage 0 and
     node 2 both pipelines' stage 1, so link 1 -> 2 carries both pipelines' activations, and node 2 runs
     them in a different order than node 1 sends them (equal fault-free slots, ownership breaks the tie).
@@ -72,24 +66,24 @@ def test_two_pipelines_share_one_link_in_different_orders(reference, tmp_path):
     assert sorted(sent) == sorted(wanted) and sent != wanted  # the case needs in-sender-order receipt
     cfg = TrainConfig(nproc=4, tp=1, pp=2, plan=plan.to_dict(), **{**BASE, "global_batch": 8})
     params, report = _train(cfg, tmp_path)
-    _assert_matches(reference(cfg), params, report)
+    _assert_matches(fault_free_reference(cfg), params, report)
 
 
-def test_asymmetric_pipelines_2_2_3_with_uneven_splits(reference, tmp_path):
+def test_asymmetric_pipelines_2_2_3_with_uneven_splits(fault_free_reference, tmp_path):
     plan = layout([((2, 4), 4), ((4, 2), 3), ((1, 3, 2), 5)])  # 7 nodes, uneven layers and micro-batches
     cfg = TrainConfig(nproc=7, tp=1, pp=2, plan=plan.to_dict(), **BASE)
     params, report = _train(cfg, tmp_path)
-    _assert_matches(reference(cfg), params, report)
+    _assert_matches(fault_free_reference(cfg), params, report)
 
 
-def test_tensor_parallel_inside_a_rerouted_plan(reference, tmp_path):
+def test_tensor_parallel_inside_a_rerouted_plan(fault_free_reference, tmp_path):
     plan = reroute_plan(symmetric_plan(2, 2, 6, 12), frozenset({1}))  # 4 nodes x TP=2, one node dead
     cfg = TrainConfig(nproc=8, tp=2, pp=2, plan=plan.to_dict(), **BASE)
     params, report = _train(cfg, tmp_path)
-    _assert_matches(reference(cfg), params, report)
+    _assert_matches(fault_free_reference(cfg), params, report)
 
 
-def test_filled_rerouted_plan_with_tensor_parallelism(reference, tmp_path):
+def test_filled_rerouted_plan_with_tensor_parallelism(fault_free_reference, tmp_path):
     """Bubble filling under TP=2: B's input gradient is all-reduced over the TP group, W stays local."""
     from dataclasses import replace
 
@@ -97,7 +91,7 @@ def test_filled_rerouted_plan_with_tensor_parallelism(reference, tmp_path):
     cfg = TrainConfig(nproc=8, tp=2, pp=2, plan=plan.to_dict(), **BASE)
     params, report = _train(cfg, tmp_path)
     assert report["steps"][0]["alive"] == 6
-    _assert_matches(reference(cfg), params, report)
+    _assert_matches(fault_free_reference(cfg), params, report)
 
 
 @pytest.mark.parametrize("plan,message", [

