@@ -221,7 +221,8 @@ PATCHES: tuple[Patch, ...] = (
           "non-uniform plans are held by different rank sets and are all-reduced per layer (generation 0 "
           "keeps Megatron's own reduction)"),
     Patch(f"{_C}.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.start_grad_sync", hooks.grad_sync_once,
-          "with --overlap-grad-reduce and 2+ distributed-optimizer instances stock Megatron-LM reduces each step's "
+          "with --overlap-grad-reduce and 2+ distributed-optimizer instances stock Megatron-LM (from core_r0.16.0; "
+          "0.14 and 0.15 reduce once) reduces each step's "
           "gradients twice under pipeline parallelism (backward hook and the schedule's grad_sync_func; its "
           "second-dispatch guard needs an async handle those instances never leave): reduced once under --odyssey; "
           "and (core_r0.16.0) its reduction stream waits for the default stream only while the gradient hooks run on "
