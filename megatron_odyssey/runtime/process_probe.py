@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
-#: the agent asks a rank's node agent to sample its process (``RemoteProcess``); while the key stands, the node
-#: agent writes a fresh sample to ``PROBE_KEY`` every ``ProbeRequests.every_s``
+#: the agent asks a rank's node agent to sample its process (``RemoteProcess``; value: a stamp, empty when withdrawn);
+#: while asked, the node agent writes a fresh sample, with the stamp, to ``PROBE_KEY`` every ``ProbeRequests.every_s``
 PROBE_ASK_KEY = "odyssey/probe-ask/{}"
 PROBE_KEY = "odyssey/probe/{}"
 
@@ -109,29 +109,30 @@ class RemoteProcess:
 
     def __init__(self, store: Any, ident: int, stale_s: float = 2.0, every_s: float = 0.1):
         self.store, self.ident, self.stale_s, self.every_s = store, ident, stale_s, every_s
-        self.asked = False
+        self.asked: str | None = None  # the stamp of the standing ask; answers carry it back
         self.last: ProcessSample | None = None
         self.changed_at = self.read_at = 0.0  # time.monotonic() here when the answer last changed / was read
 
     def sample(self) -> ProcessSample | None:
-        if not self.asked:
-            self.store.set(PROBE_ASK_KEY.format(self.ident), "1")
-            self.asked, self.last = True, None
+        if self.asked is None:
+            self.asked, self.last = repr(time.time()), None
+            self.store.set(PROBE_ASK_KEY.format(self.ident), self.asked)
             return None
         now = time.monotonic()
         if now - self.read_at >= self.every_s:  # (the agent looks every few ms: the store is asked less often)
             self.read_at = now
             key = PROBE_KEY.format(self.ident)
-            answer = ProcessSample.decode(self.store.get(key).decode()) if self.store.check([key]) else None
-            if answer is not None and answer != self.last:
-                self.last, self.changed_at = answer, now
+            stamp, _, answer = self.store.get(key).decode().partition(" ") if self.store.check([key]) else ("", "", "")
+            if stamp == self.asked and (fresh := ProcessSample.decode(answer)) != self.last:
+                self.last, self.changed_at = fresh, now  # (an answer to an earlier ask, written late, is not one)
         return self.last if self.last is not None and now - self.changed_at < self.stale_s else None
 
     def release(self) -> None:
-        if self.asked:
-            self.store.delete_key(PROBE_ASK_KEY.format(self.ident))
+        if self.asked is not None:
+            # withdrawn by emptying it, not deleting it: the node agent's read of the key must not wait for it
+            self.store.set(PROBE_ASK_KEY.format(self.ident), "")
             self.store.delete_key(PROBE_KEY.format(self.ident))
-            self.asked, self.last = False, None
+            self.asked, self.last = None, None
 
 
 def probe_of(rank: Any) -> ProcessProbe | None:
@@ -156,12 +157,14 @@ class ProbeRequests:
             return
         self.polled = time.monotonic()
         for ident, pid in self.pids().items():
-            if store.check([PROBE_ASK_KEY.format(ident)]) and (now := sample(pid)) is not None:
-                store.set(PROBE_KEY.format(ident), now.encode())
+            ask = PROBE_ASK_KEY.format(ident)
+            stamp = store.get(ask).decode() if store.check([ask]) else ""  # ("": withdrawn)
+            if stamp and (now := sample(pid)) is not None:
+                store.set(PROBE_KEY.format(ident), f"{stamp} {now.encode()}")
 
 
 class SilenceJudge:
-    """Whether a rank whose heartbeat is silent has stopped, from its process on this machine.
+    """Whether a rank whose heartbeat is silent has stopped, from its process (here, or through its node agent).
 
     Past half the heartbeat timeout the process is sampled once; at the timeout again. A process that is runnable
     then, or that used CPU in between, is not stopped: its heartbeat thread got no time (a loaded machine, or the

@@ -7,7 +7,8 @@ import subprocess
 import sys
 import time
 
-from megatron_odyssey.runtime.process_probe import PROBE_ASK_KEY, PROBE_KEY, SilenceJudge, is_zombie, sample
+from megatron_odyssey.runtime.process_probe import (PROBE_ASK_KEY, PROBE_KEY, ProcessSample, RemoteProcess,
+                                                    SilenceJudge, is_zombie, sample)
 
 
 def _python(code: str) -> subprocess.Popen:
@@ -149,12 +150,16 @@ def test_ranks_on_another_machine_are_sampled_by_their_node_agent(tmp_path, caps
             agent.dead |= failed
             return failed
 
+        def asked(ident: int) -> bool:
+            key = PROBE_ASK_KEY.format(ident)
+            return store.check([key]) and store.get(key) != b""
+
         deadline = time.monotonic() + 20
         while len(agent.silence.first) < 3 and time.monotonic() < deadline:  # asked, then answered
             assert silent_for({0: 3.0, 1: 3.0, 2: 3.0}) == set()
             time.sleep(0.05)
-        assert set(agent.silence.first) == {0, 1, 2} and store.check([PROBE_ASK_KEY.format(0)])
-        assert not store.check([PROBE_ASK_KEY.format(3)])  # (a rank that beats is not asked about)
+        assert set(agent.silence.first) == {0, 1, 2} and asked(0)
+        assert not asked(3)  # (a rank that beats is not asked about)
         time.sleep(1.2)  # (the node agent samples again: CPU time accrues between the two samples)
         assert silent_for({0: 6.0, 1: 6.0, 2: 6.0}) == {1, 2}
         out = capsys.readouterr().out
@@ -162,11 +167,11 @@ def test_ranks_on_another_machine_are_sampled_by_their_node_agent(tmp_path, caps
         assert "rank 1's process: state S, sleeping; 0.00 s of CPU in the last" in out
         assert "rank 2's process: state T, stopped" in out
         assert there[1].exitcode is not None and there[2].exitcode is not None and there[0].exitcode is None
-        assert not store.check([PROBE_ASK_KEY.format(1)]) and not store.check([PROBE_KEY.format(2)])
+        assert not asked(1) and not asked(2) and not store.check([PROBE_KEY.format(2)])
 
         assert silent_for({0: 1.0}) == set()
         assert "rank 0 beats again after 6.0 s of silence" in capsys.readouterr().out
-        assert not store.check([PROBE_ASK_KEY.format(0)]) and not store.check([PROBE_KEY.format(0)])
+        assert not asked(0) and not store.check([PROBE_KEY.format(0)])
 
         stop.set()  # the node agent no longer answers
         node.join(10)
@@ -182,6 +187,31 @@ def test_ranks_on_another_machine_are_sampled_by_their_node_agent(tmp_path, caps
         for rank in there.values():
             rank.kill()
             rank.join(5)
+
+
+def test_a_remote_answer_counts_only_for_its_own_ask_and_while_it_changes() -> None:
+    """An answer the node agent wrote late, for an ask already withdrawn, is not taken for the new ask's; an answer
+    that stops changing (the node agent or its machine stopped) goes stale: nothing to read."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    probe = RemoteProcess(store, 4, stale_s=0.5, every_s=0.0)
+    assert probe.sample() is None  # asks
+    old = store.get(PROBE_ASK_KEY.format(4)).decode()
+    probe.release()
+    assert store.get(PROBE_ASK_KEY.format(4)) == b""
+    time.sleep(0.01)
+    assert probe.sample() is None  # asks again
+    new = store.get(PROBE_ASK_KEY.format(4)).decode()
+    assert new != old
+    store.set(PROBE_KEY.format(4), f"{old} R 9.0 100.0")  # the first ask's answer, late
+    assert probe.sample() is None
+    store.set(PROBE_KEY.format(4), f"{new} T 9.0 101.0")
+    assert probe.sample() == ProcessSample("T", 9.0, 101.0)
+    time.sleep(0.6)
+    assert probe.sample() is None  # unchanged for longer than stale_s
+    store.set(PROBE_KEY.format(4), f"{new} T 9.0 102.0")
+    assert probe.sample() == ProcessSample("T", 9.0, 102.0)
 
 
 def test_a_judge_without_a_process_to_read_fences_at_the_timeout() -> None:
