@@ -425,7 +425,9 @@ def test_two_machines_rank_on_the_second_dies(stock: dict, tmp_path: Path, kind:
     (failure,) = report["failures"]
     assert failure["ranks"] == [3]
     if kind == "hang":
-        assert 10.0 <= failure["detection_s"] < 20, failure
+        # the heartbeat timeout (10 s) counts from the last beat, up to an interval (1 s) before the stop; not the
+        # collectives' timeout
+        assert 8.0 <= failure["detection_s"] < 20, failure
         assert "rank 3's process: state T, stopped" in (tmp_path / "console0.txt").read_text()
     assert [s["step"] for s in report["steps"]] == list(range(ITERS))
     assert report["profile"] == "measured"  # planned from Megatron's timers after iteration 1
