@@ -12,7 +12,8 @@ layout-free (layers are stacked on a global axis), so it is enough to say who wr
 - the RNG state keeps Megatron's global shape (original pipeline stages x TP): each slot is written by
   one live rank, the first surviving node of that original stage, or the owner of the stage's first
   layer when the whole stage is gone;
-- the rerun state machine's per-rank state keeps the launch's world (:func:`original_layout_rerun_state`).
+- the rerun state machine's per-rank state keeps the launch's world, or to core_r0.13.0 the RNG state's layout
+  (:func:`original_layout_rerun_state`).
 
 The legacy ``torch`` format names one file per pipeline rank and holds the whole stage's state in it; a
 re-arranged job has no such files to write, so it is refused with ``--odyssey`` (see ``arguments``).
@@ -84,13 +85,15 @@ def rng_writers(plan: ExecutionPlan, pp: int, dp: int, num_layers: int) -> dict[
     return writers
 
 
-def rng_state_objects(rng_state_list: Any, writers: dict[int, int], node: int, tp_rank: int, tp: int) -> list[Any]:
-    """The ``rng_state`` entries this rank writes: one ShardedObject per original stage it writes, in
-    Megatron's (stage, TP rank) layout, so a stock job at the original layout finds every slot."""
+def rng_state_objects(rng_state_list: Any, writers: dict[int, int], node: int, tp_rank: int, tp: int,
+                      key: str = "rng_state") -> list[Any]:
+    """The ``rng_state`` entries (or another per-(stage, TP rank) object's, ``key``) this rank writes: one
+    ShardedObject per original stage it writes, in Megatron's (stage, TP rank) layout, so a stock job at the
+    original layout finds every slot."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     pp = len(writers)
-    return [ShardedObject("rng_state", rng_state_list, (pp, tp), (stage, tp_rank), replica_id=0)
+    return [ShardedObject(key, rng_state_list, (pp, tp), (stage, tp_rank), replica_id=0)
             for stage, writer in sorted(writers.items()) if writer == node]
 
 
@@ -127,21 +130,25 @@ def original_layout_rng(sharded: Any, runtime: Any) -> list[Any]:
     return rng_state_objects(data, writers, runtime.node, runtime.tp_rank, runtime.cfg.tp)
 
 
-def rerun_state_slots(ident: int, live: list[int], launch_world: int, loading: bool) -> list[int]:
+def rerun_state_slots(ident: int, live: list[int], launch_world: int) -> list[int]:
     """The launch ranks whose slot of the rerun state machine's per-rank state this rank writes (its own; the
-    lowest live rank also the lost ranks') or, ``loading``, reads (its own)."""
-    if loading or ident != min(live):
+    lowest live rank also the lost ranks')."""
+    if ident != min(live):
         return [ident]
     return [ident, *(i for i in range(launch_world) if i not in live)]
 
 
 def original_layout_rerun_state(state: Any, runtime: Any, loading: bool) -> Any:
     """Megatron's rerun state machine's checkpoint entry after a recovery, in the launch's layout: its per-rank
-    ShardedObject is keyed by the world's size and this rank's place in it (core_r0.18.0 on write it at every save,
-    before only while a rerun is pending), so the survivors would write "shard_r_7" where a job relaunched at the
-    original size reads "shard_r_8", and a restart from a checkpoint written before the failure would not find its
-    slots. Each rank writes (and reads) the slot of its launch rank; the lowest live rank also writes the slots of
-    the lost ranks, with its own rank-level state (theirs is gone with them)."""
+    ShardedObject is keyed by the world's size and this rank's place in it (core_r0.14.0 on; 0.18.0 on write it at
+    every save, before only while a rerun is pending), so the survivors would write "shard_r_7" where a job
+    relaunched at the original size reads "shard_r_8", and a restart from a checkpoint written before the failure
+    would not find its slots. Each rank writes (and reads) the slot of its launch rank; the lowest live rank also
+    writes the slots of the lost ranks, with its own rank-level state (theirs is gone with them). To core_r0.13.0 it
+    is keyed by (pipeline stage, TP rank), written by data-parallel replica 0 at every save, like the RNG state:
+    each slot is written by that stage's RNG writer (:func:`rng_writers`). ``loading``: a load checks the same
+    access pattern as a save (every slot once), so a rank asks for the slots it would write, its launch rank's (or
+    launch stage's) first, which is the one it loads (:func:`own_rerun_state`)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     from ..planning.cluster import node_ranks
@@ -150,14 +157,29 @@ def original_layout_rerun_state(state: Any, runtime: Any, loading: bool) -> Any:
     if not isinstance(sharded, ShardedObject):
         return state
     cfg = runtime.cfg
-    world = cfg.pp * cfg.dp * cfg.tp
-    live = node_ranks(runtime.rank_map.live_nodes, cfg.tp)
-    slots = rerun_state_slots(runtime.ident, live, world, loading)
-    state["sharded"] = [ShardedObject(sharded.key, sharded.data, (world,), (slot,), replica_id=0) for slot in slots]
+    if len(sharded.global_shape) == 2:  # (pipeline stages, TP ranks): to core_r0.13.0
+        shape, own = (cfg.pp, cfg.tp), (runtime.node // cfg.dp, runtime.tp_rank)
+        written = [(stage, runtime.tp_rank) for stage, writer in
+                   sorted(rng_writers(runtime.plan, cfg.pp, cfg.dp, cfg.layers).items()) if writer == runtime.node]
+    else:
+        shape, own = (cfg.pp * cfg.dp * cfg.tp,), (runtime.ident,)
+        live = node_ranks(runtime.rank_map.live_nodes, cfg.tp)
+        written = [(slot,) for slot in rerun_state_slots(runtime.ident, live, shape[0])]
+    slots = [own, *(s for s in written if s != own)] if loading else written
+    state["sharded"] = [ShardedObject(sharded.key, sharded.data, shape, slot, replica_id=0 if slot in written else 1)
+                        for slot in slots]
     return state
 
 
-__all__ = ["mark_replicas", "original_layout_rerun_state", "original_layout_rng", "rerun_state_slots",
+def own_rerun_state(state_dict: Any) -> Any:
+    """A loaded rerun state machine entry whose per-rank part is the list :func:`original_layout_rerun_state` asked
+    for: its first (this rank's launch slot), as Megatron's ``load_state_dict`` reads one."""
+    if isinstance(state_dict, dict) and isinstance(state_dict.get("sharded"), list) and state_dict["sharded"]:
+        return {**state_dict, "sharded": state_dict["sharded"][0]}
+    return state_dict
+
+
+__all__ = ["mark_replicas", "original_layout_rerun_state", "original_layout_rng", "own_rerun_state", "rerun_state_slots",
            "rng_state_objects", "rng_writers", "rewrite_sharded_state_dict", "sharded_unit", "with_plan_replicas"]
 
 

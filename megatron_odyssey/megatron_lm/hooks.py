@@ -437,7 +437,8 @@ def plan_replica_state_dict(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def original_layout_rerun_state(original: Callable[..., Any]) -> Callable[..., Any]:
     """megatron-core's ``RerunStateMachine.state_dict``: after a recovery, its per-rank entry in the launch's
-    world (``checkpoint.original_layout_rerun_state``); ``force=True`` is its load path (0.19+)."""
+    layout (``checkpoint.original_layout_rerun_state``); a load is ``force=True`` (0.19+) or an in-process restart's
+    (``MegatronRank.loading_checkpoint``: before 0.19 the load asks like a save)."""
 
     @functools.wraps(original)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -447,7 +448,21 @@ def original_layout_rerun_state(original: Callable[..., Any]) -> Callable[..., A
             return out
         from .checkpoint import original_layout_rerun_state
 
-        return original_layout_rerun_state(out, runtime, loading=bool(kwargs.get("force", False)))
+        loading = bool(kwargs.get("force", False)) or getattr(runtime, "loading_checkpoint", False)
+        return original_layout_rerun_state(out, runtime, loading=loading)
+
+    return wrapper
+
+
+def own_rerun_state(original: Callable[..., Any]) -> Callable[..., Any]:
+    """megatron-core's ``RerunStateMachine.load_state_dict``: loads this rank's slot of the entry that
+    ``original_layout_rerun_state`` asked for (``checkpoint.own_rerun_state``)."""
+
+    @functools.wraps(original)
+    def wrapper(self: Any, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+        from .checkpoint import own_rerun_state
+
+        return original(self, own_rerun_state(state_dict), *args, **kwargs)
 
     return wrapper
 

@@ -304,8 +304,12 @@ PATCHES: tuple[Patch, ...] = (
           "the RNG state is sharded by pipeline rank (0 of 1 under our parallel_state): written in the "
           "original stage x TP layout, one live rank per slot, so a stock job finds every slot"),
     Patch(f"{_C}.rerun_state_machine:RerunStateMachine.state_dict", hooks.original_layout_rerun_state,
-          "its per-rank state is sharded by the world's size and rank (0.18+: at every save): after a recovery "
-          "written and read in the launch's world, so a relaunch at the original size finds every slot"),
+          "its per-rank state is sharded by the world's size and rank (0.14+; 0.18+: at every save; to 0.13 by "
+          "pipeline stage and TP rank, at every save): after a recovery written and read in the launch's layout, so "
+          "a relaunch at the original size, and an in-process restart from an earlier checkpoint, find every slot"),
+    Patch(f"{_C}.rerun_state_machine:RerunStateMachine.load_state_dict", hooks.own_rerun_state,
+          "a load after a recovery asks for every slot a save would write (Megatron checks the same access "
+          "pattern): the rank's own slot, the first, is the one loaded"),
     # the batch (before pretrain_gpt.py imports its alias)
     Patch(f"{_T}.utils:get_batch_on_this_tp_rank", hooks.whole_batch_on_every_stage,
           "with TP > 1, tensor-parallel rank 0 broadcasts only what its pipeline stage needs, judged by "

@@ -291,6 +291,7 @@ class MegatronRank(GenerationRank):
         self.backend = rank_backend(shared=dist.get_backend() == "gloo", device_type=self.device.type)
         self.p2p = P2P.for_backend(self.backend, self.device)
         self.stock = not joining  # generation 0: Megatron's own schedule and DDP (see module docstring)
+        self.loading_checkpoint = False  # inside an in-process restart's load_checkpoint
         self.admission: tuple[int, dict] | None = None  # a joining rank's generation and plan, until it enters
         self.current_step = int(args.iteration)
         self.timed_iterations = 0  # iterations timed on odyssey-forward-backward (profile window)
@@ -623,10 +624,12 @@ class MegatronRank(GenerationRank):
         # Megatron's OptimizerParamScheduler.load_state_dict *adds* the saved step count to its own (it
         # expects a fresh scheduler): start it from zero, as a relaunched job would
         self.scheduler.num_steps = 0
+        self.loading_checkpoint = True  # (what Megatron asks of the rerun state machine now is a load: hooks)
         try:
             checkpointing.load_checkpoint(self.megatron_model, self.megatron_optimizer, self.scheduler,
                                           load_arg="save", strict=True)
         finally:
+            self.loading_checkpoint = False
             for name, value in kept.items():
                 setattr(args, name, value)
         self.committed = iteration - 1  # the state now holds steps [0, iteration)

@@ -72,3 +72,40 @@ def test_rng_slot_of_a_dead_stage_goes_to_the_owner_of_its_first_layer() -> None
     plan = ExecutionPlan("reconfigure", LAYERS, (Pipeline((Stage(0, 0, 2), Stage(2, 2, 4)), 3),
                                                  Pipeline((Stage(1, 0, 4),), 3)))
     assert rng_writers(plan, PP, 3, LAYERS) == {0: 0, 1: 1}
+
+
+@pytest.mark.parametrize("release_layout", ["stage x TP (to core_r0.13.0)", "world (core_r0.14.0 on)"])
+def test_the_rerun_state_keeps_the_launch_layout_in_saves_and_loads(release_layout: str) -> None:
+    """Megatron's rerun state machine entry after node 1 of a PP=2 x DP=2 job died (a reroute), from what Megatron
+    builds under our one-rank parallel_state. Saves: every slot of the launch layout is written once by a live
+    rank (megatron-core's own validation), so a relaunch at the launch size finds them all. Loads (an in-process
+    restart from a checkpoint written before the failure): the ranks ask for every slot once too (Megatron checks
+    a load's pattern as a save's), each its own slot first, the one it loads. Before, a core_r0.13.0 restart asked
+    for "shard_1_4" where the checkpoint held "shard_0.0_2.1"."""
+    from types import SimpleNamespace
+
+    from megatron_odyssey.megatron_lm.checkpoint import original_layout_rerun_state, own_rerun_state
+
+    plan = reroute_plan(symmetric_plan(PP, DP, LAYERS, 4), [1])
+    stage_tp = release_layout.startswith("stage")
+    cfg = SimpleNamespace(pp=PP, dp=DP, tp=1, layers=LAYERS)
+
+    def entry(node: int, loading: bool):
+        runtime = SimpleNamespace(cfg=cfg, plan=plan, node=node, tp_rank=0, ident=node,
+                                  rank_map=SimpleNamespace(live_nodes=plan.live_nodes()))
+        built = mapping.ShardedObject("rerun_state_machine_state", {"node": node}, (1, 1) if stage_tp else (1,),
+                                      (0, 0) if stage_tp else (0,), replica_id=0)
+        return original_layout_rerun_state({"mode": "disabled", "sharded": built}, runtime, loading)["sharded"]
+
+    saved = [(n, o) for n in plan.live_nodes() for o in entry(n, loading=False)]
+    launch = [(0, 0), (1, 0)] if stage_tp else [(r,) for r in range(PP * DP)]
+    assert sorted(o.global_offset for _, o in saved) == launch
+    assert all(o.global_shape == ((PP, 1) if stage_tp else (PP * DP,)) for _, o in saved)
+    _validate_objects_for_key(saved)  # Megatron's check: every slot once
+    asked = [(n, o) for n in plan.live_nodes() for o in entry(n, loading=True)]
+    _validate_objects_for_key(asked)  # (a load checks the same access pattern)
+    for node in plan.live_nodes():
+        first = entry(node, loading=True)[0]  # the one loaded (own_rerun_state): the rank's launch slot
+        assert first.global_offset == ((node // DP, 0) if stage_tp else (node,))
+        loaded = own_rerun_state({"mode": "disabled", "sharded": [{"node": node}, {"node": -1}]})
+        assert loaded == {"mode": "disabled", "sharded": {"node": node}}
