@@ -85,16 +85,19 @@ def rng_writers(plan: ExecutionPlan, pp: int, dp: int, num_layers: int) -> dict[
     return writers
 
 
-def rng_state_objects(rng_state_list: Any, writers: dict[int, int], node: int, tp_rank: int, tp: int,
-                      key: str = "rng_state") -> list[Any]:
-    """The ``rng_state`` entries (or another per-(stage, TP rank) object's, ``key``) this rank writes: one
-    ShardedObject per original stage it writes, in Megatron's (stage, TP rank) layout, so a stock job at the
-    original layout finds every slot."""
+def stages_written(writers: dict[int, int], node: int) -> list[int]:
+    """The original stages whose (stage, TP rank) slots ``node`` writes (``writers``: :func:`rng_writers`)."""
+    return [stage for stage, writer in sorted(writers.items()) if writer == node]
+
+
+def rng_state_objects(rng_state_list: Any, writers: dict[int, int], node: int, tp_rank: int, tp: int) -> list[Any]:
+    """The ``rng_state`` entries this rank writes: one ShardedObject per original stage it writes, in
+    Megatron's (stage, TP rank) layout, so a stock job at the original layout finds every slot."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     pp = len(writers)
-    return [ShardedObject(key, rng_state_list, (pp, tp), (stage, tp_rank), replica_id=0)
-            for stage, writer in sorted(writers.items()) if writer == node]
+    return [ShardedObject("rng_state", rng_state_list, (pp, tp), (stage, tp_rank), replica_id=0)
+            for stage in stages_written(writers, node)]
 
 
 def rewrite_sharded_state_dict(state_dict: dict, chunk: Any, runtime: Any) -> dict:
@@ -159,8 +162,8 @@ def original_layout_rerun_state(state: Any, runtime: Any, loading: bool) -> Any:
     cfg = runtime.cfg
     if len(sharded.global_shape) == 2:  # (pipeline stages, TP ranks): to core_r0.13.0
         shape, own = (cfg.pp, cfg.tp), (runtime.node // cfg.dp, runtime.tp_rank)
-        written = [(stage, runtime.tp_rank) for stage, writer in
-                   sorted(rng_writers(runtime.plan, cfg.pp, cfg.dp, cfg.layers).items()) if writer == runtime.node]
+        writers = rng_writers(runtime.plan, cfg.pp, cfg.dp, cfg.layers)
+        written = [(stage, runtime.tp_rank) for stage in stages_written(writers, runtime.node)]
     else:
         shape, own = (cfg.pp * cfg.dp * cfg.tp,), (runtime.ident,)
         live = node_ranks(runtime.rank_map.live_nodes, cfg.tp)
@@ -179,8 +182,9 @@ def own_rerun_state(state_dict: Any) -> Any:
     return state_dict
 
 
-__all__ = ["mark_replicas", "original_layout_rerun_state", "original_layout_rng", "own_rerun_state", "rerun_state_slots",
-           "rng_state_objects", "rng_writers", "rewrite_sharded_state_dict", "sharded_unit", "with_plan_replicas"]
+__all__ = ["mark_replicas", "original_layout_rerun_state", "original_layout_rng", "own_rerun_state",
+           "rerun_state_slots", "rewrite_sharded_state_dict", "rng_state_objects", "rng_writers", "sharded_unit",
+           "stages_written", "with_plan_replicas"]
 
 
 

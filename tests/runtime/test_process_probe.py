@@ -18,6 +18,30 @@ def _python(code: str) -> subprocess.Popen:
     return proc
 
 
+def _four_ranks() -> dict:
+    """Rank 0 spins (its heartbeat thread would be starved), 1 sleeps without CPU, 2 is stopped (SIGSTOP), 3 sleeps
+    (it beats)."""
+    from megatron_odyssey.launch import LocalRank
+
+    ranks = {0: LocalRank(_python("while True: pass")),
+             **{i: LocalRank(_python("import time; time.sleep(120)")) for i in (1, 2, 3)}}
+    os.kill(ranks[2].pid, signal.SIGSTOP)
+    return ranks
+
+
+def _silent_for(agent, seconds: dict[int, float]) -> set[int]:
+    """The agent's look (``detect``) with each live rank's last beat ``seconds[rank]`` (default 0) ago; the ranks it
+    failed count as dead from then on."""
+    from megatron_odyssey.runtime.liveness import Beat
+
+    now = time.time()
+    agent.beats = {i: Beat(now - seconds.get(i, 0.0)) for i in agent.procs if i not in agent.dead}
+    agent.beats_read = now + 600  # (the beats above stand: no store round trip replaces them)
+    failed = agent.detect()
+    agent.dead |= failed
+    return failed
+
+
 def test_a_sample_tells_running_sleeping_stopped_and_gone_processes_apart() -> None:
     spinning, sleeping = _python("while True: pass"), _python("import time; time.sleep(120)")
     try:
@@ -64,31 +88,18 @@ def test_the_agent_gives_a_running_silent_rank_a_grace_and_fences_stopped_ones(t
     at once, rank 0 is said to be running and left alone; silent again past twice the timeout, it is fenced too."""
     import torch.distributed as dist
 
-    from megatron_odyssey.launch import LocalRank
     from megatron_odyssey.runtime.agent import Agent
     from megatron_odyssey.runtime.config import TrainConfig
-    from megatron_odyssey.runtime.liveness import Beat
-
-    ranks = {0: LocalRank(_python("while True: pass")), 1: LocalRank(_python("import time; time.sleep(120)")),
-             2: LocalRank(_python("import time; time.sleep(120)")), 3: LocalRank(_python("import time; time.sleep(120)"))}
-    os.kill(ranks[2].pid, signal.SIGSTOP)
+    ranks = _four_ranks()
     try:
         cfg = TrainConfig(nproc=4, tp=1, pp=2, layers=4, hidden=32, heads=4, seq=16, global_batch=4, micro_batch=1,
                           steps=8, heartbeat_timeout_s=5.0)
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         agent = Agent(cfg, None, tmp_path, procs=ranks, store=store)
 
-        def silent_for(seconds: dict[int, float]) -> set[int]:
-            now = time.time()
-            agent.beats = {i: Beat(now - seconds.get(i, 0.0)) for i in ranks if i not in agent.dead}
-            agent.beats_read = now + 600  # (the beats above stand: no store round trip replaces them)
-            failed = agent.detect()
-            agent.dead |= failed
-            return failed
-
-        assert silent_for({0: 3.0, 1: 3.0, 2: 3.0}) == set()  # half the timeout: each silent process is sampled
+        assert _silent_for(agent, {0: 3.0, 1: 3.0, 2: 3.0}) == set()  # half the timeout: each silent process is sampled
         time.sleep(0.5)
-        assert silent_for({0: 6.0, 1: 6.0, 2: 6.0}) == {1, 2}
+        assert _silent_for(agent, {0: 6.0, 1: 6.0, 2: 6.0}) == {1, 2}
         out = capsys.readouterr().out
         assert "rank 0 missed heartbeats for 6.0 s, but its process is not stopped (state R, running; " in out
         assert "rank 1's process: state S, sleeping; 0.00 s of CPU in the last" in out
@@ -96,10 +107,11 @@ def test_the_agent_gives_a_running_silent_rank_a_grace_and_fences_stopped_ones(t
         assert "rank 1 missed heartbeats for 5.0 s: fencing it" in out and "rank 0" not in out.split("not stopped")[1]
         assert ranks[1].exitcode is not None and ranks[2].exitcode is not None and ranks[0].exitcode is None
 
-        assert silent_for({0: 1.0}) == set()
+        assert _silent_for(agent, {0: 1.0}) == set()
         assert "rank 0 beats again after 6.0 s of silence" in capsys.readouterr().out
-        assert silent_for({0: 3.0}) == set() and silent_for({0: 6.0}) == set()  # a new silence, a new grace
-        assert silent_for({0: 10.5}) == {0}
+        # a new silence, a new grace
+        assert _silent_for(agent, {0: 3.0}) == set() and _silent_for(agent, {0: 6.0}) == set()
+        assert _silent_for(agent, {0: 10.5}) == {0}
         out = capsys.readouterr().out
         assert "rank 0 missed heartbeats for 10.0 s: fencing it" in out and "rank 0's process: state R" in out
         assert ranks[0].exitcode is not None and ranks[3].exitcode is None
@@ -123,14 +135,11 @@ def test_ranks_on_another_machine_are_sampled_by_their_node_agent(tmp_path, caps
 
     import torch.distributed as dist
 
-    from megatron_odyssey.launch import LocalRank, RemoteExits, RemoteRank, node_agent
+    from megatron_odyssey.launch import RemoteExits, RemoteRank, node_agent
     from megatron_odyssey.runtime.agent import Agent
     from megatron_odyssey.runtime.config import TrainConfig
-    from megatron_odyssey.runtime.liveness import Beat
 
-    there = {0: LocalRank(_python("while True: pass")), 1: LocalRank(_python("import time; time.sleep(120)")),
-             2: LocalRank(_python("import time; time.sleep(120)")), 3: LocalRank(_python("import time; time.sleep(120)"))}
-    os.kill(there[2].pid, signal.SIGSTOP)
+    there = _four_ranks()
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     stop = threading.Event()
     node = threading.Thread(target=node_agent, args=(argparse.Namespace(node_rank=1, workdir=tmp_path, join=None),
@@ -142,26 +151,18 @@ def test_ranks_on_another_machine_are_sampled_by_their_node_agent(tmp_path, caps
         exits = RemoteExits(store)
         agent = Agent(cfg, None, tmp_path, procs={i: RemoteRank(store, i, exits) for i in there}, store=store)
 
-        def silent_for(seconds: dict[int, float]) -> set[int]:
-            now = time.time()
-            agent.beats = {i: Beat(now - seconds.get(i, 0.0)) for i in there if i not in agent.dead}
-            agent.beats_read = now + 600
-            failed = agent.detect()
-            agent.dead |= failed
-            return failed
-
         def asked(ident: int) -> bool:
             key = PROBE_ASK_KEY.format(ident)
             return store.check([key]) and store.get(key) != b""
 
         deadline = time.monotonic() + 20
         while len(agent.silence.first) < 3 and time.monotonic() < deadline:  # asked, then answered
-            assert silent_for({0: 3.0, 1: 3.0, 2: 3.0}) == set()
+            assert _silent_for(agent, {0: 3.0, 1: 3.0, 2: 3.0}) == set()
             time.sleep(0.05)
         assert set(agent.silence.first) == {0, 1, 2} and asked(0)
         assert not asked(3)  # (a rank that beats is not asked about)
         time.sleep(1.2)  # (the node agent samples again: CPU time accrues between the two samples)
-        assert silent_for({0: 6.0, 1: 6.0, 2: 6.0}) == {1, 2}
+        assert _silent_for(agent, {0: 6.0, 1: 6.0, 2: 6.0}) == {1, 2}
         out = capsys.readouterr().out
         assert "rank 0 missed heartbeats for 6.0 s, but its process is not stopped (state R, running; " in out
         assert "rank 1's process: state S, sleeping; 0.00 s of CPU in the last" in out
@@ -169,17 +170,17 @@ def test_ranks_on_another_machine_are_sampled_by_their_node_agent(tmp_path, caps
         assert there[1].exitcode is not None and there[2].exitcode is not None and there[0].exitcode is None
         assert not asked(1) and not asked(2) and not store.check([PROBE_KEY.format(2)])
 
-        assert silent_for({0: 1.0}) == set()
+        assert _silent_for(agent, {0: 1.0}) == set()
         assert "rank 0 beats again after 6.0 s of silence" in capsys.readouterr().out
         assert not asked(0) and not store.check([PROBE_KEY.format(0)])
 
         stop.set()  # the node agent no longer answers
         node.join(10)
         for _ in range(20):
-            assert silent_for({0: 3.0}) == set()
+            assert _silent_for(agent, {0: 3.0}) == set()
             time.sleep(0.05)
         assert 0 not in agent.silence.first
-        assert silent_for({0: 5.5}) == {0}
+        assert _silent_for(agent, {0: 5.5}) == {0}
         assert "rank 0 missed heartbeats for 5.0 s: fencing it" in capsys.readouterr().out
     finally:
         stop.set()
