@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
 
 from megatron_odyssey.runtime.config import TrainConfig
-from megatron_odyssey.testing.reference import reference_in_subprocess
 from megatron_odyssey.standalone.launcher import launch
 
 pytestmark = pytest.mark.gpu
@@ -24,9 +24,10 @@ TOL = 1e-5
 MODEL = dict(layers=4, hidden=64, heads=4, seq=32, global_batch=8, micro_batch=1, steps=4, seed=7)
 
 
-def reference(tmp_path: Path) -> dict:
-    """The fault-free one-process run on the GPU."""
-    ref = reference_in_subprocess(TrainConfig(nproc=1, tp=1, pp=1, **MODEL), tmp_path / "reference")
+@pytest.fixture
+def reference(fault_free_reference: Callable) -> dict:
+    """The fault-free one-process run on the GPU, run once for every test here (tests/conftest.py)."""
+    ref = fault_free_reference(TrainConfig(nproc=1, tp=1, pp=1, **MODEL))
     assert ref["device"].startswith("cuda")
     return ref
 
@@ -37,24 +38,22 @@ def train(tmp_path: Path, **kw) -> tuple[dict, dict]:
     return torch.load(tmp_path / "p.pt"), json.loads((tmp_path / "report.json").read_text())
 
 
-def worst(params: dict, ref: dict) -> float:
-    assert set(params) == set(ref["params"])
-    return max((params[k] - ref["params"][k]).abs().max().item() for k in params)
+def worst(params: dict, reference: dict) -> float:
+    assert set(params) == set(reference["params"])
+    return max((params[k] - reference["params"][k]).abs().max().item() for k in params)
 
 
-def test_odyssey_train_one_rank_on_the_gpu(tmp_path: Path) -> None:
-    ref = reference(tmp_path)
+def test_odyssey_train_one_rank_on_the_gpu(reference: dict, tmp_path: Path) -> None:
     params, report = train(tmp_path, nproc=1, pp=1)
     assert report["ok"] and report["devices"]["0"].startswith("cuda") and "nccl" in report["devices"]["0"]
-    assert worst(params, ref) <= TOL
-    assert [s["loss"] for s in report["steps"]] == pytest.approx(ref["losses"], abs=TOL)
+    assert worst(params, reference) <= TOL
+    assert [s["loss"] for s in report["steps"]] == pytest.approx(reference["losses"], abs=TOL)
 
 
 @pytest.mark.parametrize("policy,fail", [("reconfigure", "step=1,rank=3,phase=backward,kind=kill"),
                                          ("reroute", "step=2,rank=1,phase=forward,kind=kill"),
                                          ("fill", "step=2,rank=1,phase=forward,kind=kill")])
-def test_four_ranks_share_the_gpu_through_a_kill(tmp_path: Path, policy: str, fail: str) -> None:
-    ref = reference(tmp_path)
+def test_four_ranks_share_the_gpu_through_a_kill(reference: dict, tmp_path: Path, policy: str, fail: str) -> None:
     params, report = train(tmp_path, nproc=4, pp=2, shared_device=True, policy=policy, fail=[fail])
     assert all(d.startswith("cuda") and "gloo" in d for d in report["devices"].values()), report["devices"]
     (failure,) = report["failures"]
@@ -62,16 +61,15 @@ def test_four_ranks_share_the_gpu_through_a_kill(tmp_path: Path, policy: str, fa
     assert failure["policy"] == ("reroute" if policy == "fill" else policy) and failure["fill"] == (policy == "fill")
     assert report["steps"][-1]["alive"] == 3
     assert report["profile"].startswith("cuda")  # planned from the device rank 0 measured
-    assert worst(params, ref) <= TOL
-    assert [s["loss"] for s in report["steps"]] == pytest.approx(ref["losses"], abs=TOL)
+    assert worst(params, reference) <= TOL
+    assert [s["loss"] for s in report["steps"]] == pytest.approx(reference["losses"], abs=TOL)
 
 
 @pytest.mark.parametrize("kind", ["error", "hang"])
-def test_a_rank_error_or_hang_on_the_gpu_is_recovered_from(tmp_path: Path, kind: str) -> None:
+def test_a_rank_error_or_hang_on_the_gpu_is_recovered_from(reference: dict, tmp_path: Path, kind: str) -> None:
     """A rank's own error (raised mid-backward while it holds a CUDA context) is reported as its own and
     recovered from; a SIGSTOPped rank is fenced by its missed heartbeats. Either way the survivors end
     equal to the fault-free CUDA run."""
-    ref = reference(tmp_path)
     params, report = train(tmp_path, nproc=4, pp=2, shared_device=True,
                            fail=[f"step=1,rank=2,phase=backward,kind={kind}"])
     (failure,) = report["failures"]
@@ -80,7 +78,7 @@ def test_a_rank_error_or_hang_on_the_gpu_is_recovered_from(tmp_path: Path, kind:
         assert failure["error"]["type"] == "InjectedError"
     else:
         assert failure["detection_s"] >= 4.0  # the heartbeat timeout (5 s), not an error
-    assert worst(params, ref) <= TOL
+    assert worst(params, reference) <= TOL
 
 
 MLM = os.environ.get("MEGATRON_LM_PATH")
