@@ -178,6 +178,11 @@ def megatron_feature_refusals(args: Any) -> list[str]:
                    f"{args.ckpt_format} writes one file per pipeline rank, which a job re-arranged "
                    f"after a failure does not have (its checkpoints load at any layout from "
                    f"torch_dist); remove --ckpt-format or set it to torch_dist")
+    from .megatron_lm.versions import stock_save_blocker
+
+    if getattr(args, "save", None) and (why := stock_save_blocker(_megatron_minor())):
+        out.append(f"--save cannot work in this environment: {why}. Stock Megatron-LM fails the same way at its "
+                   f"first save, losing the iterations before it; change the environment, or leave out --save")
     if getattr(args, "async_save", False):
         out.append("--odyssey cannot be combined with --async-save: a save still being written "
                    "by Megatron's background worker when a rank fails can be neither finished nor "

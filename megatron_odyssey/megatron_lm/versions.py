@@ -64,6 +64,34 @@ def unknown_version_error(version: MegatronVersion | None) -> str:
             f"use a known release")
 
 
+def stock_save_blocker(minor: int | None) -> str | None:
+    """Why this release's own torch_dist save cannot work beside the numpy and torch installed, or None. Stock
+    Megatron-LM fails the same way, but only at its first save, with every iteration before it lost; ``--odyssey``
+    says so at start-up instead (``arguments``)."""
+    if minor is None:
+        return None
+    reasons = []
+    if minor <= 15:
+        import numpy
+
+        if not hasattr(numpy, "product"):
+            reasons.append(f"core_r0.{minor}'s dist-checkpointing calls numpy.product, which numpy 2 removed "
+                           f"(installed: numpy {numpy.__version__}): install numpy<2, or use megatron-core 0.16+")
+    if minor == 12:
+        import inspect
+
+        import torch
+        from torch.distributed.checkpoint.filesystem import _write_item
+
+        needed = inspect.signature(_write_item).parameters.get("serialization_format")
+        if needed is not None and needed.default is inspect.Parameter.empty:
+            reasons.append(f"core_r0.12's torch_dist writer (dist_checkpointing/strategies/filesystem_async.py) calls "
+                           f"torch.distributed.checkpoint's _write_item without the serialization_format argument "
+                           f"that torch {torch.__version__} requires (0.13 passes it): use megatron-core 0.13+, or "
+                           f"the torch release core_r0.12 was built with")
+    return "; and ".join(reasons) or None
+
+
 def provide_python312_names() -> None:
     """Megatron-LM 0.18+ asks for Python 3.12 in its metadata, but its code parses and runs on 3.11
     except for ``from typing import override`` (``megatron/training/models/*.py``): on 3.11 that name

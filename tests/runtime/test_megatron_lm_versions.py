@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from megatron_odyssey.megatron_lm.versions import KNOWN_RELEASES
+from megatron_odyssey.megatron_lm.versions import KNOWN_RELEASES, stock_save_blocker
 from megatron_odyssey.testing.megatron_lm_job import (NVML_STAND_IN, job_env, release_minor, run_odyssey, run_stock,
                                                       same_evaluations, same_training, same_training_where_logged,
                                                       tiny_gpt_flags_for, with_batch_ramp, with_evaluation)
@@ -108,13 +108,12 @@ def test_release_writes_the_final_checkpoint_through_a_kill_after_the_last_itera
         checkout: str, references: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
     """Rank 1 killed once this release's train() has returned, at pretrain's barrier (print_datetime) before the
     final save: the survivors recover there and write iteration 5's checkpoint, which --save-interval 2 leaves to
-    that save. (core_r0.12-0.15's checkpointing calls numpy.product, gone in numpy 2, so stock cannot save with
-    it there: those releases end without --save, the barrier alone.)"""
-    import numpy
-
+    that save. (Where this release's own save cannot work beside the numpy and torch installed - core_r0.12-0.15
+    under numpy 2, core_r0.12 under a torch whose checkpoint writer needs serialization_format - stock cannot save,
+    and the job ends without --save, the barrier alone.)"""
     stock = _stock(checkout, references, tmp_path_factory)
     work = tmp_path_factory.mktemp("end")
-    saves = _minor(checkout) >= 16 or hasattr(numpy, "product")
+    saves = stock_save_blocker(_minor(checkout)) is None
     job = run_odyssey(checkout, work, [
         *_flags(checkout), "--odyssey-heartbeat-timeout", "10",
         *(["--save", str(work / "ckpt"), "--save-interval", "2"] if saves else []),
@@ -134,11 +133,7 @@ def test_release_writes_again_a_checkpoint_a_kill_interrupted(checkout: str, ref
     """Rank 1 killed inside iteration 2's interval save (--save-interval 2): the survivors recover and write it
     again in the new layout, through this release's save_checkpoint_and_time (from core_r0.19.0 on it passes the
     process groups it reads off the model: the redo must read them again, not reuse generation 0's), then train
-    on as stock and write the final checkpoint. (core_r0.12-0.15 cannot save under numpy 2, see above.)"""
-    import numpy
-
-    if _minor(checkout) < 16 and not hasattr(numpy, "product"):
-        pytest.skip("this release's checkpointing calls numpy.product, gone in numpy 2: stock cannot save")
+    on as stock and write the final checkpoint. (Skipped where stock cannot save, see above.)"""
     stock = _stock(checkout, references, tmp_path_factory)
     work = tmp_path_factory.mktemp("save")
     job = run_odyssey(checkout, work, [*_flags(checkout), "--save", str(work / "ckpt"), "--save-interval", "2",
@@ -151,6 +146,25 @@ def test_release_writes_again_a_checkpoint_a_kill_interrupted(checkout: str, ref
     assert same_training(job.iterations(), stock), (job.iterations(), stock)
     assert (work / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
     assert (work / "ckpt" / "iter_0000002").is_dir() and (work / "ckpt" / "iter_0000004").is_dir()
+
+
+@pytest.mark.parametrize("checkout", CHECKOUTS, ids=[Path(c).name for c in CHECKOUTS])
+def test_release_refuses_at_start_up_a_save_it_cannot_write_here(checkout: str,
+                                                                  tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Where this release's own torch_dist save cannot work beside the numpy and torch installed (core_r0.12-0.15
+    under numpy 2: numpy.product; core_r0.12 under a torch whose writer needs serialization_format), stock trains
+    until its first save and dies there, losing every iteration before it. --odyssey refuses --save at start-up
+    instead, on the terminal, naming the cause and the way out, before any rank trains."""
+    why = stock_save_blocker(_minor(checkout))
+    if why is None:
+        pytest.skip("this release saves beside the numpy and torch installed")
+    work = tmp_path_factory.mktemp("unsaveable")
+    job = run_odyssey(checkout, work, [*_flags(checkout), "--save", str(work / "ckpt"), "--save-interval", "2"],
+                      _port(checkout, 780), refusal_expected=True)
+    terminal = (work / "console0.txt").read_text()
+    assert job.returncode != 0 and "--save cannot work in this environment" in terminal, job.logs[-4000:]
+    assert why.split(":")[0] in terminal and "leave out --save" in terminal
+    assert job.iterations() == {} and not (work / "ckpt").exists()
 
 
 @pytest.mark.parametrize("checkout", CHECKOUTS, ids=[Path(c).name for c in CHECKOUTS])
