@@ -150,6 +150,21 @@ def grad_norm_fp32(original: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def zeros_uncounted_after_commit(original: Callable[..., Any]) -> Callable[..., Any]:
+    """megatron's ``count_zeros_fp32`` as the optimizer calls it: inside a committed step (the norm is
+    Odyssey's, see above) no count and no collective. Only core_r0.12.0's ``ChainedOptimizer.step`` counts
+    without ``--log-num-zeros-in-grad``, which --odyssey refuses: the count is never logged, but its all-reduce
+    ran after the commit, and a peer lost there failed every retry of the committed step in the recovery."""
+
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if STATE.grad_norm is not None:
+            return 0
+        return original(*args, **kwargs)
+
+    return wrapper
+
+
 # -- one gradient reduction per step (generation 0) ------------------------------------------------------
 
 _REDUCED = "_odyssey_grads_reduced"

@@ -1028,6 +1028,10 @@ class MegatronRank(GenerationRank):
             with deferred_param_sync(self.megatron_optimizer), \
                     loss_scale.agreed_overflow(self.megatron_optimizer, self.pending_overflow, self.cfg.dp):
                 ok, norm, _ = self.megatron_optimizer.step()
+        except Exception as exc:  # (a local step's error is this rank's own; in a recovery, where the broken
+            # generation makes every error look like a peer's, the retry would fail the same way again and again)
+            fail_locally(self.store, self.ident, exc, f"the optimizer step of step {step}, committed",
+                         abort=self._abort_locked)
         finally:
             STATE.grad_norm = None
         if ok:
