@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from ..arguments import parse_rejoin
 from ..planning.cluster import node_ranks
-from ..planning.plan import ExecutionPlan, symmetric_plan
+from ..planning.plan import ExecutionPlan
 from ..runtime.config import TrainConfig
 from ..runtime.executor import PipelineExecutor
 from ..runtime.grad_sync import GradientSync, all_reduce_flat, params_by_unit, unit_of
@@ -219,6 +219,32 @@ def stack_dump_signal(args: Any) -> int:
     return int(signal.SIGUSR2 if exit_signal == signal.SIGUSR1 else signal.SIGUSR1)
 
 
+def launch_layer_split(model: list, pp: int, layers: int) -> list[int] | None:
+    """Megatron's own split of the layers over the pipeline stages in generation 0, where it is not the uniform
+    one (``--decoder-first/last-pipeline-num-layers``, ``--account-for-*-in-pipeline-split``,
+    ``--pipeline-model-parallel-layout``): read off every rank's built chunks (one gather over the launch world, at
+    start-up), so each release's own rules decide it. None where uniform."""
+    from megatron.core import parallel_state
+
+    from ..planning.plan import even_split
+    from .interleaved import chunk_layer_count
+
+    mine = (parallel_state.get_pipeline_model_parallel_rank(), sum(chunk_layer_count(c) for c in model))
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    split = [dict(everyone)[stage] for stage in range(pp)]
+    if tuple(split) == even_split(layers, pp):
+        return None
+    if len(model) > 1:
+        raise ValueError(f"--odyssey runs interleaved pipelines with Megatron's uniform split only; this job's "
+                         f"stages hold {split} of the {layers} layers (leave out the options that make it uneven, or "
+                         f"--num-layers-per-virtual-pipeline-stage)")
+    if min(split) < 1:
+        raise ValueError(f"--odyssey needs at least one transformer layer on every pipeline stage; this job's stages "
+                         f"hold {split} of the {layers} layers")
+    return split
+
+
 def config_from_megatron_args(args: Any) -> TrainConfig:
     """The planner's view of a Megatron job (what the agent needs to plan and to report)."""
     from ..runtime.device_profile import megatron_job_fields
@@ -318,12 +344,14 @@ class MegatronRank(GenerationRank):
 
             cfg.extra["device"] = measure_device(self.device, _activation_dtype(args))
         store.set(f"odyssey/device/{self.ident}", f"{self.device} ({self.backend})")  # for the report
+        if not joining:
+            cfg.layer_split = launch_layer_split(model, cfg.pp, cfg.layers)
         if self.ident == 0 and not joining:
             from ..runtime.joining import CONFIG_KEY
 
             store.set(CONFIG_KEY, json.dumps(cfg.__dict__))
         self.gen_lock = threading.RLock()  # held while this thread aborts, tears down or builds groups
-        plan = self.gen0_plan = symmetric_plan(cfg.pp, cfg.dp, cfg.layers, cfg.num_micro_batches)
+        plan = self.gen0_plan = cfg.launch_plan()
         self.gen0_vpp = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
         self.keyed_dropout = bool(getattr(args, "hidden_dropout", 0) or getattr(args, "attention_dropout", 0))
         if joining:

@@ -1083,6 +1083,38 @@ def test_the_rerun_state_machine_validates_the_steps_after_a_failure(tmp_path: P
                                      read_torch_dist(tmp_path / "stock" / "ckpt" / f"iter_{last:07d}")) < CHECKPOINT_TOL
 
 
+# -- an uneven split of the layers over the pipeline stages ----------------------------------------------
+
+UNEVEN = [*TINY_GPT, "--decoder-first-pipeline-num-layers", "3"]
+
+
+@pytest.fixture(scope="module")
+def stock_uneven(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Stock Megatron-LM with 3 of the 4 layers on pipeline stage 0 and 1 on stage 1: its logged iterations."""
+    job = run_stock(MLM, tmp_path_factory.mktemp("stock_uneven"), UNEVEN, _port(1500))
+    assert job.returncode == 0, job.logs[-4000:]
+    return job.iterations()
+
+
+@pytest.mark.parametrize("policy, rank", [("reroute", 1), ("reconfigure", 3)])
+def test_an_uneven_pipeline_split_through_a_kill(stock_uneven: dict, tmp_path: Path, policy: str, rank: int) -> None:
+    """--decoder-first-pipeline-num-layers 3 (as --decoder-last-pipeline-num-layers, --account-for-*-in-pipeline-split
+    and --pipeline-model-parallel-layout, the way production jobs balance the embedding and the loss): generation 0
+    holds layers [0, 3) on stage 0 and [3, 4) on stage 1, which Odyssey reads off Megatron's built chunks at
+    start-up (rank.launch_layer_split) and plans from. reroute: rank 1 (stage 0) dies and its twin runs its
+    micro-batches; reconfigure: rank 3 (stage 1) dies and the survivors are re-arranged from the live copies of each
+    layer. Before, Odyssey took generation 0 for the uniform 2 + 2 split, so stage 1's layer 3 was named layer 2
+    and the state moved at the failure was another layer's. Every logged iteration equals stock's."""
+    job = run_odyssey(MLM, tmp_path, [*UNEVEN, "--odyssey-heartbeat-timeout", "10", "--odyssey-policy", policy,
+                                      "--odyssey-inject-fault", f"step=2,rank={rank},phase=backward,kind=kill"],
+                      _port(1510 + 10 * (policy == "reroute")))
+    assert job.returncode == 0, job.logs[-4000:]
+    (failure,) = job.report["failures"]
+    assert failure["ranks"] == [rank] and failure["policy"] == policy, failure
+    assert [s["step"] for s in job.report["steps"]] == list(range(ITERS))
+    assert same_training(job.iterations(), stock_uneven), (job.iterations(), stock_uneven)
+
+
 # -- tied embeddings (Megatron's default for GPT models) ------------------------------------------------
 
 TIED = [f for f in TINY_GPT if f != "--untie-embeddings-and-output-weights"]
