@@ -46,6 +46,7 @@ from .replica_optimizer import ReplicaShards
 from . import log_writers, loss_scale, rerun
 from .rerun import RerunExit
 from .samples import GlobalMicroBatches
+from .versions import installed_version
 from .hooks import ORIGINAL_ATTR, STATE, overridden, sub_optimizers
 from .interleaved import InterleavedCapture, chunk_layer_start, reshuffle_transfers, shapes_for_layers
 from ..runtime.errors import (GIVEUP_KEY, STARTED_KEY, dump_stacks_on_signals, fail_locally, giveup_reason,
@@ -196,8 +197,24 @@ def _parameter(p: torch.nn.Parameter) -> torch.Tensor:
     return main if main is not None and not getattr(p, "main_param_sharded", False) else p.data
 
 
+def plan_zero_count(named: list[tuple[str, torch.nn.Parameter]], owner: dict[int, int], node: int, tp_rank: int,
+                    num_layers: int, device: Any) -> float:
+    """Zero entries of the whole model's gradient for any plan, each unit counted once as :func:`plan_grad_norm`
+    counts it: what core_r0.12.0's chained optimizer logs at every step (its ``count_zeros_fp32`` sums over the
+    uniform model-parallel group)."""
+    return _plan_sum(named, owner, node, tp_rank, num_layers, device, _gradient,
+                     lambda t: t.numel() - torch.count_nonzero(t))
+
+
 def _plan_norm(named: list[tuple[str, torch.nn.Parameter]], owner: dict[int, int], node: int, tp_rank: int,
                num_layers: int, device: Any, of: Callable[[torch.nn.Parameter], torch.Tensor | None]) -> float:
+    return _plan_sum(named, owner, node, tp_rank, num_layers, device, of, lambda t: t.double().pow(2).sum()) ** 0.5
+
+
+def _plan_sum(named: list[tuple[str, torch.nn.Parameter]], owner: dict[int, int], node: int, tp_rank: int,
+              num_layers: int, device: Any, of: Callable[[torch.nn.Parameter], torch.Tensor | None],
+              measure: Callable[[torch.Tensor], torch.Tensor]) -> float:
+    """``measure`` summed over the whole model, each unit by its owner: one SUM all-reduce over the world."""
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
     total = torch.zeros(1, dtype=torch.float64, device=device)
@@ -206,9 +223,9 @@ def _plan_norm(named: list[tuple[str, torch.nn.Parameter]], owner: dict[int, int
         if t is None or owner.get(unit_of(name, num_layers)) != node or getattr(p, "shared", False):
             continue
         if tp_rank == 0 or param_is_not_tensor_parallel_duplicate(p):
-            total += t.detach().double().pow(2).sum()
+            total += measure(t.detach())
     dist.all_reduce(total)
-    return float(total.sqrt())
+    return float(total)
 
 
 def stack_dump_signal(args: Any) -> int:
@@ -248,8 +265,6 @@ def launch_layer_split(model: list, pp: int, layers: int) -> list[int] | None:
 def config_from_megatron_args(args: Any) -> TrainConfig:
     """The planner's view of a Megatron job (what the agent needs to plan and to report)."""
     from ..runtime.device_profile import megatron_job_fields
-
-    from .versions import installed_version
 
     ramp = megatron_batch_ramp(args)
     version = installed_version()
@@ -323,6 +338,10 @@ class MegatronRank(GenerationRank):
         self.timed_iterations = 0  # iterations timed on odyssey-forward-backward (profile window)
         self.committed, self.pending, self.saved = int(args.iteration) - 1, None, None
         self.pending_norm: float | None = 0.0  # None: the step overflowed (--fp16) and is skipped
+        self.pending_zeros: float | None = None  # its gradient's zero count, where the release logs one
+        version = installed_version()
+        self.counts_zeros = bool(version and version.counts_zeros_every_step) and \
+            type(optimizer).__name__ == "ChainedOptimizer"
         self.pending_overflow = False
         self.scheduled_before: int | None = None  # the schedule's step count at a stock step's commit, until it is through
         self.scaler_updates: list[Callable[[], None]] = []  # generation 0's loss-scaler updates, applied with the step
@@ -409,7 +428,6 @@ class MegatronRank(GenerationRank):
         from torch.utils.data import default_collate
 
         from .evaluation import EVAL, stock_loss_dicts
-        from .versions import installed_version
 
         split = EVAL.kind_of(data_iterator)
         dataset = STATE.captured.valid_ds if split == "valid" else STATE.captured.test_ds
@@ -868,17 +886,20 @@ class MegatronRank(GenerationRank):
             self._fb_timer().stop(barrier=False)
             self.timed_iterations += 1
         self.pending_overflow, self.pending_norm = self._megatron_grad_norm()
+        # (Megatron's own count over its groups, before the commit: the step's call of it returns this one)
+        self.pending_zeros = (float(self.megatron_optimizer.count_zeros())
+                              if self.counts_zeros and not self.pending_overflow else None)
         self._publish_ready(step, *self._stock_loss_share())
         self._wait_commit(step)
         self.scheduled_before = getattr(self.scheduler, "num_steps", None)  # see _finish_committed_stock_step
         self.at(step, "optimizer")
-        STATE.grad_norm = self.pending_norm
+        STATE.grad_norm, STATE.num_zeros = self.pending_norm, self.pending_zeros
         try:
             with deferred_param_sync(self.megatron_optimizer) as param_syncs, \
                     loss_scale.decided(self.megatron_optimizer, self.pending_overflow, self.scaler_updates):
                 out = megatron_step()  # local: the distributed optimizer's all-gather is deferred
         finally:
-            STATE.grad_norm = None
+            STATE.grad_norm = STATE.num_zeros = None
         self.committed, self.pending, self.saved = step, None, None
         for param_sync in param_syncs:  # a collective, after the step is this rank's own
             param_sync()
@@ -1015,6 +1036,8 @@ class MegatronRank(GenerationRank):
         # plan-wide by the norm's all-reduce (loss_scale)
         self.pending_norm = loss_scale.unscaled_norm(norm, self.megatron_optimizer, self.cfg.dp)
         self.pending_overflow = self.pending_norm is None
+        self.pending_zeros = (plan_zero_count(self.named, self.owners, self.node, self.tp_rank, self.cfg.layers,
+                                              self.device) if self.counts_zeros and not self.pending_overflow else None)
         self._publish_ready(step, 0.0, parts=result.loss_parts if self.tp_rank == 0 else [])
         loss = self._wait_commit(step)
         self.at(step, "optimizer")
@@ -1049,7 +1072,7 @@ class MegatronRank(GenerationRank):
 
     def _apply(self, step: int) -> tuple[bool, float]:  # type: ignore[override]
         """The committed step, locally: no collective may run after the commit."""
-        STATE.grad_norm = self.pending_norm
+        STATE.grad_norm, STATE.num_zeros = self.pending_norm, self.pending_zeros
         try:
             # no collective may run here: generation 0's distributed optimizer updates its shard locally and
             # its parameter all-gather is dropped (this runs in a recovery, whose capture takes the shards)
@@ -1061,7 +1084,7 @@ class MegatronRank(GenerationRank):
             fail_locally(self.store, self.ident, exc, f"the optimizer step of step {step}, committed",
                          abort=self._abort_locked)
         finally:
-            STATE.grad_norm = None
+            STATE.grad_norm = STATE.num_zeros = None
         if ok:
             self.scheduler.step(increment=self.cfg.global_batch)
         self.committed, self.pending, self.saved = step, None, None
@@ -1096,7 +1119,7 @@ class MegatronRank(GenerationRank):
         self.args.consumed_train_samples += self.cfg.global_batch - (
             mpu.get_data_parallel_world_size() * self.cfg.micro_batch * get_num_microbatches())
         loss_dict = {"lm loss": torch.tensor(loss, device=self.device)}
-        base = (loss_dict, 0 if ok else 1, False, False, 0, norm, None)
+        base = (loss_dict, 0 if ok else 1, False, False, 0, norm, self.pending_zeros if ok else None)
         return base + (0,) if self.arity == 8 else base
 
 
