@@ -151,6 +151,28 @@ def grad_norm_fp32(original: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def loss_reduction_as_communication(out: Any) -> Any:
+    """A forward step's ``(output, loss function)``, the loss function's call marked as communication where the
+    release's ``pretrain_gpt.py`` all-reduces each micro-batch's loss over the data-parallel group in it (core_r0.12):
+    a rank waiting there on a stalled replica is waiting on a peer, not stalled itself (without it the agent fenced
+    a last stage's healthy replica of a rank stalled in an evaluation, and lost the stage)."""
+    from ..runtime.liveness import communicating
+    from .versions import installed_version
+
+    version = installed_version()
+    if not (version and version.loss_reduced_per_micro_batch and isinstance(out, tuple) and len(out) == 2
+            and callable(out[1])):
+        return out
+    output, loss_func = out
+
+    @functools.wraps(loss_func)
+    def reduced(*args: Any, **kwargs: Any) -> Any:
+        with communicating():
+            return loss_func(*args, **kwargs)
+
+    return output, reduced
+
+
 def zeros_counted_before_commit(original: Callable[..., Any]) -> Callable[..., Any]:
     """megatron's ``count_zeros_fp32`` as the optimizer calls it: inside a committed step the count made before
     the commit (``STATE.num_zeros``), with no collective after it. Only core_r0.12.0's ``ChainedOptimizer.step``

@@ -47,7 +47,7 @@ from . import log_writers, loss_scale, rerun
 from .rerun import RerunExit
 from .samples import GlobalMicroBatches
 from .versions import installed_version
-from .hooks import ORIGINAL_ATTR, STATE, overridden, sub_optimizers
+from .hooks import ORIGINAL_ATTR, STATE, loss_reduction_as_communication, overridden, sub_optimizers
 from .interleaved import InterleavedCapture, chunk_layer_start, reshuffle_transfers, shapes_for_layers
 from ..runtime.errors import (GIVEUP_KEY, STARTED_KEY, dump_stacks_on_signals, fail_locally, giveup_reason,
                               is_peer_failure, stop_now)
@@ -984,7 +984,7 @@ class MegatronRank(GenerationRank):
             # global micro-batch k * DP + d, as micro_batch() numbers them
             set_micro_batch(step, next(counter) * replicas + replica)
             with timer.timing("forward"):  # its batch and its forward (Megatron received the input before)
-                out = forward_step_func(*args, **kwargs)
+                out = loss_reduction_as_communication(forward_step_func(*args, **kwargs))
             tensor = out[0] if isinstance(out, tuple) else None
             if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                 tensor.register_hook(lambda grad: at(step, "backward"))

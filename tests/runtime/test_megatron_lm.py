@@ -594,9 +594,18 @@ def test_a_slow_link_is_named_under_interleaving(stock_vpp: dict, tmp_path: Path
 DISTOPT = ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"]
 
 
+def _skip_where_stock_clips_by_sqrt2() -> None:
+    """Stock core_r0.12.0's distributed optimizer in two instances clips by sqrt(2) x the gradient norm (each shard
+    counted once per instance; fixed in 0.13, see test_megatron_lm_versions.py): after a failure Odyssey clips by
+    the true norm, so no job with a failure can equal that release's stock one."""
+    if release_minor(MLM) == 12:
+        pytest.skip("stock core_r0.12.0's distributed optimizer in two instances clips by sqrt(2) x the gradient norm")
+
+
 @pytest.fixture(scope="module")
 def stock_distopt(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[str, ...]]:
     """Eight CPU ranks (PP=2 x DP=4) with Megatron's distributed optimizer in two instances of two ranks."""
+    _skip_where_stock_clips_by_sqrt2()
     job = run_stock(MLM, tmp_path_factory.mktemp("stock_distopt"), [*TINY_GPT, *DISTOPT], _port(600), nproc=8)
     assert job.returncode == 0, job.logs[-4000:]
     return job.iterations()
@@ -641,6 +650,7 @@ def test_fp16_distributed_optimizer_through_two_kills(tmp_path_factory: pytest.T
     that overflows: every iteration's loss scale and skip equal stock's, losses and norms to 5 digits."""
     from megatron_odyssey.megatron_lm.cpu_mode import with_fp16_loss_scaling
 
+    _skip_where_stock_clips_by_sqrt2()
     flags = [*with_fp16_loss_scaling(tiny_gpt_flags_for(MLM, 8)), *DISTOPT]
     stock = run_stock(MLM, tmp_path_factory.mktemp("stock_fp16_distopt"), flags, _port(650), nproc=8)
     assert stock.returncode == 0, stock.logs[-4000:]
@@ -797,6 +807,8 @@ def test_staged_through_host_copies_trains_as_stock(stock_overlapped_distopt: di
     coalesced asynchronous bucket reduce-scatters and weight all-gathers of the distributed optimizer with both
     overlaps, or its interleaved schedule's overlapped receives, then Odyssey's recovery and executor through a
     kill. Every iteration equals stock's, run without staging."""
+    if layout == "distopt-overlapped":
+        _skip_where_stock_clips_by_sqrt2()
     flags, stock, nproc = ((DISTOPT + OVERLAPPED, stock_overlapped_distopt, 8) if layout == "distopt-overlapped" else
                            (VPP, stock_vpp, 4))
     job = run_odyssey(MLM, tmp_path, shared_device_flags([*ODYSSEY, *flags, "--odyssey-inject-fault",
