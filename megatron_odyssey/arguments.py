@@ -194,6 +194,13 @@ def megatron_feature_refusals(args: Any) -> list[str]:
                    "checkpoints; use --non-persistent-ckpt-type global")
     if getattr(args, "num_experts", None):
         out.append("--odyssey plans dense models; --num-experts (MoE) is not supported")
+    if getattr(args, "mtp_num_layers", None):
+        out.append(f"--odyssey cannot be combined with --mtp-num-layers {args.mtp_num_layers} (multi-token "
+                   f"prediction): its layers sit on the last stage after the decoder, with their own copy of the word "
+                   f"embeddings, and add their loss inside the model's forward, while Odyssey's planner, stage rebuild "
+                   f"and state transfer know the embedding, the transformer layers and the output layer only; and "
+                   f"stock MTP cannot run on a CPU (its loss tracker asks for a CUDA device) to check a recovery "
+                   f"against. Leave out --mtp-num-layers")
     # 0.19+ resolves it to the TP size when not given (no extra weight shards); more shards is GTP
     shards, tp = getattr(args, "tensor_parallel_num_weight_shards", None), getattr(args, "tensor_model_parallel_size", 1)
     if shards not in (None, 1, tp):

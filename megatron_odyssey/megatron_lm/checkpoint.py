@@ -72,17 +72,24 @@ def mark_replicas(sharded: Iterable[Any], holders: dict[int, list[int]], node: i
         item.replica_id = _with_replica(item.replica_id, index)
 
 
-def rng_writers(plan: ExecutionPlan, pp: int, dp: int, num_layers: int) -> dict[int, int]:
+def rng_writers(plan: ExecutionPlan, pp: int, dp: int, num_layers: int,
+                layer_split: tuple[int, ...] | None = None) -> dict[int, int]:
     """Original pipeline stage -> the live node that writes its RNG slot (node ids: stage s of replica
-    d is node s * dp + d, Megatron's rank order)."""
+    d is node s * dp + d, Megatron's rank order); ``layer_split``: the launch's, where not uniform."""
     live = set(plan.live_nodes())
     owners = {unit: min(nodes) for unit, nodes in plan.holders().items()}
-    original = symmetric_plan(pp, dp, num_layers, dp).pipelines[0]  # generation 0's split of the layers
+    original = symmetric_plan(pp, dp, num_layers, dp, layer_split).pipelines[0]  # generation 0's split
     writers = {}
     for stage in range(pp):
         alive = [stage * dp + d for d in range(dp) if stage * dp + d in live]
         writers[stage] = alive[0] if alive else owners[original.stages[stage].layer_start + 1]
     return writers
+
+
+def launch_rng_writers(runtime: Any) -> dict[int, int]:
+    """:func:`rng_writers` of a running job's current plan, against its launch layout."""
+    cfg = runtime.cfg
+    return rng_writers(runtime.plan, cfg.pp, cfg.dp, cfg.layers, tuple(cfg.layer_split) if cfg.layer_split else None)
 
 
 def stages_written(writers: dict[int, int], node: int) -> list[int]:
@@ -129,7 +136,7 @@ def original_layout_rng(sharded: Any, runtime: Any) -> list[Any]:
     """Megatron's ``rng_state`` ShardedObject (built from our one-rank parallel_state) -> the entries this
     rank writes in the original (stage x TP) layout."""
     data = getattr(sharded, "data", sharded)
-    writers = rng_writers(runtime.plan, runtime.cfg.pp, runtime.cfg.dp, runtime.cfg.layers)
+    writers = launch_rng_writers(runtime)
     return rng_state_objects(data, writers, runtime.node, runtime.tp_rank, runtime.cfg.tp)
 
 
@@ -162,7 +169,7 @@ def original_layout_rerun_state(state: Any, runtime: Any, loading: bool) -> Any:
     cfg = runtime.cfg
     if len(sharded.global_shape) == 2:  # (pipeline stages, TP ranks): to core_r0.13.0
         shape, own = (cfg.pp, cfg.tp), (runtime.node // cfg.dp, runtime.tp_rank)
-        writers = rng_writers(runtime.plan, cfg.pp, cfg.dp, cfg.layers)
+        writers = launch_rng_writers(runtime)
         written = [(stage, runtime.tp_rank) for stage in stages_written(writers, runtime.node)]
     else:
         shape, own = (cfg.pp * cfg.dp * cfg.tp,), (runtime.ident,)

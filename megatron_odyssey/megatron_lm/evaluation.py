@@ -34,7 +34,7 @@ import torch
 
 from ..runtime.liveness import IDLE
 from .between_steps import guarded
-from .hooks import STATE
+from .hooks import STATE, loss_reduction_as_communication
 
 LOSS_KEY = "lm loss"  # pretrain_gpt.py's loss_func reports under this key
 
@@ -155,7 +155,7 @@ def _watched(runtime: Any, forward_step_func: Callable[..., Any]) -> Callable[..
     @functools.wraps(forward_step_func)
     def forward_step(*args: Any, **kwargs: Any) -> Any:
         runtime.at(runtime.committed, "eval")
-        return forward_step_func(*args, **kwargs)
+        return loss_reduction_as_communication(forward_step_func(*args, **kwargs))
 
     return forward_step
 

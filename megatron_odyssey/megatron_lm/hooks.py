@@ -40,6 +40,7 @@ class OdysseyState:
     plan: ExecutionPlan | None = None  # the plan the dispatcher schedules for
     stage_range: tuple[int, int] | None = None  # layers [start, end) while a stage model is being built
     grad_norm: float | None = None  # this step's plan-wide norm, agreed before the commit
+    num_zeros: float | None = None  # ... and its gradient's zero count, where the release counts (see below)
     last_losses: Any = None  # what Megatron's own schedule returned last (generation 0)
     joining: dict[str, Any] | None = None  # a rank joining a running job: its own values of args (megatron_lm.joining)
     captured: Captured = field(default_factory=Captured)
@@ -150,16 +151,38 @@ def grad_norm_fp32(original: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def zeros_uncounted_after_commit(original: Callable[..., Any]) -> Callable[..., Any]:
-    """megatron's ``count_zeros_fp32`` as the optimizer calls it: inside a committed step (the norm is
-    Odyssey's, see above) no count and no collective. Only core_r0.12.0's ``ChainedOptimizer.step`` counts
-    without ``--log-num-zeros-in-grad``, which --odyssey refuses: the count is never logged, but its all-reduce
-    ran after the commit, and a peer lost there failed every retry of the committed step in the recovery."""
+def loss_reduction_as_communication(out: Any) -> Any:
+    """A forward step's ``(output, loss function)``, the loss function's call marked as communication where the
+    release's ``pretrain_gpt.py`` all-reduces each micro-batch's loss over the data-parallel group in it (core_r0.12):
+    a rank waiting there on a stalled replica is waiting on a peer, not stalled itself (without it the agent fenced
+    a last stage's healthy replica of a rank stalled in an evaluation, and lost the stage)."""
+    from ..runtime.liveness import communicating
+    from .versions import installed_version
+
+    version = installed_version()
+    if not (version and version.loss_reduced_per_micro_batch and isinstance(out, tuple) and len(out) == 2
+            and callable(out[1])):
+        return out
+    output, loss_func = out
+
+    @functools.wraps(loss_func)
+    def reduced(*args: Any, **kwargs: Any) -> Any:
+        with communicating():
+            return loss_func(*args, **kwargs)
+
+    return output, reduced
+
+
+def zeros_counted_before_commit(original: Callable[..., Any]) -> Callable[..., Any]:
+    """megatron's ``count_zeros_fp32`` as the optimizer calls it: inside a committed step the count made before
+    the commit (``STATE.num_zeros``), with no collective after it. Only core_r0.12.0's ``ChainedOptimizer.step``
+    counts without ``--log-num-zeros-in-grad`` (which --odyssey refuses), and ``train_step`` logs that count; its
+    all-reduce after the commit had a survivor of a failure there retry the committed step until fenced."""
 
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if STATE.grad_norm is not None:
-            return 0
+            return STATE.num_zeros if STATE.num_zeros is not None else 0
         return original(*args, **kwargs)
 
     return wrapper

@@ -35,6 +35,13 @@ def chunk_layer_start(chunk: Any) -> int:
     return int(layers[0].layer_number) - 1 if len(layers) else 0
 
 
+def chunk_layer_count(chunk: Any) -> int:
+    """How many transformer layers a Megatron model chunk holds."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    return len(get_attr_wrapped_model(chunk, "decoder").layers)
+
+
 def reshuffle_transfers(num_layers: int, pp: int, dp: int, vpp: int, live: set[int]) -> list[tuple[int, int, int]]:
     """(unit, source node, destination node) moving each layer from its interleaved pipeline rank to its
     contiguous one, for every live destination replica; sources spread over the live replicas. Node of

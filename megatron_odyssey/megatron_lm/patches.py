@@ -232,9 +232,9 @@ PATCHES: tuple[Patch, ...] = (
     Patch(f"{_C}.optimizer.optimizer:get_grad_norm_fp32", hooks.grad_norm_fp32,
           "the stock norm all-reduces over the uniform model-parallel group, after the commit; Odyssey "
           "computes it over the plan before the commit and the optimizer reuses it"),
-    Patch(f"{_C}.optimizer.optimizer:count_zeros_fp32", hooks.zeros_uncounted_after_commit,
+    Patch(f"{_C}.optimizer.optimizer:count_zeros_fp32", hooks.zeros_counted_before_commit,
           "core_r0.12.0's ChainedOptimizer.step counts zeros (an all-reduce) even without --log-num-zeros-in-grad, "
-          "after the commit; inside Odyssey's committed steps it counts nothing and returns 0 (never logged)"),
+          "after the commit; inside Odyssey's committed steps it returns the count made before the commit"),
     Patch(f"{_T}.training:should_disable_forward_pre_hook", hooks.stock_param_gather_only,
           "with --overlap-param-gather train() switches the chunks' forward pre-hooks (the deferred weight "
           "all-gather) around saves and forces the all-gather; rebuilt stages gather right after the step and have "

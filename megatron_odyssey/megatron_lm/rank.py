@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from ..arguments import parse_rejoin
 from ..planning.cluster import node_ranks
-from ..planning.plan import ExecutionPlan, symmetric_plan
+from ..planning.plan import ExecutionPlan
 from ..runtime.config import TrainConfig
 from ..runtime.executor import PipelineExecutor
 from ..runtime.grad_sync import GradientSync, all_reduce_flat, params_by_unit, unit_of
@@ -46,7 +46,8 @@ from .replica_optimizer import ReplicaShards
 from . import log_writers, loss_scale, rerun
 from .rerun import RerunExit
 from .samples import GlobalMicroBatches
-from .hooks import ORIGINAL_ATTR, STATE, overridden, sub_optimizers
+from .versions import installed_version
+from .hooks import ORIGINAL_ATTR, STATE, loss_reduction_as_communication, overridden, sub_optimizers
 from .interleaved import InterleavedCapture, chunk_layer_start, reshuffle_transfers, shapes_for_layers
 from ..runtime.errors import (GIVEUP_KEY, STARTED_KEY, dump_stacks_on_signals, fail_locally, giveup_reason,
                               is_peer_failure, stop_now)
@@ -196,8 +197,24 @@ def _parameter(p: torch.nn.Parameter) -> torch.Tensor:
     return main if main is not None and not getattr(p, "main_param_sharded", False) else p.data
 
 
+def plan_zero_count(named: list[tuple[str, torch.nn.Parameter]], owner: dict[int, int], node: int, tp_rank: int,
+                    num_layers: int, device: Any) -> float:
+    """Zero entries of the whole model's gradient for any plan, each unit counted once as :func:`plan_grad_norm`
+    counts it: what core_r0.12.0's chained optimizer logs at every step (its ``count_zeros_fp32`` sums over the
+    uniform model-parallel group)."""
+    return _plan_sum(named, owner, node, tp_rank, num_layers, device, _gradient,
+                     lambda t: t.numel() - torch.count_nonzero(t))
+
+
 def _plan_norm(named: list[tuple[str, torch.nn.Parameter]], owner: dict[int, int], node: int, tp_rank: int,
                num_layers: int, device: Any, of: Callable[[torch.nn.Parameter], torch.Tensor | None]) -> float:
+    return _plan_sum(named, owner, node, tp_rank, num_layers, device, of, lambda t: t.double().pow(2).sum()) ** 0.5
+
+
+def _plan_sum(named: list[tuple[str, torch.nn.Parameter]], owner: dict[int, int], node: int, tp_rank: int,
+              num_layers: int, device: Any, of: Callable[[torch.nn.Parameter], torch.Tensor | None],
+              measure: Callable[[torch.Tensor], torch.Tensor]) -> float:
+    """``measure`` summed over the whole model, each unit by its owner: one SUM all-reduce over the world."""
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
     total = torch.zeros(1, dtype=torch.float64, device=device)
@@ -206,9 +223,9 @@ def _plan_norm(named: list[tuple[str, torch.nn.Parameter]], owner: dict[int, int
         if t is None or owner.get(unit_of(name, num_layers)) != node or getattr(p, "shared", False):
             continue
         if tp_rank == 0 or param_is_not_tensor_parallel_duplicate(p):
-            total += t.detach().double().pow(2).sum()
+            total += measure(t.detach())
     dist.all_reduce(total)
-    return float(total.sqrt())
+    return float(total)
 
 
 def stack_dump_signal(args: Any) -> int:
@@ -219,11 +236,35 @@ def stack_dump_signal(args: Any) -> int:
     return int(signal.SIGUSR2 if exit_signal == signal.SIGUSR1 else signal.SIGUSR1)
 
 
+def launch_layer_split(model: list, pp: int, layers: int) -> list[int] | None:
+    """Megatron's own split of the layers over the pipeline stages in generation 0, where it is not the uniform
+    one (``--decoder-first/last-pipeline-num-layers``, ``--account-for-*-in-pipeline-split``,
+    ``--pipeline-model-parallel-layout``): read off every rank's built chunks (one gather over the launch world, at
+    start-up), so each release's own rules decide it. None where uniform."""
+    from megatron.core import parallel_state
+
+    from ..planning.plan import even_split
+    from .interleaved import chunk_layer_count
+
+    mine = (parallel_state.get_pipeline_model_parallel_rank(), sum(chunk_layer_count(c) for c in model))
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    split = [dict(everyone)[stage] for stage in range(pp)]
+    if tuple(split) == even_split(layers, pp):
+        return None
+    if len(model) > 1:
+        raise ValueError(f"--odyssey runs interleaved pipelines with Megatron's uniform split only; this job's "
+                         f"stages hold {split} of the {layers} layers (leave out the options that make it uneven, or "
+                         f"--num-layers-per-virtual-pipeline-stage)")
+    if min(split) < 1:
+        raise ValueError(f"--odyssey needs at least one transformer layer on every pipeline stage; this job's stages "
+                         f"hold {split} of the {layers} layers")
+    return split
+
+
 def config_from_megatron_args(args: Any) -> TrainConfig:
     """The planner's view of a Megatron job (what the agent needs to plan and to report)."""
     from ..runtime.device_profile import megatron_job_fields
-
-    from .versions import installed_version
 
     ramp = megatron_batch_ramp(args)
     version = installed_version()
@@ -297,6 +338,10 @@ class MegatronRank(GenerationRank):
         self.timed_iterations = 0  # iterations timed on odyssey-forward-backward (profile window)
         self.committed, self.pending, self.saved = int(args.iteration) - 1, None, None
         self.pending_norm: float | None = 0.0  # None: the step overflowed (--fp16) and is skipped
+        self.pending_zeros: float | None = None  # its gradient's zero count, where the release logs one
+        version = installed_version()
+        self.counts_zeros = bool(version and version.counts_zeros_every_step) and \
+            type(optimizer).__name__ == "ChainedOptimizer"
         self.pending_overflow = False
         self.scheduled_before: int | None = None  # the schedule's step count at a stock step's commit, until it is through
         self.scaler_updates: list[Callable[[], None]] = []  # generation 0's loss-scaler updates, applied with the step
@@ -318,12 +363,14 @@ class MegatronRank(GenerationRank):
 
             cfg.extra["device"] = measure_device(self.device, _activation_dtype(args))
         store.set(f"odyssey/device/{self.ident}", f"{self.device} ({self.backend})")  # for the report
+        if not joining:
+            cfg.layer_split = launch_layer_split(model, cfg.pp, cfg.layers)
         if self.ident == 0 and not joining:
             from ..runtime.joining import CONFIG_KEY
 
             store.set(CONFIG_KEY, json.dumps(cfg.__dict__))
         self.gen_lock = threading.RLock()  # held while this thread aborts, tears down or builds groups
-        plan = self.gen0_plan = symmetric_plan(cfg.pp, cfg.dp, cfg.layers, cfg.num_micro_batches)
+        plan = self.gen0_plan = cfg.launch_plan()
         self.gen0_vpp = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
         self.keyed_dropout = bool(getattr(args, "hidden_dropout", 0) or getattr(args, "attention_dropout", 0))
         if joining:
@@ -381,7 +428,6 @@ class MegatronRank(GenerationRank):
         from torch.utils.data import default_collate
 
         from .evaluation import EVAL, stock_loss_dicts
-        from .versions import installed_version
 
         split = EVAL.kind_of(data_iterator)
         dataset = STATE.captured.valid_ds if split == "valid" else STATE.captured.test_ds
@@ -840,17 +886,20 @@ class MegatronRank(GenerationRank):
             self._fb_timer().stop(barrier=False)
             self.timed_iterations += 1
         self.pending_overflow, self.pending_norm = self._megatron_grad_norm()
+        # (Megatron's own count over its groups, before the commit: the step's call of it returns this one)
+        self.pending_zeros = (float(self.megatron_optimizer.count_zeros())
+                              if self.counts_zeros and not self.pending_overflow else None)
         self._publish_ready(step, *self._stock_loss_share())
         self._wait_commit(step)
         self.scheduled_before = getattr(self.scheduler, "num_steps", None)  # see _finish_committed_stock_step
         self.at(step, "optimizer")
-        STATE.grad_norm = self.pending_norm
+        STATE.grad_norm, STATE.num_zeros = self.pending_norm, self.pending_zeros
         try:
             with deferred_param_sync(self.megatron_optimizer) as param_syncs, \
                     loss_scale.decided(self.megatron_optimizer, self.pending_overflow, self.scaler_updates):
                 out = megatron_step()  # local: the distributed optimizer's all-gather is deferred
         finally:
-            STATE.grad_norm = None
+            STATE.grad_norm = STATE.num_zeros = None
         self.committed, self.pending, self.saved = step, None, None
         for param_sync in param_syncs:  # a collective, after the step is this rank's own
             param_sync()
@@ -935,7 +984,7 @@ class MegatronRank(GenerationRank):
             # global micro-batch k * DP + d, as micro_batch() numbers them
             set_micro_batch(step, next(counter) * replicas + replica)
             with timer.timing("forward"):  # its batch and its forward (Megatron received the input before)
-                out = forward_step_func(*args, **kwargs)
+                out = loss_reduction_as_communication(forward_step_func(*args, **kwargs))
             tensor = out[0] if isinstance(out, tuple) else None
             if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                 tensor.register_hook(lambda grad: at(step, "backward"))
@@ -987,6 +1036,8 @@ class MegatronRank(GenerationRank):
         # plan-wide by the norm's all-reduce (loss_scale)
         self.pending_norm = loss_scale.unscaled_norm(norm, self.megatron_optimizer, self.cfg.dp)
         self.pending_overflow = self.pending_norm is None
+        self.pending_zeros = (plan_zero_count(self.named, self.owners, self.node, self.tp_rank, self.cfg.layers,
+                                              self.device) if self.counts_zeros and not self.pending_overflow else None)
         self._publish_ready(step, 0.0, parts=result.loss_parts if self.tp_rank == 0 else [])
         loss = self._wait_commit(step)
         self.at(step, "optimizer")
@@ -1021,7 +1072,7 @@ class MegatronRank(GenerationRank):
 
     def _apply(self, step: int) -> tuple[bool, float]:  # type: ignore[override]
         """The committed step, locally: no collective may run after the commit."""
-        STATE.grad_norm = self.pending_norm
+        STATE.grad_norm, STATE.num_zeros = self.pending_norm, self.pending_zeros
         try:
             # no collective may run here: generation 0's distributed optimizer updates its shard locally and
             # its parameter all-gather is dropped (this runs in a recovery, whose capture takes the shards)
@@ -1033,7 +1084,7 @@ class MegatronRank(GenerationRank):
             fail_locally(self.store, self.ident, exc, f"the optimizer step of step {step}, committed",
                          abort=self._abort_locked)
         finally:
-            STATE.grad_norm = None
+            STATE.grad_norm = STATE.num_zeros = None
         if ok:
             self.scheduler.step(increment=self.cfg.global_batch)
         self.committed, self.pending, self.saved = step, None, None
@@ -1068,7 +1119,7 @@ class MegatronRank(GenerationRank):
         self.args.consumed_train_samples += self.cfg.global_batch - (
             mpu.get_data_parallel_world_size() * self.cfg.micro_batch * get_num_microbatches())
         loss_dict = {"lm loss": torch.tensor(loss, device=self.device)}
-        base = (loss_dict, 0 if ok else 1, False, False, 0, norm, None)
+        base = (loss_dict, 0 if ok else 1, False, False, 0, norm, self.pending_zeros if ok else None)
         return base + (0,) if self.arity == 8 else base
 
 

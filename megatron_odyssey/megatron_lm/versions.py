@@ -21,6 +21,11 @@ KNOWN_RELEASES: dict[int, str] = {**{minor: f"core_r0.{minor}.0" for minor in ra
 LOSS_REDUCED_PER_MICRO_BATCH = frozenset({12})
 
 
+#: releases whose ``ChainedOptimizer.step`` counts the gradient's zeros at every step (``train_step`` then logs
+#: "num zeros"), ``--log-num-zeros-in-grad`` or not; later ones count only when asked
+COUNTS_ZEROS_EVERY_STEP = frozenset({12})
+
+
 @dataclass(frozen=True)
 class MegatronVersion:
     major: int
@@ -37,6 +42,10 @@ class MegatronVersion:
     @property
     def loss_reduced_per_micro_batch(self) -> bool:
         return self.major == 0 and self.minor in LOSS_REDUCED_PER_MICRO_BATCH
+
+    @property
+    def counts_zeros_every_step(self) -> bool:
+        return self.major == 0 and self.minor in COUNTS_ZEROS_EVERY_STEP
 
     @property
     def branch(self) -> str:

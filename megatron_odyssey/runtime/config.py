@@ -68,6 +68,9 @@ class TrainConfig:
     workdir: str | None = None  # checkpoints and logs
     mtbf_hours: float | None = None  # per device, for Eq. 8; None: planner default
     profile_out: str | None = None  # write the measured per-layer profile (planner format) here
+    # layers per pipeline stage of the launch layout when not Megatron's uniform split (a Megatron-LM job's
+    # --decoder-first/last-pipeline-num-layers, --account-for-*-in-pipeline-split, --pipeline-model-parallel-layout)
+    layer_split: list[int] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -186,7 +189,16 @@ class TrainConfig:
         if self.num_micro_batches % self.dp:
             raise PlanningError(f"--global-batch {self.global_batch} is not divisible by --micro-batch x DP "
                                 f"= {self.micro_batch} x {self.dp} (DP = --nproc / (--tp x --pp))")
-        return symmetric_plan(self.pp, self.dp, self.layers, self.num_micro_batches)
+        return self.launch_plan()
+
+    def launch_plan(self) -> ExecutionPlan:
+        """The launch layout: DP identical pipelines, the layers split uniformly or as ``layer_split`` says."""
+        split = self.layer_split
+        if split is not None and (len(split) != self.pp or sum(split) != self.layers or min(split) < 1):
+            raise PlanningError(f"layer split {list(split)} does not give each of the {self.pp} pipeline stages at "
+                                f"least one of the {self.layers} layers")
+        return symmetric_plan(self.pp, self.dp, self.layers, self.num_micro_batches,
+                              layer_split=tuple(split) if split else None)
 
     def fail_specs(self):
         from .faults import PHASES, FailSpec

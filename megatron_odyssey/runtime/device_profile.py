@@ -18,7 +18,7 @@ from ..planning.analytic import PRECISIONS, ModelShape, analytic_profile
 from ..planning.calibration import Calibration, calibrate
 from ..planning.devices import Layout, device_params
 from ..planning.estimator import estimate_step
-from ..planning.plan import ExecutionPlan, symmetric_plan
+from ..planning.plan import ExecutionPlan
 from ..planning.profile import ModelProfile
 from .config import TrainConfig
 
@@ -65,7 +65,7 @@ def model_shape(cfg: TrainConfig) -> ModelShape:
 
 
 def symmetric(cfg: TrainConfig) -> ExecutionPlan:
-    return symmetric_plan(cfg.pp, cfg.dp, cfg.layers, cfg.num_micro_batches)
+    return cfg.launch_plan()
 
 
 #: keepers of each shard of the optimizer state once Megatron's distributed optimizer is rebuilt after a failure

@@ -130,6 +130,7 @@ def test_bad_policy_is_rejected_by_argparse(capsys: pytest.CaptureFixture, polic
     (["--odyssey"], {"fp16": True}, "--odyssey needs --accumulate-allreduce-grads-in-fp32 with --fp16"),
     (["--odyssey"], {"context_parallel_size": 2}, "--context-parallel-size"),
     (["--odyssey"], {"num_experts": 8}, "MoE"),
+    (["--odyssey"], {"mtp_num_layers": 1}, "--mtp-num-layers 1 .multi-token prediction.: its layers sit on the last stage"),
     (["--odyssey"], {"inprocess_restart": True}, "--inprocess-restart: nvidia-resiliency-ext's in-process restart"),
     (["--odyssey"], {"enable_ft_package": True}, "--enable-ft-package"),
     (["--odyssey"], {"log_straggler": True}, "--log-straggler"),

@@ -74,6 +74,32 @@ def test_rng_slot_of_a_dead_stage_goes_to_the_owner_of_its_first_layer() -> None
     assert rng_writers(plan, PP, 3, LAYERS) == {0: 0, 1: 1}
 
 
+def test_rng_slot_of_a_dead_stage_follows_the_launchs_uneven_split() -> None:
+    """As above, with the launch's layers split 3 + 1 (--decoder-first-pipeline-num-layers 3): stage 1 began at
+    layer 3, whose lowest live holder is node 0; under the uniform split it would be layer 2's, node 1."""
+    from megatron_odyssey.planning.plan import ExecutionPlan, Pipeline, Stage
+
+    plan = ExecutionPlan("reconfigure", LAYERS, (Pipeline((Stage(1, 0, 3), Stage(0, 3, 4)), 3),
+                                                 Pipeline((Stage(2, 0, 4),), 3)))
+    assert rng_writers(plan, PP, 3, LAYERS, layer_split=(3, 1)) == {0: 0, 1: 0}
+    assert rng_writers(plan, PP, 3, LAYERS) == {0: 0, 1: 1}
+
+
+def test_the_launch_plan_takes_the_launchs_layer_split() -> None:
+    """TrainConfig.layer_split (a Megatron-LM job's uneven split, read at start-up) is generation 0's plan, for the
+    agent and every rank; a split that does not give each stage a layer of the model is refused, naming it."""
+    from megatron_odyssey.planning.errors import PlanningError
+    from megatron_odyssey.runtime.config import TrainConfig
+
+    cfg = TrainConfig(nproc=4, pp=2, layers=4, global_batch=8, layer_split=[3, 1])
+    assert [[(s.node, s.layer_start, s.layer_end) for s in p.stages] for p in cfg.validate().pipelines] == \
+        [[(0, 0, 3), (2, 3, 4)], [(1, 0, 3), (3, 3, 4)]]
+    assert TrainConfig(nproc=4, pp=2, layers=4, global_batch=8).launch_plan().pipelines[0].layer_split() == (2, 2)
+    for bad in ([4, 0], [2, 1], [1, 1, 2]):
+        with pytest.raises(PlanningError, match=rf"layer split \[{', '.join(map(str, bad))}\] does not give"):
+            TrainConfig(nproc=4, pp=2, layers=4, global_batch=8, layer_split=bad).validate()
+
+
 @pytest.mark.parametrize("release_layout", ["stage x TP (to core_r0.13.0)", "world (core_r0.14.0 on)"])
 def test_the_rerun_state_keeps_the_launch_layout_in_saves_and_loads(release_layout: str) -> None:
     """Megatron's rerun state machine entry after node 1 of a PP=2 x DP=2 job died (a reroute), from what Megatron
@@ -88,7 +114,7 @@ def test_the_rerun_state_keeps_the_launch_layout_in_saves_and_loads(release_layo
 
     plan = reroute_plan(symmetric_plan(PP, DP, LAYERS, 4), [1])
     stage_tp = release_layout.startswith("stage")
-    cfg = SimpleNamespace(pp=PP, dp=DP, tp=1, layers=LAYERS)
+    cfg = SimpleNamespace(pp=PP, dp=DP, tp=1, layers=LAYERS, layer_split=None)
 
     def entry(node: int, loading: bool):
         runtime = SimpleNamespace(cfg=cfg, plan=plan, node=node, tp_rank=0, ident=node,
