@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import inspect
 import json
+import math
 import os
 import signal
 import sys
@@ -208,7 +209,7 @@ def plan_zero_count(named: list[tuple[str, torch.nn.Parameter]], owner: dict[int
 
 def _plan_norm(named: list[tuple[str, torch.nn.Parameter]], owner: dict[int, int], node: int, tp_rank: int,
                num_layers: int, device: Any, of: Callable[[torch.nn.Parameter], torch.Tensor | None]) -> float:
-    return _plan_sum(named, owner, node, tp_rank, num_layers, device, of, lambda t: t.double().pow(2).sum()) ** 0.5
+    return math.sqrt(_plan_sum(named, owner, node, tp_rank, num_layers, device, of, lambda t: t.double().pow(2).sum()))
 
 
 def _plan_sum(named: list[tuple[str, torch.nn.Parameter]], owner: dict[int, int], node: int, tp_rank: int,
