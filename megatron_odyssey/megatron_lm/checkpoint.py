@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 from typing import Any, Iterable
 
-from ..planning.plan import ExecutionPlan, symmetric_plan
+from ..planning.plan import ExecutionPlan
 
 _LAYER_KEY = re.compile(r"(?:^|\.)decoder\.layers\.(\d+)\.")
 
@@ -72,24 +72,22 @@ def mark_replicas(sharded: Iterable[Any], holders: dict[int, list[int]], node: i
         item.replica_id = _with_replica(item.replica_id, index)
 
 
-def rng_writers(plan: ExecutionPlan, pp: int, dp: int, num_layers: int,
-                layer_split: tuple[int, ...] | None = None) -> dict[int, int]:
-    """Original pipeline stage -> the live node that writes its RNG slot (node ids: stage s of replica
-    d is node s * dp + d, Megatron's rank order); ``layer_split``: the launch's, where not uniform."""
+def rng_writers(plan: ExecutionPlan, launch: ExecutionPlan) -> dict[int, int]:
+    """Original pipeline stage -> the live node that writes its RNG slot: the stage's first live node in the
+    ``launch`` plan (generation 0's: node of stage s, replica d is s * dp + d, Megatron's rank order), else the
+    lowest live holder of the stage's first layer in ``plan``."""
     live = set(plan.live_nodes())
     owners = {unit: min(nodes) for unit, nodes in plan.holders().items()}
-    original = symmetric_plan(pp, dp, num_layers, dp, layer_split).pipelines[0]  # generation 0's split
     writers = {}
-    for stage in range(pp):
-        alive = [stage * dp + d for d in range(dp) if stage * dp + d in live]
-        writers[stage] = alive[0] if alive else owners[original.stages[stage].layer_start + 1]
+    for stage, first in enumerate(launch.pipelines[0].stages):
+        alive = sorted(p.stages[stage].node for p in launch.pipelines if p.stages[stage].node in live)
+        writers[stage] = alive[0] if alive else owners[first.layer_start + 1]
     return writers
 
 
 def launch_rng_writers(runtime: Any) -> dict[int, int]:
-    """:func:`rng_writers` of a running job's current plan, against its launch layout."""
-    cfg = runtime.cfg
-    return rng_writers(runtime.plan, cfg.pp, cfg.dp, cfg.layers, tuple(cfg.layer_split) if cfg.layer_split else None)
+    """:func:`rng_writers` of a running job's current plan, against its launch plan."""
+    return rng_writers(runtime.plan, runtime.gen0_plan)
 
 
 def stages_written(writers: dict[int, int], node: int) -> list[int]:

@@ -152,10 +152,12 @@ def _watched(runtime: Any, forward_step_func: Callable[..., Any]) -> Callable[..
     """Megatron's forward step, marking progress (and the ``eval`` injection point) before each micro-batch:
     in stock's forward-only schedule before the first failure, in ``PlanSchedule``'s after it."""
 
+    reduced_per_micro_batch = bool(runtime.cfg.extra.get("loss_reduced_per_micro_batch"))
+
     @functools.wraps(forward_step_func)
     def forward_step(*args: Any, **kwargs: Any) -> Any:
         runtime.at(runtime.committed, "eval")
-        return loss_reduction_as_communication(forward_step_func(*args, **kwargs))
+        return loss_reduction_as_communication(forward_step_func(*args, **kwargs), reduced_per_micro_batch)
 
     return forward_step
 

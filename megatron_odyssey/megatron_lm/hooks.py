@@ -151,17 +151,15 @@ def grad_norm_fp32(original: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def loss_reduction_as_communication(out: Any) -> Any:
+def loss_reduction_as_communication(out: Any, reduced_per_micro_batch: bool) -> Any:
     """A forward step's ``(output, loss function)``, the loss function's call marked as communication where the
-    release's ``pretrain_gpt.py`` all-reduces each micro-batch's loss over the data-parallel group in it (core_r0.12):
-    a rank waiting there on a stalled replica is waiting on a peer, not stalled itself (without it the agent fenced
-    a last stage's healthy replica of a rank stalled in an evaluation, and lost the stage)."""
+    release's ``pretrain_gpt.py`` all-reduces each micro-batch's loss over the data-parallel group in it
+    (``reduced_per_micro_batch``: the job config's ``loss_reduced_per_micro_batch``, core_r0.12): a rank waiting
+    there on a stalled replica is waiting on a peer, not stalled itself (without it the agent fenced a last stage's
+    healthy replica of a rank stalled in an evaluation, and lost the stage)."""
     from ..runtime.liveness import communicating
-    from .versions import installed_version
 
-    version = installed_version()
-    if not (version and version.loss_reduced_per_micro_batch and isinstance(out, tuple) and len(out) == 2
-            and callable(out[1])):
+    if not (reduced_per_micro_batch and isinstance(out, tuple) and len(out) == 2 and callable(out[1])):
         return out
     output, loss_func = out
 

@@ -974,6 +974,7 @@ class MegatronRank(GenerationRank):
         # one count per model chunk: the interleaved schedule runs each micro-batch once through every chunk
         local = {id(chunk): iter(range(self.cfg.num_micro_batches)) for chunk in self.megatron_model}
         replica, replicas = self.node % self.cfg.dp, self.cfg.dp
+        per_micro_batch = bool(self.cfg.extra.get("loss_reduced_per_micro_batch"))  # (hooks)
 
         @functools.wraps(forward_step_func)
         def forward_step(*args: Any, **kwargs: Any) -> Any:
@@ -985,7 +986,7 @@ class MegatronRank(GenerationRank):
             # global micro-batch k * DP + d, as micro_batch() numbers them
             set_micro_batch(step, next(counter) * replicas + replica)
             with timer.timing("forward"):  # its batch and its forward (Megatron received the input before)
-                out = loss_reduction_as_communication(forward_step_func(*args, **kwargs))
+                out = loss_reduction_as_communication(forward_step_func(*args, **kwargs), per_micro_batch)
             tensor = out[0] if isinstance(out, tuple) else None
             if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                 tensor.register_hook(lambda grad: at(step, "backward"))

@@ -56,9 +56,10 @@ def test_every_layer_has_exactly_one_writer_after_a_reroute(dead: list[int]) -> 
 
 def test_rng_slots_keep_the_original_layout() -> None:
     plan = reroute_plan(symmetric_plan(PP, DP, LAYERS, 4), [1])
-    assert rng_writers(plan, PP, DP, LAYERS) == {0: 0, 1: 2}
+    launch = symmetric_plan(PP, DP, LAYERS, 4)
+    assert rng_writers(plan, launch) == {0: 0, 1: 2}
     objects = [(n, o) for n in plan.live_nodes()
-               for o in rng_state_objects({"state": n}, rng_writers(plan, PP, DP, LAYERS), n, 0, 1)]
+               for o in rng_state_objects({"state": n}, rng_writers(plan, launch), n, 0, 1)]
     assert sorted(o.global_offset for _, o in objects) == [(0, 0), (1, 0)]
     assert all(o.global_shape == (PP, 1) for _, o in objects)
     _validate_objects_for_key(objects)  # Megatron's check: every slot once
@@ -71,7 +72,7 @@ def test_rng_slot_of_a_dead_stage_goes_to_the_owner_of_its_first_layer() -> None
 
     plan = ExecutionPlan("reconfigure", LAYERS, (Pipeline((Stage(0, 0, 2), Stage(2, 2, 4)), 3),
                                                  Pipeline((Stage(1, 0, 4),), 3)))
-    assert rng_writers(plan, PP, 3, LAYERS) == {0: 0, 1: 1}
+    assert rng_writers(plan, symmetric_plan(PP, 3, LAYERS, 3)) == {0: 0, 1: 1}
 
 
 def test_rng_slot_of_a_dead_stage_follows_the_launchs_uneven_split() -> None:
@@ -81,8 +82,8 @@ def test_rng_slot_of_a_dead_stage_follows_the_launchs_uneven_split() -> None:
 
     plan = ExecutionPlan("reconfigure", LAYERS, (Pipeline((Stage(1, 0, 3), Stage(0, 3, 4)), 3),
                                                  Pipeline((Stage(2, 0, 4),), 3)))
-    assert rng_writers(plan, PP, 3, LAYERS, layer_split=(3, 1)) == {0: 0, 1: 0}
-    assert rng_writers(plan, PP, 3, LAYERS) == {0: 0, 1: 1}
+    assert rng_writers(plan, symmetric_plan(PP, 3, LAYERS, 3, layer_split=(3, 1))) == {0: 0, 1: 0}
+    assert rng_writers(plan, symmetric_plan(PP, 3, LAYERS, 3)) == {0: 0, 1: 1}
 
 
 def test_the_launch_plan_takes_the_launchs_layer_split() -> None:
@@ -114,10 +115,11 @@ def test_the_rerun_state_keeps_the_launch_layout_in_saves_and_loads(release_layo
 
     plan = reroute_plan(symmetric_plan(PP, DP, LAYERS, 4), [1])
     stage_tp = release_layout.startswith("stage")
-    cfg = SimpleNamespace(pp=PP, dp=DP, tp=1, layers=LAYERS, layer_split=None)
+    cfg = SimpleNamespace(pp=PP, dp=DP, tp=1, layers=LAYERS)
 
     def entry(node: int, loading: bool):
-        runtime = SimpleNamespace(cfg=cfg, plan=plan, node=node, tp_rank=0, ident=node,
+        runtime = SimpleNamespace(cfg=cfg, plan=plan, gen0_plan=symmetric_plan(PP, DP, LAYERS, 4), node=node,
+                                  tp_rank=0, ident=node,
                                   rank_map=SimpleNamespace(live_nodes=plan.live_nodes()))
         built = mapping.ShardedObject("rerun_state_machine_state", {"node": node}, (1, 1) if stage_tp else (1,),
                                       (0, 0) if stage_tp else (0,), replica_id=0)
