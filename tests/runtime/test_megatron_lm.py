@@ -1099,34 +1099,74 @@ def test_the_rerun_state_machine_validates_the_steps_after_a_failure(tmp_path: P
 
 # -- an uneven split of the layers over the pipeline stages ----------------------------------------------
 
-UNEVEN = [*TINY_GPT, "--decoder-first-pipeline-num-layers", "3"]
+def _with_layers(flags: list[str], layers: int) -> list[str]:
+    out = list(flags)
+    out[out.index("--num-layers") + 1] = str(layers)
+    return out
 
 
-@pytest.fixture(scope="module")
-def stock_uneven(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Stock Megatron-LM with 3 of the 4 layers on pipeline stage 0 and 1 on stage 1: its logged iterations."""
-    job = run_stock(MLM, tmp_path_factory.mktemp("stock_uneven"), UNEVEN, _port(1500))
+#: Megatron's ways of splitting the layers unevenly over the PP=2 stages, each with the launch split it makes:
+#: the first stage's count; a layout naming every stage's layers (E: the embedding, L: the loss; core_r0.13+); and
+#: the loss counted as a layer (3 layers + 1 over 2 stages: 2 "layers" each, so 1 transformer layer on stage 1; the
+#: embedding counted instead gives 1 + 2, which is what Megatron's uniform rule would do with 3 layers if it allowed it)
+UNEVEN = {"first-stage": (["--decoder-first-pipeline-num-layers", "3"], [3, 1]),
+          "layout": (["--pipeline-model-parallel-layout", "Et|tttL"], [1, 3]),
+          "loss-counted": (["--num-layers", "3", "--account-for-loss-in-pipeline-split"], [2, 1])}
+
+
+def _uneven(how: str) -> list[str]:
+    extra, _ = UNEVEN[how]
+    if how == "layout" and release_minor(MLM) < 13:
+        pytest.skip("--pipeline-model-parallel-layout came with core_r0.13.0")
+    if "--num-layers" in extra:
+        at = extra.index("--num-layers")
+        return [*_with_layers(TINY_GPT, int(extra[at + 1])), *extra[:at], *extra[at + 2:]]
+    return [*TINY_GPT, *extra]
+
+
+@pytest.fixture(scope="module", params=list(UNEVEN))
+def stock_uneven(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
+    """Stock Megatron-LM with one of the uneven splits: which, and its logged iterations."""
+    how = request.param
+    job = run_stock(MLM, tmp_path_factory.mktemp(f"stock_uneven_{how}"), _uneven(how),
+                    _port(1500 + 30 * list(UNEVEN).index(how)))
     assert job.returncode == 0, job.logs[-4000:]
-    return job.iterations()
+    return how, job.iterations()
 
 
 @pytest.mark.parametrize("policy, rank", [("reroute", 1), ("reconfigure", 3)])
-def test_an_uneven_pipeline_split_through_a_kill(stock_uneven: dict, tmp_path: Path, policy: str, rank: int) -> None:
-    """--decoder-first-pipeline-num-layers 3 (as --decoder-last-pipeline-num-layers, --account-for-*-in-pipeline-split
-    and --pipeline-model-parallel-layout, the way production jobs balance the embedding and the loss): generation 0
-    holds layers [0, 3) on stage 0 and [3, 4) on stage 1, which Odyssey reads off Megatron's built chunks at
-    start-up (rank.launch_layer_split) and plans from. reroute: rank 1 (stage 0) dies and its twin runs its
-    micro-batches; reconfigure: rank 3 (stage 1) dies and the survivors are re-arranged from the live copies of each
-    layer. Before, Odyssey took generation 0 for the uniform 2 + 2 split, so stage 1's layer 3 was named layer 2
-    and the state moved at the failure was another layer's. Every logged iteration equals stock's."""
-    job = run_odyssey(MLM, tmp_path, [*UNEVEN, "--odyssey-heartbeat-timeout", "10", "--odyssey-policy", policy,
+def test_an_uneven_pipeline_split_through_a_kill(stock_uneven: tuple[str, dict], tmp_path: Path, policy: str,
+                                                 rank: int) -> None:
+    """The way production jobs balance the embedding and the loss (--decoder-first-pipeline-num-layers 3,
+    --pipeline-model-parallel-layout Et|tttL, --account-for-loss-in-pipeline-split with 3 layers): generation 0's
+    stages hold 3 + 1, 1 + 3 or 2 + 1 layers, which Odyssey reads off Megatron's built chunks at start-up
+    (rank.launch_layer_split) and plans from. reroute: rank 1 (stage 0) dies and its twin runs its micro-batches;
+    reconfigure: rank 3 (stage 1) dies and the survivors are re-arranged from the live copies of each layer. Before,
+    Odyssey took generation 0 for the uniform split, so stage 1's first layer was named by the uniform split's
+    numbering and the state moved at the failure was another layer's. Every logged iteration equals stock's."""
+    how, stock = stock_uneven
+    job = run_odyssey(MLM, tmp_path, [*_uneven(how), "--odyssey-heartbeat-timeout", "10", "--odyssey-policy", policy,
                                       "--odyssey-inject-fault", f"step=2,rank={rank},phase=backward,kind=kill"],
-                      _port(1510 + 10 * (policy == "reroute")))
+                      _port(1510 + 30 * list(UNEVEN).index(how) + 10 * (policy == "reroute")))
     assert job.returncode == 0, job.logs[-4000:]
+    assert job.report["config"]["layer_split"] == UNEVEN[how][1]
     (failure,) = job.report["failures"]
     assert failure["ranks"] == [rank] and failure["policy"] == policy, failure
     assert [s["step"] for s in job.report["steps"]] == list(range(ITERS))
-    assert same_training(job.iterations(), stock_uneven), (job.iterations(), stock_uneven)
+    assert same_training(job.iterations(), stock), (job.iterations(), stock)
+
+
+def test_an_uneven_split_with_virtual_stages_is_refused_at_start_up(tmp_path: Path) -> None:
+    """Interleaving with an uneven split (the layout Ett|t|t|L: pipeline rank 0 holds chunks of 2 and 1 layers,
+    rank 1 chunks of 1 and 0) has no contiguous counterpart the planner's layouts can hand off to, so --odyssey
+    refuses it at start-up, on the terminal, naming the split and the options that make it, before any iteration."""
+    if release_minor(MLM) < 13:
+        pytest.skip("--pipeline-model-parallel-layout came with core_r0.13.0")
+    job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--pipeline-model-parallel-layout", "Ett|t|t|L"], _port(1590))
+    terminal = (tmp_path / "console0.txt").read_text()
+    assert job.returncode != 0, job.logs[-4000:]
+    assert "interleaved pipelines with Megatron's uniform split only" in terminal and "[3, 1]" in terminal, terminal
+    assert job.iterations() == {}
 
 
 # -- tied embeddings (Megatron's default for GPT models) ------------------------------------------------
