@@ -222,6 +222,7 @@ class Agent:
         self._members: tuple[Any, list[int]] = (None, [])  # (plan, its ranks): see members()
         self.beats_read = 0.0  # when the heartbeats were last read (at most every half interval)
         self.judged_from = 0.0  # progress is judged from the last abort on (see _stalled)
+        self.aborted_at = 0.0  # the last abort: a stop between steps counts from it (see _behind_the_others)
         self.warm = False  # a step of this generation has committed (its first step warms up: not judged)
         self.generation_began = 0.0  # when this generation's plan went out: older heartbeats tell of the last one
         self.recovering: set[int] = set()  # ranks registered for the recovery in progress (not judged)
@@ -571,7 +572,10 @@ class Agent:
         once it has stopped for the soft timeout, fenced at the hard one; in a save both wait
         ``--first-step-timeout`` longer (a save takes its time). Never while a member is starting up, recovering or
         waiting on the agent, nor when nothing tells which one the others wait for (several equally far behind
-        and out of any collective)."""
+        and out of any collective). A stop counts from the last abort at the earliest: a fenced rank's peers leave
+        the collective it held up with an error, one by one, and the first to leave looked, for as long as the
+        others' heartbeats still said they were in it, like the one they all waited for, stopped since before the
+        fence (on core_r0.13 a survivor was fenced for it the moment its peer was)."""
         if len(live) < 2 or any(i not in self.beats or i in self.recovering or self.beats[i].state == WAITING
                                 or self.beats[i].t < self.generation_began for i in live):
             # (a heartbeat from before this generation's plan says where the rank waited when the last one broke:
@@ -587,9 +591,9 @@ class Agent:
         (first,) = behind
         others = [i for i in live if i != first]
         beat = self.beats[first]
-        stopped = now - beat.since
+        stopped = now - max(beat.since, self.aborted_at)
         extra = (self.cfg.first_step_timeout_s - self.cfg.hard_timeout_s) if beat.phase == "save" else 0.0
-        waited = min(now - self.beats[i].since for i in others)
+        waited = min(now - max(self.beats[i].since, self.aborted_at) for i in others)
         if stopped < self.cfg.soft_timeout_s + extra or waited < self.cfg.soft_timeout_s:
             return None
         where = f"{beat.phase or '-'} after step {beat.step}" if beat.state == IDLE else f"{beat.phase} of step {beat.step}"
@@ -1102,7 +1106,7 @@ class Agent:
                if replan else f"ranks {sorted(failed)} failed")
         self.store.set(self.key("abort"), why)
         self._wake_waiters()
-        self.judged_from = time.time()
+        self.judged_from = self.aborted_at = time.time()
         injected = [float(self.store.get(f"odyssey/injected/{i}")) for i in failed
                     if self.store.check([f"odyssey/injected/{i}"])]
         # not injected by Odyssey: a hang began after the rank's last heartbeat, a death just before its detection

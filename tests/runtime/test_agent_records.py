@@ -347,6 +347,34 @@ def test_heartbeats_from_before_a_recovery_blame_nobody_in_the_next_generation(t
     assert stall is not None and stall.rank == 0 and stall.waiting == [2, 3]
 
 
+def test_a_survivor_leaving_the_collective_a_fenced_rank_held_up_is_not_fenced_for_the_wait(tmp_path, capsys) -> None:
+    """Seen on core_r0.13.0: rank 1 blocked at the exit check after iteration 3 while 0, 2 and 3 waited in its
+    collective; fenced at the hard timeout (10 s), its peers left the collective with an error, one by one. For a
+    moment rank 3 was out of it while the beats of 0 and 2 still said they were in it: rank 3 looked like the one
+    they all waited for, stopped since before the fence, and was fenced at once, a second rank lost to one fault.
+    A stop now counts from the last abort; a rank still stopped the hard timeout after it is fenced as before."""
+    from megatron_odyssey.runtime.agent import Agent
+    from megatron_odyssey.runtime.config import TrainConfig
+    from megatron_odyssey.runtime.liveness import IDLE, Beat
+
+    cfg = TrainConfig(nproc=4, tp=1, pp=2, layers=4, hidden=32, heads=4, seq=16, global_batch=4, micro_batch=1,
+                      steps=8, soft_timeout_s=5.0, hard_timeout_s=10.0, first_step_timeout_s=600.0)
+    agent = Agent(cfg, None, tmp_path, procs={i: None for i in range(4)}, store=None)
+    agent.dead = {1}
+    now = time.time()
+    agent.warm, agent.generation_began = True, now - 60.0
+    agent.judged_from = agent.aborted_at = now - 0.3  # rank 1 was fenced and the step aborted 0.3 s ago
+    agent.beats = {i: Beat(now, 40, IDLE, 2, "exit", now - 10.4, 1, i != 3) for i in (0, 2, 3)}
+    assert agent._stalled(now) is None
+    assert "rank 3" not in capsys.readouterr().out
+    # still there, out of the collective, the hard timeout after the abort: what the others wait for
+    later = now + 10.0
+    agent.beats = {i: Beat(later, 50, IDLE, 2, "exit", now - 10.4, 1, i != 3) for i in (0, 2, 3)}
+    stall = agent._stalled(later)
+    assert stall is not None and stall.rank == 3 and stall.waiting == [0, 2]
+    assert "rank 3 has stopped for 10.3 s at exit after step 2" in capsys.readouterr().out
+
+
 def test_a_fenced_stall_starts_its_failures_detection_time_where_the_rank_stopped(tmp_path) -> None:
     """The agent's own look (``detect``) at four live rank processes, rank 1 stopped in its own work for 21 s: it is
     fenced (SIGKILL; its process ends) and its failure's start is recorded as the moment it stopped, which
