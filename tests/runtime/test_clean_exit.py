@@ -82,8 +82,14 @@ def _run(tmp_path: Path, mode: str) -> list[int]:
 
 
 def test_a_collective_still_in_a_gloo_thread_at_exit_aborts_the_process(tmp_path: Path) -> None:
-    """The bug, without the fix: rank 0 leaves with SIGABRT, "terminate called without an active exception"."""
-    codes, outs = _run(tmp_path, "plain")
+    """The bug, without the fix: rank 0 leaves with SIGABRT, "terminate called without an active exception". On a
+    loaded machine the peer may join only after the exit handler's second or two, and both leave with 0 (seen once
+    in .ci/run under -n 2): up to three tries, the first abort counts; a premise that no longer holds still fails."""
+    for attempt in range(3):
+        (tmp_path / str(attempt)).mkdir()
+        codes, outs = _run(tmp_path / str(attempt), "plain")
+        if codes[0] != 0:
+            break
     assert codes[0] == -signal.SIGABRT and "terminate called without an active exception" in outs[0], (codes, outs)
     assert codes[1] == 0, outs[1]
 
