@@ -1105,23 +1105,21 @@ def _with_layers(flags: list[str], layers: int) -> list[str]:
     return out
 
 
-#: Megatron's ways of splitting the layers unevenly over the PP=2 stages, each with the launch split it makes:
-#: the first stage's count; a layout naming every stage's layers (E: the embedding, L: the loss; core_r0.13+); and
-#: the loss counted as a layer (3 layers + 1 over 2 stages: 2 "layers" each, so 1 transformer layer on stage 1; the
-#: embedding counted instead gives 1 + 2, which is what Megatron's uniform rule would do with 3 layers if it allowed it)
-UNEVEN = {"first-stage": (["--decoder-first-pipeline-num-layers", "3"], [3, 1]),
-          "layout": (["--pipeline-model-parallel-layout", "Et|tttL"], [1, 3]),
-          "loss-counted": (["--num-layers", "3", "--account-for-loss-in-pipeline-split"], [2, 1])}
+#: Megatron's ways of splitting the layers unevenly over the PP=2 stages, each with its layer count and the launch
+#: split it makes: the first stage's count; a layout naming every stage's layers (E: the embedding, L: the loss;
+#: core_r0.13+); and the loss counted as a layer (3 layers + 1 over 2 stages: 2 "layers" each, so 1 transformer layer
+#: on stage 1; the embedding counted instead gives 1 + 2, which is what Megatron's uniform rule would do with 3 layers
+#: if it allowed it)
+UNEVEN = {"first-stage": (["--decoder-first-pipeline-num-layers", "3"], 4, [3, 1]),
+          "layout": (["--pipeline-model-parallel-layout", "Et|tttL"], 4, [1, 3]),
+          "loss-counted": (["--account-for-loss-in-pipeline-split"], 3, [2, 1])}
 
 
 def _uneven(how: str) -> list[str]:
-    extra, _ = UNEVEN[how]
+    extra, layers, _ = UNEVEN[how]
     if how == "layout" and release_minor(MLM) < 13:
         pytest.skip("--pipeline-model-parallel-layout came with core_r0.13.0")
-    if "--num-layers" in extra:
-        at = extra.index("--num-layers")
-        return [*_with_layers(TINY_GPT, int(extra[at + 1])), *extra[:at], *extra[at + 2:]]
-    return [*TINY_GPT, *extra]
+    return [*_with_layers(TINY_GPT, layers), *extra]
 
 
 @pytest.fixture(scope="module", params=list(UNEVEN))
@@ -1149,7 +1147,7 @@ def test_an_uneven_pipeline_split_through_a_kill(stock_uneven: tuple[str, dict],
                                       "--odyssey-inject-fault", f"step=2,rank={rank},phase=backward,kind=kill"],
                       _port(1510 + 30 * list(UNEVEN).index(how) + 10 * (policy == "reroute")))
     assert job.returncode == 0, job.logs[-4000:]
-    assert job.report["config"]["layer_split"] == UNEVEN[how][1]
+    assert job.report["config"]["layer_split"] == UNEVEN[how][2]
     (failure,) = job.report["failures"]
     assert failure["ranks"] == [rank] and failure["policy"] == policy, failure
     assert [s["step"] for s in job.report["steps"]] == list(range(ITERS))
