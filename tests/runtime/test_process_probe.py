@@ -55,8 +55,10 @@ def test_a_sample_tells_running_sleeping_stopped_and_gone_processes_apart() -> N
         assert sample(sleeping.pid).state == "S"
         # the main thread asleep, another one running (as when it holds the GIL): the process runs
         side = _python("import threading, time\nthreading.Thread(target=lambda: [0 for _ in iter(int, 1)], daemon=True)"
-                       ".start()\ntime.sleep(120)")
+                       ".start()\nprint('started', flush=True)\ntime.sleep(120)")
         try:
+            # (only once the thread runs: before, the main thread may still be reading modules from disk, state D)
+            assert side.stdout.readline() == b"started\n"
             with open(f"/proc/{side.pid}/stat") as f:
                 assert f.read().rsplit(")", 1)[1].split()[0] in "SR"  # (its own field: the main thread's)
             assert sample(side.pid).state == "R"
