@@ -23,6 +23,7 @@ from megatron_odyssey.testing.megatron_lm_job import (NVML_STAND_IN, JobResult, 
                                                       same_evaluations, same_training, shared_device_flags,
                                                       tiny_gpt_flags_for, with_batch_ramp, with_evaluation)
 from megatron_odyssey.megatron_lm.cpu_mode import tiny_gpt_flags
+from megatron_odyssey.testing.ports import job_port
 
 MLM = os.environ.get("MEGATRON_LM_PATH")
 CHECKOUT = bool(MLM) and (Path(MLM) / "pretrain_gpt.py").exists()
@@ -51,8 +52,7 @@ ODYSSEY = [*TINY_GPT, "--odyssey-heartbeat-timeout", "10"]
 
 
 def _port(offset: int) -> int:
-    # below Linux's ephemeral range (32768+), where any socket of a running job may already hold a fixed port
-    return 20000 + (os.getpid() * 7) % 11000 + offset
+    return job_port(offset)
 
 
 @pytest.fixture(scope="module")
@@ -1027,8 +1027,9 @@ def test_a_scheduler_stops_the_job_after_a_recovery(tmp_path: Path, handler: boo
 
 def test_the_rerun_state_machines_exit_ends_the_job_with_its_code(tmp_path: Path) -> None:
     """--rerun-mode validate_results (Megatron's default) with its own error injection (one validation in 8 given a
-    transient error): in iteration 2 the machine rejects a result, reruns the iteration in place, and ends the job
-    as stock does: every rank leaves with 17 (a result failed validation), after saving iteration 1's checkpoint
+    transient error): in the iteration where stock's does (its draws differ by release: iteration 2 on core_r0.16,
+    1 on core_r0.13) the machine rejects a result, reruns the iteration in place, and ends the job as stock does:
+    every rank leaves with 17 (a result failed validation), after saving the last finished iteration's checkpoint
     where the release saves one (core_r0.16: yes; core_r0.19: no, "resume from a previous checkpoint"). Before, the
     agent took those exits for four failures and stopped with "every node has failed" (exit 1). Now each rank tells
     the agent the code is Megatron's choice: the job leaves with 17 (as srun would; torchrun says 1) and no
@@ -1039,23 +1040,26 @@ def test_the_rerun_state_machines_exit_ends_the_job_with_its_code(tmp_path: Path
 
     stock = run_stock(MLM, tmp_path / "stock", flags(tmp_path / "stock"), _port(1400))
     assert "Possible transient error" in stock.logs and "exitcode  : 17" in stock.logs, stock.logs[-4000:]
+    finished = max(stock.iterations(), default=0)  # (the iterations stock finished and logged before the rejection)
     job = run_odyssey(MLM, tmp_path / "odyssey", [*flags(tmp_path / "odyssey"), "--odyssey-heartbeat-timeout", "10"],
                       _port(1410))
     assert job.returncode == 17, job.logs[-4000:]
     assert job.report["failures"] == [] and not job.report["ok"]
+    assert same_training(job.iterations(), stock.iterations()) and max(job.iterations(), default=0) == finished
     ended = job.report["ended_by_script"]
-    assert ended["code"] == 17 and ended["ranks"] == [0, 1, 2, 3] and ended["step"] == 1, ended
+    assert ended["code"] == 17 and ended["ranks"] == [0, 1, 2, 3] and ended["step"] == finished, ended
     assert "left with exit code 17: Megatron-LM's rerun state machine found a result that failed its validation" \
         in job.logs
     assert "every node has failed" not in job.logs
     # (stock's own tracker file may be missing: torchrun stops rank 0 once another rank has left with 17, and the
     # tracker is written after the save's last collective; odyssey-launch lets every rank leave on its own)
-    saved = (tmp_path / "stock" / "ckpt" / "iter_0000001" / ".metadata").exists()
-    assert (tmp_path / "odyssey" / "ckpt" / "iter_0000001" / ".metadata").exists() == saved
+    name = f"iter_{finished:07d}"
+    saved = (tmp_path / "stock" / "ckpt" / name / ".metadata").exists()
+    assert (tmp_path / "odyssey" / "ckpt" / name / ".metadata").exists() == saved
     if saved:
-        assert (tmp_path / "odyssey" / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
-        assert max_tensor_difference(read_torch_dist(tmp_path / "odyssey" / "ckpt" / "iter_0000001"),
-                                     read_torch_dist(tmp_path / "stock" / "ckpt" / "iter_0000001")) == 0
+        assert (tmp_path / "odyssey" / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == str(finished)
+        assert max_tensor_difference(read_torch_dist(tmp_path / "odyssey" / "ckpt" / name),
+                                     read_torch_dist(tmp_path / "stock" / "ckpt" / name)) == 0
 
 
 @pytest.mark.parametrize("kind, code", [("transient_error", 17), ("persistent_error", 16)])

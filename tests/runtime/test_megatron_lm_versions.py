@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from megatron_odyssey.megatron_lm.versions import KNOWN_RELEASES, stock_save_blocker
+from megatron_odyssey.testing.ports import job_port
 from megatron_odyssey.testing.megatron_lm_job import (NVML_STAND_IN, job_env, release_minor, run_odyssey, run_stock,
                                                       same_evaluations, same_training, same_training_where_logged,
                                                       tiny_gpt_flags_for, with_batch_ramp, with_evaluation)
@@ -40,8 +41,8 @@ def _minor(checkout: str) -> int:
 
 
 def _port(checkout: str, offset: int) -> int:
-    # below Linux's ephemeral range (32768+), where any socket of a running job may already hold a fixed port
-    return 20000 + (os.getpid() * 7 + 97 * _minor(checkout)) % 12000 + offset
+    # (consecutive releases' runs of one test, one after the other on a worker, take different halves of its block)
+    return job_port(1000 * (_minor(checkout) % 2) + offset)
 
 
 @pytest.fixture(scope="module")
