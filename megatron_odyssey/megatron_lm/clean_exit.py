@@ -101,11 +101,25 @@ def say_leaving(code: int, why: str) -> None:
         control_plane.say_leaving(runtime.store, runtime.ident, code, why)
 
 
+def say_done() -> None:
+    """Tell the agent this rank finished the job (an ``--odyssey`` rank only), before the teardown: destroying a
+    group can block in C++ with the GIL held (its heartbeat thread then stops too), and a rank that said it is done
+    and goes silent is shutting down, not hung (the agent kills it at its hard timeout, and the job still ends
+    with 0: its work is done)."""
+    from . import hooks
+
+    runtime = hooks.STATE.runtime
+    if hasattr(runtime, "say_done"):
+        runtime.say_done()
+
+
 def leave_with_groups_destroyed(original: Callable[..., Any], wanted: Callable[[], bool] = _wanted,
                                 lock: Callable[[], ContextManager[Any] | None] = _generation_lock,
-                                chosen: Callable[[], dict[int, str]] = chosen_exits) -> Callable[..., Any]:
+                                chosen: Callable[[], dict[int, str]] = chosen_exits,
+                                done: Callable[[], None] = say_done) -> Callable[..., Any]:
     """Wraps ``megatron.training.pretrain`` (``wanted``, ``lock``: whether to, and what to hold meanwhile;
-    ``chosen``: the non-zero codes it leaves with by its own decision, and their meaning)."""
+    ``chosen``: the non-zero codes it leaves with by its own decision, and their meaning; ``done``: says, on a
+    clean end, that the job's work is done, before the teardown)."""
 
     @functools.wraps(original)
     def pretrain(*args: Any, **kwargs: Any) -> Any:
@@ -117,9 +131,12 @@ def leave_with_groups_destroyed(original: Callable[..., Any], wanted: Callable[[
             if (code == 0 or why is not None) and wanted():  # (asked last: it reads Megatron's arguments)
                 if why is not None:
                     say_leaving(code, why)
+                else:
+                    done()
                 destroy_groups(lock=lock(), code=code)
             raise
         if wanted():
+            done()
             destroy_groups(lock=lock())
         return out
 

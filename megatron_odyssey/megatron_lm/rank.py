@@ -397,14 +397,15 @@ class MegatronRank(GenerationRank):
         AbortWatcher(self, host, int(port), control=self.control).start()
         import atexit
 
-        atexit.register(self._say_done)
+        atexit.register(self.say_done)  # (again: clean_exit says it first, before the teardown)
 
     def _start_heartbeat(self) -> None:
         Heartbeat(*self.store_addr, self.ident, self.cfg.heartbeat_interval_s, self.progress, self.control).start()
 
-    def _say_done(self) -> None:
-        """At a clean exit: tell the agent (a standby cannot see this process's exit code once its launcher
-        is gone; see control_plane.OrphanRank)."""
+    def say_done(self) -> None:
+        """At a clean end: tell the agent (a standby cannot see this process's exit code once its launcher
+        is gone, see control_plane.OrphanRank; and a rank blocked tearing down its groups is not hung, see
+        clean_exit.say_done)."""
         from ..runtime.control_plane import DONE_KEY
 
         try:

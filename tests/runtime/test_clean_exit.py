@@ -51,6 +51,7 @@ RANK = textwrap.dedent("""
             # main() returned. Without it, wait for finalising however long a loaded machine takes to get there
             # (joining earlier lets the collective finish before the exit: no race, no abort)
             if sys.argv[2] == "destroy" and returned is not None and time.time() - returned > 2:
+                print("rank 0 said it was done:", (flags / "done").exists(), flush=True)  # (its teardown waits on us)
                 break
             time.sleep(0.01)
         dist.all_gather_into_tensor(torch.empty(8), torch.ones(4))
@@ -58,7 +59,8 @@ RANK = textwrap.dedent("""
 
 
     if sys.argv[2] == "destroy":
-        main = leave_with_groups_destroyed(main, wanted=lambda: True, lock=lambda: None)
+        main = leave_with_groups_destroyed(main, wanted=lambda: True, lock=lambda: None,
+                                           done=lambda: (flags / f"done{'' if rank == 0 else rank}").write_text(""))
     main()
 """)
 
@@ -99,6 +101,8 @@ def test_destroying_the_groups_when_the_job_ends_leaves_with_0(tmp_path: Path) -
     shuts down, and both ranks leave with 0."""
     codes, outs = _run(tmp_path, "destroy")
     assert codes == [0, 0], (codes, outs)
+    # rank 0 told the agent its work was done before its teardown, which waited for the peer's collective
+    assert "rank 0 said it was done: True" in outs[1], outs[1]
 
 
 def test_groups_are_left_alone_after_an_error_or_a_nonzero_exit() -> None:
