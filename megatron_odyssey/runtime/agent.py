@@ -182,7 +182,6 @@ class Agent:
         self.leaving: dict[int, dict[str, Any]] = {}  # rank -> the exit the script chose (LEAVING_KEY), once left
         self.ended_by: dict[str, Any] | None = None  # the script's own end of the job, for the report
         self.killed_after_done: set[int] = set()
-        self.exit_stacks_asked: set[int] = set()
         self.gen = 0
         self.started_gen = True  # generation 0 needs no join barrier
         self.store = store  # created after the ranks are forked (see run) unless given
@@ -770,23 +769,15 @@ class Agent:
 
     def _finish_exit(self, ident: int, now: float) -> None:
         """A finished rank still exiting after the hard timeout is killed; its work is done, so it counts as
-        a clean exit (``detect`` passes over it from then on). Its stacks go to its log at the soft timeout, so
-        the terminal can show where it stopped on its way out."""
+        a clean exit (``detect`` passes over it from then on). No stacks are asked for: a process this far into
+        its exit may have dropped faulthandler's handler, and the signal would kill it (seen on core_r0.12.0)."""
         if ident in self.killed_after_done:
             return
-        lingered = now - self.exiting[ident]
-        if lingered > self.cfg.soft_timeout_s and ident not in self.exit_stacks_asked:
-            self.exit_stacks_asked.add(ident)
-            self._dump_stacks(ident)
-        if lingered > self.cfg.hard_timeout_s:
+        if now - self.exiting[ident] > self.cfg.hard_timeout_s:
             self.log(f"rank {ident} finished the job but has not exited for {self.cfg.hard_timeout_s:.0f} s: "
                      f"killing it (its work is done: not a failure)")
             self.procs[ident].kill()
             self.killed_after_done.add(ident)
-            stack = rank_log_stack(self.workdir, ident)
-            if stack:
-                self.log(f"rank {ident} was still exiting here (from the stacks it dumped to its log):\n"
-                         + _indent(stack))
 
     def _stale(self, ident: int, now: float) -> bool:
         beat = self.beats.get(ident)
