@@ -159,6 +159,23 @@ class _WrapOriginal:
         return f"_WrapOriginal({self.build.__name__})"
 
 
+def _no_fp8_params_to_fix(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``checkpointing.fix_fp8_params_lose_precision_when_loading_dist_ckpt``: core_r0.12.0's torch_dist
+    load calls it on every load, and it first asks ``is_te_min_version("2.0")``, which raises without Transformer
+    Engine (every CPU). It only changes fp8 parameters (``--fp8-param-gather``, which needs Transformer Engine):
+    without that flag there is nothing to fix."""
+
+    @functools.wraps(original)
+    def fix(state_dict: Any) -> Any:
+        from megatron.training import get_args
+
+        if not getattr(get_args(), "fp8_param_gather", False):
+            return None
+        return original(state_dict)
+
+    return fix
+
+
 def _no_fp8_params_to_quantize(original: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap ``fp8_utils._quantize_param_shard_impl``: megatron-core 0.12's distributed optimizer calls it after
     every step, also with no fp8 parameter at all, and without Transformer Engine (every CPU) it raises
@@ -369,6 +386,9 @@ MEGATRON_LM_CPU_PATCHES: Tuple[Patch, ...] = (
           "0.19+ wraps models in DDP here (training.get_model's successor): torch.cuda.Stream, current_device()"),
     Patch(f"{_MT}.checkpointing.torch", _TRAINING_TORCH_VIEW,
           "get_rng_state()/load_checkpoint() read and set torch.cuda RNG states; save/load use cuda tensors"),
+    Patch(f"{_MT}.checkpointing.fix_fp8_params_lose_precision_when_loading_dist_ckpt",
+          _WrapOriginal(_no_fp8_params_to_fix),
+          "0.12 torch_dist load_checkpoint(): asks is_te_min_version() on every load, which raises without TE"),
     # --- megatron-core modules only the training loop reaches ---
     Patch(f"{_MC}.distributed.param_and_grad_buffer.torch", _CORE_TORCH_VIEW,
           "_ParamAndGradBuffer() allocates the DDP param/grad buffers on current_device()"),
@@ -424,6 +444,7 @@ MEGATRON_LM_CPU_PATCHES: Tuple[Patch, ...] = (
 #: Targets in modules that only some Megatron-LM releases have (skipped where the module is absent).
 _ONLY_SOME_RELEASES = frozenset({f"{_MT}.utils.common_utils.torch", f"{_MT}.models.dist_utils.torch",
                                  f"{_MC}.fault_injector.torch", f"{_MC}.energy_monitor.torch",
+                                 f"{_MT}.checkpointing.fix_fp8_params_lose_precision_when_loading_dist_ckpt",
                                  f"{_MC}.optimizer.distrib_optimizer.DistributedOptimizer"
                                  ".get_parameter_state_dp_reshardable"})
 
