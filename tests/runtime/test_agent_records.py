@@ -473,3 +473,42 @@ def test_ranks_waiting_for_a_recovery_nobody_called_name_the_one_they_waited_for
     assert stuck.exitcode == -9 and 1 in agent.fenced
     assert agent.endings[1].startswith("was fenced (SIGKILL): was what ranks [0, 2, 3] waited for (at log of step 2, "
                                        "idle): a collective of theirs timed out")
+
+
+def test_a_silent_rank_that_said_it_leaves_with_the_scripts_code_is_not_fenced(tmp_path) -> None:
+    """Megatron-LM's rerun state machine ends the job (exit 17 after its save): a rank that said so
+    (``LEAVING_KEY``) and then went silent is tearing down, not hung (core_r0.12.0 under torch 2.7.1: every rank's
+    heartbeat stopped there, and the agent fenced all four). It is not fenced, and the job ends with its code
+    (``_supervise``: ``leaving``); a silent rank that said nothing is fenced as before."""
+    import subprocess
+    import sys
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from megatron_odyssey.launch import LocalRank
+    from megatron_odyssey.runtime.agent import Agent, free_port
+    from megatron_odyssey.runtime.config import TrainConfig
+    from megatron_odyssey.runtime.control_plane import say_leaving
+    from megatron_odyssey.runtime.liveness import Beat
+
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=10))
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, start_new_session=True) for _ in range(2)]
+    try:
+        assert all(p.stdout.readline() == b"up\n" for p in procs)
+        cfg = TrainConfig(nproc=2, tp=1, pp=2, layers=4, hidden=32, heads=4, seq=16, global_batch=2, micro_batch=1,
+                          steps=4, heartbeat_timeout_s=5.0)
+        agent = Agent(cfg, None, tmp_path, procs={i: LocalRank(p) for i, p in enumerate(procs)}, store=store)
+        say_leaving(store, 0, 17, "Megatron-LM's rerun state machine found a result that failed its validation")
+        now = time.time()
+        agent.beats = {i: Beat(now - 6.0) for i in (0, 1)}  # both silent past the timeout, both asleep
+        agent.beats_read = now + 600
+        assert agent.detect() == {1}
+        assert procs[0].poll() is None and procs[1].wait(timeout=10) == -9
+        assert agent.leaving == {0: {"code": 17, "why": "Megatron-LM's rerun state machine found a result that "
+                                                        "failed its validation"}}
+    finally:
+        for p in procs:
+            p.kill()
