@@ -414,7 +414,7 @@ class Agent:
                 if done and self._said_done(ident):
                     self._finish_exit(ident, now)  # past its last step and shutting down: not a hang
                     continue
-                if self._leaving_silently(ident):
+                if self._left_on_purpose(ident, None):
                     continue
                 beat = self.beats.get(ident)
                 fence, state = (True, "") if beat is None else self.silence.fence(ident, self.procs[ident],
@@ -666,31 +666,19 @@ class Agent:
         self.write_report(ok=False)
         return 128 + self.termination.signum
 
-    def _leaving_said(self, ident: int) -> dict[str, Any] | None:
-        """What the rank said of its exit before leaving (``LEAVING_KEY``: code and why), if it said anything."""
-        try:
-            said = self.store.check([LEAVING_KEY.format(ident)])
-            return json.loads(self.store.get(LEAVING_KEY.format(ident))) if said else None
-        except Exception:  # noqa: BLE001 - the store is this agent's: a failure here is not the rank's
-            return None
-
-    def _left_on_purpose(self, ident: int, code: int) -> bool:
+    def _left_on_purpose(self, ident: int, code: int | None) -> bool:
         """The rank said, before it left, that it leaves with this code by the script's own decision (Megatron-LM's
-        rerun state machine: every rank leaves with it after the checkpoint it asked for)."""
+        rerun state machine: every rank leaves with it after the checkpoint it asked for). ``code`` None: the rank
+        has not left yet but is silent, past the save that exit asked for and tearing down its process groups (which
+        can hold the GIL and so stop its heartbeat: seen on core_r0.12.0 under torch 2.7.1): not hung either, and
+        the job ends with the code it said (``_ended_by_the_script``)."""
         if ident not in self.leaving:
-            leaving = self._leaving_said(ident)
-            if not leaving or leaving.get("code") != code:
+            try:
+                said = self.store.check([LEAVING_KEY.format(ident)])
+                leaving = json.loads(self.store.get(LEAVING_KEY.format(ident))) if said else None
+            except Exception:  # noqa: BLE001 - the store is this agent's: a failure here is not the rank's
                 return False
-            self.leaving[ident] = leaving
-        return True
-
-    def _leaving_silently(self, ident: int) -> bool:
-        """A silent rank that said it leaves with the script's own code is past the save that exit asked for and
-        tearing down its process groups (which can hold the GIL and so stop its heartbeat: seen on core_r0.12.0
-        under torch 2.7.1), not hung: the job ends with that code (``_ended_by_the_script``), nobody is fenced."""
-        if ident not in self.leaving:
-            leaving = self._leaving_said(ident)
-            if not leaving:
+            if not leaving or (code is not None and leaving.get("code") != code):
                 return False
             self.leaving[ident] = leaving
         return True
@@ -708,11 +696,8 @@ class Agent:
         live = [i for i in self.members() if i not in self.dead]
         while time.time() < deadline and any(self.procs[i].exitcode is None for i in live):
             time.sleep(0.05)
-        for ident in live:
-            if self.procs[ident].exitcode is not None:
-                self._left_on_purpose(ident, self.procs[ident].exitcode)
-            else:  # (still tearing down after saying so: it chose the same end)
-                self._leaving_silently(ident)
+        for ident in live:  # (one still running may be tearing down after saying so: the same end)
+            self._left_on_purpose(ident, self.procs[ident].exitcode)
         others = {i: describe_exit(self.procs[i].exitcode) if self.procs[i].exitcode is not None else "still running"
                   for i in live if i not in self.leaving}
         reason = f"the training script ended the job with exit code {code} at step {self.next_step}: {why}"
@@ -790,8 +775,6 @@ class Agent:
         """A finished rank still exiting after the hard timeout is killed; its work is done, so it counts as
         a clean exit (``detect`` passes over it from then on). No stacks are asked for: a process this far into
         its exit may have dropped faulthandler's handler, and the signal would kill it (seen on core_r0.12.0)."""
-        if ident in self.killed_after_done:
-            return
         if now - self.exiting[ident] > self.cfg.hard_timeout_s:
             self.log(f"rank {ident} finished the job but has not exited for {self.cfg.hard_timeout_s:.0f} s: "
                      f"killing it (its work is done: not a failure)")

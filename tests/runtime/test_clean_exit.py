@@ -51,7 +51,7 @@ RANK = textwrap.dedent("""
             # main() returned. Without it, wait for finalising however long a loaded machine takes to get there
             # (joining earlier lets the collective finish before the exit: no race, no abort)
             if sys.argv[2] == "destroy" and returned is not None and time.time() - returned > 2:
-                print("rank 0 said it was done:", (flags / "done").exists(), flush=True)  # (its teardown waits on us)
+                print("rank 0 said it was done:", (flags / "done0").exists(), flush=True)  # (its teardown waits on us)
                 break
             time.sleep(0.01)
         dist.all_gather_into_tensor(torch.empty(8), torch.ones(4))
@@ -60,7 +60,7 @@ RANK = textwrap.dedent("""
 
     if sys.argv[2] == "destroy":
         main = leave_with_groups_destroyed(main, wanted=lambda: True, lock=lambda: None,
-                                           done=lambda: (flags / f"done{'' if rank == 0 else rank}").write_text(""))
+                                           done=lambda: (flags / f"done{rank}").write_text(""))
     main()
 """)
 
