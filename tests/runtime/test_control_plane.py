@@ -20,6 +20,7 @@ from megatron_odyssey.runtime.agent import DEPOSED_EXIT, free_port
 from megatron_odyssey.runtime.control_plane import (FINISHED_KEY, STATE_KEY, TAKEOVER_KEY, Deposed, Replica,
                                                     Standby)
 from megatron_odyssey.standalone.launcher import TrainingFailed, job_exit_code
+from megatron_odyssey.testing.processes import refusing_address
 
 from recovery_job import assert_exact, reference_run, run
 
@@ -178,6 +179,14 @@ def _store_server(port: int) -> subprocess.Popen:
     return proc
 
 
+@pytest.fixture
+def nobody():
+    """The address of an agent whose store is gone: it refuses at once (a port let go could be taken by another
+    test's store meanwhile; one held by a stopped process kept a probe waiting 9 s)."""
+    with refusing_address() as address:
+        yield address
+
+
 def _master(port: int):
     return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
 
@@ -208,13 +217,13 @@ def test_standby_copies_every_committed_step_and_takes_over_with_the_newest_stat
     assert state["lost_agent_s"] >= 0.5  # it waited the grace before taking over
 
 
-def test_a_finished_job_is_not_taken_over_and_a_deposed_agent_learns_it(tmp_path):
+def test_a_finished_job_is_not_taken_over_and_a_deposed_agent_learns_it(tmp_path, nobody):
     port = free_port()
     store = _master(port)
     replica = Replica(("127.0.0.1", port))
     replica.state({"gen": 0})
     replica.finish(0)
-    standby = Standby(store, ("127.0.0.1", free_port()), tmp_path / "steps.jsonl", takeover_after_s=0.1)
+    standby = Standby(store, nobody, tmp_path / "steps.jsonl", takeover_after_s=0.1)
     assert standby.watch() == 0  # the agent ended the job: exit with it, even though its store is gone now
     store.delete_key(FINISHED_KEY)
     store.set(TAKEOVER_KEY, json.dumps({"generation": 0, "reason": "test"}))
@@ -223,7 +232,7 @@ def test_a_finished_job_is_not_taken_over_and_a_deposed_agent_learns_it(tmp_path
     assert store.check([STATE_KEY])
 
 
-def test_a_standby_on_the_agents_machine_waits_for_its_agent_to_be_started(tmp_path):
+def test_a_standby_on_the_agents_machine_waits_for_its_agent_to_be_started(tmp_path, nobody):
     """The agent starts once the standby's store listens, and may take seconds to import on a loaded machine: until
     its pid is said there is nothing to lose, so the standby waits (before, it gave up after 2 s, and its job then
     waited 60 s for this store and failed). Once said, a process that is gone is found at once; with nothing said
@@ -235,7 +244,7 @@ def test_a_standby_on_the_agents_machine_waits_for_its_agent_to_be_started(tmp_p
     store = _master(port)
     agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        standby = Standby(store, ("127.0.0.1", free_port()), tmp_path / "steps.jsonl", takeover_after_s=0.1,
+        standby = Standby(store, nobody, tmp_path / "steps.jsonl", takeover_after_s=0.1,
                           same_machine=True, announce_s=30.0, log=said.append)
         threading.Timer(1.0, lambda: store.set(AGENT_PID_KEY, str(agent.pid))).start()
         threading.Timer(2.0, agent.kill).start()
@@ -247,7 +256,7 @@ def test_a_standby_on_the_agents_machine_waits_for_its_agent_to_be_started(tmp_p
         agent.kill()
         agent.wait()
     store.delete_key(AGENT_PID_KEY)
-    standby = Standby(store, ("127.0.0.1", free_port()), tmp_path / "steps.jsonl", takeover_after_s=0.1,
+    standby = Standby(store, nobody, tmp_path / "steps.jsonl", takeover_after_s=0.1,
                       same_machine=True, announce_s=1.0, log=said.append)
     t0 = time.monotonic()
     assert standby.watch() == 1 and time.monotonic() - t0 >= 1.0

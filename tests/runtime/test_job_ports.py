@@ -1,4 +1,5 @@
-"""The checkout tests' fixed ports: the workers of one pytest-xdist run never share one."""
+"""The test helpers' ports and processes: the workers of one pytest-xdist run never share a port, an address said
+to be gone refuses at once, a stand-in rank is asleep when a test reads its state."""
 from __future__ import annotations
 
 import pytest
@@ -27,3 +28,28 @@ def test_an_offset_past_the_block_is_refused(monkeypatch: pytest.MonkeyPatch) ->
     for offset in (-1, BLOCK - 2):
         with pytest.raises(ValueError, match=f"port offset {offset} is outside"):
             job_port(offset)
+
+
+def test_a_refusing_address_refuses_at_once_and_no_one_else_can_take_it() -> None:
+    import socket
+
+    from megatron_odyssey.testing.processes import refusing_address
+
+    with refusing_address() as (host, port):
+        with socket.socket() as other:
+            with pytest.raises(OSError):
+                other.bind((host, port))
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((host, port), timeout=5)
+
+
+def test_a_sleeper_is_returned_asleep() -> None:
+    from megatron_odyssey.runtime.process_probe import sample
+    from megatron_odyssey.testing.processes import start_sleeper
+
+    proc = start_sleeper(60)
+    try:
+        assert sample(proc.pid).state == "S"
+    finally:
+        proc.kill()
+        proc.wait()
