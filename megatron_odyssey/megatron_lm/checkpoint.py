@@ -212,6 +212,17 @@ def optimizer_format(save_dir: str, iteration: int) -> str | None:
     return ((common or {}).get("content_metadata") or {}).get("distrib_optim_sharding_type")
 
 
+def unrecorded_optimizer_format(args: Any, version: Any) -> str | None:
+    """The format this job's saves hold a distributed optimizer's state in, where its release does not record it in
+    the checkpoint (core_r0.12.0's ``save_checkpoint``: ``fully_sharded_model_space``, ``dp_zero_gather_scatter``
+    with ``--no-ckpt-fully-parallel-save``); None where the checkpoint says (``optimizer_format``)."""
+    if version is None or version.records_optimizer_format or not getattr(args, "use_distributed_optimizer", False):
+        return None
+    if getattr(args, "ckpt_format", "torch_dist") != "torch_dist":
+        return None
+    return "fully_sharded_model_space" if getattr(args, "ckpt_fully_parallel_save", True) else "dp_zero_gather_scatter"
+
+
 def load_in_one_process(state_dict: dict, directory: Any, **kwargs: Any) -> None:
     """``torch.distributed.checkpoint.load`` without a process group (the agent, the tests), quiet about it:
     torch warns on every such call that it assumes a single process, which is the point here."""

@@ -47,6 +47,7 @@ from .replica_optimizer import ReplicaShards
 from . import log_writers, loss_scale, rerun
 from .rerun import RerunExit
 from .samples import GlobalMicroBatches
+from .checkpoint import unrecorded_optimizer_format
 from .versions import installed_version
 from .hooks import ORIGINAL_ATTR, STATE, loss_reduction_as_communication, overridden, sub_optimizers
 from .interleaved import InterleavedCapture, chunk_layer_start, reshuffle_transfers, shapes_for_layers
@@ -286,6 +287,7 @@ def config_from_megatron_args(args: Any) -> TrainConfig:
         first_step_timeout_s=args.odyssey_first_step_timeout,
         workdir=os.environ.get(WORKDIR_ENV), mtbf_hours=args.odyssey_mtbf_hours,
         extra={"megatron": True, "start_step": int(args.iteration), "save_dir": getattr(args, "save", None),
+               "optimizer_format": unrecorded_optimizer_format(args, version),
                "tied_embeddings": not getattr(args, "untie_embeddings_and_output_weights", True),
                # how the logged loss is added up (agent.committed_loss)
                "loss_reduced_per_micro_batch": bool(version and version.loss_reduced_per_micro_batch),

@@ -26,6 +26,11 @@ LOSS_REDUCED_PER_MICRO_BATCH = frozenset({12})
 COUNTS_ZEROS_EVERY_STEP = frozenset({12})
 
 
+#: releases whose torch_dist checkpoints do not record how they hold a distributed optimizer's state (its content
+#: metadata's ``distrib_optim_sharding_type`` came in 0.13): the job says which format it writes instead
+OPTIMIZER_FORMAT_UNRECORDED = frozenset({12})
+
+
 @dataclass(frozen=True)
 class MegatronVersion:
     major: int
@@ -46,6 +51,10 @@ class MegatronVersion:
     @property
     def counts_zeros_every_step(self) -> bool:
         return self.major == 0 and self.minor in COUNTS_ZEROS_EVERY_STEP
+
+    @property
+    def records_optimizer_format(self) -> bool:
+        return not (self.major == 0 and self.minor in OPTIMIZER_FORMAT_UNRECORDED)
 
     @property
     def branch(self) -> str:

@@ -1234,7 +1234,8 @@ class Agent:
             if ckpt is not None and lost:
                 from ..megatron_lm.checkpoint import LAYOUT_FREE_OPTIMIZER_FORMATS, optimizer_format
 
-                kind = optimizer_format(self.cfg.extra["save_dir"], ckpt)
+                # (as the checkpoint records it, or, where its release does not, as the job said it saves)
+                kind = optimizer_format(self.cfg.extra["save_dir"], ckpt) or self.cfg.extra.get("optimizer_format")
                 if kind not in LAYOUT_FREE_OPTIMIZER_FORMATS:
                     self.stop_reason = (
                         f"cannot continue in-process: {chosen.reason}; the checkpoint of iteration {ckpt} holds the "

@@ -137,3 +137,24 @@ def test_the_rerun_state_keeps_the_launch_layout_in_saves_and_loads(release_layo
         assert first.global_offset == ((node // DP, 0) if stage_tp else (node,))
         loaded = own_rerun_state({"mode": "disabled", "sharded": [{"node": node}, {"node": -1}]})
         assert loaded == {"mode": "disabled", "sharded": {"node": node}}
+
+
+def test_the_job_names_its_optimizer_format_only_where_its_release_does_not_record_it() -> None:
+    """core_r0.12.0's checkpoints do not say how they hold the distributed optimizer's state (content metadata came
+    in 0.13): the job says it from its flags, by that release's rule in save_checkpoint, so that a stop names it."""
+    from types import SimpleNamespace
+
+    from megatron_odyssey.megatron_lm.checkpoint import unrecorded_optimizer_format
+    from megatron_odyssey.megatron_lm.versions import MegatronVersion
+
+    def args(**kw):
+        return SimpleNamespace(**{"use_distributed_optimizer": True, "ckpt_format": "torch_dist",
+                                  "ckpt_fully_parallel_save": True, **kw})
+
+    old, new = MegatronVersion(0, 12, 0), MegatronVersion(0, 13, 0)
+    assert unrecorded_optimizer_format(args(), old) == "fully_sharded_model_space"
+    assert unrecorded_optimizer_format(args(ckpt_fully_parallel_save=False), old) == "dp_zero_gather_scatter"
+    assert unrecorded_optimizer_format(args(use_distributed_optimizer=False), old) is None
+    assert unrecorded_optimizer_format(args(ckpt_format="torch"), old) is None
+    assert unrecorded_optimizer_format(args(), new) is None  # its checkpoint says
+    assert unrecorded_optimizer_format(args(), None) is None

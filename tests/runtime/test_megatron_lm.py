@@ -773,6 +773,7 @@ def test_overlapped_distributed_optimizer_survives_a_kill(stock_overlapped_disto
     all-gather into the next forward; rank 1 dies in that forward (its weights half gathered), the survivors
     rebuild from the fp32 shards, and train() keeps switching forward pre-hooks and forcing the all-gather around
     the saves after the failure, which rebuilt stages have no use for. Every iteration equals stock's."""
+    _skip_where_stock_clips_by_sqrt2()  # (core_r0.12.0 under torch 2.7.1: 0.960 after the failure, stock 1.357)
     job = run_odyssey(MLM, tmp_path, [*ODYSSEY, *DISTOPT, *OVERLAPPED, "--save", str(tmp_path / "ckpt"),
                                       "--save-interval", "2",
                                       "--odyssey-inject-fault", "step=2,rank=1,phase=forward,kind=kill"],
@@ -1245,12 +1246,18 @@ def test_tied_embeddings_with_the_distributed_optimizer_through_kills(
     reconfigure (PP=2 x DP=2): rank 3 (stage 1) dies and node 0 holds the whole model (one weight for both ends)
     beside nodes 1 and 2 holding one end each; then node 2 dies. Every logged iteration and the final
     checkpoint equal stock's. Before core_r0.15.0 (no layout-free optimizer checkpoint, and rebuilt stages take the
-    plain optimizer) the logged iterations are compared."""
-    stock, stock_final = stock_tied_distopt(nproc)
+    plain optimizer) the logged iterations are compared. core_r0.12.0's own gradient for the pair is not its plain
+    optimizer's, which no layout after a failure can match: --odyssey refuses the job at start-up, saying why."""
     injected = [x for f in faults for x in ("--odyssey-inject-fault", f)]
-    job = run_odyssey(MLM, tmp_path, [*_tied_distopt(tmp_path), "--odyssey-heartbeat-timeout", "10",
-                                      "--odyssey-policy", policy, *injected],
-                      _port(980 + nproc), nproc=nproc)
+    flags = [*_tied_distopt(tmp_path), "--odyssey-heartbeat-timeout", "10", "--odyssey-policy", policy, *injected]
+    if release_minor(MLM) == 12:
+        job = run_odyssey(MLM, tmp_path, flags, _port(980 + nproc), nproc=nproc)
+        assert job.returncode != 0 and not job.iterations()
+        assert ("--odyssey cannot reproduce core_r0.12.0's distributed optimizer in several instances with tied "
+                "embeddings" in job.logs), job.logs[-4000:]
+        return
+    stock, stock_final = stock_tied_distopt(nproc)
+    job = run_odyssey(MLM, tmp_path, flags, _port(980 + nproc), nproc=nproc)
     assert job.returncode == 0, job.logs[-4000:]
     assert [f["policy"] for f in job.report["failures"]] == [policy] * len(faults)
     assert same_training(job.iterations(), stock)
