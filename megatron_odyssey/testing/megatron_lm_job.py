@@ -46,6 +46,9 @@ NVML_STAND_IN = Path(__file__).resolve().parent / "nvml_stand_in"
 WANDB_STAND_IN = Path(__file__).resolve().parent / "wandb_stand_in"
 _UNLOGGED = re.compile(r"training_log of iteration (\d+) was interrupted by a failure after other survivors had left it")
 
+# a line of Python's warnings module ("<file>:<line>: UserWarning: ..."); its next line repeats the call
+_WARNING = re.compile(r"^\S+:\d+: \w*Warning: ")
+
 # one of evaluate_and_print_results' lines: "validation loss at iteration 4 | lm loss value: ... | lm loss PPL: ..."
 _VALIDATION = re.compile(r"validation loss at (.+?) \| lm loss value: (\S+) \| lm loss PPL: (\S+)")
 
@@ -56,6 +59,16 @@ class JobResult:
     wall_s: float
     logs: str
     report: dict[str, Any] = field(default_factory=dict)
+
+    def tail(self, chars: int = 4000) -> str:
+        """The end of the terminal for a failed test's message, without Python's warnings (on core_r0.12.0 a
+        rebuilt rank's missing-Apex and Transformer Engine warnings filled the last 4000 characters alone)."""
+        kept, lines = [], self.logs.splitlines()
+        for i, line in enumerate(lines):
+            if _WARNING.search(line) or (line.strip().startswith("warnings.warn(") and i and _WARNING.search(lines[i - 1])):
+                continue
+            kept.append(line)
+        return "\n".join(kept)[-chars:]
 
     def iterations(self) -> dict[int, tuple[str, ...]]:
         """iteration -> (consumed samples, learning rate, lm loss, grad norm) as Megatron printed them."""
@@ -247,18 +260,19 @@ def run_stock(megatron_lm: str | Path, work: Path, flags: list[str], port: int, 
 def run_odyssey(megatron_lm: str | Path, work: Path, flags: list[str], port: int, nproc: int = 4,
                 nodes: int = 1, gpu: bool = False, join: tuple[int, ...] = (),
                 sigterm_after_iteration: int | None = None, shared: str = "",
-                refusal_expected: bool = False) -> JobResult:
+                refusal_expected: bool = False, launcher_flags: tuple[str, ...] = ()) -> JobResult:
     """``odyssey-launch`` on ``nodes`` launchers (each standing for a machine) with ``--odyssey``; ``join``:
     machines (by node rank) that come back, each a launcher with ``--join``, started once the job trains
     (it then sets itself up; when it asks to join is the job's ``--odyssey-rejoin``); ``sigterm_after_iteration``:
     SIGTERM to every launcher once Megatron logged that iteration (a scheduler stopping the job); ``shared``: as
-    :func:`job_env`. A test that saves where stock cannot is skipped, unless it expects that refusal."""
+    :func:`job_env`; ``launcher_flags``: more of odyssey-launch's own. A test that saves where stock cannot is
+    skipped, unless it expects that refusal."""
     if not refusal_expected:
         skip_where_stock_cannot_save(megatron_lm, flags)
     script = patched_script(megatron_lm, work)
     report = work / "report.json"
     launch = [sys.executable, "-m", "megatron_odyssey.launch", "--nproc-per-node", str(nproc // nodes),
-              "--nnodes", str(nodes), "--master-port", str(port)]
+              "--nnodes", str(nodes), "--master-port", str(port), *launcher_flags]
     args = [str(script), *flags, "--odyssey", "--odyssey-report", str(report)]
     t0 = time.perf_counter()
     # each launcher's terminal goes to a file: a pipe read after another launcher's end fills up and blocks the

@@ -94,6 +94,9 @@ def test_ranks_still_running_after_the_termination_grace_are_killed(tmp_path: Pa
     assert "received SIGTERM and passed it to the ranks: the job is being stopped" in proc.stderr
     assert "exited" not in proc.stderr  # not reported as ranks failing at start-up
     assert wall < 30, wall  # the grace (1 s), not the job's 120 s
+    # why they died, on the terminal (the agent only sees SIGKILLs), and what to change
+    assert "rank(s) [0, 1] still running 1 s after SIGTERM: killing them" in proc.stderr
+    assert "raise --termination-grace" in proc.stderr
 
 
 RAISE = """

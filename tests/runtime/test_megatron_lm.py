@@ -59,7 +59,7 @@ def _port(offset: int) -> int:
 def stock(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[str, ...]]:
     """Stock Megatron-LM (torchrun, no --odyssey): the fault-free reference."""
     job = run_stock(MLM, tmp_path_factory.mktemp("stock"), TINY_GPT, _port(0))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     its = job.iterations()
     assert sorted(its) == list(range(1, ITERS + 1))
     return its
@@ -71,7 +71,7 @@ def test_pretrain_gpt_survives_a_killed_rank(stock: dict, tmp_path: Path, policy
     job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--odyssey-policy", policy, "--odyssey-inject-fault",
                                       "step=2,rank=1,phase=backward,kind=kill"],
                       _port({"reroute": 10, "reconfigure": 20, "fill": 470}[policy]))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     report = job.report
     assert [s["step"] for s in report["steps"]] == list(range(ITERS))  # training continued and finished
     (failure,) = report["failures"]
@@ -104,7 +104,7 @@ def test_a_failure_at_any_moment(stock: dict, tmp_path: Path, phase: str, rank: 
              [*ODYSSEY, *EXIT_FLAGS] if phase == "exit" else ODYSSEY)
     job = run_odyssey(MLM, tmp_path, [*flags, *(x for f in faults for x in ("--odyssey-inject-fault", f))],
                       _port(200 + 10 * MOMENTS.index(phase) + rank))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     assert sorted(r for f in job.report["failures"] for r in f["ranks"]) == sorted(
         {int(f.split("rank=")[1].split(",")[0]) for f in faults})
     assert [s["step"] for s in job.report["steps"]] == list(range(ITERS))
@@ -131,7 +131,7 @@ def test_a_failure_after_the_last_iteration_still_writes_the_final_checkpoint(st
 def _recovered_after_the_last_iteration(job: JobResult, ckpt: Path, stock: dict, said: str) -> None:
     """Rank 1, killed after the last iteration, was the one failure; the survivors ``said`` so, trained as ``stock``
     and wrote the final checkpoint."""
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     (failure,) = job.report["failures"]
     assert failure["ranks"] == [1] and failure["step"] == ITERS, failure
     assert said in job.logs
@@ -152,13 +152,13 @@ def test_log_energy_per_live_gpu_and_its_closing_total_through_kills(stock: dict
     monkeypatch.setenv("PYTHONPATH", str(NVML_STAND_IN))
     energy = [*TINY_GPT, "--log-energy"]
     reference = run_stock(MLM, tmp_path / "stock", energy, _port(1270))
-    assert reference.returncode == 0, reference.logs[-4000:]
+    assert reference.returncode == 0, reference.tail()
     ckpt = tmp_path / "ckpt"
     job = run_odyssey(MLM, tmp_path / "odyssey", [
         *energy, "--odyssey-heartbeat-timeout", "10", "--save", str(ckpt), "--save-interval", "2",
         "--odyssey-inject-fault", "step=2,rank=1,phase=backward,kind=kill",
         "--odyssey-inject-fault", f"step={ITERS - 1},rank=2,phase=end,kind=kill"], _port(1280))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     assert [f["ranks"] for f in job.report["failures"]] == [[1], [2]]
     assert "the energy lap of iteration 5 was interrupted by a failure; the survivors run it again" in job.logs
     assert sorted(reference.energy_per_gpu()) == list(range(1, ITERS + 1))
@@ -198,11 +198,11 @@ def test_tensorboard_and_wandb_follow_the_last_rank(tmp_path: Path, monkeypatch:
     world_size = "--log-world-size-to-tensorboard"
     reference = run_stock(MLM, tmp_path / "stock", [*TINY_GPT, *_log_writers(tmp_path / "stock", monkeypatch),
                                                     world_size], _port(1290 + rank))
-    assert reference.returncode == 0, reference.logs[-4000:]
+    assert reference.returncode == 0, reference.tail()
     job = run_odyssey(MLM, tmp_path / "odyssey", [*ODYSSEY, *_log_writers(tmp_path / "odyssey", monkeypatch), world_size,
                                                  "--odyssey-inject-fault", f"step=2,rank={rank},phase=backward,kind=kill"],
                       _port(1300 + 10 * rank))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     assert same_training(job.iterations(), reference.iterations())
 
     live = {1: 4, 2: 4, 3: 3, 4: 3, 5: 3}  # world size by iteration
@@ -273,7 +273,7 @@ def test_a_failure_in_the_autoresume_check_is_recovered_from(stock: dict, tmp_pa
     monkeypatch.setenv("AUTORESUME_AT", "4")
     job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--adlr-autoresume", "--adlr-autoresume-interval", "1",
                                       "--odyssey-inject-fault", "step=1,rank=1,phase=exit,kind=kill"], _port(1220))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     (failure,) = job.report["failures"]
     assert failure["ranks"] == [1], failure
     assert "the autoresume check of iteration 2 was interrupted by a failure; the survivors run it again" in job.logs
@@ -296,14 +296,17 @@ def test_a_rank_blocked_between_iterations_is_fenced(stock: dict, tmp_path: Path
     and training goes on as stock."""
     flags = ([*ODYSSEY, "--save", str(tmp_path / "ckpt"), "--save-interval", "3"] if phase == "save" else
              [*ODYSSEY, *EXIT_FLAGS] if phase == "exit" else ODYSSEY)
+    # (a save's timeout: the save run again after the recovery is each survivor's first, which spawns Megatron's
+    # writer manager, importing the script again: 20 s was too short on 2 loaded cores under torch 2.7.1)
     job = run_odyssey(MLM, tmp_path, [*flags, "--odyssey-soft-timeout", "5", "--odyssey-hard-timeout", "10",
-                                      "--odyssey-first-step-timeout", "20", "--distributed-timeout-minutes", "2",
+                                      "--odyssey-first-step-timeout", "60" if phase == "save" else "20",
+                                      "--distributed-timeout-minutes", "2",
                                       "--odyssey-inject-fault", f"step=2,rank=1,phase={phase},kind=block"],
                       _port(1110 + 10 * BLOCKED_AT.index(phase)))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     (failure,) = job.report["failures"]
     assert failure["ranks"] == [1] and failure["step"] == 3
-    bound = 20.0 if phase == "save" else 10.0
+    bound = 60.0 if phase == "save" else 10.0
     assert bound <= failure["detection_s"] < bound + 10, failure
     waiting = "wait further on" if phase == "between" else "wait in a collective there that it has not entered"
     assert f"rank 1 has stopped for 5.0 s at {phase} after step 2 (idle) while ranks [0, 2, 3] {waiting}" in job.logs \
@@ -336,7 +339,7 @@ def test_a_rank_stalled_inside_megatrons_own_step_is_the_one_fenced(stock: dict,
     job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--odyssey-soft-timeout", "5", "--odyssey-hard-timeout", "10", *late_flags,
                                       "--odyssey-inject-fault", f"step=2,rank=1,phase={phase},kind=stall"],
                       _port(1420 + 10 * (phase == "backward") + 20 * late))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     (failure,) = job.report["failures"]
     assert failure["ranks"] == [1] and failure["step"] == 2, failure
     assert failure["ended"]["1"].startswith("was fenced (SIGKILL): made no progress for 1"), failure["ended"]
@@ -353,7 +356,7 @@ def test_ranks_whose_collective_timed_out_name_the_rank_they_waited_for(stock: d
     job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--odyssey-soft-timeout", "80", "--odyssey-hard-timeout", "90",
                                       "--distributed-timeout-minutes", "1",
                                       "--odyssey-inject-fault", "step=2,rank=1,phase=log,kind=block"], _port(1160))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     (failure,) = job.report["failures"]
     assert failure["ranks"] == [1] and failure["step"] == 3
     assert 60.0 <= failure["detection_s"] < 85, failure  # the collective's 60 s, then the heartbeat timeout (10 s)
@@ -369,7 +372,7 @@ def test_a_rank_blocked_on_another_machine_shows_where_it_stopped(stock: dict, t
     job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--odyssey-soft-timeout", "5", "--odyssey-hard-timeout", "10",
                                       "--odyssey-inject-fault", "step=2,rank=3,phase=log,kind=block"],
                       _port(1150), nodes=2)
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     (failure,) = job.report["failures"]
     assert failure["ranks"] == [3] and 10.0 <= failure["detection_s"] < 20, failure
     console = (tmp_path / "console1.txt").read_text()
@@ -389,11 +392,11 @@ def test_params_norm_is_logged_as_stock_through_a_kill(tmp_path_factory: pytest.
     norms = re.compile(r"iteration\s+(\d+)/.*?params norm: ([0-9.E+-]+)")
     flags = [*TINY_GPT, "--log-params-norm"]
     stock = run_stock(MLM, tmp_path_factory.mktemp("stock_params_norm"), flags, _port(1170 + 10 * (policy == "reroute")))
-    assert stock.returncode == 0, stock.logs[-4000:]
+    assert stock.returncode == 0, stock.tail()
     job = run_odyssey(MLM, tmp_path, [*flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-policy", policy,
                                       "--odyssey-inject-fault", "step=1,rank=1,phase=backward,kind=kill"],
                       _port(1190 + 10 * (policy == "reroute")))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     assert job.report["failures"][0]["policy"] == policy
     expected = dict(norms.findall(stock.logs))
     assert sorted(expected) == [str(i) for i in range(1, ITERS + 1)]
@@ -406,7 +409,7 @@ def test_pretrain_gpt_rank_error_is_reported_and_recovered(stock: dict, tmp_path
     reaches the launcher's terminal, the job goes on without the rank and trains as stock Megatron."""
     job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--odyssey-inject-fault", "step=2,rank=1,phase=backward,kind=error"],
                       _port(40))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     (failure,) = job.report["failures"]
     assert failure["ranks"] == [1] and failure["error"]["type"] == "InjectedError"
     assert "rank 1 failed with its own error" in job.logs and "InjectedError: injected error" in job.logs
@@ -422,7 +425,7 @@ def test_two_machines_rank_on_the_second_dies(stock: dict, tmp_path: Path, kind:
     timeout as stopped (a starved rank there would get a grace instead)."""
     job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--odyssey-inject-fault", f"step=3,rank=3,phase=forward,kind={kind}",
                                       "--odyssey-profile-iters", "1"], _port(30 + 5 * (kind == "hang")), nodes=2)
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     report = job.report
     (failure,) = report["failures"]
     assert failure["ranks"] == [3]
@@ -451,7 +454,7 @@ def test_a_slow_rank_is_named_in_megatrons_own_schedule(stock: dict, tmp_path: P
     job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--odyssey-slow-action", action,
                                       "--odyssey-inject-fault", "step=0,rank=1,kind=slow,factor=4"],
                       _port(720 + 10 * (action == "rebalance")))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     report = job.report
     slow = [d for d in report["diagnoses"] if d["kind"] == "slow"]
     assert slow and slow[0]["ranks"] == [1] and slow[0]["step"] <= 3 and slow[0]["factor"] >= 2, report["diagnoses"]
@@ -477,7 +480,7 @@ def test_a_slow_link_is_named_in_megatrons_own_schedule(stock: dict, tmp_path: P
     normal, and training equals stock."""
     job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--odyssey-slow-action", "none", "--odyssey-inject-fault",
                                       f"step=0,rank=2,kind=slow-link,factor={SLOW_LINK}"], _port(740))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     found = job.report["diagnoses"]
     assert [(d["kind"], d["ranks"], d["action"]) for d in found] == [("comm-slow", [2], "none")], found
     assert found[0]["step"] <= 3 and "node 2 to node 0" in found[0]["evidence"]
@@ -490,10 +493,10 @@ def test_bf16_state_moves_through_main_params(tmp_path_factory: pytest.TempPathF
     them; every logged iteration then equals stock bf16 Megatron-LM's."""
     flags = [*TINY_GPT, "--bf16"]
     stock = run_stock(MLM, tmp_path_factory.mktemp("stock_bf16"), flags, _port(40))
-    assert stock.returncode == 0, stock.logs[-4000:]
+    assert stock.returncode == 0, stock.tail()
     job = run_odyssey(MLM, tmp_path, [*flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-policy", "reconfigure",
                                       "--odyssey-inject-fault", "step=2,rank=1,phase=backward,kind=kill"], _port(50))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     (failure,) = job.report["failures"]
     assert failure["policy"] == "reconfigure"
     ranges = {tuple(st["layers"]) for pipe in job.report["final_plan"]["pipelines"] for st in pipe["stages"]}
@@ -518,7 +521,7 @@ def test_fp16_loss_scale_skips_and_grows_as_stock(tmp_path_factory: pytest.TempP
 
     flags = with_fp16_loss_scaling(tiny_gpt_flags_for(MLM, 8))
     stock = run_stock(MLM, tmp_path_factory.mktemp("stock_fp16"), flags, _port(560 + 10 * (policy == "reroute")))
-    assert stock.returncode == 0, stock.logs[-4000:]
+    assert stock.returncode == 0, stock.tail()
     scales = stock.loss_scales()
     skipped = sorted(it for it, (_, skip) in scales.items() if skip)
     # the stock job overflows in the iterations the kills are in (core_r0.16: in 3 and 6 only; core_r0.19: in 7 too),
@@ -527,7 +530,7 @@ def test_fp16_loss_scale_skips_and_grows_as_stock(tmp_path_factory: pytest.TempP
     assert len({scale for scale, _ in scales.values()}) >= 2
     job = run_odyssey(MLM, tmp_path, [*flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-policy", policy,
                                       "--odyssey-inject-fault", f"{kill},kind=kill"], _port(580 + 10 * (policy == "reroute")))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     (failure,) = job.report["failures"]
     assert failure["policy"] == policy and failure["ranks"] == [1], failure
     assert job.loss_scales() == scales
@@ -542,10 +545,10 @@ def test_overlapped_grad_reduce_hands_off(tmp_path_factory: pytest.TempPathFacto
     are complete, and every iteration equals stock Megatron-LM with the same flag."""
     flags = [*TINY_GPT, "--overlap-grad-reduce"]
     stock = run_stock(MLM, tmp_path_factory.mktemp("stock_overlap"), flags, _port(500))
-    assert stock.returncode == 0, stock.logs[-4000:]
+    assert stock.returncode == 0, stock.tail()
     job = run_odyssey(MLM, tmp_path, [*flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-inject-fault",
                                       f"step=2,rank=2,phase={phase},kind=kill"], _port(510 + 10 * (phase == "backward")))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     (failure,) = job.report["failures"]
     assert failure["ranks"] == [2] and failure["recovery_s"] < 30, failure
     assert failure["overlapped"] == sorted(set(range(4)) - {2}), failure  # a plain reroute: every survivor overlaps
@@ -559,7 +562,7 @@ VPP = ["--num-layers-per-virtual-pipeline-stage", "1"]  # 4 layers, PP=2: two ch
 @pytest.fixture(scope="module")
 def stock_vpp(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[str, ...]]:
     job = run_stock(MLM, tmp_path_factory.mktemp("stock_vpp"), [*TINY_GPT, *VPP], _port(700))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     return job.iterations()
 
 
@@ -570,7 +573,7 @@ def test_interleaved_stages_hand_off(stock_vpp: dict, tmp_path: Path, policy: st
     Every iteration equals stock interleaved Megatron-LM."""
     job = run_odyssey(MLM, tmp_path, [*ODYSSEY, *VPP, "--odyssey-policy", policy, "--odyssey-inject-fault",
                                       "step=2,rank=1,phase=backward,kind=kill"], _port(710 + 10 * (policy == "reroute")))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     (failure,) = job.report["failures"]
     assert failure["ranks"] == [1] and failure["policy"] == policy
     assert [s["step"] for s in job.report["steps"]] == list(range(ITERS))
@@ -584,7 +587,7 @@ def test_a_slow_link_is_named_under_interleaving(stock_vpp: dict, tmp_path: Path
     Megatron's schedule with the wrapped requests trains equal to stock interleaved Megatron-LM."""
     job = run_odyssey(MLM, tmp_path, [*ODYSSEY, *VPP, "--odyssey-slow-action", "none", "--odyssey-inject-fault",
                                       f"step=0,rank=2,kind=slow-link,factor={SLOW_LINK}"], _port(780))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     found = job.report["diagnoses"]
     assert [(d["kind"], d["ranks"], d["action"]) for d in found] == [("comm-slow", [2], "none")], found
     assert found[0]["step"] <= 3
@@ -607,7 +610,7 @@ def stock_distopt(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[s
     """Eight CPU ranks (PP=2 x DP=4) with Megatron's distributed optimizer in two instances of two ranks."""
     _skip_where_stock_clips_by_sqrt2()
     job = run_stock(MLM, tmp_path_factory.mktemp("stock_distopt"), [*TINY_GPT, *DISTOPT], _port(600), nproc=8)
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     return job.iterations()
 
 
@@ -618,7 +621,7 @@ def test_distributed_optimizer_survives_a_kill(stock_distopt: dict, tmp_path: Pa
     stock Megatron-LM with the distributed optimizer."""
     job = run_odyssey(MLM, tmp_path, [*ODYSSEY, *DISTOPT, "--odyssey-policy", "reroute", "--odyssey-inject-fault",
                                       "step=2,rank=1,phase=backward,kind=kill"], _port(610), nproc=8)
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     (failure,) = job.report["failures"]
     assert failure["ranks"] == [1] and failure["policy"] == "reroute"
     assert [s["step"] for s in job.report["steps"]] == list(range(ITERS))
@@ -637,7 +640,7 @@ def test_replicated_shards_survive_a_second_failure(stock_distopt: dict, tmp_pat
     copy of two of them, and the survivors reassemble stage 1 from the other copies: equal to stock."""
     job = run_odyssey(MLM, tmp_path, [*ODYSSEY, *DISTOPT, "--odyssey-inject-fault", "step=1,rank=1,phase=backward,kind=kill",
                                       "--odyssey-inject-fault", "step=3,rank=5,phase=forward,kind=kill"], _port(630), nproc=8)
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     assert [f["ranks"] for f in job.report["failures"]] == [[1], [5]]
     assert [s["step"] for s in job.report["steps"]] == list(range(ITERS))
     assert same_training(job.iterations(), stock_distopt)
@@ -653,7 +656,7 @@ def test_fp16_distributed_optimizer_through_two_kills(tmp_path_factory: pytest.T
     _skip_where_stock_clips_by_sqrt2()
     flags = [*with_fp16_loss_scaling(tiny_gpt_flags_for(MLM, 8)), *DISTOPT]
     stock = run_stock(MLM, tmp_path_factory.mktemp("stock_fp16_distopt"), flags, _port(650), nproc=8)
-    assert stock.returncode == 0, stock.logs[-4000:]
+    assert stock.returncode == 0, stock.tail()
     scales = stock.loss_scales()
     # the second kill in an iteration that overflows in stock, after the first failure: 6 with the vocabulary of 0.16
     # on; core_r0.12-0.15's larger model overflows in iterations 1, 4 and 7 instead (its first after iteration 2)
@@ -664,7 +667,7 @@ def test_fp16_distributed_optimizer_through_two_kills(tmp_path_factory: pytest.T
                                       "--odyssey-inject-fault", "step=1,rank=1,phase=backward,kind=kill",
                                       "--odyssey-inject-fault", f"step={overflow - 1},rank=5,phase=forward,kind=kill"],
                       _port(660), nproc=8)
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     assert [f["ranks"] for f in job.report["failures"]] == [[1], [5]]
     assert job.loss_scales() == scales
     assert same_training(job.iterations(), stock.iterations(), rel=1e-5)
@@ -681,7 +684,7 @@ def test_replicated_shards_lost_restart_in_process_from_the_checkpoint_saved_aft
                                       "--odyssey-inject-fault", "step=3,rank=2,phase=backward,kind=kill",
                                       "--odyssey-inject-fault", "step=3,rank=3,phase=backward,kind=kill"],
                       _port(640), nproc=8)
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     first, second = job.report["failures"]
     if release_minor(MLM) < 15:
         assert second["ranks"] == [2, 3] and second["policy"] == "reroute", second
@@ -705,11 +708,11 @@ def test_distributed_optimizer_checkpoint_after_a_failure_holds_what_stock_write
 
     stock_work = tmp_path_factory.mktemp("stock_reshardable")
     stock = run_stock(MLM, stock_work, flags(stock_work), _port(680), nproc=8)
-    assert stock.returncode == 0, stock.logs[-4000:]
+    assert stock.returncode == 0, stock.tail()
     job = run_odyssey(MLM, tmp_path, [*flags(tmp_path), "--odyssey-heartbeat-timeout", "10",
                                       "--odyssey-inject-fault", "step=1,rank=1,phase=backward,kind=kill"],
                       _port(690), nproc=8)
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     assert same_training(job.iterations(), stock.iterations())
     ours, theirs = (read_torch_dist(w / "ckpt" / "iter_0000004") for w in (tmp_path, stock_work))
     assert any(k.startswith("optimizer.state.exp_avg_sq.") for k in theirs)
@@ -744,7 +747,7 @@ def stock_overlapped_distopt(tmp_path_factory: pytest.TempPathFactory) -> dict[i
     with --no-align-grad-reduce (its default reduces twice there; see the test below)."""
     job = run_stock(MLM, tmp_path_factory.mktemp("stock_overlapped"),
                     [*TINY_GPT, *DISTOPT, *OVERLAPPED, "--no-align-grad-reduce"], _port(650), nproc=8)
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     return job.iterations()
 
 
@@ -760,7 +763,7 @@ def test_stock_reduces_twice_with_overlapped_reduce_over_optimizer_instances(
     assert same_training(stock_overlapped_distopt, stock_distopt)
     aligned = run_stock(MLM, tmp_path_factory.mktemp("stock_aligned"), [*TINY_GPT, *DISTOPT, *OVERLAPPED],
                         _port(660), nproc=8)
-    assert aligned.returncode == 0, aligned.logs[-4000:]
+    assert aligned.returncode == 0, aligned.tail()
     first_norm, without_overlap = aligned.iterations()[1][3], stock_distopt[1][3]
     if release_minor(MLM) <= 15:
         assert first_norm == without_overlap
@@ -778,7 +781,7 @@ def test_overlapped_distributed_optimizer_survives_a_kill(stock_overlapped_disto
                                       "--save-interval", "2",
                                       "--odyssey-inject-fault", "step=2,rank=1,phase=forward,kind=kill"],
                       _port(670), nproc=8)
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     (failure,) = job.report["failures"]
     assert failure["ranks"] == [1] and failure["phase"] == "forward"
     assert [s["step"] for s in job.report["steps"]] == list(range(ITERS))
@@ -815,7 +818,7 @@ def test_staged_through_host_copies_trains_as_stock(stock_overlapped_distopt: di
     job = run_odyssey(MLM, tmp_path, shared_device_flags([*ODYSSEY, *flags, "--odyssey-inject-fault",
                                                           "step=2,rank=1,phase=forward,kind=kill"]),
                       _port(1230 + 10 * (nproc == 4)), nproc=nproc, shared="stage-all")
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     (failure,) = job.report["failures"]
     assert failure["ranks"] == [1]
     assert same_training(job.iterations(), stock)
@@ -837,11 +840,11 @@ def test_cyclic_data_loader_through_a_kill(tmp_path_factory: pytest.TempPathFact
     failure a survivor reads the dead rank's micro-batches from a sampler built for that rank. Equal to stock."""
     flags = [*TINY_GPT, "--dataloader-type", "cyclic"]
     stock = run_stock(MLM, tmp_path_factory.mktemp(f"stock_cyclic_{policy}"), flags, _port(800))
-    assert stock.returncode == 0, stock.logs[-4000:]
+    assert stock.returncode == 0, stock.tail()
     job = run_odyssey(MLM, tmp_path, [*flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-policy", policy,
                                       "--odyssey-inject-fault", "step=2,rank=1,phase=backward,kind=kill"],
                       _port(810 if policy == "reroute" else 820))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     assert [f["policy"] for f in job.report["failures"]] == [policy]
     assert same_training(job.iterations(), stock.iterations())
 
@@ -851,7 +854,7 @@ def stock_evaluating(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str
     """Stock Megatron-LM evaluating 2 iterations after every 2nd one: its flags and its run."""
     flags = with_evaluation(TINY_GPT, 2, 2)
     stock = run_stock(MLM, tmp_path_factory.mktemp("stock_eval"), flags, _port(840))
-    assert stock.returncode == 0, stock.logs[-4000:]
+    assert stock.returncode == 0, stock.tail()
     return flags, stock
 
 
@@ -868,7 +871,7 @@ def test_evaluation_during_training_through_a_kill(stock_evaluating: tuple, tmp_
     job = run_odyssey(MLM, tmp_path, [*flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-policy", policy,
                                       "--odyssey-inject-fault", f"step={step},rank=1,phase={phase},kind=kill"],
                       _port(850 + 20 * (phase == "eval")))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     assert [(f["ranks"], f["policy"]) for f in job.report["failures"]] == [([1], policy)]
     where = [w for w, _, _ in stock.validations()]
     assert where == ["iteration 2", "iteration 4", f"iteration {ITERS} on validation set",
@@ -888,10 +891,10 @@ def test_a_rank_lost_before_an_evaluation_under_a_sparse_log(tmp_path: Path) -> 
     flags = with_evaluation(TINY_GPT, 2, 2)
     flags[flags.index("--log-interval") + 1] = "5"
     stock = run_stock(MLM, tmp_path / "stock", flags, _port(1080))
-    assert stock.returncode == 0, stock.logs[-4000:]
+    assert stock.returncode == 0, stock.tail()
     job = run_odyssey(MLM, tmp_path / "odyssey", [*flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-inject-fault",
                                                   "step=1,rank=3,phase=between,kind=kill"], _port(1090))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     assert [f["ranks"] for f in job.report["failures"]] == [[3]]
     assert "a timer's barrier of iteration 2 was interrupted by a failure; the survivors run it again" in job.logs
     # (Megatron logs the first iteration too from core_r0.16.0 on: training_log's is_first_iteration)
@@ -920,7 +923,7 @@ def test_a_rank_stalled_in_an_evaluation_is_fenced(stock_evaluating: tuple, tmp_
                                       "--odyssey-hard-timeout", "10",
                                       *[x for f in faults for x in ("--odyssey-inject-fault", f)]],
                       _port(880 + 20 * (schedule == "plan") + 10 * (stalled == 1)))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     assert [f["ranks"] for f in job.report["failures"]] == [[1], [stalled]][-len(faults):]
     assert f"rank {stalled} has made no progress" in job.logs and "last operation: eval" in job.logs
     # fenced at the hard timeout (before, with rank 1 stalled: 610 s, when rank 3's receive timed out in Megatron's
@@ -937,10 +940,10 @@ def test_per_token_loss_after_a_reroute(tmp_path_factory: pytest.TempPathFactory
     equals stock Megatron-LM's."""
     flags = [*TINY_GPT, "--calculate-per-token-loss"]
     stock = run_stock(MLM, tmp_path_factory.mktemp("stock_per_token"), flags, _port(60))
-    assert stock.returncode == 0, stock.logs[-4000:]
+    assert stock.returncode == 0, stock.tail()
     job = run_odyssey(MLM, tmp_path, [*flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-policy", "reroute",
                                       "--odyssey-inject-fault", "step=2,rank=1,phase=backward,kind=kill"], _port(70))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     (failure,) = job.report["failures"]
     assert failure["policy"] == "reroute"
     assert same_training(job.iterations(), stock.iterations())
@@ -959,7 +962,7 @@ def _resume(work: Path, checkpoint: Path, port: int):
     """Stock Megatron-LM (torchrun, original PP=2 x DP=2) resuming from ``checkpoint``'s iteration SAVE_AT."""
     job = run_stock(MLM, work, [*tiny_gpt_flags_for(MLM, SAVED_ITERS), "--load", str(checkpoint), "--ckpt-step",
                                 str(SAVE_AT), "--save", str(work / "ckpt"), "--save-interval", str(SAVED_ITERS)], port)
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     assert sorted(job.iterations()) == list(range(SAVE_AT + 1, SAVED_ITERS + 1))
     return job
 
@@ -970,7 +973,7 @@ def stock_saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, d
     checkpoint, the resumed job's logged iterations, its final checkpoint)."""
     work = tmp_path_factory.mktemp("stock_saved")
     job = run_stock(MLM, work, _saving(work), _port(80))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     resumed = _resume(work / "resume", work / "ckpt", _port(90))
     return work / "ckpt", resumed.iterations(), read_torch_dist(work / "resume" / "ckpt" / f"iter_{SAVED_ITERS:07d}")
 
@@ -985,7 +988,7 @@ def test_checkpoint_saved_after_a_recovery_resumes_like_stock(stock_saved: tuple
     job = run_odyssey(MLM, tmp_path, [*_saving(tmp_path), "--odyssey-heartbeat-timeout", "10", "--odyssey-policy",
                                       policy, "--odyssey-inject-fault", f"step=1,rank={rank},phase=backward,kind=kill"],
                       _port(100 + 10 * rank))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     assert [f["policy"] for f in job.report["failures"]] == [policy]
     saved = f"iter_{SAVE_AT:07d}"
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == str(SAVED_ITERS)
@@ -1008,17 +1011,21 @@ def test_a_scheduler_stops_the_job_after_a_recovery(tmp_path: Path, handler: boo
     flags = [*tiny_gpt_flags_for(MLM, iters), "--odyssey-heartbeat-timeout", "10", "--save", str(tmp_path / "ckpt"),
              "--save-interval", str(iters), "--odyssey-inject-fault", "step=1,rank=1,phase=backward,kind=kill",
              *(["--exit-signal-handler"] if handler else [])]
-    job = run_odyssey(MLM, tmp_path, flags, _port(1060 + 10 * handler), sigterm_after_iteration=4)
+    # (the save takes a while: a process's first save spawns Megatron's writer manager, which imports the script
+    # again; under torch 2.7.1's CUDA build 10 s of CPU per rank, and 25 s for four ranks on 2 loaded cores, past
+    # the launcher's default 30 s with the teardown: its ranks were killed and the job ended 143)
+    job = run_odyssey(MLM, tmp_path, flags, _port(1060 + 10 * handler), sigterm_after_iteration=4,
+                      launcher_flags=("--termination-grace", "120"))
     assert "[odyssey launch] received SIGTERM: passing it to the ranks" in job.logs
     stopped_at = max(job.iterations())
     assert 4 <= stopped_at < iters
     if handler:
-        assert job.returncode == 0, job.logs[-4000:]
+        assert job.returncode == 0, job.tail()
         assert "exiting program after receiving SIGTERM" in job.logs
         assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == str(stopped_at)
         assert job.report["ok"] and [f["ranks"] for f in job.report["failures"]] == [[1]]
     else:
-        assert job.returncode == 128 + 15, job.logs[-4000:]
+        assert job.returncode == 128 + 15, job.tail()
         assert "stopping the job: odyssey-launch received SIGTERM and passed it to the ranks" in job.logs
         first, last = job.report["failures"]
         assert first["ranks"] == [1] and "received SIGTERM" in last["reason"] and not job.report["ok"]
@@ -1040,11 +1047,11 @@ def test_the_rerun_state_machines_exit_ends_the_job_with_its_code(tmp_path: Path
                 "--error-injection-type", "transient_error", "--save", str(work / "ckpt"), "--save-interval", "100"]
 
     stock = run_stock(MLM, tmp_path / "stock", flags(tmp_path / "stock"), _port(1400))
-    assert "Possible transient error" in stock.logs and "exitcode  : 17" in stock.logs, stock.logs[-4000:]
+    assert "Possible transient error" in stock.logs and "exitcode  : 17" in stock.logs, stock.tail()
     finished = max(stock.iterations(), default=0)  # (the iterations stock finished and logged before the rejection)
     job = run_odyssey(MLM, tmp_path / "odyssey", [*flags(tmp_path / "odyssey"), "--odyssey-heartbeat-timeout", "10"],
                       _port(1410))
-    assert job.returncode == 17, job.logs[-4000:]
+    assert job.returncode == 17, job.tail()
     assert job.report["failures"] == [] and not job.report["ok"]
     assert same_training(job.iterations(), stock.iterations()) and max(job.iterations(), default=0) == finished
     ended = job.report["ended_by_script"]
@@ -1081,11 +1088,11 @@ def test_the_rerun_state_machine_validates_the_steps_after_a_failure(tmp_path: P
 
     port = {"transient_error": 1420, "persistent_error": 1440}[kind]
     stock = run_stock(MLM, tmp_path / "stock", flags(tmp_path / "stock"), _port(port))
-    assert f"exitcode  : {code}" in stock.logs, stock.logs[-4000:]
+    assert f"exitcode  : {code}" in stock.logs, stock.tail()
     job = run_odyssey(MLM, tmp_path / "odyssey", [*flags(tmp_path / "odyssey"), "--odyssey-heartbeat-timeout", "10",
                                                   "--odyssey-inject-fault", "step=0,rank=1,phase=backward,kind=kill"],
                       _port(port + 10))
-    assert job.returncode == code, job.logs[-4000:]
+    assert job.returncode == code, job.tail()
     (failure,) = job.report["failures"]
     assert failure["ranks"] == [1] and failure["step"] == 0
     ended = job.report["ended_by_script"]
@@ -1133,7 +1140,7 @@ def stock_uneven(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
     how = request.param
     job = run_stock(MLM, tmp_path_factory.mktemp(f"stock_uneven_{how}"), _uneven(how),
                     _port(1500 + 30 * list(UNEVEN).index(how)))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     return how, job.iterations()
 
 
@@ -1151,7 +1158,7 @@ def test_an_uneven_pipeline_split_through_a_kill(stock_uneven: tuple[str, dict],
     job = run_odyssey(MLM, tmp_path, [*_uneven(how), "--odyssey-heartbeat-timeout", "10", "--odyssey-policy", policy,
                                       "--odyssey-inject-fault", f"step=2,rank={rank},phase=backward,kind=kill"],
                       _port(1510 + 30 * list(UNEVEN).index(how) + 10 * (policy == "reroute")))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     assert job.report["config"]["layer_split"] == UNEVEN[how][2]
     (failure,) = job.report["failures"]
     assert failure["ranks"] == [rank] and failure["policy"] == policy, failure
@@ -1167,7 +1174,7 @@ def test_an_uneven_split_with_virtual_stages_is_refused_at_start_up(tmp_path: Pa
         pytest.skip("--pipeline-model-parallel-layout came with core_r0.13.0")
     job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--pipeline-model-parallel-layout", "Ett|t|t|L"], _port(1590))
     terminal = (tmp_path / "console0.txt").read_text()
-    assert job.returncode != 0, job.logs[-4000:]
+    assert job.returncode != 0, job.tail()
     assert "interleaved pipelines with Megatron's uniform split only" in terminal and "[3, 1]" in terminal, terminal
     assert job.iterations() == {}
 
@@ -1186,7 +1193,7 @@ def stock_tied(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
     """Stock Megatron-LM with tied embeddings: its logged iterations and final checkpoint."""
     work = tmp_path_factory.mktemp("stock_tied")
     job = run_stock(MLM, work, _tied_saving(work), _port(900))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     return job.iterations(), read_torch_dist(work / "ckpt" / f"iter_{ITERS:07d}")
 
 
@@ -1202,7 +1209,7 @@ def test_tied_embeddings_through_a_kill(stock_tied: tuple, tmp_path: Path, polic
     job = run_odyssey(MLM, tmp_path, [*_tied_saving(tmp_path), "--odyssey-heartbeat-timeout", "10", "--odyssey-policy",
                                       policy, "--odyssey-inject-fault", f"step=1,rank={rank},phase=backward,kind=kill"],
                       _port(910 + 10 * rank))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     assert [f["policy"] for f in job.report["failures"]] == [policy]
     assert same_training(job.iterations(), stock)
     final = read_torch_dist(tmp_path / "ckpt" / f"iter_{ITERS:07d}")
@@ -1225,7 +1232,7 @@ def stock_tied_distopt(tmp_path_factory: pytest.TempPathFactory) -> Callable[[in
         if nproc not in runs:
             work = tmp_path_factory.mktemp(f"stock_tied_distopt{nproc}")
             job = run_stock(MLM, work, _tied_distopt(work), _port(960 + nproc), nproc=nproc)
-            assert job.returncode == 0, job.logs[-4000:]
+            assert job.returncode == 0, job.tail()
             final = read_torch_dist(work / "ckpt" / f"iter_{ITERS:07d}") if release_minor(MLM) >= 15 else {}
             runs[nproc] = job.iterations(), final
         return runs[nproc]
@@ -1254,11 +1261,11 @@ def test_tied_embeddings_with_the_distributed_optimizer_through_kills(
         job = run_odyssey(MLM, tmp_path, flags, _port(980 + nproc), nproc=nproc)
         assert job.returncode != 0 and not job.iterations()
         assert ("--odyssey cannot reproduce core_r0.12.0's distributed optimizer in several instances with tied "
-                "embeddings" in job.logs), job.logs[-4000:]
+                "embeddings" in job.logs), job.tail()
         return
     stock, stock_final = stock_tied_distopt(nproc)
     job = run_odyssey(MLM, tmp_path, flags, _port(980 + nproc), nproc=nproc)
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     assert [f["policy"] for f in job.report["failures"]] == [policy] * len(faults)
     assert same_training(job.iterations(), stock)
     if release_minor(MLM) < 15:
@@ -1280,7 +1287,7 @@ def _ramp() -> list[str]:
 @pytest.fixture(scope="module")
 def stock_ramp(tmp_path_factory: pytest.TempPathFactory) -> dict:
     job = run_stock(MLM, tmp_path_factory.mktemp("stock_ramp"), _ramp(), _port(1000))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     return job.iterations()
 
 
@@ -1290,7 +1297,7 @@ def test_a_failure_past_the_batch_size_ramp_is_recovered(stock_ramp: dict, tmp_p
     (with its consumed-sample count) equals stock's."""
     job = run_odyssey(MLM, tmp_path, [*_ramp(), "--odyssey-heartbeat-timeout", "10",
                                       "--odyssey-inject-fault", "step=5,rank=1,phase=backward,kind=kill"], _port(1010))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     assert [f["ranks"] for f in job.report["failures"]] == [[1]]
     assert [stock_ramp[i][0] for i in (1, 2, 3, 4, 5, 6)] == ["4", "8", "14", "20", "28", "36"]
     assert same_training(job.iterations(), stock_ramp)
@@ -1319,7 +1326,7 @@ DROPOUT[DROPOUT.index("--hidden-dropout") + 1] = "0.1"
 def fault_free_dropout(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """--odyssey without a failure, dropout 0.1: masks keyed to (seed, iteration, micro-batch, layer)."""
     job = run_odyssey(MLM, tmp_path_factory.mktemp("dropout_ref"), DROPOUT, _port(400))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     return job.iterations()
 
 
@@ -1331,7 +1338,7 @@ def test_dropout_through_a_failure_equals_fault_free(fault_free_dropout: dict, s
     dropout is really on: they differ from the dropout-free stock run's)."""
     job = run_odyssey(MLM, tmp_path, [*DROPOUT, "--odyssey-policy", policy, "--odyssey-inject-fault",
                                       f"step=2,rank={rank},phase=backward,kind=kill"], _port(410 + rank))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     assert [f["policy"] for f in job.report["failures"]] == [policy]
     assert same_training(job.iterations(), fault_free_dropout)
     assert not same_training(job.iterations(), stock)
@@ -1345,7 +1352,7 @@ def test_lost_stage_restarts_in_process_from_megatron_checkpoint(stock: dict, tm
     faults = [f"step=3,rank={r},phase=forward,kind=kill" for r in (2, 3)]
     job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
                                       *(x for f in faults for x in ("--odyssey-inject-fault", f))], _port(450))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     restart = job.report["failures"][-1]
     assert restart["policy"] == "restart" and "no live copy" in restart["reason"]
     assert restart["lost_steps"] == 1  # iteration 3, committed after the checkpoint of iteration 2
@@ -1361,7 +1368,7 @@ def test_the_agents_launcher_is_killed_and_the_standby_takes_over(stock: dict, t
     groups, and the job trains as stock Megatron-LM."""
     job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--odyssey-inject-fault", "step=2,rank=1,phase=backward,kind=kill-agent"],
                       _port(50), nodes=2)
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     report = job.report
     (takeover,) = report["takeovers"]
     assert takeover["ranks_lost"] == [] and takeover["policy"] == "resume"
@@ -1376,7 +1383,7 @@ def test_machine_0_is_lost_with_the_agent_and_a_rank(stock: dict, tmp_path: Path
     and the job trains as stock Megatron-LM."""
     job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--odyssey-inject-fault", "step=2,rank=0,phase=forward,kind=kill-machine"],
                       _port(60), nodes=4)
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     report = job.report
     (takeover,) = report["takeovers"]
     assert takeover["ranks_lost"] == [0] and takeover["policy"] in ("reroute", "reconfigure")
@@ -1399,7 +1406,7 @@ def test_a_lost_machine_comes_back_and_joins(stock: dict, tmp_path: Path, monkey
     job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--odyssey-inject-fault", "step=1,rank=3,phase=forward,kind=kill-machine",
                                       "--odyssey-rejoin", "3@2", *_log_writers(tmp_path, monkeypatch)],
                       _port(750), nodes=4, join=(3,))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     report = job.report
     (failure,) = report["failures"]
     assert failure["ranks"] == [3]
@@ -1443,7 +1450,7 @@ def test_a_machine_that_comes_back_opens_no_log_writer_of_its_own(tmp_path: Path
     job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--odyssey-inject-fault", "step=1,rank=1,phase=forward,kind=kill-machine",
                                       "--odyssey-rejoin", "1@2", *_log_writers(tmp_path, monkeypatch)],
                       _port(790), nodes=4, join=(1,))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     (joined,) = job.report["joins"]
     assert joined["ranks"] == [1]
     assert len(list((tmp_path / "tb").glob("events.out.tfevents.*"))) == 1
@@ -1462,13 +1469,13 @@ def test_a_lost_machine_comes_back_to_an_fp16_job(tmp_path_factory: pytest.TempP
 
     flags = with_fp16_loss_scaling(tiny_gpt_flags_for(MLM, 8))
     stock = run_stock(MLM, tmp_path_factory.mktemp("stock_fp16_join"), flags, _port(1030))
-    assert stock.returncode == 0, stock.logs[-4000:]
+    assert stock.returncode == 0, stock.tail()
     scales = stock.loss_scales()
     assert {3, 6} <= {it for it, (_, skip) in scales.items() if skip}, scales  # (core_r0.19.0: and 7)
     job = run_odyssey(MLM, tmp_path, [*flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-inject-fault",
                                       "step=1,rank=3,phase=forward,kind=kill-machine", "--odyssey-rejoin", "3@2"],
                       _port(1040), nodes=4, join=(3,))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     (joined,) = job.report["joins"]
     assert joined["ranks"] == [3] and joined["step"] == 4, joined
     assert job.report["steps"][-1]["alive"] == 4
@@ -1483,11 +1490,11 @@ def test_a_tensor_parallel_node_is_lost_and_comes_back(tmp_path_factory: pytest.
     and is admitted whole. Every logged iteration equals stock Megatron-LM's at the same TP."""
     flags = [*TINY_GPT, "--tensor-model-parallel-size", "2"]
     stock_tp = run_stock(MLM, tmp_path_factory.mktemp("stock_tp"), flags, _port(760), nproc=8)
-    assert stock_tp.returncode == 0, stock_tp.logs[-4000:]
+    assert stock_tp.returncode == 0, stock_tp.tail()
     job = run_odyssey(MLM, tmp_path, [*flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-inject-fault",
                                       "step=1,rank=6,phase=forward,kind=kill-machine", "--odyssey-rejoin", "6@2",
                                       "--odyssey-rejoin", "7@2"], _port(770), nproc=8, nodes=4, join=(3,))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     (failure,) = job.report["failures"]
     assert failure["ranks"] == [6, 7]
     (joined,) = job.report["joins"]

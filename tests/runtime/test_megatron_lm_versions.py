@@ -65,7 +65,7 @@ def test_every_patch_of_the_release_applies(checkout: str) -> None:
 def _stock(checkout: str, references: dict, tmp: pytest.TempPathFactory) -> dict:
     if checkout not in references:
         job = run_stock(checkout, tmp.mktemp("stock"), _flags(checkout), _port(checkout, 0))
-        assert job.returncode == 0, job.logs[-4000:]
+        assert job.returncode == 0, job.tail()
         references[checkout] = job.iterations()
         assert sorted(references[checkout]) == list(range(1, ITERS + 1))
     return references[checkout]
@@ -80,7 +80,7 @@ def test_release_trains_as_stock_through_a_kill(checkout: str, policy: str, refe
     job = run_odyssey(checkout, tmp_path_factory.mktemp(policy), [
         *_flags(checkout), "--odyssey-heartbeat-timeout", "10", "--odyssey-policy", policy,
         "--odyssey-inject-fault", "step=2,rank=1,phase=backward,kind=kill"], _port(checkout, 10 if policy == "reroute" else 20))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     (failure,) = job.report["failures"]
     assert failure["ranks"] == [1] and failure["policy"] == policy
     assert same_training(job.iterations(), stock), (job.iterations(), stock)
@@ -97,7 +97,7 @@ def test_release_fences_a_rank_blocked_in_training_log(checkout: str, references
         *_flags(checkout), "--odyssey-heartbeat-timeout", "10", "--odyssey-soft-timeout", "5",
         "--odyssey-hard-timeout", "10", "--odyssey-inject-fault", "step=2,rank=1,phase=log,kind=block"],
         _port(checkout, 660))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     (failure,) = job.report["failures"]
     assert failure["ranks"] == [1] and 10.0 <= failure["detection_s"] < 20, failure
     assert "wait in a collective there that it has not entered" in failure["ended"]["1"]
@@ -119,7 +119,7 @@ def test_release_writes_the_final_checkpoint_through_a_kill_after_the_last_itera
         *_flags(checkout), "--odyssey-heartbeat-timeout", "10",
         *(["--save", str(work / "ckpt"), "--save-interval", "2"] if saves else []),
         "--odyssey-inject-fault", f"step={ITERS - 1},rank=1,phase=end,kind=kill"], _port(checkout, 690))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     (failure,) = job.report["failures"]
     assert failure["ranks"] == [1] and failure["step"] == ITERS, failure
     assert "print_datetime's barrier of iteration 5 was interrupted by a failure" in job.logs
@@ -140,7 +140,7 @@ def test_release_writes_again_a_checkpoint_a_kill_interrupted(checkout: str, ref
     job = run_odyssey(checkout, work, [*_flags(checkout), "--save", str(work / "ckpt"), "--save-interval", "2",
                                        "--odyssey-inject-fault", "step=1,rank=1,phase=save,kind=kill"],
                       _port(checkout, 760))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     (failure,) = job.report["failures"]
     assert failure["ranks"] == [1], failure
     assert "the checkpoint save of iteration 2 was interrupted by a failure; the survivors run it again" in job.logs
@@ -163,7 +163,7 @@ def test_release_refuses_at_start_up_a_save_it_cannot_write_here(checkout: str,
     job = run_odyssey(checkout, work, [*_flags(checkout), "--save", str(work / "ckpt"), "--save-interval", "2"],
                       _port(checkout, 780), refusal_expected=True)
     terminal = (work / "console0.txt").read_text()
-    assert job.returncode != 0 and "--save cannot work in this environment" in terminal, job.logs[-4000:]
+    assert job.returncode != 0 and "--save cannot work in this environment" in terminal, job.tail()
     assert why.split(":")[0] in terminal and "leave out --save" in terminal
     assert job.iterations() == {} and not (work / "ckpt").exists()
 
@@ -183,7 +183,7 @@ def test_release_exits_with_its_exit_code_through_a_kill_in_the_barrier_before_e
         *_flags(checkout), "--odyssey-heartbeat-timeout", "10", "--exit-interval", "3",
         "--save", str(work / "ckpt"), "--save-interval", "2",
         "--odyssey-inject-fault", "step=2,rank=1,phase=end,kind=kill"], _port(checkout, 710))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     (failure,) = job.report["failures"]
     assert failure["ranks"] == [1] and failure["step"] == 3, failure
     assert "the barrier before exiting of iteration 3 was interrupted by a failure; the survivors run it" in job.logs
@@ -202,11 +202,11 @@ def test_release_log_energy_through_kills(checkout: str, tmp_path_factory: pytes
     monkeypatch.setenv("PYTHONPATH", str(NVML_STAND_IN))
     flags = [*_flags(checkout), "--log-energy"]
     reference = run_stock(checkout, tmp_path_factory.mktemp("energy_stock"), flags, _port(checkout, 720))
-    assert reference.returncode == 0, reference.logs[-4000:]
+    assert reference.returncode == 0, reference.tail()
     job = run_odyssey(checkout, tmp_path_factory.mktemp("energy"), [
         *flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-inject-fault", "step=2,rank=1,phase=backward,kind=kill",
         "--odyssey-inject-fault", f"step={ITERS - 1},rank=2,phase=end,kind=kill"], _port(checkout, 730))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     assert [f["ranks"] for f in job.report["failures"]] == [[1], [2]]
     assert sorted(reference.energy_per_gpu()) == list(range(1, ITERS + 1))
     assert job.energy_per_gpu() == reference.energy_per_gpu()
@@ -225,7 +225,7 @@ def test_release_staged_through_host_copies_trains_as_stock(checkout: str, refer
     job = run_odyssey(checkout, tmp_path_factory.mktemp("staged"), [
         *_flags(checkout), "--odyssey-heartbeat-timeout", "10",
         "--odyssey-inject-fault", "step=2,rank=1,phase=backward,kind=kill"], _port(checkout, 700), shared="stage-all")
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     (failure,) = job.report["failures"]
     assert failure["ranks"] == [1]
     assert same_training(job.iterations(), stock), (job.iterations(), stock)
@@ -242,11 +242,11 @@ def test_release_logs_params_norm_as_stock_through_a_kill(checkout: str, tmp_pat
     norms = re.compile(r"iteration\s+(\d+)/.*?params norm: ([0-9.E+-]+)")
     flags = [*_flags(checkout), "--log-params-norm"]
     stock = run_stock(checkout, tmp_path_factory.mktemp("stock_params_norm"), flags, _port(checkout, 670))
-    assert stock.returncode == 0, stock.logs[-4000:]
+    assert stock.returncode == 0, stock.tail()
     job = run_odyssey(checkout, tmp_path_factory.mktemp("params_norm"), [
         *flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-policy", "reroute",
         "--odyssey-inject-fault", "step=1,rank=1,phase=between,kind=kill"], _port(checkout, 680))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     expected = dict(norms.findall(stock.logs))
     assert sorted(expected) == [str(i) for i in range(1, ITERS + 1)]
     assert dict(norms.findall(job.logs)) == expected
@@ -269,7 +269,7 @@ def _machine_3_lost_and_back(checkout: str, flags: list[str], work: Path, port: 
     job = run_odyssey(checkout, work, [*flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-inject-fault",
                                        "step=1,rank=3,phase=forward,kind=kill-machine", "--odyssey-rejoin", "3@2"],
                       port, nodes=4, join=(3,))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     (joined,) = job.report["joins"]
     assert joined["ranks"] == [3] and joined["step"] == 4
     assert job.global_batch_sizes() == {8}  # the joined rank logs the job's global batch
@@ -286,11 +286,11 @@ def test_release_cyclic_data_loader_through_a_kill(checkout: str, tmp_path_facto
     assert check.returncode == 0 and check.stdout.strip() == "ok", check.stdout + check.stderr[-3000:]
     flags = [*_flags(checkout), "--dataloader-type", "cyclic"]
     stock = run_stock(checkout, tmp_path_factory.mktemp("stock_cyclic"), flags, _port(checkout, 80))
-    assert stock.returncode == 0, stock.logs[-4000:]
+    assert stock.returncode == 0, stock.tail()
     job = run_odyssey(checkout, tmp_path_factory.mktemp("cyclic"), [
         *flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-policy", "reroute",
         "--odyssey-inject-fault", "step=2,rank=1,phase=backward,kind=kill"], _port(checkout, 90))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     assert same_training(job.iterations(), stock.iterations()), (job.iterations(), stock.iterations())
 
 
@@ -302,11 +302,11 @@ def test_release_evaluates_as_stock_through_a_kill(checkout: str, tmp_path_facto
     model trained through the failure, equal stock's to the printed digit."""
     flags = with_evaluation(_flags(checkout), 2, 2)
     stock = run_stock(checkout, tmp_path_factory.mktemp("stock_eval"), flags, _port(checkout, 100))
-    assert stock.returncode == 0, stock.logs[-4000:]
+    assert stock.returncode == 0, stock.tail()
     job = run_odyssey(checkout, tmp_path_factory.mktemp("eval"), [
         *flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-inject-fault", "step=1,rank=1,phase=eval,kind=kill"],
         _port(checkout, 110))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     assert len(stock.validations()) == 4 and job.validations()[0] == stock.validations()[0]
     assert same_evaluations(job.validations(), stock.validations()), (job.validations(), stock.validations())
     assert same_training(job.iterations(), stock.iterations()), (job.iterations(), stock.iterations())
@@ -334,11 +334,11 @@ def test_release_tied_embeddings_through_a_kill(checkout: str, optimizer: str,
         flags, faults = [*flags, *DISTOPT], [*faults, "step=3,rank=2,phase=forward,kind=kill"]
     offset = 0 if optimizer == "plain" else 300
     stock = run_stock(checkout, tmp_path_factory.mktemp("stock_tied"), flags, _port(checkout, 120 + offset))
-    assert stock.returncode == 0, stock.logs[-4000:]
+    assert stock.returncode == 0, stock.tail()
     job = run_odyssey(checkout, tmp_path_factory.mktemp("tied"), [
         *flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-policy", "reconfigure",
         *[x for f in faults for x in ("--odyssey-inject-fault", f)]], _port(checkout, 130 + offset))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     assert [f["policy"] for f in job.report["failures"]] == ["reconfigure"] * len(faults)
     assert same_training(job.iterations(), stock.iterations()), (job.iterations(), stock.iterations())
 
@@ -351,12 +351,12 @@ def test_release_batch_size_ramp_through_a_kill(checkout: str, tmp_path_factory:
     ramp ended. Equal to stock."""
     flags = with_batch_ramp(_flags(checkout), _minor(checkout))
     stock = run_stock(checkout, tmp_path_factory.mktemp("stock_ramp"), flags, _port(checkout, 440))
-    assert stock.returncode == 0, stock.logs[-4000:]
+    assert stock.returncode == 0, stock.tail()
     assert [stock.iterations()[i][0] for i in range(1, 7)] == ["4", "8", "14", "20", "28", "36"]
     job = run_odyssey(checkout, tmp_path_factory.mktemp("ramp"), [
         *flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-inject-fault", "step=5,rank=1,phase=backward,kind=kill"],
         _port(checkout, 450))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     assert [f["ranks"] for f in job.report["failures"]] == [[1]]
     assert same_training(job.iterations(), stock.iterations()), (job.iterations(), stock.iterations())
 
@@ -372,7 +372,7 @@ def test_release_ignores_the_old_ramp_flag_as_stock(checkout: str, references: d
     job = run_odyssey(checkout, tmp_path_factory.mktemp("old_ramp"), [
         *_flags(checkout), "--rampup-batch-size", "4", "2", "16", "--odyssey-heartbeat-timeout", "10",
         "--odyssey-inject-fault", "step=2,rank=1,phase=backward,kind=kill"], _port(checkout, 770))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     assert job.global_batch_sizes() == {8}
     assert same_training(job.iterations(), stock), (job.iterations(), stock)
 
@@ -402,12 +402,12 @@ def test_release_distributed_optimizer_through_two_kills(checkout: str, overlap:
     stock = run_stock(checkout, tmp_path_factory.mktemp("stock_distopt"),
                       [*flags, *(["--no-align-grad-reduce"] if overlap else [])], _port(checkout, 60 if overlap else 40),
                       nproc=8)
-    assert stock.returncode == 0, stock.logs[-4000:]
+    assert stock.returncode == 0, stock.tail()
     job = run_odyssey(checkout, tmp_path_factory.mktemp("distopt"), [
         *flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-inject-fault", "step=1,rank=1,phase=backward,kind=kill",
         "--odyssey-inject-fault", "step=3,rank=5,phase=forward,kind=kill"], _port(checkout, 70 if overlap else 50),
         nproc=8)
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     assert [f["ranks"] for f in job.report["failures"]] == [[1], [5]]
     shares = job.report["failures"][1]["optimizer_shares"]
     if _minor(checkout) >= 15:
@@ -431,7 +431,7 @@ def test_release_fp16_loss_scale_through_a_kill(checkout: str, fp16_references: 
     job = run_odyssey(checkout, tmp_path_factory.mktemp("fp16"), [
         *flags, "--odyssey-heartbeat-timeout", "10", "--odyssey-policy", "reroute",
         "--odyssey-inject-fault", f"step={overflows[-1] - 1},rank=1,phase=backward,kind=kill"], _port(checkout, 310))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     assert job.loss_scales() == scales
     assert same_training(job.iterations(), stock.iterations(), rel=1e-5), (job.iterations(), stock.iterations())
 
@@ -461,7 +461,7 @@ def _fp16_stock(checkout: str, references: dict, tmp_path_factory: pytest.TempPa
     if checkout not in references:
         flags = with_fp16_loss_scaling(tiny_gpt_flags_for(checkout, 8))
         stock = run_stock(checkout, tmp_path_factory.mktemp("stock_fp16"), flags, _port(checkout, 300))
-        assert stock.returncode == 0, stock.logs[-4000:]
+        assert stock.returncode == 0, stock.tail()
         references[checkout] = (flags, stock)
     return references[checkout]
 
@@ -508,7 +508,7 @@ def test_release_recovers_from_megatron_fault_injector(checkout: str, fault: str
     job = run_odyssey(checkout, tmp_path_factory.mktemp(f"megatron_{fault}"), [
         *_flags(checkout), "--odyssey-heartbeat-timeout", "10", *_megatron_fault(fault, 1, 2)],
         _port(checkout, 500 + 10 * list(MEGATRON_FAULTS).index(fault)))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     assert f"FAULT INJECTION: Rank 1 will inject fault {fault.upper()}" in job.logs
     (failure,) = job.report["failures"]
     assert failure["ranks"] == [1] and failure["step"] >= 2, failure
@@ -540,7 +540,7 @@ def test_release_megatron_fault_injector_after_a_recovery(checkout: str, referen
     job = run_odyssey(checkout, tmp_path_factory.mktemp("megatron_after"), [
         *_flags(checkout), "--odyssey-heartbeat-timeout", "10", "--odyssey-inject-fault",
         "step=1,rank=0,phase=backward,kind=kill", *_megatron_fault("sigkill", 3, 3)], _port(checkout, 650))
-    assert job.returncode == 0, job.logs[-4000:]
+    assert job.returncode == 0, job.tail()
     first, second = job.report["failures"]
     assert first["ranks"] == [0] and first["step"] == 1
     assert second["ranks"] == [3] and second["step"] >= 3 and second["ended"] == {"3": "was killed by SIGKILL"}
