@@ -176,6 +176,19 @@ def test_logged_training_compares_to_the_last_printed_digit() -> None:
     assert not same_training(ref, {})
 
 
+def test_a_failed_jobs_tail_leaves_pythons_warnings_out() -> None:
+    from megatron_odyssey.testing.megatron_lm_job import JobResult
+
+    logs = "\n".join(["[odyssey rank 3] iteration 1: RuntimeError: Connection reset by peer; recovering",
+                      "/m/core/optimizer/optimizer.py:28: UserWarning: Apex is not installed. Falling back",
+                      "  warnings.warn(",
+                      "/m/core/tensor_parallel/layers.py:713: DeprecationWarning: tp_group is None",
+                      "[odyssey agent] stopping the job: the reason"])
+    assert JobResult(1, 1.0, logs).tail() == ("[odyssey rank 3] iteration 1: RuntimeError: Connection reset by peer; "
+                                              "recovering\n[odyssey agent] stopping the job: the reason")
+    assert JobResult(1, 1.0, logs).tail(10) == "the reason"
+
+
 # -- a machine that comes back: odyssey-launch --join (its Megatron side: tests/runtime/test_megatron_lm.py) --
 
 JOIN_ENV_DUMP = """
