@@ -479,8 +479,6 @@ def test_a_silent_rank_that_said_it_leaves_with_the_scripts_code_is_not_fenced(t
     (``LEAVING_KEY``) and then went silent is tearing down, not hung (core_r0.12.0 under torch 2.7.1: every rank's
     heartbeat stopped there, and the agent fenced all four). It is not fenced, and the job ends with its code
     (``_supervise``: ``leaving``); a silent rank that said nothing is fenced as before."""
-    import subprocess
-    import sys
     from datetime import timedelta
 
     import torch.distributed as dist
