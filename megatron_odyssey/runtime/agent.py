@@ -414,8 +414,8 @@ class Agent:
                 if done and self._said_done(ident):
                     self._finish_exit(ident, now)  # past its last step and shutting down: not a hang
                     continue
-                if self._left_on_purpose(ident, None):
-                    continue
+                if self._left_on_purpose(ident, None) or self._being_stopped():
+                    continue  # (stopped by a signal: the launcher's --termination-grace ends one that stays)
                 beat = self.beats.get(ident)
                 fence, state = (True, "") if beat is None else self.silence.fence(ident, self.procs[ident],
                                                                                   now - beat.t)
@@ -435,7 +435,7 @@ class Agent:
                 out.add(ident)
             elif code is None and ident in self.beats:
                 self.silence.look(ident, self.procs[ident], now - self.beats[ident].t)
-        stall = None if done else self._stalled(now)
+        stall = None if done or self._being_stopped() else self._stalled(now)
         if stall is not None and stall.rank not in out:
             beat = self.beats[stall.rank]
             # C4D: a communication hang when peers wait in a communication it never joined (or it stopped inside
@@ -656,6 +656,13 @@ class Agent:
                     self.log_error(f"rank {ident} exited {self.procs[ident].exitcode} during start-up; its last "
                                    f"error:\n" + _indent(self._last_traceback(ident)))
         return stop
+
+    def _being_stopped(self) -> bool:
+        """The launcher passed a termination signal to the ranks: a silent or stalled rank is saving or leaving on
+        it (core_r0.16.0: every heartbeat stopped during the 25 s save on SIGTERM, and the agent fenced a rank that
+        had meanwhile saved and exited 0, ending the job 143), not hung; the launcher kills those still running
+        after its grace."""
+        return bool(getattr(self.termination, "signum", None))
 
     def _stopped_by_signal(self, failed: set[int]) -> int:
         """The launcher passed a SIGTERM to the ranks: ranks ending now are the job being stopped, not failures."""

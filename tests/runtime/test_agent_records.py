@@ -508,3 +508,38 @@ def test_a_silent_rank_that_said_it_leaves_with_the_scripts_code_is_not_fenced(t
     finally:
         for p in procs:
             p.kill()
+
+
+def test_a_silent_rank_is_not_fenced_once_the_job_is_being_stopped_by_a_signal(tmp_path) -> None:
+    """SIGTERM passed on by odyssey-launch (a scheduler stopping the job): a rank whose heartbeat stops meanwhile is
+    saving or leaving on it (core_r0.16.0: every heartbeat stopped during the 25 s save on SIGTERM, the agent fenced
+    a rank that had by then exited 0, and the job ended 143 instead of 0). It is left to the launcher's grace;
+    before the signal the same silence is fenced."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from megatron_odyssey.launch import LocalRank
+    from megatron_odyssey.runtime.agent import Agent, free_port
+    from megatron_odyssey.runtime.config import TrainConfig
+    from megatron_odyssey.runtime.liveness import Beat
+    from megatron_odyssey.testing.processes import start_sleeper
+
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=10))
+    procs = [start_sleeper() for _ in range(2)]
+    try:
+        cfg = TrainConfig(nproc=2, tp=1, pp=2, layers=4, hidden=32, heads=4, seq=16, global_batch=2, micro_batch=1,
+                          steps=4, heartbeat_timeout_s=5.0)
+        agent = Agent(cfg, None, tmp_path, procs={i: LocalRank(p) for i, p in enumerate(procs)}, store=store)
+        agent.termination = SimpleNamespace(signum=15, reason="odyssey-launch received SIGTERM")
+        now = time.time()
+        agent.beats = {0: Beat(now), 1: Beat(now - 6.0)}  # rank 1 silent past the timeout, asleep
+        agent.beats_read = now + 600
+        assert agent.detect() == set() and not agent.fenced and procs[1].poll() is None
+        agent.termination = None  # the same silence without the signal: fenced
+        assert agent.detect() == {1} and procs[1].wait(timeout=10) == -9
+    finally:
+        for p in procs:
+            p.kill()
