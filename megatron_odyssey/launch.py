@@ -115,7 +115,7 @@ class Termination:
         running = [ident for ident, rank in sorted(self.local.items()) if rank.exitcode is None]
         if running:  # (on the terminal: the agent then sees SIGKILLs, which say nothing of why)
             print(f"[odyssey launch] rank(s) {running} still running {self.grace_s:g} s after "
-                  f"{signal.Signals(self.signum or signal.SIGTERM).name}: killing them (a save on "
+                  f"{signal.Signals(self.signum).name}: killing them (a save on "
                   f"--exit-signal-handler that needs longer: raise --termination-grace)", file=sys.stderr, flush=True)
         for ident in running:
             self.local[ident].kill()

@@ -348,7 +348,7 @@ class Agent:
                 return 1
             if self.leaving:
                 return self._ended_by_the_script()
-            if failed and getattr(self.termination, "signum", None):
+            if failed and self._being_stopped():
                 return self._stopped_by_signal(failed)
             if failed and self.started_gen:
                 # a step every member had declared ready is committed first: a staggered plan's ranks that updated
