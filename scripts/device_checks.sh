@@ -19,17 +19,12 @@
 # pytest-timeout are in the device image; the tests use distinct ports and share the GPU fine)
 # The log goes to $OUT/gpu_tests.log, each failure at once to $OUT/gpu_failures.log (a run stopped at its limit
 # prints no summary); record the result (command, device, outcome) in docs/benchmarks.md.
-# Timing (2026-11-27, H200, one warm machine): the Megatron-LM group (8 tests, -n 8) took 224 s and the rest (then
-# 7 tests, -n 7) 78 s; the machine's start about 30 s. A session has 15 device minutes, the start included: two
-# calls on one warm machine, carry [".whl", ".mlm", ".mlm18"], first with timeout_s 560,
-#   timeout 530 bash scripts/device_checks.sh "pretrain_gpt or rerun_state or megatron_device_faults" -n 8 --timeout 450
-# then at once, before the machine goes idle, the rest (9 tests) with what is left:
-#   timeout 230 bash scripts/device_checks.sh "not (pretrain_gpt or rerun_state or megatron_device_faults)" -n 8
+# Timing (2026-11-28, H200, carry [".whl", ".mlm", ".mlm18"]): every test at once, eight at a time, took 315 s
+# (the slowest, the shared-device Megatron-LM cases and GPU_SLEEP, about 170 s each); the machine's start and the
+# transfers about 50 s. A session has 15 device minutes, the start included: one call, timeout_s 560,
+#   timeout 530 bash scripts/device_checks.sh "" -n 8 --timeout 450
+# leaves about 5 minutes to rerun what failed on the same warm machine, or for benchmarks/bench_gpu.py (222 s).
 # A failed test's logs come back too, packed as $OUT/logs-<test>.tgz (tests/gpu/conftest.py).
-# Next device session, first: GPU_SLEEP twice (about 80 s each), to check the fix for its survivor fenced on a
-# heartbeat from before the recovery (0c0cd25), timeout_s 300:
-#   for i in 1 2; do timeout 140 bash scripts/device_checks.sh gpu_sleep --timeout 130; done
-# then the plan above with what is left.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
