@@ -399,7 +399,7 @@ class MegatronRank(GenerationRank):
         AbortWatcher(self, host, int(port), control=self.control).start()
         import atexit
 
-        atexit.register(self.say_done)  # (again: clean_exit says it first, before the teardown)
+        atexit.register(self._say_done_at_exit)  # (again: clean_exit says it first, before the teardown)
 
     def _start_heartbeat(self) -> None:
         Heartbeat(*self.store_addr, self.ident, self.cfg.heartbeat_interval_s, self.progress, self.control).start()
@@ -415,6 +415,12 @@ class MegatronRank(GenerationRank):
             self.store.check([DONE_KEY.format(self.ident)])
         except Exception:  # noqa: BLE001 - the agent is gone: nobody to tell
             pass
+
+    def _say_done_at_exit(self) -> None:
+        """At interpreter exit, unless an uncaught exception ends it (the interpreter records it in
+        ``sys.last_value`` before the exit handlers run): a rank that fails is not done, even while it lingers."""
+        if getattr(sys, "last_value", None) is None:
+            self.say_done()
 
     # -- data ------------------------------------------------------------------------------------------
     def micro_batch(self, step: int, j: int) -> dict[str, torch.Tensor]:

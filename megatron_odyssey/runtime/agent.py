@@ -411,8 +411,10 @@ class Agent:
                 self.procs[ident].kill()  # leftovers (a launched rank's data-loader workers hold its sockets)
                 out.add(ident)
             elif code is None and self._stale(ident, now):
-                if done and self._said_done(ident):
-                    self._finish_exit(ident, now)  # past its last step and shutting down: not a hang
+                if self._said_done(ident):
+                    # shutting down, not hung: past its last step, or its job ended by Megatron's own decision before
+                    # it (--exit-interval, --exit-duration-in-mins, a signal sent to the ranks themselves)
+                    self._finish_exit(ident, now)
                     continue
                 if self._left_on_purpose(ident, None) or self._being_stopped():
                     continue  # (stopped by a signal: the launcher's --termination-grace ends one that stays)
@@ -436,6 +438,9 @@ class Agent:
             elif code is None and ident in self.beats:
                 self.silence.look(ident, self.procs[ident], now - self.beats[ident].t)
         stall = None if done or self._being_stopped() else self._stalled(now)
+        if stall is not None and self._said_done(stall.rank):
+            self._finish_exit(stall.rank, now)  # (its heartbeat thread still beats while its teardown waits)
+            stall = None
         if stall is not None and stall.rank not in out:
             beat = self.beats[stall.rank]
             # C4D: a communication hang when peers wait in a communication it never joined (or it stopped inside
@@ -765,7 +770,9 @@ class Agent:
 
     def _said_done(self, ident: int) -> bool:
         """The rank finished the job (its exit handler said so): its heartbeat thread stops with the
-        interpreter, and tearing down a world of dead peers can take a while."""
+        interpreter, and tearing down a world of dead peers can take a while. Said on a clean end only
+        (``clean_exit.say_done``; at interpreter exit, not after an uncaught exception), so also where the job ends
+        before ``--train-iters``: every rank takes Megatron's exit decision together."""
         from .control_plane import DONE_KEY
 
         if ident in self.exiting:

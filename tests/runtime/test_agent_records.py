@@ -543,3 +543,78 @@ def test_a_silent_rank_is_not_fenced_once_the_job_is_being_stopped_by_a_signal(t
     finally:
         for p in procs:
             p.kill()
+
+
+def test_a_rank_that_said_it_finished_before_the_last_iteration_is_not_fenced(tmp_path) -> None:
+    """Megatron ended the job before --train-iters by its own decision, taken by every rank together
+    (--exit-interval, --exit-duration-in-mins, a SIGTERM sent to the ranks themselves): a rank that said it is done
+    and then goes silent, or stops moving while its heartbeat still beats, is tearing its process groups down, not
+    hung (before, both were fenced: a job that ended as asked counted a failure). Without the word, the same
+    silence is fenced."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from megatron_odyssey.launch import LocalRank
+    from megatron_odyssey.runtime.agent import Agent, Stall, free_port
+    from megatron_odyssey.runtime.config import TrainConfig
+    from megatron_odyssey.runtime.control_plane import DONE_KEY
+    from megatron_odyssey.runtime.liveness import Beat
+    from megatron_odyssey.testing.processes import start_sleeper
+
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=10))
+    procs = [start_sleeper() for _ in range(3)]
+    try:
+        cfg = TrainConfig(nproc=2, tp=1, pp=2, layers=4, hidden=32, heads=4, seq=16, global_batch=2, micro_batch=1,
+                          steps=6, heartbeat_timeout_s=5.0, hard_timeout_s=30.0)
+        agent = Agent(cfg, None, tmp_path, procs={i: LocalRank(p) for i, p in enumerate(procs[:2])}, store=store)
+        agent.next_step = 3  # --exit-interval 3 of --train-iters 6
+        store.set(DONE_KEY.format(1), "1")
+        now = time.time()
+        agent.beats = {0: Beat(now), 1: Beat(now - 6.0)}  # rank 1 silent past the timeout
+        agent.beats_read = now + 600
+        assert agent.detect() == set() and not agent.fenced and 1 in agent.exiting and procs[1].poll() is None
+        agent._stalled = lambda now: Stall(rank=1, why="made no progress", bound="--hard-timeout", waiting=[],
+                                           since=now - 40)  # (beating, stopped in its teardown)
+        agent.beats[1] = Beat(time.time())
+        assert agent.detect() == set() and not agent.fenced and procs[1].poll() is None
+        agent.exiting[1] -= 31  # past the hard timeout: killed, as a finished rank
+        assert agent.detect() == set() and procs[1].wait(timeout=10) == -9 and 1 in agent.killed_after_done
+
+        other = Agent(cfg, None, tmp_path / "b", procs={0: LocalRank(procs[0]), 1: LocalRank(procs[2])}, store=store)
+        other.next_step = 3
+        other.beats = {0: Beat(now), 1: Beat(time.time() - 6.0)}
+        other.beats_read = time.time() + 600
+        store.delete_key(DONE_KEY.format(1))  # nobody said it: the same silence is a hang
+        assert other.detect() == {1} and procs[2].wait(timeout=10) == -9
+    finally:
+        for p in procs:
+            p.kill()
+
+
+@pytest.mark.parametrize("ending", ["exit(0)", "raise ValueError('boom')"])
+def test_a_rank_says_it_is_done_at_interpreter_exit_unless_an_exception_ends_it(tmp_path, ending: str) -> None:
+    """A rank leaving Python other than through ``pretrain``'s end (``clean_exit``) says it is done from its exit
+    handler, which the agent takes as a clean end even while the process lingers; a rank an uncaught exception
+    ends is not done (its error must count), so it says nothing."""
+    import subprocess
+    import sys
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from megatron_odyssey.runtime.agent import free_port
+    from megatron_odyssey.runtime.control_plane import DONE_KEY
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    script = (f"import atexit, datetime, sys\nimport torch.distributed as dist\n"
+              f"from megatron_odyssey.megatron_lm.rank import MegatronRank\n"
+              f"rank = object.__new__(MegatronRank)\nrank.ident = 1\n"
+              f"rank.store = dist.TCPStore('127.0.0.1', {port}, is_master=False, "
+              f"timeout=datetime.timedelta(seconds=10))\n"
+              f"atexit.register(rank._say_done_at_exit)\n{'sys.' if ending.startswith('exit') else ''}{ending}\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == (0 if ending == "exit(0)" else 1), proc.stderr[-2000:]
+    assert store.check([DONE_KEY.format(1)]) == (ending == "exit(0)")
