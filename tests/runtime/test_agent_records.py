@@ -577,14 +577,15 @@ def test_a_rank_that_said_it_finished_before_the_last_iteration_is_not_fenced(tm
         assert agent.detect() == set() and not agent.fenced and 1 in agent.exiting and procs[1].poll() is None
         agent._stalled = lambda now: Stall(rank=1, why="made no progress", bound="--hard-timeout", waiting=[],
                                            since=now - 40)  # (beating, stopped in its teardown)
-        agent.beats[1] = Beat(time.time())
+        agent.beats = {0: Beat(time.time()), 1: Beat(time.time())}
         assert agent.detect() == set() and not agent.fenced and procs[1].poll() is None
         agent.exiting[1] -= 31  # past the hard timeout: killed, as a finished rank
+        agent.beats[0] = Beat(time.time())
         assert agent.detect() == set() and procs[1].wait(timeout=10) == -9 and 1 in agent.killed_after_done
 
         other = Agent(cfg, None, tmp_path / "b", procs={0: LocalRank(procs[0]), 1: LocalRank(procs[2])}, store=store)
         other.next_step = 3
-        other.beats = {0: Beat(now), 1: Beat(time.time() - 6.0)}
+        other.beats = {0: Beat(time.time()), 1: Beat(time.time() - 6.0)}  # (rank 0's beat fresh: only 1 is silent)
         other.beats_read = time.time() + 600
         store.delete_key(DONE_KEY.format(1))  # nobody said it: the same silence is a hang
         assert other.detect() == {1} and procs[2].wait(timeout=10) == -9
