@@ -411,10 +411,7 @@ class Agent:
                 self.procs[ident].kill()  # leftovers (a launched rank's data-loader workers hold its sockets)
                 out.add(ident)
             elif code is None and self._stale(ident, now):
-                if self._said_done(ident):
-                    # shutting down, not hung: past its last step, or its job ended by Megatron's own decision before
-                    # it (--exit-interval, --exit-duration-in-mins, a signal sent to the ranks themselves)
-                    self._finish_exit(ident, now)
+                if self._finishing(ident, now):
                     continue
                 if self._left_on_purpose(ident, None) or self._being_stopped():
                     continue  # (stopped by a signal: the launcher's --termination-grace ends one that stays)
@@ -438,9 +435,6 @@ class Agent:
             elif code is None and ident in self.beats:
                 self.silence.look(ident, self.procs[ident], now - self.beats[ident].t)
         stall = None if done or self._being_stopped() else self._stalled(now)
-        if stall is not None and self._said_done(stall.rank):
-            self._finish_exit(stall.rank, now)  # (its heartbeat thread still beats while its teardown waits)
-            stall = None
         if stall is not None and stall.rank not in out:
             beat = self.beats[stall.rank]
             # C4D: a communication hang when peers wait in a communication it never joined (or it stopped inside
@@ -556,6 +550,8 @@ class Agent:
         if not culprits:
             return None
         first = max(culprits, key=lambda i: (idle[i], -i))
+        if self._finishing(first, now):  # (its heartbeat thread still beats while its teardown waits)
+            return None
         beat = self.beats[first]
         if (first, beat.count) not in self.named_stalled:
             self.named_stalled.add((first, beat.count))
@@ -601,7 +597,7 @@ class Agent:
         stopped = now - max(beat.since, self.aborted_at)
         extra = (self.cfg.first_step_timeout_s - self.cfg.hard_timeout_s) if beat.phase == "save" else 0.0
         waited = min(now - max(self.beats[i].since, self.aborted_at) for i in others)
-        if stopped < self.cfg.soft_timeout_s + extra or waited < self.cfg.soft_timeout_s:
+        if stopped < self.cfg.soft_timeout_s + extra or waited < self.cfg.soft_timeout_s or self._finishing(first, now):
             return None
         where = f"{beat.phase or '-'} after step {beat.step}" if beat.state == IDLE else f"{beat.phase} of step {beat.step}"
         level = [i for i in others if self.beats[i].position == beat.position]
@@ -784,6 +780,16 @@ class Agent:
         if said:
             self.exiting[ident] = time.time()
         return said
+
+    def _finishing(self, ident: int, now: float) -> bool:
+        """The rank said it finished: it is shutting down, not hung (past its last step, or its job ended by
+        Megatron's own decision before it: --exit-interval, --exit-duration-in-mins, a signal sent to the ranks
+        themselves), so it is neither named nor fenced as a stall: it is left to :meth:`_finish_exit`. Asked before
+        a stall is named, whose stack dump's signal could kill a process this far into its exit."""
+        if not self._said_done(ident):
+            return False
+        self._finish_exit(ident, now)
+        return True
 
     def _finish_exit(self, ident: int, now: float) -> None:
         """A finished rank still exiting after the hard timeout is killed; its work is done, so it counts as

@@ -545,7 +545,7 @@ def test_a_silent_rank_is_not_fenced_once_the_job_is_being_stopped_by_a_signal(t
             p.kill()
 
 
-def test_a_rank_that_said_it_finished_before_the_last_iteration_is_not_fenced(tmp_path) -> None:
+def test_a_rank_that_said_it_finished_before_the_last_iteration_is_not_fenced(tmp_path, capsys) -> None:
     """Megatron ended the job before --train-iters by its own decision, taken by every rank together
     (--exit-interval, --exit-duration-in-mins, a SIGTERM sent to the ranks themselves): a rank that said it is done
     and then goes silent, or stops moving while its heartbeat still beats, is tearing its process groups down, not
@@ -556,18 +556,18 @@ def test_a_rank_that_said_it_finished_before_the_last_iteration_is_not_fenced(tm
     import torch.distributed as dist
 
     from megatron_odyssey.launch import LocalRank
-    from megatron_odyssey.runtime.agent import Agent, Stall, free_port
+    from megatron_odyssey.runtime.agent import Agent, free_port
     from megatron_odyssey.runtime.config import TrainConfig
     from megatron_odyssey.runtime.control_plane import DONE_KEY
-    from megatron_odyssey.runtime.liveness import Beat
+    from megatron_odyssey.runtime.liveness import COMM, IDLE, WORKING, Beat
     from megatron_odyssey.testing.processes import start_sleeper
 
     store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=10))
-    procs = [start_sleeper() for _ in range(3)]
+    procs = [start_sleeper() for _ in range(4)]
     try:
         cfg = TrainConfig(nproc=2, tp=1, pp=2, layers=4, hidden=32, heads=4, seq=16, global_batch=2, micro_batch=1,
-                          steps=6, heartbeat_timeout_s=5.0, hard_timeout_s=30.0)
+                          steps=6, heartbeat_timeout_s=5.0, soft_timeout_s=20.0, hard_timeout_s=30.0)
         agent = Agent(cfg, None, tmp_path, procs={i: LocalRank(p) for i, p in enumerate(procs[:2])}, store=store)
         agent.next_step = 3  # --exit-interval 3 of --train-iters 6
         store.set(DONE_KEY.format(1), "1")
@@ -575,20 +575,35 @@ def test_a_rank_that_said_it_finished_before_the_last_iteration_is_not_fenced(tm
         agent.beats = {0: Beat(now), 1: Beat(now - 6.0)}  # rank 1 silent past the timeout
         agent.beats_read = now + 600
         assert agent.detect() == set() and not agent.fenced and 1 in agent.exiting and procs[1].poll() is None
-        agent._stalled = lambda now: Stall(rank=1, why="made no progress", bound="--hard-timeout", waiting=[],
-                                           since=now - 40)  # (beating, stopped in its teardown)
-        agent.beats = {0: Beat(time.time()), 1: Beat(time.time())}
+        # beating, but stopped in its teardown for longer than --hard-timeout, rank 0 waiting in communication: not
+        # named (no stack dump's signal into a process that far into its exit), not fenced
+        agent.warm, agent.judged_from, t = True, 0.0, time.time()
+        agent.beats = {0: Beat(t, 5, COMM, 3, "grad-sync", t - 40), 1: Beat(t, 5, WORKING, 3, "forward", t - 40)}
         assert agent.detect() == set() and not agent.fenced and procs[1].poll() is None
+        assert "rank 1 has made no progress" not in capsys.readouterr().out
+        # the same left behind at a stop between steps (the exit's) while rank 0 waits further on
+        t = time.time()
+        agent.beats = {0: Beat(t, 6, COMM, 4, "grad-sync", t - 40), 1: Beat(t, 6, IDLE, 3, "exit", t - 40, 1)}
+        assert agent.detect() == set() and not agent.fenced and procs[1].poll() is None
+        assert "rank 1 has stopped" not in capsys.readouterr().out
         agent.exiting[1] -= 31  # past the hard timeout: killed, as a finished rank
-        agent.beats[0] = Beat(time.time())
+        agent.judged_from, t = 0.0, time.time()  # (the stop between steps restarted the judging: back inside a step)
+        agent.beats = {0: Beat(t, 7, COMM, 3, "grad-sync", t), 1: Beat(t, 7, WORKING, 3, "forward", t - 40)}
         assert agent.detect() == set() and procs[1].wait(timeout=10) == -9 and 1 in agent.killed_after_done
 
-        other = Agent(cfg, None, tmp_path / "b", procs={0: LocalRank(procs[0]), 1: LocalRank(procs[2])}, store=store)
+        store.delete_key(DONE_KEY.format(1))  # nobody said it: the same stall, then the same silence, are hangs
+        stalled = Agent(cfg, None, tmp_path / "b", procs={0: LocalRank(procs[0]), 1: LocalRank(procs[2])}, store=store)
+        stalled.next_step, stalled.warm, stalled.judged_from, stalled.beats_read = 3, True, 0.0, time.time() + 600
+        t = time.time()
+        stalled.beats = {0: Beat(t, 5, COMM, 3, "grad-sync", t - 40), 1: Beat(t, 5, WORKING, 3, "forward", t - 40)}
+        # (fenced; its stand-in process, which has no faulthandler, may already have died of the stack dump's signal)
+        assert stalled.detect() == {1} and stalled.fenced == {1} and procs[2].wait(timeout=10) < 0
+        assert "rank 1 has made no progress for 40.0 s inside step 3" in capsys.readouterr().out
+        other = Agent(cfg, None, tmp_path / "c", procs={0: LocalRank(procs[0]), 1: LocalRank(procs[3])}, store=store)
         other.next_step = 3
         other.beats = {0: Beat(time.time()), 1: Beat(time.time() - 6.0)}  # (rank 0's beat fresh: only 1 is silent)
         other.beats_read = time.time() + 600
-        store.delete_key(DONE_KEY.format(1))  # nobody said it: the same silence is a hang
-        assert other.detect() == {1} and procs[2].wait(timeout=10) == -9
+        assert other.detect() == {1} and procs[3].wait(timeout=10) == -9
     finally:
         for p in procs:
             p.kill()
