@@ -203,9 +203,7 @@ def _no_step_in_bucket_state(original: Callable[..., Any]) -> Callable[..., Any]
     format; later releases are left alone): the save of its default checkpoint format asserts that every
     per-parameter optimizer state is a slice of the gradient buffer, and torch's Adam (every CPU: no Apex or
     Transformer Engine) also keeps a 0-dim ``step`` there, so stock fails its first save. 0.16 keeps ``step`` out
-    of the checkpoint (it is saved in the param groups); so does this. (Loading such a checkpoint fails on every CPU
-    in every release, 0.16 too: the distributed optimizer's ``state_dict`` asserts one step over torch Adam's still
-    empty state; nothing here changes that.)"""
+    of the checkpoint (it is saved in the param groups); so does this. Loading takes the three wrappers below."""
     if not _before_016():
         return original
 
@@ -220,6 +218,84 @@ def _no_step_in_bucket_state(original: Callable[..., Any]) -> Callable[..., Any]
         return state
 
     return get_parameter_state_dp_reshardable
+
+
+def _uses_torch_adam(original: Callable[..., Any]) -> bool:
+    """The release's distributed optimizer runs torch's Adam (no Apex or Transformer Engine: every CPU), the case
+    its own ``HAVE_APEX_OR_TE`` names."""
+    return not getattr(importlib.import_module(original.__module__), "HAVE_APEX_OR_TE", True)
+
+
+def _state_dict_before_any_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``DistributedOptimizer.state_dict``: with torch's Adam it reads the step count off the per-parameter
+    state and asserts there is exactly one, but a load (``--load``, every release) asks for this template before
+    any step, when torch's state is still empty: every rank fails with a bare AssertionError. With Apex or
+    Transformer Engine the step lives in the param groups and a missing one is allowed; here one step of 0 stands
+    in while the template is made (the load replaces it with the checkpoint's)."""
+    if not _uses_torch_adam(original):
+        return original
+
+    @functools.wraps(original)
+    def state_dict(self: Any) -> Any:
+        if self.optimizer.state:
+            return original(self)
+        first = next((p for group in self.optimizer.param_groups for p in group["params"]), None)
+        if first is None:
+            return original(self)
+        self.optimizer.state[first] = {"step": torch.tensor(0.0)}
+        try:
+            return original(self)
+        finally:
+            self.optimizer.state.pop(first, None)
+
+    return state_dict
+
+
+def _load_into_main_params(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``DistributedOptimizer._set_main_param_and_optimizer_states``, which a load calls to copy the
+    checkpoint's tensors into each main parameter and every tensor of its optimizer state:
+    - torch's Adam keeps its 0-dim ``step`` in that state. The step's truth is the param groups, which
+      ``load_state_dict`` has put in already ("read from param_groups", as Megatron says), but the layout-free
+      format's per-parameter state leaves it out (``KeyError: 'step'`` on every load), and the default format's
+      carries the template's: the placeholder of the empty state before the load, so every step restarted at 0
+      (the resume left stock's course at its second iteration). The state's own step is passed as the source.
+    - the default format's loader (``load_parameter_state_from_dp_reshardable``) runs with autograd on, unlike the
+      layout-free one, and an fp32 job's main parameters are views of its model parameters: "a view of a leaf
+      Variable that requires grad is being used in an in-place operation". A load is no computation to record."""
+    torch_adam = _uses_torch_adam(original)
+
+    @functools.wraps(original)
+    def set_main_param_and_optimizer_states(self: Any, model_param: Any, tensors: dict) -> Any:
+        if torch_adam:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            step = self.optimizer.state.get(main_param, {}).get("step")
+            tensors = {k: v for k, v in tensors.items() if k != "step"}
+            if isinstance(step, torch.Tensor):
+                tensors["step"] = step
+        with torch.no_grad():
+            return original(self, model_param, tensors)
+
+    return set_main_param_and_optimizer_states
+
+
+def _one_step_tensor_per_parameter(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``DistributedOptimizer.load_state_dict``: with torch's Adam it gives every parameter's state the same
+    ``step`` tensor, which torch's Adam then advances in place once per parameter, so from the second step after a
+    load its bias correction is wrong (a resume leaves stock's own course at the second iteration). Each state gets
+    its own copy."""
+    if not _uses_torch_adam(original):
+        return original
+
+    @functools.wraps(original)
+    def load_state_dict(self: Any, state_dict: Any) -> Any:
+        out = original(self, state_dict)
+        for state in self.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+        return out
+
+    return load_state_dict
 
 
 def _cuda_type_names(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -410,6 +486,15 @@ MEGATRON_LM_CPU_PATCHES: Tuple[Patch, ...] = (
     Patch(f"{_MC}.optimizer.distrib_optimizer.DistributedOptimizer.get_parameter_state_dp_reshardable",
           _WrapOriginal(_no_step_in_bucket_state),
           "0.15 --use-distributed-optimizer --save: torch Adam's 0-dim step fails the bucket-slice assertion"),
+    Patch(f"{_MC}.optimizer.distrib_optimizer.DistributedOptimizer.state_dict",
+          _WrapOriginal(_state_dict_before_any_step),
+          "--use-distributed-optimizer --load: asserts one torch Adam step over the still empty state"),
+    Patch(f"{_MC}.optimizer.distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states",
+          _WrapOriginal(_load_into_main_params),
+          "--use-distributed-optimizer --load: copies into torch Adam's step (not saved), with autograd on"),
+    Patch(f"{_MC}.optimizer.distrib_optimizer.DistributedOptimizer.load_state_dict",
+          _WrapOriginal(_one_step_tensor_per_parameter),
+          "--use-distributed-optimizer --load: one step tensor shared by all torch Adam states"),
     Patch(f"{_MC}.fp8_utils._quantize_param_shard_impl", _WrapOriginal(_no_fp8_params_to_quantize),
           "0.12 --use-distributed-optimizer: each step quantizes its (no) fp8 params, which raises without TE"),
     Patch(f"{_MC}.optimizer.clip_grads.torch", _CORE_TORCH_VIEW,

@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..runtime.liveness import IDLE
+from ..runtime.liveness import COMM, IDLE
 from .between_steps import guarded
 from .hooks import STATE, loss_reduction_as_communication
 
@@ -160,6 +160,15 @@ def _watched(runtime: Any, forward_step_func: Callable[..., Any]) -> Callable[..
         return loss_reduction_as_communication(forward_step_func(*args, **kwargs), reduced_per_micro_batch)
 
     return forward_step
+
+
+def awaiting_the_losses_of_the_data_parallel_peers(runtime: Any) -> None:
+    """After an evaluation iteration's schedule, until the next one's first forward marks progress: from
+    core_r0.19.0 on ``evaluate()`` all-reduces each iteration's loss sums over the data-parallel group there, so a
+    last stage whose replica stopped inside its forward waits in it. That rank waits on a peer; left marked as
+    working since its own last forward, it stopped after the stalled replica only by the length of one forward, and
+    on a loaded machine the agent fenced it first (a healthy rank lost, and with it the stage)."""
+    runtime.progress.set_state(COMM)
 
 
 def evaluate(original: Callable[..., Any]) -> Callable[..., Any]:

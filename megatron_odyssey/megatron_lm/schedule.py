@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from ..planning.plan import ExecutionPlan
 from ..planning.schedule import Op, node_operations
+from .evaluation import awaiting_the_losses_of_the_data_parallel_peers
 from .hooks import STATE
 
 
@@ -65,10 +66,13 @@ class ForwardBackwardDispatcher:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         schedule = self.select()
         if isinstance(schedule, PlanSchedule):
-            return schedule(*args, **kwargs)
-        kwargs.pop("odyssey_step", None)
-        STATE.last_losses = schedule(*args, **kwargs)  # the commit guard reports the step's loss from it
-        return STATE.last_losses
+            out = schedule(*args, **kwargs)
+        else:
+            kwargs.pop("odyssey_step", None)
+            out = STATE.last_losses = schedule(*args, **kwargs)  # the commit guard reports the step's loss from it
+        if kwargs.get("forward_only") and STATE.runtime is not None:
+            awaiting_the_losses_of_the_data_parallel_peers(STATE.runtime)
+        return out
 
 
 def get_forward_backward_func(original: Callable[..., Callable[..., Any]]) -> Callable[..., Any]:

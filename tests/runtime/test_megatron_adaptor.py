@@ -310,6 +310,35 @@ def test_dispatcher_switches_to_plan_schedule_after_plan_change(gloo_world: None
     assert runtime.calls == [("fwd", 7)]
 
 
+def test_after_an_evaluation_iterations_schedule_a_rank_waits_on_its_peers(gloo_world: None) -> None:
+    """From core_r0.19.0 on evaluate() all-reduces each iteration's losses over the data-parallel group after the
+    schedule: a rank there waits on a replica that may have stopped in its forward, so it is marked as communicating
+    until its next forward (the agent blames the replica, not it); a training step's schedule leaves it working."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_odyssey.runtime.liveness import COMM, WORKING, Progress
+
+    class Evaluating(_Runtime):
+        def __init__(self) -> None:
+            super().__init__(node=1)
+            self.progress = Progress()
+
+        def run_evaluation(self, forward_step_func, data_iterator):
+            self.progress.mark(3, "eval")  # (each forward marks progress)
+            return [{"lm loss": torch.tensor([0.0, 1.0])}]
+
+    runtime = Evaluating()
+    STATE.runtime, STATE.plan = runtime, symmetric_plan(pp=2, dp=3, num_layers=4, num_micro_batches=6)
+    dispatcher = get_forward_backward_func()
+    flags = dict(forward_step_func="fwd", data_iterator=None, model=[], num_microbatches=2, seq_length=8,
+                 micro_batch_size=1)
+    dispatcher(**flags, forward_only=True)
+    assert runtime.progress.state == COMM
+    runtime.progress.mark(3, "forward")
+    dispatcher(**flags, forward_only=False, odyssey_step=3)
+    assert runtime.progress.state == WORKING and runtime.calls == [("fwd", 3)]
+
+
 # -- stage layer ranges and the gradient norm ---------------------------------------------------------
 
 def test_stage_range_builds_global_layer_numbers(gloo_world: None) -> None:

@@ -23,6 +23,7 @@ from megatron_odyssey.testing.megatron_lm_job import (NVML_STAND_IN, JobResult, 
                                                       read_torch_dist, release_minor, run_odyssey, run_stock,
                                                       same_evaluations, same_training, shared_device_flags,
                                                       tiny_gpt_flags_for, with_batch_ramp, with_evaluation)
+from megatron_odyssey.megatron_lm.checkpoint import optimizer_format
 from megatron_odyssey.megatron_lm.cpu_mode import tiny_gpt_flags
 from megatron_odyssey.testing.ports import job_port
 
@@ -706,8 +707,8 @@ def test_distributed_optimizer_checkpoint_after_a_failure_holds_what_stock_write
         tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
     """A save after the failure (the replicated-shard optimizer's state, in the distributed optimizer's layout-free
     format) holds the keys and tensors stock Megatron-LM writes at that iteration with
-    --dist-ckpt-optim-fully-reshardable: a relaunch with --load reads it as one of stock's own (Megatron's load
-    itself is not run here: with torch's Adam, as on every CPU, stock cannot load its own such checkpoints)."""
+    --dist-ckpt-optim-fully-reshardable: a relaunch with --load reads it as one of stock's own (the relaunch itself:
+    test_a_relaunch_resumes_from_the_distributed_optimizer_checkpoint_saved_after_a_failure)."""
     if release_minor(MLM) < 15:
         pytest.skip("--dist-ckpt-optim-fully-reshardable is core_r0.15.0's, and so are replicated shards")
     def flags(work: Path) -> list[str]:
@@ -726,6 +727,50 @@ def test_distributed_optimizer_checkpoint_after_a_failure_holds_what_stock_write
     assert any(k.startswith("optimizer.state.exp_avg_sq.") for k in theirs)
     # the same keys (max_tensor_difference is inf otherwise); fp32 weights and moments to rounding (stock reduces
     # gradients by reduce-scatter, Odyssey by all-reduce after the failure)
+    assert max_tensor_difference(ours, theirs) < CHECKPOINT_TOL
+
+
+def test_a_relaunch_resumes_from_the_distributed_optimizer_checkpoint_saved_after_a_failure(
+        tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    """The way back when in-process recovery is impossible: the job's own command line relaunched with --load.
+    A save after a failure (the replicated-shard optimizer, in the layout-free format, although the job's flags ask
+    for Megatron's default) is read by Megatron's own load_checkpoint at the launch layout, and the relaunched job
+    trains on as stock resumed from stock's own checkpoint of that iteration: every logged iteration (stock's first
+    log after a start keeps its sums, so the second iteration after a load prints the mean of two, on both sides)
+    and the last checkpoint."""
+    if release_minor(MLM) < 15:
+        pytest.skip("the layout-free optimizer format and replicated shards are core_r0.15.0's")
+    resumed_at, iters = 4, 8
+    flags = [*tiny_gpt_flags_for(MLM, iters), *DISTOPT, "--save-interval", str(resumed_at)]
+
+    def ends_at(work: Path) -> list[str]:
+        return [*flags, "--save", str(work / "ckpt"), "--exit-interval", str(resumed_at)]
+
+    def resumes_from(work: Path, relaunch: Path) -> list[str]:
+        return [*flags, "--load", str(work / "ckpt"), "--save", str(relaunch / "ckpt")]
+
+    stock_work, stock_relaunch = tmp_path_factory.mktemp("stock_ends"), tmp_path_factory.mktemp("stock_resumes")
+    stock = run_stock(MLM, stock_work, ends_at(stock_work), _port(1600), nproc=8)
+    assert stock.returncode == 0, stock.tail()
+    stock_resumed = run_stock(MLM, stock_relaunch, resumes_from(stock_work, stock_relaunch), _port(1610), nproc=8)
+    assert stock_resumed.returncode == 0, stock_resumed.tail()
+    assert set(stock_resumed.iterations()) == set(range(resumed_at + 1, iters + 1))
+
+    work, relaunch = tmp_path / "failed", tmp_path / "relaunched"
+    job = run_odyssey(MLM, work, [*ends_at(work), "--odyssey-heartbeat-timeout", "10",
+                                  "--odyssey-inject-fault", "step=1,rank=1,phase=backward,kind=kill"],
+                      _port(1620), nproc=8)
+    assert job.returncode == 0, job.tail()
+    (failure,) = job.report["failures"]
+    assert failure["ranks"] == [1]
+    assert same_training(job.iterations(), stock.iterations())
+    assert optimizer_format(str(work / "ckpt"), resumed_at) == "fully_reshardable"
+    resumed = run_odyssey(MLM, relaunch, resumes_from(work, relaunch), _port(1630), nproc=8)
+    assert resumed.returncode == 0, resumed.tail()
+    assert f"at iteration {resumed_at}" in resumed.logs
+    assert not resumed.report["failures"]
+    assert same_training(resumed.iterations(), stock_resumed.iterations())
+    ours, theirs = (read_torch_dist(w / "ckpt" / f"iter_{iters:07d}") for w in (relaunch, stock_relaunch))
     assert max_tensor_difference(ours, theirs) < CHECKPOINT_TOL
 
 
