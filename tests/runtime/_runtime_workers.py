@@ -338,11 +338,14 @@ def overlapped_grad_sync_worker(rank: int, world: int, store_file: str, out: str
 def _megatron_cpu_patches(*prefixes: str) -> None:
     """CPU mode, and the Megatron-LM CPU-mode patches whose targets start with ``prefixes`` (megatron-core modules
     that only Megatron-LM's training loop reaches; no Megatron-LM checkout needed)."""
-    from megatron_odyssey.megatron_lm.cpu_mode import MEGATRON_LM_CPU_PATCHES, _WrapOriginal
+    from megatron_odyssey.megatron_lm.cpu_mode import (_ONLY_SOME_RELEASES, MEGATRON_LM_CPU_PATCHES, _target_exists,
+                                                       _WrapOriginal)
     from megatron_odyssey.runtime.accelerator import _resolve, enable_cpu_mode, install_patch
 
     enable_cpu_mode()
     for patch in MEGATRON_LM_CPU_PATCHES:
+        if patch.target in _ONLY_SOME_RELEASES and not _target_exists(patch.target):
+            continue  # a module of other releases (megatron.core.fault_injector: 0.18+)
         if patch.target.startswith(prefixes):
             value = patch.replacement
             build = value.build if isinstance(value, _WrapOriginal) else (lambda _o, value=value: value)
@@ -653,4 +656,111 @@ def host_staging_worker(rank: int, port: int, out) -> None:
     dist.barrier()
     if rank == 0:
         out.put(got)
+    dist.destroy_process_group()
+
+
+#: the three CPU-mode wrappers of a torch-Adam distributed-optimizer load (megatron_lm.cpu_mode), by method name
+RESUME_WRAPPERS = ("state_dict", "_set_main_param_and_optimizer_states", "load_state_dict")
+
+
+def distributed_optimizer_resume_worker(rank: int, world: int, store_file: str, ckpt_root: str, out: str) -> None:
+    """``world`` data-parallel ranks run megatron-core's own DDP and DistributedOptimizer (torch's Adam: no Apex or
+    TE) on a tiny module: two steps, a dist_checkpointing save of model and optimizer (the way Megatron-LM's
+    checkpointing writes them), two more steps; then a fresh model and optimizer load the checkpoint and take the
+    same two steps. Each dtype and format, with the CPU-mode load wrappers and with each of them put back to
+    Megatron's own method; rank 0 saves every rank's outcome."""
+    import itertools
+    import os
+    import traceback
+
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import MegatronModule
+
+    _megatron_cpu_patches("megatron.core.", "torch.Tensor.cuda")  # (the layout-free save gathers with .cuda())
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
+    parallel_state.initialize_model_parallel(1, 1)
+
+    class Tiny(MegatronModule):
+        def __init__(self, config: TransformerConfig) -> None:
+            super().__init__(config)
+            self.first = torch.nn.Linear(6, 7)  # 42 + 7 + 21 elements: shards split parameters
+            self.second = torch.nn.Linear(7, 3, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.second(torch.tanh(self.first(x)))
+
+    def build(dtype: torch.dtype):
+        torch.manual_seed(0)
+        bf16 = dtype == torch.bfloat16
+        config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, bf16=bf16, params_dtype=dtype,
+                                   use_cpu_initialization=True)
+        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                                                            grad_reduce_in_fp32=True),
+                                      Tiny(config).to(dtype))
+        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=0.05, weight_decay=0.1, clip_grad=1.0,
+                                                     bf16=bf16, params_dtype=dtype, use_distributed_optimizer=True),
+                                     [ddp])
+        return ddp, opt
+
+    def train(ddp, opt, step: int, dtype: torch.dtype) -> None:
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(100 * step + rank)).to(dtype)
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        ddp(x).float().pow(2).mean().backward()
+        ddp.finish_grad_sync()
+        assert opt.step()[0]
+
+    def sharded(ddp, opt, fmt: str, loading: bool) -> dict:
+        model = ddp.module.sharded_state_dict()
+        return {"model": model, "optimizer": opt.sharded_state_dict(
+            model, is_loading=loading, metadata={"distrib_optim_sharding_type": fmt})}
+
+    def case(dtype: torch.dtype, fmt: str, path: str) -> dict:
+        ddp, opt = build(dtype)
+        for step in range(2):
+            train(ddp, opt, step, dtype)
+        if rank == 0:
+            os.makedirs(path)
+        dist.barrier()
+        dist_checkpointing.save(sharded(ddp, opt, fmt, False), path)
+        for step in range(2, 4):
+            train(ddp, opt, step, dtype)
+        try:
+            resumed, ropt = build(dtype)
+            loaded = dist_checkpointing.load(sharded(resumed, ropt, fmt, True), path)
+            resumed.module.load_state_dict(loaded["model"])
+            ropt.load_state_dict(loaded["optimizer"])
+            for step in range(2, 4):
+                train(resumed, ropt, step, dtype)
+        except Exception as e:  # the same on every rank: each fails at the same point of the same load
+            tb = traceback.extract_tb(e.__traceback__)
+            return {"error": type(e).__name__, "message": str(e), "in": tb[-1].name}
+        steps = [s["step"] for s in ropt.optimizer.state.values()]
+        return {"max_diff": max(float((a.detach().float() - b.detach().float()).abs().max())
+                                for a, b in zip(ddp.parameters(), resumed.parameters())),
+                "steps": [float(s) for s in steps], "step_tensors": len({id(s) for s in steps})}
+
+    results = {}
+    for without, dtype, fmt in itertools.product((None, *RESUME_WRAPPERS), (torch.float32, torch.bfloat16),
+                                                 ("dp_reshardable", "fully_reshardable")):
+        wrapper = getattr(DistributedOptimizer, without) if without else None
+        if without:
+            setattr(DistributedOptimizer, without, wrapper.__wrapped__)  # Megatron's own method
+        try:
+            name = f"{without}-{str(dtype).removeprefix('torch.')}-{fmt}"
+            outcome = case(dtype, fmt, os.path.join(ckpt_root, name))
+        finally:
+            if without:
+                setattr(DistributedOptimizer, without, wrapper)
+        everyone = [None] * world
+        dist.all_gather_object(everyone, outcome)
+        results[(without, str(dtype).removeprefix("torch."), fmt)] = everyone
+    if rank == 0:
+        torch.save(results, out)
+    dist.barrier()
     dist.destroy_process_group()
