@@ -19,7 +19,8 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "runtime": ["torch==2.13.0", "megatron-core==0.16.1"],
+        # psutil: megatron-core's torch_dist checkpoint writer processes need it (without it every save hangs)
+        "runtime": ["torch==2.13.0", "megatron-core==0.16.1", "psutil"],
         "test": ["pytest", "pytest-xdist", "filelock"],
     },
     entry_points={"console_scripts": ["odyssey=megatron_odyssey.cli:main",

@@ -105,29 +105,12 @@ def _finalize_model_grads(original: Callable[..., Any]) -> Callable[..., Any]:
     return finalize_model_grads
 
 
-def _train_step(original: Callable[..., Any]) -> Callable[..., Any]:
-    from .rank import train_step
+def _wrapper(module: str, name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The wrapper ``name`` of ``module`` (relative to this package), imported only when the patch is applied: the
+    registry itself is read (flags, version checks) without importing torch or Megatron, which those modules do."""
 
-    return train_step(original)
-
-
-def _join_before_train(original: Callable[..., Any]) -> Callable[..., Any]:
-    from .joining import join_before_train
-
-    return join_before_train(original)
-
-
-def _dispatcher(original: Callable[..., Any]) -> Callable[..., Any]:
-    from .schedule import get_forward_backward_func
-
-    return get_forward_backward_func(original)
-
-
-def _between_steps(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
-        from . import between_steps
-
-        return getattr(between_steps, name)(original)
+        return getattr(importlib.import_module(module, __package__), name)(original)
 
     return wrap
 
@@ -138,48 +121,12 @@ def _deferred_param_gather(original: Callable[..., Any]) -> Callable[..., Any]:
     return between_steps.deferred_param_gather(hooks.stock_param_gather_only(original))
 
 
-def _energy(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
-        from . import energy
-
-        return getattr(energy, name)(original)
-
-    return wrap
-
-
-def _evaluation(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
-        from . import evaluation
-
-        return getattr(evaluation, name)(original)
-
-    return wrap
-
-
-def _fault_injection(original: Callable[..., Any]) -> Callable[..., Any]:
-    from .fault_injection import setup_on_the_survivors
-
-    return setup_on_the_survivors(original)
-
-
-def _clean_exit(original: Callable[..., Any]) -> Callable[..., Any]:
-    from .clean_exit import leave_with_groups_destroyed
-
-    return leave_with_groups_destroyed(original)
-
-
-def _weight_grad_patch(original: Callable[..., Any]) -> Callable[..., Any]:
-    from ..runtime.weight_grad import linear_backward
-
-    return linear_backward(original)
-
-
 _T, _C = "megatron.training", "megatron.core"
 
 #: The registry: one entry per Megatron name Odyssey replaces.
 PATCHES: tuple[Patch, ...] = (
     # the end of the job
-    Patch(f"{_T}:pretrain", _clean_exit,
+    Patch(f"{_T}:pretrain", _wrapper(".clean_exit", "leave_with_groups_destroyed"),
           "Megatron leaves its process groups to interpreter exit, where a gloo worker thread can still hold a "
           "finished collective and abort the process (pytorch#190489): after a clean end they are destroyed "
           "first (clean_exit)"),
@@ -194,9 +141,9 @@ PATCHES: tuple[Patch, ...] = (
     Patch(f"{_T}.initialize:validate_args", _validate_args, "initialize_megatron calls its own imported alias",
           releases=(12, 17)),
     # schedule
-    Patch(f"{_C}.pipeline_parallel:get_forward_backward_func", _dispatcher,
+    Patch(f"{_C}.pipeline_parallel:get_forward_backward_func", _wrapper(".schedule", "get_forward_backward_func"),
           "returns a dispatcher that picks the stock schedule or this node's plan schedule at every call"),
-    Patch(f"{_T}.training:get_forward_backward_func", _dispatcher,
+    Patch(f"{_T}.training:get_forward_backward_func", _wrapper(".schedule", "get_forward_backward_func"),
           "train() captures the schedule once before its loop: the captured object must switch after a failure"),
     Patch(f"{_C}.pipeline_parallel.schedules:backward_step", hooks.timed_backward_step,
           "before the first failure Megatron's own 1F1B runs the compute: its backward operations are timed "
@@ -208,11 +155,11 @@ PATCHES: tuple[Patch, ...] = (
     Patch(f"{_C}.pipeline_parallel.p2p_communication:P2PCommunicator._communicate", hooks.traced_p2p,
           "0.14+: the same, now a method of the schedule's communicator", releases=(14, 20)),
     # a machine that comes back (megatron_lm.joining)
-    Patch(f"{_T}.training:train", _join_before_train,
+    Patch(f"{_T}.training:train", _wrapper(".joining", "join_before_train"),
           "a rank joining a running job (odyssey-launch --join) set Megatron up in a private world; before the "
           "loop starts it waits for the agent's admission, and the loop starts at the job's iteration"),
     # the step: commit and redo, gradients, norm
-    Patch(f"{_T}.training:train_step", _train_step,
+    Patch(f"{_T}.training:train_step", _wrapper(".rank", "train_step"),
           "generation 0 runs Megatron's own step with a commit guard before the optimizer; after a failure "
           "an iteration is executor -> per-layer grad sync -> plan-wide norm -> commit -> optimizer, "
           "redone on the next generation when a rank fails before the commit"),
@@ -251,50 +198,51 @@ PATCHES: tuple[Patch, ...] = (
     Patch(f"{_C}.transformer.transformer_block:get_transformer_layer_offset", hooks.layer_offset,
           "TransformerBlock's imported alias (local <-> global layer names in sharded state dicts)"),
     # failures between iterations (megatron_lm.between_steps)
-    Patch(f"{_T}.training:training_log", _between_steps("training_log"),
+    Patch(f"{_T}.training:training_log", _wrapper(".between_steps", "training_log"),
           "its interval barrier and timer all-gathers run over the world outside train_step: a peer's failure "
           "there is recovered from, and the log line abandoned; it divides by args.world_size for the throughput "
           "and energy per GPU: the live world's while it runs"),
-    Patch(f"{_T}.training:save_checkpoint_and_time", _between_steps("save_checkpoint_and_time"),
+    Patch(f"{_T}.training:save_checkpoint_and_time", _wrapper(".between_steps", "save_checkpoint_and_time"),
           "its timer barrier and the save run over the world outside train_step: a peer's failure there is "
           "recovered from and the save redone by the survivors"),
-    Patch(f"{_T}.training:save_checkpoint", _between_steps("save_checkpoint"),
+    Patch(f"{_T}.training:save_checkpoint", _wrapper(".between_steps", "save_checkpoint"),
           "the final save (pretrain) and every interval save: an interrupted save is redone, never marked latest"),
-    Patch(f"{_T}.training:checkpoint_and_decide_exit", _between_steps("checkpoint_and_decide_exit"),
+    Patch(f"{_T}.training:checkpoint_and_decide_exit", _wrapper(".between_steps", "checkpoint_and_decide_exit"),
           "after every iteration, outside train_step, --exit-signal-handler gathers each rank's SIGTERM flag and "
           "--exit-duration-in-mins all-reduces the elapsed time over the world: a peer's failure there is recovered "
           "from and the check run again; once it decides to exit, train()'s next world barrier (0.18+: "
           "torch.distributed.barrier() before sys.exit) is guarded the same way, for that one call"),
-    Patch(f"{_T}.training:check_adlr_autoresume_termination", _between_steps("check_adlr_autoresume_termination"),
+    Patch(f"{_T}.training:check_adlr_autoresume_termination",
+          _wrapper(".between_steps", "check_adlr_autoresume_termination"),
           "--adlr-autoresume: a world barrier every --adlr-autoresume-interval iterations outside train_step, then "
           "a save: a peer's failure there is recovered from and the check run again"),
-    Patch(f"{_C}.energy_monitor:EnergyMonitor.lap", _energy("lap"),
+    Patch(f"{_C}.energy_monitor:EnergyMonitor.lap", _wrapper(".energy", "lap"),
           "--log-energy: train() calls it once more after its loop, a world all-reduce outside every guarded call: "
           "recovered from there (megatron_lm.energy)", releases=(13, 20)),
-    Patch(f"{_C}.energy_monitor:EnergyMonitor.get_total", _energy("get_total"),
+    Patch(f"{_C}.energy_monitor:EnergyMonitor.get_total", _wrapper(".energy", "get_total"),
           "--log-energy: train()'s closing total, a world all-reduce outside every guarded call: recovered from",
           releases=(13, 20)),
-    Patch(f"{_T}.training:print_datetime", _between_steps("print_datetime"),
+    Patch(f"{_T}.training:print_datetime", _wrapper(".between_steps", "print_datetime"),
           "pretrain calls it after train() returns, a world barrier before the final save and validation: a peer's "
           "failure after the last iteration is recovered from there and the final checkpoint still written"),
-    Patch(f"{_T}.training:calc_params_l2_norm", _between_steps("params_norm"),
+    Patch(f"{_T}.training:calc_params_l2_norm", _wrapper(".between_steps", "params_norm"),
           "--log-params-norm: after every iteration, outside train_step, it all-reduces over the uniform "
           "model-parallel group, which after a failure holds part of a pipeline (a wrong norm is printed), and "
           "completes for ranks whose groups lost nobody (they meet a failure in the next call, the others here): the "
           "norm over the plan with one all-reduce over the world instead, a peer's failure there recovered from"),
-    *(Patch(f"{_C}.timers:Timer.{name}", _between_steps("guarded_timer_barrier"),
+    *(Patch(f"{_C}.timers:Timer.{name}", _wrapper(".between_steps", "guarded_timer_barrier"),
             f"train() calls Timer.{name}(barrier=True) around an evaluation, a world barrier outside train_step and "
             f"outside the calls guarded here: a peer's failure there is recovered from, and the barrier passed in the "
             f"new layout") for name in ("start", "stop", "elapsed")),
-    Patch(f"{_T}.training:evaluate", _evaluation("evaluate"),
+    Patch(f"{_T}.training:evaluate", _wrapper(".evaluation", "evaluate"),
           "its barrier, schedule and reductions run over the world outside train_step: a peer's failure there is "
           "recovered from and the evaluation redone from where it began (its schedule call after a failure runs "
           "the plan forward-only: megatron_lm.evaluation)"),
-    Patch(f"{_T}.training:build_train_valid_test_data_iterators", _evaluation("capture_eval_iterators"),
+    Patch(f"{_T}.training:build_train_valid_test_data_iterators", _wrapper(".evaluation", "capture_eval_iterators"),
           "remembers which iterator is the validation split's and which the test split's, so that an evaluation "
           "after a failure reads the right split by index"),
     # Megatron's own fault injector (megatron_lm.fault_injection)
-    Patch(f"{_C}.fault_injector:setup_fault_injection", _fault_injection,
+    Patch(f"{_C}.fault_injector:setup_fault_injection", _wrapper(".fault_injection", "setup_on_the_survivors"),
           "--fault-injector-delay-start-iteration reached after a failure: Megatron's plans on the world's rank 0 and "
           "broadcasts over the world, now the survivors' (renumbered); each survivor draws the same plan instead, "
           "with launch-time target ranks. A machine that joins does not set up again an injection timed from the "
@@ -339,7 +287,7 @@ PATCHES: tuple[Patch, ...] = (
           "keeps the training split so any rank can read any (iteration, micro-batch) after a reroute"),
     # decoupled back-propagation (filled reroutes)
     Patch(f"{_C}.tensor_parallel.layers:LinearWithGradAccumulationAndAsyncCommunication.backward",
-          _weight_grad_patch,
+          _wrapper("..runtime.weight_grad", "linear_backward"),
           "computes input and weight gradients together; inside a filled reroute's B only the input "
           "gradient is computed and the weight gradient is left for the plan's later W (runtime.weight_grad)"),
     Patch(f"{_C}.datasets.blended_megatron_dataset_builder:BlendedMegatronDatasetBuilder.__init__",

@@ -83,9 +83,9 @@ def unknown_version_error(version: MegatronVersion | None) -> str:
 
 
 def stock_save_blocker(minor: int | None) -> str | None:
-    """Why this release's own torch_dist save cannot work beside the numpy and torch installed, or None. Stock
-    Megatron-LM fails the same way, but only at its first save, with every iteration before it lost; ``--odyssey``
-    says so at start-up instead (``arguments``)."""
+    """Why this release's own torch_dist save cannot work beside the numpy, torch and psutil installed, or None. Stock
+    Megatron-LM fails the same way (or, without psutil, hangs), but only at its first save, with every iteration
+    before it lost; ``--odyssey`` says so at start-up instead (``arguments``)."""
     if minor is None:
         return None
     reasons = []
@@ -107,6 +107,15 @@ def stock_save_blocker(minor: int | None) -> str | None:
                            f"torch.distributed.checkpoint's _write_item without the serialization_format argument "
                            f"that torch {torch.__version__} requires (0.13 passes it): use megatron-core 0.13+, or "
                            f"the torch release core_r0.12 was built with")
+    try:
+        import psutil  # noqa: F401
+    except ImportError:
+        how = ("imports it at the first save" if minor == 12 else
+               "processes ask it for their memory outside their error handling (_process_memory): each dies at its "
+               "start, and the save waits for them forever")
+        reasons.append(f"core_r0.{minor}'s torch_dist writer (dist_checkpointing/strategies/filesystem_async.py) "
+                       f"needs psutil, which is not installed; the writer {how}: pip install psutil (one of "
+                       f"Megatron-LM's requirements)")
     return "; and ".join(reasons) or None
 
 

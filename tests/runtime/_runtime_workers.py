@@ -188,6 +188,50 @@ def build_cached_dataset_worker(prefix: str, cache: str, num_samples: int, barri
         out.put((False, traceback.format_exc()))
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (from /proc: psutil is not a test dependency)."""
+    import os
+
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def spawn_bounded(worker, args: tuple, nprocs: int, timeout_s: float) -> None:
+    """``torch.multiprocessing.spawn`` that cannot hold the suite: ranks still running after ``timeout_s`` (a wait
+    that never ends, as Megatron's checkpoint writer without psutil) are killed with everything they started, and
+    the test fails saying so. A rank's error is raised as spawn raises it."""
+    import os
+    import signal
+    import time
+
+    import torch.multiprocessing as mp
+
+    context = mp.spawn(worker, args=args, nprocs=nprocs, join=False)
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=max(0.0, min(5.0, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            pids = [p.pid for p in context.processes if p.is_alive()]
+            for pid in [d for p in pids for d in _descendants(p)] + pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            raise TimeoutError(f"ranks {[i for i, p in enumerate(context.processes) if p.pid in pids]} still ran "
+                               f"after {timeout_s:.0f} s: killed")
+
+
 def on_two_gloo_ranks(worker, timeout_s: float):
     """Run ``worker(rank, port, out)`` in two spawned processes that form a gloo world on a fresh port; returns
     what one of them put on ``out``."""

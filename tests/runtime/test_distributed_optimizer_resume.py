@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from _runtime_workers import distributed_optimizer_resume_worker
+from _runtime_workers import distributed_optimizer_resume_worker, spawn_bounded
 from megatron_odyssey.megatron_lm.cpu_mode import _before_016
 from megatron_odyssey.megatron_lm.replica_optimizer import supported
 
@@ -29,8 +28,8 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict:
         pytest.skip("this megatron-core's distributed optimizer has no layout-free checkpoint format (0.15 on)")
     tmp = tmp_path_factory.mktemp("resume")
     out = tmp / "outcomes.pt"
-    mp.spawn(distributed_optimizer_resume_worker, args=(WORLD, str(tmp / "store"), str(tmp), str(out)),
-             nprocs=WORLD, join=True)
+    spawn_bounded(distributed_optimizer_resume_worker, (WORLD, str(tmp / "store"), str(tmp), str(out)), WORLD,
+                  timeout_s=600)
     return torch.load(out, weights_only=False)
 
 

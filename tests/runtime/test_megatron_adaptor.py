@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import types
 from typing import Any
 
 import pytest
@@ -170,6 +171,23 @@ def test_invalid_combinations_fail_clearly(argv: list[str], megatron: dict, mess
     ns = _megatron_like_args(argv, **megatron)
     with pytest.raises(OdysseyArgumentError, match=message.replace("-", r"\-")):
         validate_odyssey_args(ns)
+
+
+def test_a_save_without_psutil_is_refused_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From core_r0.13.0 on each torch_dist writer process asks psutil for its memory before its error handling:
+    without psutil every writer dies at its start and Megatron waits for them forever at the first save (seen here:
+    a fresh environment's checkpoint test hung; 0.12 fails there on the import). --odyssey says so at start-up
+    instead, naming psutil and --save."""
+    from megatron_odyssey.megatron_lm.versions import stock_save_blocker
+
+    monkeypatch.setitem(sys.modules, "psutil", None)  # as if not installed (import raises)
+    assert "psutil" in stock_save_blocker(13) and "waits for them forever" in stock_save_blocker(20)
+    assert "imports it at the first save" in stock_save_blocker(12)  # 0.12: an ImportError there, every step lost
+    with pytest.raises(OdysseyArgumentError, match=r"\-\-save cannot work in this environment: .*pip install psutil"):
+        validate_odyssey_args(_megatron_like_args(["--odyssey"], save="/ckpt"))
+    validate_odyssey_args(_megatron_like_args(["--odyssey"]))  # no --save: nothing asked
+    monkeypatch.setitem(sys.modules, "psutil", types.ModuleType("psutil"))  # installed
+    assert "psutil" not in (stock_save_blocker(16) or "")
 
 
 @pytest.mark.parametrize("flag, value", [("fault_injector_ranks", "1"), ("fault_injector_num_ranks", 2)])
