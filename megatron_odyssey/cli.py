@@ -82,7 +82,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except SearchTooLarge as exc:
         st = exc.status
         raise UsageError(f"--search exhaustive would score {describe_count(st)} layouts ({st.splits_total:.3g} layer "
-                         f"splits), estimated {describe_seconds(st.estimated_s)}, over {exc.budget_s:g} s: add "
+                         f"splits), estimated {describe_seconds(st.estimated_s)} of CPU, over {exc.budget_s:g} s: add "
                          "--time-limit SECONDS to stop there with the best plan found, or use --search heuristic") from None
     except PlanningError as exc:  # e.g. no plan fits the survivors: the failures named are the input at fault
         raise UsageError(f"--failed {args.failed or 'none'}: {exc}") from None

@@ -66,7 +66,7 @@ class SearchTooLarge(PlanningError):
     def __init__(self, status: SearchStatus, budget_s: float):
         self.status, self.budget_s = status, budget_s
         super().__init__(f"exhaustive search would score {describe_count(status)} layouts "
-                         f"(estimated {describe_seconds(status.estimated_s)}, over the {budget_s:g} s budget)")
+                         f"(estimated {describe_seconds(status.estimated_s)} of CPU, over the {budget_s:g} s budget)")
 
 
 def describe_count(status: SearchStatus) -> str:

@@ -78,7 +78,7 @@ class SearchProgress:
                 return  # finished while it timed itself: nothing to show
             limit = f"; stops at --time-limit {st.time_limit_s:g} s" if st.time_limit_s is not None else ""
             print(f"exhaustive search: {describe_count(st)} layouts, {st.splits_total:,.0f} layer splits, "
-                  f"estimated {describe_seconds(st.estimated_s)}{limit}", file=self.stream)
+                  f"estimated {describe_seconds(st.estimated_s)} of CPU{limit}", file=self.stream)
             from tqdm import tqdm
 
             exact = st.layouts_total_exact and st.layouts_total < 1e15
