@@ -192,11 +192,12 @@ def _descendants(pid: int) -> list[int]:
     """Every live process below ``pid`` (from /proc: psutil is not a test dependency)."""
     import os
 
+    from megatron_odyssey.runtime.process_probe import _stat
+
     children: dict[int, list[int]] = {}
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            ppid = int(_stat(f"/proc/{entry}/stat")[1])
         except (OSError, ValueError, IndexError):
             continue
         children.setdefault(ppid, []).append(int(entry))
