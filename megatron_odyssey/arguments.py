@@ -119,9 +119,10 @@ def add_odyssey_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="write per-iteration and per-failure records (JSON) here")
     g.add_argument("--odyssey-inject-fault", action="append", default=[], metavar="SPEC",
                    help="testing: step=I,rank=R,phase=forward|backward|grad-sync|optimizer|data|recovery|log|save|between|"
-                        "eval|exit|end,kind=kill|hang|stall|block|slow|error|crash (repeatable; end: after the last "
+                        "eval|exit|end,kind=kill|hang|stall|block|slow|error|crash|kill-writer (repeatable; end: after the last "
                         "iteration, at the barrier after train() returns; rank is the launch-time global rank; "
                         "error: the rank raises, as a local bug would; crash: it segfaults in native code; "
+                        "kill-writer (phase=save): the save's checkpoint writer processes are SIGKILLed as they start; "
                         "kind=slow,factor=F[,steps=N]: its compute F times slower from iteration I on, for N "
                         "iterations or to the end; kind=exit,code=C: the rank leaves with C by the script's own "
                         "choice, as Megatron's rerun state machine does)")
@@ -332,6 +333,11 @@ def validate_odyssey_args(args: Any) -> None:
         if train_iters is not None and spec.step >= train_iters:
             raise OdysseyArgumentError(f"--odyssey-inject-fault {text!r}: step {spec.step} is not before "
                                        f"--train-iters {train_iters}")
+        minor = _megatron_minor() if spec.kind == "kill-writer" else None
+        if minor is not None and minor >= 17:
+            raise OdysseyArgumentError(f"--odyssey-inject-fault {text!r}: core_r0.{minor}'s checkpoint writers are "
+                                       f"threads of the rank (core_r0.17.0 on), not processes of their own: none can "
+                                       f"die alone (core_r0.12-0.16 fork them)")
         last = _last_iteration(args)
         if spec.phase == "end" and last is not None and spec.step != last - 1:
             raise OdysseyArgumentError(f"--odyssey-inject-fault {text!r}: phase=end fires once, after the last "

@@ -874,10 +874,13 @@ class Agent:
             self.warm, self.judged_from = True, now
         self._diagnose(t, summaries)
         self._consider_joins(t)
-        factors = self.slow_nodes.diagnoser.last_factors if summaries else {}
-        if factors:  # the diagnosis' view of this step: the node furthest behind its peers
-            node = max(factors, key=factors.get)
-            record["slowest"] = {"node": node, "factor": round(factors[node], 3)}
+        diagnoser = self.slow_nodes.diagnoser
+        judged = {n: f for n, f in diagnoser.last_factors.items() if n not in diagnoser.last_idled} if summaries else {}
+        if judged:  # the diagnosis' view of this step: the node furthest behind its peers
+            node = max(judged, key=judged.get)
+            record["slowest"] = {"node": node, "factor": round(judged[node], 3)}
+        if summaries and diagnoser.last_idled:  # not judged: they idled far longer than their peers
+            record["idled"] = sorted(diagnoser.last_idled)
         self.steps.append(record)
         print(f"step {t:4d}  loss {loss:.6f}  time {now - self.step_started:.3f}s  devices {len(members)}  "
               f"plan {self.plan.plan_id} ({self.plan.policy})", flush=True)

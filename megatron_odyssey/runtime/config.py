@@ -160,6 +160,9 @@ class TrainConfig:
             if spec.kind == "kill-machine" and not self.extra.get("megatron"):
                 raise PlanningError(f"--fail {text!r}: kind=kill-machine kills a launcher of odyssey-launch and its "
                                     f"ranks; odyssey train runs on one machine (use kill-agent or kill-with-agent)")
+            if spec.kind == "kill-writer" and not self.extra.get("megatron"):
+                raise PlanningError(f"--fail {text!r}: kind=kill-writer kills the processes Megatron's checkpoint "
+                                    f"save forks; odyssey train's save forks none (use kind=kill at phase=save)")
             if spec.phase == "save" and not self.extra.get("megatron") and not self.checkpoint_interval:
                 raise PlanningError(f"--fail {text!r}: phase=save needs checkpoints (--checkpoint-interval > 0)")
         for r in self.extra.get("rejoin", []):

@@ -17,6 +17,12 @@ Synchronous training repeats the same operations every step, so an anomaly can b
 - **hang** / **comm-hang** are judged by the agent from progress (``agent.Agent._stalled``): a rank stopped
   in its own work (or whose process stopped) vs one stopped inside a communication its peers never entered.
 
+A node that slept between its operations far longer than its peers for the work it did (it waited on a slow
+link, or on a slow node's messages) is not judged in that step: it is a victim, not a cause, and on the CPU an
+operation right after sleeping reads several times its usual CPU time (cold caches, a core given to another
+process or clocked down: 2x after 1 ms and 16x after 100 ms on a quiet 2-core VM, ``bench_cold_after_sleep.py``), which
+named the ends of a slow link slow too.
+
 One slow step proves nothing on a loaded machine, so a suspect is named when the median of its last ``window``
 steps' factors (at least ``needed`` of them) passes the threshold, and is named once; it is named again only
 when it has recovered (``recoveries``) and slows down again, or (a slow node) when its factor changes by half.
@@ -53,6 +59,10 @@ class DiagnosisOptions:
     slow_factor: float = 2.0
     link_ratio: float = 4.0  # a link whose messages take this many times longer than the others' ...
     link_floor_s: float = 0.05  # ... and at least this long (scheduling on a loaded host delays any message)
+    # a node sleeping between its operations, per second of compute, this many times its peers' median, and this
+    # much longer per operation, is not judged for compute that step (see ``idled``)
+    idle_ratio: float = 3.0
+    idle_floor_s: float = 0.002  # (after 1 ms of sleep an operation read 2-4x: bench_cold_after_sleep)
     window: int = 5  # steps whose median factor is judged
     needed: int = 3  # the fewest steps judged (a new suspect, or one that just came back)
 
@@ -73,6 +83,7 @@ class Diagnoser:
         self.options = options or DiagnosisOptions()
         self.tracks: dict[tuple[str, Any], _Track] = defaultdict(_Track)
         self.last_factors: dict[int, float] = {}  # node -> its compute factor in the newest step
+        self.last_idled: set[int] = set()  # nodes not judged in the newest step (they idled: see ``idled``)
         # (node, its units) -> its ratios to every other node in recent steps where twins judged it normal
         self.baselines: dict[tuple[int, frozenset[int]], deque] = defaultdict(lambda: deque(maxlen=16))
         # node -> (its receivers' wait, its all-reduce peers' wait) in each of the steps it is judged on: the
@@ -87,11 +98,14 @@ class Diagnoser:
         found (or found again with a factor changed by more than half)."""
         found: list[Finding] = []
         speed, holdings = self.speeds(summaries, plan, profile), plan.holdings()
-        factors = self._against_baselines(self.relative_speeds(speed, holdings), speed, holdings)
+        idled = self.idled(summaries, holdings)
+        factors = self._against_baselines(self.relative_speeds(speed, holdings), speed, holdings, idled)
         waits = self.receive_waits(summaries)
         held_up = self.reduce_waits(summaries)
-        self.last_factors = factors
+        self.last_factors, self.last_idled = factors, idled
         for node, factor in factors.items():
+            if node in idled:
+                continue
             self.held_up[node].append((waits.get(node, 0.0), held_up.get(node, 0.0)))
             found += self._update(("slow", node), step, factor, self.options.slow_factor, lambda m, n=node: Finding(
                 step, "slow", [n], _slow_evidence(n, m, list(self.held_up[n])), m))
@@ -123,7 +137,7 @@ class Diagnoser:
         self.held_up.pop(node, None)
 
     def _against_baselines(self, factors: dict[int, float], speed: dict[int, float],
-                           holdings: Mapping[int, frozenset[int]]) -> dict[int, float]:
+                           holdings: Mapping[int, frozenset[int]], idled: set[int]) -> dict[int, float]:
         """Record each twinned, normal node's ratio to every other node; judge each twinless node (whose factor
         is that ratio) by it over the median of its baseline where it has one for the layers it holds (one
         judged step is enough: a failure may come at the second step, and any baseline is nearer the truth
@@ -135,7 +149,7 @@ class Diagnoser:
                 continue
             key = (node, holdings.get(node, frozenset()))
             if any(holdings.get(n) == holdings.get(node) for n in speed if n != node):  # twinned
-                if factors.get(node, 1.0) < self.options.slow_factor:
+                if factors.get(node, 1.0) < self.options.slow_factor and node not in idled:
                     self.baselines[key].append(x / statistics.median(others))
             elif self.baselines.get(key):
                 out[node] = factors[node] / statistics.median(self.baselines[key])
@@ -175,6 +189,30 @@ class Diagnoser:
                 ref = statistics.median(others)
                 factors[node] = x / ref if ref > 0 else 1.0
         return factors
+
+    def idled(self, summaries: Mapping[int, dict[str, Any]], holdings: Mapping[int, frozenset[int]]) -> set[int]:
+        """Nodes that slept between their operations, for each second they computed, far longer than their twins
+        (or, without twins, every other node) this step, and longer by ``idle_floor_s`` per operation: they waited
+        on others, and their compute times are not comparable with their peers'. Per second of compute: a slow
+        node sleeps too on a host it crowds (its peers wait for a core, and it for them), but it computes longest
+        (the bottleneck is the busiest), while a link's ends and a slow node's receivers mostly wait."""
+        per_op: dict[int, float] = {}
+        per_compute: dict[int, float] = {}
+        for s in summaries.values():
+            node, ops = int(s["node"]), s["f"][0] + s["b"][0]
+            idle = float(s.get("idle", 0.0))
+            computed = s["c"] * s["f"][0] / ops if ops else 0.0  # seconds per operation
+            per_op[node] = max(per_op.get(node, 0.0), idle)
+            per_compute[node] = max(per_compute.get(node, 0.0), idle / computed if computed > 0 else 0.0)
+        out = set()
+        for node in per_op:
+            twins = [n for n in per_op if n != node and holdings.get(n) == holdings.get(node)]
+            others = twins or [n for n in per_op if n != node]
+            if others and per_compute[node] > self.options.idle_ratio * statistics.median(
+                    per_compute[n] for n in others) and per_op[node] - statistics.median(
+                    per_op[n] for n in others) > self.options.idle_floor_s:
+                out.add(node)
+        return out
 
     @staticmethod
     def receive_waits(summaries: Mapping[int, dict[str, Any]]) -> dict[int, float]:

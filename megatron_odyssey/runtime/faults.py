@@ -21,7 +21,9 @@ agent and the rank itself (a lost machine that held both): the standby agent mus
 rerun state machine does on every rank at once (16: resume to disambiguate, 17: a result failed validation); the
 rank tells the agent (``control_plane.say_leaving``) and leaves with C, and the job must end with C, not recover;
 ``kill-machine`` (``odyssey-launch`` only) kills the rank's launcher and every rank it started: the
-whole machine is lost (on machine 0, with the agent).
+whole machine is lost (on machine 0, with the agent); ``kill-writer`` (``phase=save``, Megatron-LM only): every
+process the rank forks from then on (the save's checkpoint writers) is SIGKILLed as it starts, as by the OOM killer
+(the save would wait for them forever: ``liveness.SaveWriters``).
 The rank records when it fired in the store, so the agent can report detection latency.
 """
 from __future__ import annotations
@@ -45,7 +47,7 @@ from ..planning.errors import PlanningError
 PHASES = ("forward", "backward", "weight-grad", "grad-sync", "optimizer", "data", "recovery", "log", "save", "between",
           "eval", "exit", "end")
 KINDS = ("kill", "hang", "stall", "block", "slow", "slow-link", "error", "crash", "kill-agent", "kill-with-agent",
-         "kill-machine", "exit")
+         "kill-machine", "exit", "kill-writer")
 SUSTAINED = ("slow", "slow-link")  # kinds that take factor=F and last from their step on
 SLOW_S = 2.0
 
@@ -109,6 +111,9 @@ class FailSpec:
             if not code.isdigit() or not 1 <= int(code) <= 255:
                 raise PlanningError(f"--fail {text!r}: kind=exit needs code=C, an exit code from 1 to 255")
             spec = replace(spec, code=int(code))
+        if spec.kind == "kill-writer" and spec.phase != "save":
+            raise PlanningError(f"--fail {text!r}: kind=kill-writer kills the checkpoint writers of a save: use "
+                                f"phase=save")
         if spec.phase not in PHASES:
             raise PlanningError(f"--fail {text!r}: phase must be one of {PHASES}")
         if spec.kind not in KINDS:
@@ -172,6 +177,8 @@ class Injector:
                 self.store.set(f"odyssey/injected/{self.ident}", repr(time.time()))
             if spec.kind == "kill-machine":
                 _kill_machine()
+            if spec.kind == "kill-writer":
+                os.register_at_fork(after_in_child=_killed_at_start)
             if spec.kind in ("kill-agent", "kill-with-agent"):
                 os.kill(os.getppid(), signal.SIGKILL)
             if spec.kind in ("kill", "kill-with-agent"):
@@ -217,17 +224,19 @@ def _busy(cpu_seconds: float) -> None:
             x += 1
 
 
+def _killed_at_start() -> None:
+    """A forked child of a rank under ``kind=kill-writer``: SIGKILLed before it does anything (exec'd children, such
+    as multiprocessing's spawned ones, run no fork hooks)."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _kill_machine() -> None:
     """SIGKILL this rank's launcher and every rank it started (each leads its own process group), then
     this rank: what a machine's power loss does."""
+    from .process_probe import children_of
+
     launcher = os.getppid()
-    siblings = []
-    for task in os.listdir(f"/proc/{launcher}/task"):
-        try:
-            with open(f"/proc/{launcher}/task/{task}/children") as f:
-                siblings += [int(pid) for pid in f.read().split()]
-        except OSError:
-            pass
+    siblings = children_of(launcher)
     os.kill(launcher, signal.SIGKILL)
     for pid in siblings:
         if pid != os.getpid():

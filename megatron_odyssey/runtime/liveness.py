@@ -233,9 +233,11 @@ class Heartbeat(StoreThread):
         super().__init__(host, port, ident, interval_s, **kw)
         self.key, self.progress, self.control = f"odyssey/hb/{ident}", progress or Progress(), control
         self.last_beat: float | None = None  # time.monotonic() of the last beat sent
+        self.writers = SaveWriters()
 
     def tick(self, store: Any) -> None:
         store.set(self.key, self.progress.beat(self.progress.state == IDLE and in_collective()))
+        self.writers.check(self.progress, store, self.rank)
         now = time.monotonic()
         late = now - self.last_beat - self.interval_s if self.last_beat is not None else 0.0
         self.last_beat = now
@@ -246,3 +248,44 @@ class Heartbeat(StoreThread):
             from .errors import stop_now
 
             stop_now(self.rank, "the agent fenced this rank (its launcher is gone): leaving", code=137)
+
+
+class CheckpointWriterDied(RuntimeError):
+    """A process the rank started for its checkpoint save died before it reported back: the save never ends."""
+
+
+class SaveWriters:
+    """Watches, from the heartbeat thread, the processes a rank forks during a checkpoint save (Megatron's
+    dist-checkpointing writers, core_r0.12-0.16's ``FileSystemWriterAsync.write_preloaded_data_multiproc``; from
+    core_r0.17.0 on they are threads, and a writer dies only with its rank): each reports through a
+    joinable queue, so one that dies first (killed by the OOM killer, an import missing in it: psutil before
+    core_r0.13's ``_process_memory``) leaves the rank in ``count_queue.join()`` forever, and its peers in the save's
+    collectives. One dead for ``grace_s`` while the rank is still in the save (a writer that failed after it
+    reported is reaped at once) makes the rank fail with that cause: the agent recovers without it, or stops the
+    job when every rank's writers die alike, and the last complete checkpoint stays."""
+
+    def __init__(self, grace_s: float = 3.0):
+        self.grace_s = grace_s
+        self.seen: dict[int, float] = {}  # dead child's pid -> when this watch first saw it
+
+    def check(self, progress: Progress, store: Any, rank: int) -> None:
+        if progress.phase != "save" or progress.state != IDLE:
+            self.seen.clear()
+            return
+        from .process_probe import dead_children
+
+        now = time.monotonic()
+        for child in dead_children(os.getpid(), since=progress.since):
+            if now - self.seen.setdefault(child.pid, now) < self.grace_s:
+                continue
+            from .errors import fail_locally
+
+            try:
+                raise CheckpointWriterDied(
+                    f"checkpoint writer process {child.pid} died ({child.describe()}) during the save after step "
+                    f"{progress.step} before it reported: the save waits for every writer and would never end (the "
+                    f"writer's own error, if it printed one, is in this rank's log). This rank leaves; the last "
+                    f"complete checkpoint stays")
+            except CheckpointWriterDied as exc:
+                fail_locally(store, rank, exc, where=f"the save after step {progress.step}")
+

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -37,6 +38,11 @@ class OpTrace:
     commit_wait_s: float = 0.0  # the previous step's commit (it comes after that step's summary left)
     # compute timed by device events (accelerators), read when the summary is written: (kind, begin, end)
     on_device: list[tuple[str, Any, Any]] = field(default_factory=list)
+    # seconds the rank's thread slept between its compute operations this step (blocked in a wait, or an injected
+    # slow link's hold; not computing, not queued for a core): on the CPU an operation right after idling reads
+    # several times its CPU time (``diagnosis``)
+    idle_s: float = 0.0
+    _ended: float | None = None  # the thread's off-CPU clock when this step's newest operation ended
 
     def begin(self, step: int) -> None:
         self.step = step
@@ -47,6 +53,15 @@ class OpTrace:
         self.reductions.clear()
         self.on_device.clear()
         self.sync_s = 0.0
+        self.idle_s = 0.0
+        self._ended = None
+
+    def operation_started(self) -> None:
+        if self._ended is not None:
+            self.idle_s += max(0.0, sleeping_clock() - self._ended)
+
+    def operation_ended(self) -> None:
+        self._ended = sleeping_clock()
 
     def computed(self, kind: str, seconds: float) -> None:
         (self.forward_s if kind == "forward" else self.backward_s).append(seconds)
@@ -89,11 +104,31 @@ class OpTrace:
             "c": round((sum(self.forward_s) + sum(self.backward_s)) / max(1, len(self.forward_s)), 7),
             "f": _stats(self.forward_s), "b": _stats(self.backward_s),
             "sync": round(self.sync_s, 6), "commit": round(self.commit_wait_s, 6),
+            "idle": round(self.idle_s / (len(self.forward_s) + len(self.backward_s)), 7),  # per operation
             "tx": [[n, m, round(t, 6)] for n, m, t in self.sends],
             "rx": [[n, m, round(a, 6), round(b, 6)] for n, m, a, b in self.recvs],
             "ar": [[u, round(a, 6), round(b, 6)] for u, a, b in self.reductions],
         }
         return json.dumps(out, separators=(",", ":"))
+
+
+def sleeping_clock() -> float:
+    """Seconds the calling thread has spent asleep (blocked or waiting, neither running nor queued for a core):
+    wall time less its time on a core and in the run queue (Linux's per-thread schedstat). A rank preempted on a
+    busy host is not idle; its core stays warm. Without schedstat: wall time less the thread's CPU time."""
+    try:
+        tid = threading.get_native_id()  # (a forked child's thread inherits its parent thread's local)
+        if getattr(_SCHEDSTAT, "tid", None) != tid:
+            _SCHEDSTAT.file, _SCHEDSTAT.tid = open(f"/proc/self/task/{tid}/schedstat", "rb", buffering=0), tid
+        f = _SCHEDSTAT.file
+        f.seek(0)
+        on_cpu_ns, queued_ns = f.read().split()[:2]
+        return time.monotonic() - (int(on_cpu_ns) + int(queued_ns)) / 1e9
+    except (OSError, ValueError):
+        return time.monotonic() - time.thread_time()
+
+
+_SCHEDSTAT = threading.local()  # each thread's own schedstat, kept open (a read is ~6 us, an open ~25 us)
 
 
 def compute_clock(device: Any) -> Callable[[], float]:
@@ -141,6 +176,8 @@ class ComputeTimer:
 
     def start(self) -> Any:
         """Mark an operation's start (pass the result to :meth:`stop`)."""
+        if self.trace is not None:
+            self.trace.operation_started()
         if self.events is None:
             return self.clock()
         begin = self.events()
@@ -150,6 +187,12 @@ class ComputeTimer:
     def stop(self, phase: str, started: Any) -> float:
         """The operation of ``phase`` (forward/backward) begun at ``started`` is launched: record it; returns
         its compute time (the host's, with an accelerator outside an injected slowdown)."""
+        seconds = self._recorded(phase, started)
+        if self.trace is not None:
+            self.trace.operation_ended()
+        return seconds
+
+    def _recorded(self, phase: str, started: Any) -> float:
         if self.events is None:
             return self.done(phase, self.clock() - started)
         begin, host0 = started

@@ -76,6 +76,58 @@ def sample(pid: int | None) -> ProcessSample | None:
         return None
 
 
+def children_of(pid: int) -> list[int]:
+    """The process's children, those of every thread of it (raises OSError where /proc has no such process)."""
+    children = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                children += [int(c) for c in f.read().split()]
+        except OSError:
+            continue  # (a thread that just ended)
+    return children
+
+
+@dataclass(frozen=True)
+class DeadChild:
+    """A child process that exited with a failure and that its parent has not waited for (a zombie)."""
+
+    pid: int
+    status: int  # the wait status the kernel keeps for the parent (as ``os.waitpid`` would return it)
+    started: float  # wall-clock time it started
+
+    def describe(self) -> str:
+        code = os.waitstatus_to_exitcode(self.status)
+        if code < 0:
+            import signal
+
+            return f"killed by {signal.Signals(-code).name}"
+        return f"exit code {code}"
+
+
+def dead_children(pid: int, since: float = 0.0) -> list[DeadChild]:
+    """The children of ``pid`` started at ``since`` (wall clock) or later that exited with a failure and were
+    not waited for: a parent that waits on them some other way (Megatron's checkpoint writers report through a
+    queue) waits forever. Empty where /proc cannot tell (another OS, a kernel older than 3.5)."""
+    try:
+        with open("/proc/uptime") as f:
+            boot = time.time() - float(f.read().split()[0])  # (the start times below count from the boot)
+        children = children_of(pid)
+    except (OSError, ValueError):
+        return []
+    out = []
+    for child in children:
+        try:
+            fields = _stat(f"/proc/{child}/stat")
+            started = boot + int(fields[19]) / _TICKS  # /proc/PID/stat field 22: start time, ticks after boot
+            status = int(fields[49])  # field 52: the exit status (Linux 3.5+)
+        except (OSError, IndexError, ValueError):
+            continue
+        if fields[0] == "Z" and status != 0 and started >= since - 2.0 / _TICKS:
+            out.append(DeadChild(child, status, started))
+    return out
+
+
 def is_zombie(pid: int) -> bool:
     probe = sample(pid)
     return probe is not None and probe.state == "Z"

@@ -181,6 +181,10 @@ CASES: list[tuple[list[str], str]] = [
     (["train", "--fail", "step=1,rank=1,kind=exit"], "kind=exit needs code=C, an exit code from 1 to 255"),
     (["train", "--fail", "step=1,rank=1,kind=exit,code=0"], "kind=exit needs code=C, an exit code from 1 to 255"),
     (["train", "--fail", "step=1,rank=1,code=16"], "code= applies to kind=exit only"),
+    (["train", "--fail", "step=1,rank=1,kind=kill-writer"], "kind=kill-writer kills the checkpoint writers of a "
+                                                            "save: use phase=save"),
+    (["train", "--fail", "step=1,rank=1,phase=save,kind=kill-writer", "--checkpoint-interval", "1"],
+     "odyssey train's save forks none (use kind=kill at phase=save)"),
     (["train", "--heartbeat-timeout", "0"], "--heartbeat-timeout must be longer than"),
     (["train", "--checkpoint-interval", "-1"], "--checkpoint-interval must be >= 0"),
     (["train", "--mtbf-hours", "-1"], "--mtbf-hours must be positive"),

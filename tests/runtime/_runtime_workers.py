@@ -383,18 +383,11 @@ def overlapped_grad_sync_worker(rank: int, world: int, store_file: str, out: str
 def _megatron_cpu_patches(*prefixes: str) -> None:
     """CPU mode, and the Megatron-LM CPU-mode patches whose targets start with ``prefixes`` (megatron-core modules
     that only Megatron-LM's training loop reaches; no Megatron-LM checkout needed)."""
-    from megatron_odyssey.megatron_lm.cpu_mode import (_ONLY_SOME_RELEASES, MEGATRON_LM_CPU_PATCHES, _target_exists,
-                                                       _WrapOriginal)
-    from megatron_odyssey.runtime.accelerator import _resolve, enable_cpu_mode, install_patch
+    from megatron_odyssey.megatron_lm.cpu_mode import install_megatron_lm_cpu_patches
+    from megatron_odyssey.runtime.accelerator import enable_cpu_mode
 
     enable_cpu_mode()
-    for patch in MEGATRON_LM_CPU_PATCHES:
-        if patch.target in _ONLY_SOME_RELEASES and not _target_exists(patch.target):
-            continue  # a module of other releases (megatron.core.fault_injector: 0.18+)
-        if patch.target.startswith(prefixes):
-            value = patch.replacement
-            build = value.build if isinstance(value, _WrapOriginal) else (lambda _o, value=value: value)
-            install_patch(*_resolve(patch.target), build, [])
+    install_megatron_lm_cpu_patches([], prefixes)
 
 
 def replica_optimizer_worker(rank: int, world: int, store_file: str, out: str, dtypes: list[str]) -> None:
@@ -808,4 +801,50 @@ def distributed_optimizer_resume_worker(rank: int, world: int, store_file: str, 
     if rank == 0:
         torch.save(results, out)
     dist.barrier()
+    dist.destroy_process_group()
+
+
+def _writer_killed(*_args, **_kwargs) -> None:
+    """A checkpoint writer process killed before it reported (what the OOM killer does)."""
+    import os
+    import signal
+
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def save_writer_death_worker(rank: int, world: int, store_file: str, port: int, ckpt: str, case: str) -> None:
+    """One of ``world`` gloo ranks saving a sharded tensor twice with megatron-core's dist_checkpointing (its
+    torch_dist writers: processes forked per save), with a heartbeat to the store at ``port`` that says when the
+    rank is in a save, as the Megatron-LM host's does. The first save is healthy (``first-saved-RANK`` is written
+    after it); in the second each writer dies at its start: ``no-psutil`` (as without psutil from core_r0.13 on:
+    megatron-core's own flag set off) or ``killed`` (SIGKILLed, as by the OOM killer). The rank leads its own
+    process group, as under odyssey-launch (which kills the group of a rank that ended: megatron-core's manager
+    process of the writers' results outlives a rank that leaves at once)."""
+    import os
+
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from megatron_odyssey.runtime.liveness import Heartbeat, Progress
+
+    os.setsid()
+    _megatron_cpu_patches("megatron.core.", "torch.Tensor.cuda")
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
+    parallel_state.initialize_model_parallel(1, 1)
+    progress = Progress()
+    Heartbeat("127.0.0.1", port, rank, 0.2, progress).start()
+    sharded = {"w": ShardedTensor.from_rank_offsets("w", torch.arange(8.0) + rank, (0, rank, world))}
+    for step, name in enumerate(("first", "second")):
+        if name == "second" and case == "no-psutil":
+            filesystem_async.HAVE_PSUTIL = False
+        elif name == "second" and case == "killed":
+            filesystem_async.FileSystemWriterAsync.write_preloaded_data = staticmethod(_writer_killed)
+        os.makedirs(os.path.join(ckpt, name), exist_ok=True)
+        dist.barrier()
+        progress.rest(step, "save")
+        dist_checkpointing.save(sharded, os.path.join(ckpt, name))
+        progress.rest(step, "between")
+        open(os.path.join(ckpt, f"{name}-saved-{rank}"), "w").close()
     dist.destroy_process_group()

@@ -59,14 +59,11 @@ def test_a_slow_link_is_named_as_communication_slow(reference, tmp_path):
     (link,) = [d for d in report["diagnoses"] if d["kind"] == "comm-slow"]
     assert link["ranks"] == [2] and link["step"] <= 2 + 5 and link["action"] == "none"
     assert "compute is normal" in link["evidence"]
-    misread = [d for d in report["diagnoses"] if d["kind"] == "slow"]
-    if misread and all(d["ranks"][0] in (2, 5) and d["factor"] < 3.0 for d in misread):
-        # Known and open (twenty-seventh session, docs/benchmarks.md): on this 2-core VM, from 2026-11-28 on, an end
-        # of the slow link (sender 2, which sleeps for it, or receiver 5, which waits) reads 2.0-2.5x its twins' CPU
-        # time per operation of the tiny model in the first steps (cold caches after idling, likely) and is named
-        # slow at step 3; it failed 4 of 4 runs, at the previous session's commit too. Everything above held.
-        pytest.xfail(f"an end of the slow link misread as slow compute: {[(d['ranks'], d['factor']) for d in misread]}")
-    assert not misread, report["diagnoses"]
+    # the link's ends idle for it (the sender holds each message back, the receiver waits), and on the CPU their
+    # next operations read up to 3x their twins' CPU time (cold): they are not judged for compute, nor named
+    assert not [d for d in report["diagnoses"] if d["kind"] == "slow"], report["diagnoses"]
+    idled = [s.get("idled", []) for s in report["steps"][3:]]  # (most steps: on a loaded host everyone waits)
+    assert sum(2 in i for i in idled) >= 3 and sum(5 in i for i in idled) >= 3, idled
 
 
 def test_no_rank_of_a_clean_50_step_run_is_named(tmp_path):

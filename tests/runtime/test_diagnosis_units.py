@@ -3,6 +3,8 @@ the fault spec of sustained slowdowns."""
 from __future__ import annotations
 
 import json
+import os
+import threading
 import time
 
 import pytest
@@ -12,7 +14,7 @@ from megatron_odyssey.planning.plan import layout
 from megatron_odyssey.planning.profile import uniform_profile
 from megatron_odyssey.runtime.diagnosis import Diagnoser, DiagnosisOptions
 from megatron_odyssey.runtime.faults import FailSpec, Injector
-from megatron_odyssey.runtime.op_trace import OpTrace, message_name
+from megatron_odyssey.runtime.op_trace import ComputeTimer, OpTrace, message_name, sleeping_clock
 
 PLAN = layout([((2, 2), 2)] * 3, num_layers=4, policy="initial")  # nodes 0,1 | 2,3 | 4,5; stage 1: 1, 3, 5
 PROFILE = uniform_profile(4)  # a stage of 2 layers: 6 s of compute per micro-batch (forward 1 + backward 2 each)
@@ -58,6 +60,68 @@ def test_a_slow_node_is_named_once_with_its_factor_after_enough_steps():
     assert finding.kind == "slow" and finding.nodes == [3]
     assert 4 <= finding.step <= 6  # 3 of its 5-step window slow: the median passes
     assert finding.factor == pytest.approx(3.0, rel=0.25)
+
+
+def test_the_rank_record_says_how_long_it_idled_between_its_operations_of_the_step():
+    trace = OpTrace(ident=3, node=3)
+    timer = ComputeTimer(time.thread_time, trace)
+    trace.begin(7)
+    timer.stop("forward", timer.start())
+    time.sleep(0.2)  # an injected slow link's hold, or a wait for a late message
+    timer.stop("backward", timer.start())
+    assert json.loads(trace.summary())["idle"] == pytest.approx(0.1, abs=0.05)  # 200 ms over 2 operations
+    time.sleep(0.1)  # the gradient sync and the commit, between steps: not idling between operations
+    trace.begin(8)
+    timer.stop("forward", timer.start())
+    assert json.loads(trace.summary())["idle"] < 0.01
+
+
+def test_the_sleeping_clock_counts_sleep_not_compute_nor_a_wait_for_a_core():
+    if not os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat"):
+        pytest.skip("no per-thread schedstat here (the clock falls back to wall less CPU time)")
+    t0 = sleeping_clock()
+    time.sleep(0.2)
+    t1 = sleeping_clock()
+    end = time.thread_time() + 0.2
+    while time.thread_time() < end:  # 200 ms of CPU, however long a loaded host makes it wait for a core
+        pass
+    t2 = sleeping_clock()
+    assert t1 - t0 == pytest.approx(0.2, abs=0.02) and t2 - t1 < 0.02
+    seen = []  # another thread reads its own
+    worker = threading.Thread(target=lambda: (seen.append(sleeping_clock()), time.sleep(0.1),
+                                              seen.append(sleeping_clock())))
+    worker.start()
+    worker.join()
+    assert seen[1] - seen[0] == pytest.approx(0.1, abs=0.02)
+
+
+def test_a_node_that_idled_far_longer_than_its_twins_is_not_judged_but_the_node_it_waited_on_is():
+    """On the CPU, compute right after idling reads several times its usual CPU time: node 2, idling 100 ms per
+    operation on node 3's late messages (its twins 0 and 4: 1 ms), reads 2.5x and is not named; node 3 is."""
+    d = Diagnoser()
+    named = []
+    for step in range(12):
+        s = step_summaries(step, {2: 2.5, 3: 3.0} if step >= 2 else {})
+        for node in range(6):
+            s[node]["idle"] = 0.1 if node == 2 and step >= 2 else 0.001
+        named += d.observe(step, s, PLAN, PROFILE)
+        assert (d.last_idled == {2}) == (step >= 2)
+    assert [(f.kind, f.nodes) for f in named] == [("slow", [3])]
+    # a slow node sleeps too on a host it crowds (its peers wait for a core, and it for them): 4 ms per operation
+    # against its twins' 1, but for 3x the compute; it is still judged, and named
+    d = Diagnoser()
+    named = []
+    for step in range(12):
+        s = step_summaries(step, {3: 3.0})
+        for node in range(6):
+            s[node]["idle"] = 0.004 if node == 3 else 0.001
+        named += d.observe(step, s, PLAN, PROFILE)
+        assert d.last_idled == set()
+    assert [(f.kind, f.nodes) for f in named] == [("slow", [3])]
+    # the same reading without the idling is named
+    d = Diagnoser()
+    named = [f for step in range(12) for f in d.observe(step, step_summaries(step, {2: 2.5}), PLAN, PROFILE)]
+    assert [(f.kind, f.nodes) for f in named] == [("slow", [2])]
 
 
 def test_noise_below_the_threshold_is_never_named_and_twins_set_the_reference():

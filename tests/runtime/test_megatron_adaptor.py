@@ -226,6 +226,23 @@ def test_tied_embeddings_with_core_r0_12s_distributed_optimizer_instances_are_re
     validate_odyssey_args(_megatron_like_args(["--odyssey"], **tied_distopt))
 
 
+def test_killing_checkpoint_writers_is_refused_where_they_are_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kind=kill-writer kills the writer processes core_r0.12-0.16's save forks; from core_r0.17.0 on they are
+    threads of the rank, and the fault would do nothing: refused, saying so."""
+    from megatron_odyssey.megatron_lm.versions import MegatronVersion
+
+    flags = ["--odyssey", "--odyssey-inject-fault", "step=1,rank=1,phase=save,kind=kill-writer"]
+    for minor in (12, 16):
+        monkeypatch.setattr("megatron_odyssey.megatron_lm.versions.installed_version", lambda: MegatronVersion(0, minor, 0))
+        validate_odyssey_args(_megatron_like_args(flags))
+    monkeypatch.setattr("megatron_odyssey.megatron_lm.versions.installed_version", lambda: MegatronVersion(0, 17, 0))
+    with pytest.raises(OdysseyArgumentError, match="core_r0.17's checkpoint writers are threads of the rank"):
+        validate_odyssey_args(_megatron_like_args(flags))
+    with pytest.raises(OdysseyArgumentError, match="kind=kill-writer kills the checkpoint writers of a save: use "
+                                                   "phase=save"):
+        validate_odyssey_args(_megatron_like_args(["--odyssey", "--odyssey-inject-fault", "step=1,rank=1,kind=kill-writer"]))
+
+
 def test_a_batch_size_ramp_is_accepted() -> None:
     """A failure inside the ramp stops the job with the checkpoint to relaunch from; past it, recovery works
     (megatron_lm.batch_ramp)."""

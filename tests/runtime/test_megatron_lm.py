@@ -137,6 +137,30 @@ def test_a_failure_after_the_last_iteration_still_writes_the_final_checkpoint(st
     assert (ckpt / f"iter_{ITERS:07d}").is_dir()
 
 
+def test_a_rank_whose_checkpoint_writers_died_leaves_at_once_and_the_survivors_save(stock: dict,
+                                                                                    tmp_path: Path) -> None:
+    """Rank 1's checkpoint writer processes SIGKILLed as they start, in iteration 2's save (as by the OOM killer).
+    Megatron's dist-checkpointing waits for them forever (a joinable queue), and so did its peers in the save's
+    collectives: stock hangs, and before, --odyssey fenced rank 1 only after --odyssey-first-step-timeout (600 s).
+    Now rank 1 leaves within seconds naming the dead writer, the agent says so on the terminal, and the survivors
+    write the save again and train on as stock. (core_r0.12-0.16: from core_r0.17.0 on the writers are threads of
+    the rank, and --odyssey refuses kind=kill-writer there.)"""
+    if release_minor(MLM) >= 17:
+        pytest.skip("core_r0.17.0 on writes checkpoints from threads of the rank: no writer process to die alone")
+    ckpt = tmp_path / "ckpt"
+    job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--save", str(ckpt), "--save-interval", "2", "--odyssey-inject-fault",
+                                      "step=1,rank=1,phase=save,kind=kill-writer"], _port(1640))
+    assert job.returncode == 0, job.tail()
+    (failure,) = job.report["failures"]
+    assert failure["ranks"] == [1] and failure["error"]["type"] == "CheckpointWriterDied", failure
+    assert "(killed by SIGKILL) during the save after step" in failure["error"]["message"], failure["error"]
+    assert failure["detection_s"] < 60, failure  # (the dead writer is judged 3 s after it is seen)
+    assert "rank 1 failed with its own error (the save after step" in job.logs, job.tail()
+    assert "the survivors run it again in the new layout" in job.logs
+    assert same_training(job.iterations(), stock)
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
+
+
 def _recovered_after_the_last_iteration(job: JobResult, ckpt: Path, stock: dict, said: str) -> None:
     """Rank 1, killed after the last iteration, was the one failure; the survivors ``said`` so, trained as ``stock``
     and wrote the final checkpoint."""

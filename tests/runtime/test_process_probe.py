@@ -8,7 +8,7 @@ import sys
 import time
 
 from megatron_odyssey.runtime.process_probe import (PROBE_ASK_KEY, PROBE_KEY, ProcessSample, RemoteProcess,
-                                                    SilenceJudge, is_zombie, sample)
+                                                    SilenceJudge, children_of, dead_children, is_zombie, sample)
 
 
 def _python(code: str) -> subprocess.Popen:
@@ -250,3 +250,38 @@ def test_a_late_heartbeat_says_so_and_where_the_main_thread_is(capfd) -> None:
     assert "[odyssey rank 5] heartbeat: this beat is 1." in err, err
     # (the heartbeat thread gets the GIL back as the call returns: the main thread is still in this test)
     assert f"(the main thread is now at {__file__}:" in err and " in test_a_late_heartbeat_says_so" in err, err
+
+
+def _forked(then) -> int:
+    pid = os.fork()
+    if pid == 0:
+        then()
+        os._exit(0)
+    return pid
+
+
+def test_dead_children_are_the_failed_ones_not_yet_waited_for_since_a_time() -> None:
+    """What SaveWriters reads: children that exited with a failure (an exit code, a signal) and that nobody waited
+    for, started at the given time or later; not one that exited 0, one still running, nor one from before."""
+    before = _forked(lambda: os._exit(5))
+    time.sleep(0.2)
+    since = time.time()
+    failed = _forked(lambda: os._exit(1))
+    killed = _forked(lambda: os.kill(os.getpid(), signal.SIGKILL))
+    fine = _forked(lambda: None)
+    running = _forked(lambda: time.sleep(30))
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not {failed, killed} <= {d.pid for d in dead_children(os.getpid(), since)}:
+            time.sleep(0.05)
+        ours = {before, failed, killed, fine, running}  # (the test process may have other children)
+        found = {d.pid: d.describe() for d in dead_children(os.getpid(), since) if d.pid in ours}
+        assert found == {failed: "exit code 1", killed: "killed by SIGKILL"}
+        assert {d.pid: d.describe() for d in dead_children(os.getpid())}[before] == "exit code 5"
+        assert {before, failed, killed, fine, running} <= set(children_of(os.getpid()))
+    finally:
+        os.kill(running, signal.SIGKILL)
+        for pid in (before, failed, killed, fine, running):
+            os.waitpid(pid, 0)
+    assert not {d.pid for d in dead_children(os.getpid())} & ours  # waited for: gone
+
