@@ -258,8 +258,8 @@ class SaveWriters:
     """Watches, from the heartbeat thread, the processes a rank forks during a checkpoint save (Megatron's
     dist-checkpointing writers, core_r0.12-0.16's ``FileSystemWriterAsync.write_preloaded_data_multiproc``; from
     core_r0.17.0 on they are threads, and a writer dies only with its rank): each reports through a
-    joinable queue, so one that dies first (killed by the OOM killer, an import missing in it: psutil before
-    core_r0.13's ``_process_memory``) leaves the rank in ``count_queue.join()`` forever, and its peers in the save's
+    joinable queue, so one that dies first (killed by the OOM killer; psutil missing, which core_r0.13-0.16's
+    ``_process_memory`` asks first) leaves the rank in ``count_queue.join()`` forever, and its peers in the save's
     collectives. One dead for ``grace_s`` while the rank is still in the save (a writer that failed after it
     reported is reaped at once) makes the rank fail with that cause: the agent recovers without it, or stops the
     job when every rank's writers die alike, and the last complete checkpoint stays."""
