@@ -20,8 +20,8 @@ Synchronous training repeats the same operations every step, so an anomaly can b
 A node that slept between its operations far longer than its peers for the work it did (it waited on a slow
 link, or on a slow node's messages) is not judged in that step: it is a victim, not a cause, and on the CPU an
 operation right after sleeping reads several times its usual CPU time (cold caches, a core given to another
-process or clocked down: 2x after 1 ms and 16x after 100 ms on a quiet 2-core VM, ``bench_cold_after_sleep.py``), which
-named the ends of a slow link slow too.
+process or clocked down: 2x after 1 ms and 16x after 100 ms on a quiet 2-core VM,
+``benchmarks/bench_cold_after_sleep.py``), which named the ends of a slow link slow too.
 
 One slow step proves nothing on a loaded machine, so a suspect is named when the median of its last ``window``
 steps' factors (at least ``needed`` of them) passes the threshold, and is named once; it is named again only
@@ -33,7 +33,7 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from ..planning.plan import ExecutionPlan
 from ..planning.profile import ModelProfile
@@ -183,8 +183,7 @@ class Diagnoser:
         """Each node's speed over the median of its twins' (or, without twins, every other node's)."""
         factors = {}
         for node, x in speed.items():
-            twins = [speed[n] for n in speed if n != node and holdings.get(n) == holdings.get(node)]
-            others = twins or [speed[n] for n in speed if n != node]
+            others = [speed[n] for n in _peers(node, speed, holdings)]
             if others:
                 ref = statistics.median(others)
                 factors[node] = x / ref if ref > 0 else 1.0
@@ -206,8 +205,7 @@ class Diagnoser:
             per_compute[node] = max(per_compute.get(node, 0.0), idle / computed if computed > 0 else 0.0)
         out = set()
         for node in per_op:
-            twins = [n for n in per_op if n != node and holdings.get(n) == holdings.get(node)]
-            others = twins or [n for n in per_op if n != node]
+            others = _peers(node, per_op, holdings)
             if others and per_compute[node] > self.options.idle_ratio * statistics.median(
                     per_compute[n] for n in others) and per_op[node] - statistics.median(
                     per_op[n] for n in others) > self.options.idle_floor_s:
@@ -279,6 +277,13 @@ class Diagnoser:
             ref = statistics.median(others) if others else 0.0
             out[(src, dst)] = 1.0 if d < self.options.link_floor_s else (d / ref if ref > 0 else 1e9)
         return out
+
+
+def _peers(node: int, nodes: Iterable[int], holdings: Mapping[int, frozenset[int]]) -> list[int]:
+    """Whom ``node`` is compared with: its twins (the nodes holding the same layers), or, without twins, every other
+    node."""
+    others = [n for n in nodes if n != node]
+    return [n for n in others if holdings.get(n) == holdings.get(node)] or others
 
 
 def _slow_evidence(node: int, factor: float, held_up: list[tuple[float, float]]) -> str:
