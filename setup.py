@@ -19,7 +19,8 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        # psutil: megatron-core's torch_dist checkpoint writer processes need it (without it every save hangs)
+        # psutil: megatron-core's torch_dist checkpoint writers need it (without it a save hangs on 0.13-0.16, the
+        # pinned wheel's line, and fails on 0.17+)
         "runtime": ["torch==2.13.0", "megatron-core==0.16.1", "psutil"],
         "test": ["pytest", "pytest-xdist", "filelock"],
     },

@@ -84,7 +84,7 @@ def unknown_version_error(version: MegatronVersion | None) -> str:
 
 def stock_save_blocker(minor: int | None) -> str | None:
     """Why this release's own torch_dist save cannot work beside the numpy, torch and psutil installed, or None. Stock
-    Megatron-LM fails the same way (or, without psutil, hangs), but only at its first save, with every iteration
+    Megatron-LM fails the same way (or, without psutil on core_r0.13-0.16, hangs), but only at its first save, with every iteration
     before it lost; ``--odyssey`` says so at start-up instead (``arguments``)."""
     if minor is None:
         return None
@@ -112,7 +112,8 @@ def stock_save_blocker(minor: int | None) -> str | None:
     except ImportError:
         how = ("imports it at the first save" if minor == 12 else
                "processes ask it for their memory outside their error handling (_process_memory): each dies at its "
-               "start, and the save waits for them forever")
+               "start, and the save waits for them forever" if minor <= 16 else
+               "asks it for its memory (_process_memory) in the rank's own thread, and the first save fails")
         reasons.append(f"core_r0.{minor}'s torch_dist writer (dist_checkpointing/strategies/filesystem_async.py) "
                        f"needs psutil, which is not installed; the writer {how}: pip install psutil (one of "
                        f"Megatron-LM's requirements)")

@@ -174,14 +174,16 @@ def test_invalid_combinations_fail_clearly(argv: list[str], megatron: dict, mess
 
 
 def test_a_save_without_psutil_is_refused_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
-    """From core_r0.13.0 on each torch_dist writer process asks psutil for its memory before its error handling:
+    """On core_r0.13-0.16 each torch_dist writer process asks psutil for its memory before its error handling:
     without psutil every writer dies at its start and Megatron waits for them forever at the first save (seen here:
-    a fresh environment's checkpoint test hung; 0.12 fails there on the import). --odyssey says so at start-up
-    instead, naming psutil and --save."""
+    a fresh environment's checkpoint test hung; 0.12 fails there on the import; from 0.17 on the writers are threads
+    and the save fails: run with core_r0.17.0's and core_r0.19.0's own megatron.core, psutil hidden). --odyssey says
+    so at start-up instead, naming psutil and --save."""
     from megatron_odyssey.megatron_lm.versions import stock_save_blocker
 
     monkeypatch.setitem(sys.modules, "psutil", None)  # as if not installed (import raises)
-    assert "psutil" in stock_save_blocker(13) and "waits for them forever" in stock_save_blocker(20)
+    assert "psutil" in stock_save_blocker(13) and "waits for them forever" in stock_save_blocker(16)
+    assert "in the rank's own thread, and the first save fails" in stock_save_blocker(20)
     assert "imports it at the first save" in stock_save_blocker(12)  # 0.12: an ImportError there, every step lost
     with pytest.raises(OdysseyArgumentError, match=r"\-\-save cannot work in this environment: .*pip install psutil"):
         validate_odyssey_args(_megatron_like_args(["--odyssey"], save="/ckpt"))
