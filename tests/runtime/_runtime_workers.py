@@ -190,22 +190,16 @@ def build_cached_dataset_worker(prefix: str, cache: str, num_samples: int, barri
 
 def _descendants(pid: int) -> list[int]:
     """Every live process below ``pid`` (from /proc: psutil is not a test dependency)."""
-    import os
+    from megatron_odyssey.runtime.process_probe import children_of
 
-    from megatron_odyssey.runtime.process_probe import _stat
-
-    children: dict[int, list[int]] = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            ppid = int(_stat(f"/proc/{entry}/stat")[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
     out, todo = [], [pid]
     while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
+        try:
+            children = children_of(todo.pop())
+        except OSError:  # (gone meanwhile)
+            continue
+        out += children
+        todo += children
     return out
 
 
@@ -804,20 +798,13 @@ def distributed_optimizer_resume_worker(rank: int, world: int, store_file: str, 
     dist.destroy_process_group()
 
 
-def _writer_killed(*_args, **_kwargs) -> None:
-    """A checkpoint writer process killed before it reported (what the OOM killer does)."""
-    import os
-    import signal
-
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
 def save_writer_death_worker(rank: int, world: int, store_file: str, port: int, ckpt: str, case: str) -> None:
     """One of ``world`` gloo ranks saving a sharded tensor twice with megatron-core's dist_checkpointing (its
     torch_dist writers: processes forked per save), with a heartbeat to the store at ``port`` that says when the
     rank is in a save, as the Megatron-LM host's does. The first save is healthy (``first-saved-RANK`` is written
     after it); in the second each writer dies at its start: ``no-psutil`` (as without psutil from core_r0.13 on:
-    megatron-core's own flag set off) or ``killed`` (SIGKILLed, as by the OOM killer). The rank leads its own
+    megatron-core's own flag set off) or ``killed`` (SIGKILLed as it starts, as by the OOM killer: the fault
+    ``kind=kill-writer`` injects, its at-fork hook). The rank leads its own
     process group, as under odyssey-launch (which kills the group of a rank that ended: megatron-core's manager
     process of the writers' results outlives a rank that leaves at once)."""
     import os
@@ -827,6 +814,7 @@ def save_writer_death_worker(rank: int, world: int, store_file: str, port: int, 
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+    from megatron_odyssey.runtime.faults import _killed_at_start
     from megatron_odyssey.runtime.liveness import Heartbeat, Progress
 
     os.setsid()
@@ -840,7 +828,7 @@ def save_writer_death_worker(rank: int, world: int, store_file: str, port: int, 
         if name == "second" and case == "no-psutil":
             filesystem_async.HAVE_PSUTIL = False
         elif name == "second" and case == "killed":
-            filesystem_async.FileSystemWriterAsync.write_preloaded_data = staticmethod(_writer_killed)
+            os.register_at_fork(after_in_child=_killed_at_start)  # as faults.Injector fires kind=kill-writer
         os.makedirs(os.path.join(ckpt, name), exist_ok=True)
         dist.barrier()
         progress.rest(step, "save")
