@@ -54,7 +54,7 @@ from .control_plane import LEAVING_KEY, Deposed, Replica, free_port, listening
 from .plan_message import checkpoint_due, encode_plan_message
 from .liveness import COMM, IDLE, WAITING, WORKING, Beat
 from .process_probe import SilenceJudge
-from .diagnosis import DiagnosisOptions
+from .diagnosis import DiagnosisOptions, judged_summary
 from .slow_nodes import Action, SlowNodes
 from .joining import ADMIT_KEY, REJOIN_KEY, JoinRecord, JoinRequests, publish_job
 from .step_log import StepLog, resident_mb
@@ -386,6 +386,9 @@ class Agent:
                 self.log_error(f"rank {ident} exited {self.procs[ident].exitcode}:\n" + self._tail(ident))
         if bad:
             self.stop_line(f"rank(s) {bad} failed after the last step was committed")
+        judged = judged_summary(self.steps.records())
+        if judged:
+            self.log(judged)
         self.write_report(ok=not bad)
         return 1 if bad else 0
 
@@ -879,7 +882,7 @@ class Agent:
         if judged:  # the diagnosis' view of this step: the node furthest behind its peers
             node = max(judged, key=judged.get)
             record["slowest"] = {"node": node, "factor": round(judged[node], 3)}
-        if summaries and diagnoser.last_idled:  # not judged: they idled far longer than their peers
+        if summaries and diagnoser.last_idled:  # not judged: they waited on others (Diagnoser.idled)
             record["idled"] = sorted(diagnoser.last_idled)
         self.steps.append(record)
         print(f"step {t:4d}  loss {loss:.6f}  time {now - self.step_started:.3f}s  devices {len(members)}  "

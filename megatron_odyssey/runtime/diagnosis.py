@@ -17,11 +17,11 @@ Synchronous training repeats the same operations every step, so an anomaly can b
 - **hang** / **comm-hang** are judged by the agent from progress (``agent.Agent._stalled``): a rank stopped
   in its own work (or whose process stopped) vs one stopped inside a communication its peers never entered.
 
-A node that slept between its operations far longer than its peers for the work it did (it waited on a slow
-link, or on a slow node's messages) is not judged in that step: it is a victim, not a cause, and on the CPU an
-operation right after sleeping reads several times its usual CPU time (cold caches, a core given to another
-process or clocked down: 2x after 1 ms and 16x after 100 ms on a quiet 2-core VM,
-``benchmarks/bench_cold_after_sleep.py``), which named the ends of a slow link slow too.
+A node that slept between its operations far longer than its peers for the work it did, or began far more of
+its operations after a sleep (it waited on a slow link, or on a slow node's messages), is not judged in that step:
+it is a victim, not a cause, and on the CPU an operation right after sleeping reads several times its usual CPU
+time (cold caches, a core given to another process or clocked down: 2x after 1 ms and 16x after 100 ms on a quiet
+2-core VM, ``benchmarks/bench_cold_after_sleep.py``), which named the ends of a slow link slow too.
 
 One slow step proves nothing on a loaded machine, so a suspect is named when the median of its last ``window``
 steps' factors (at least ``needed`` of them) passes the threshold, and is named once; it is named again only
@@ -63,6 +63,10 @@ class DiagnosisOptions:
     # much longer per operation, is not judged for compute that step (see ``idled``)
     idle_ratio: float = 3.0
     idle_floor_s: float = 0.002  # (after 1 ms of sleep an operation read 2-4x: bench_cold_after_sleep)
+    # ... or a node mostly asleep (this many seconds per second it computed) ...
+    asleep_ratio: float = 5.0
+    # ... a larger share of whose operations, by this much, began cold (after a sleep: op_trace.COLD_AFTER_S)
+    cold_margin: float = 0.3
     window: int = 5  # steps whose median factor is judged
     needed: int = 3  # the fewest steps judged (a new suspect, or one that just came back)
 
@@ -190,25 +194,41 @@ class Diagnoser:
         return factors
 
     def idled(self, summaries: Mapping[int, dict[str, Any]], holdings: Mapping[int, frozenset[int]]) -> set[int]:
-        """Nodes that slept between their operations, for each second they computed, far longer than their twins
-        (or, without twins, every other node) this step, and longer by ``idle_floor_s`` per operation: they waited
-        on others, and their compute times are not comparable with their peers'. Per second of compute: a slow
-        node sleeps too on a host it crowds (its peers wait for a core, and it for them), but it computes longest
-        (the bottleneck is the busiest), while a link's ends and a slow node's receivers mostly wait."""
+        """Nodes whose compute this step read colder than their twins' (or, without twins, every other node's)
+        because they waited on others: their compute times are not comparable with their peers'. Either
+
+        - they slept between their operations, for each second they computed, far longer (``idle_ratio``) than
+          their peers, and longer by ``idle_floor_s`` per operation. Per second of compute: a slow node sleeps too
+          on a host it crowds (its peers wait for a core, and it for them), but it computes longest (the
+          bottleneck is the busiest), while a link's ends and a slow node's receivers mostly wait; or
+        - they were mostly asleep (``asleep_ratio`` seconds per second of compute) and a larger share of their
+          operations (by ``cold_margin``) began cold, after a sleep. When a slow link stalls every pipeline all ranks
+          sleep alike in total, but its ends wait before nearly every operation while their twins wait a few times,
+          long, and then run warm (Megatron-LM's interleaved schedule, a 150x link on a 2-core host: 11-13 of 15
+          operations against 4-6, and the ends' compute read 1.2-3.8x their twins'). Mostly asleep: in a clean run
+          a node's share swings from step to step, but it sleeps less than it computes (median; 20x at most),
+          and the bottleneck of a slow node sleeps least of all."""
         per_op: dict[int, float] = {}
         per_compute: dict[int, float] = {}
+        cold: dict[int, float] = {}
         for s in summaries.values():
             node, ops = int(s["node"]), s["f"][0] + s["b"][0]
             idle = float(s.get("idle", 0.0))
             computed = s["c"] * s["f"][0] / ops if ops else 0.0  # seconds per operation
             per_op[node] = max(per_op.get(node, 0.0), idle)
             per_compute[node] = max(per_compute.get(node, 0.0), idle / computed if computed > 0 else 0.0)
+            cold[node] = max(cold.get(node, 0.0), float(s.get("cold", 0.0)))
         out = set()
         for node in per_op:
             others = _peers(node, per_op, holdings)
-            if others and per_compute[node] > self.options.idle_ratio * statistics.median(
-                    per_compute[n] for n in others) and per_op[node] - statistics.median(
-                    per_op[n] for n in others) > self.options.idle_floor_s:
+            if not others:
+                continue
+            slept_longer = per_compute[node] > self.options.idle_ratio * statistics.median(
+                per_compute[n] for n in others) and per_op[node] - statistics.median(
+                per_op[n] for n in others) > self.options.idle_floor_s
+            began_colder = per_compute[node] >= self.options.asleep_ratio and \
+                cold[node] - statistics.median(cold[n] for n in others) >= self.options.cold_margin
+            if slept_longer or began_colder:
                 out.add(node)
         return out
 
@@ -277,6 +297,24 @@ class Diagnoser:
             ref = statistics.median(others) if others else 0.0
             out[(src, dst)] = 1.0 if d < self.options.link_floor_s else (d / ref if ref > 0 else 1e9)
         return out
+
+
+def judged_summary(steps: Iterable[Mapping[str, Any]]) -> str | None:
+    """One line on how much of the job the diagnosis judged, from the agent's step records (``slowest``: the step
+    was judged; ``idled``: the nodes left out of it): a user whose slow node was never named can see whether it
+    was judged at all. None when no step was."""
+    judged = [s for s in steps if "slowest" in s or s.get("idled")]
+    if not judged:
+        return None
+    left: dict[int, int] = defaultdict(int)
+    for s in judged:
+        for node in s.get("idled", ()):
+            left[node] += 1
+    text = f"diagnosis: judged the nodes' compute in {len(judged)} step{'s' if len(judged) != 1 else ''}"
+    if left:
+        text += ("; left out of some, as waiting on others (their compute read cold): " +
+                 ", ".join(f"node {n} in {k} of them" for n, k in sorted(left.items())))
+    return text
 
 
 def _peers(node: int, nodes: Iterable[int], holdings: Mapping[int, frozenset[int]]) -> list[int]:

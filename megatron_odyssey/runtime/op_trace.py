@@ -22,6 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 MAX_MESSAGES = 256  # per step and direction: the summary stays small however many micro-batches run
+# an operation begun after its thread slept this long starts cold (on the CPU it then read 4.8x its usual CPU time,
+# ``benchmarks/bench_cold_after_sleep.py``): the diagnosis compares how many of each node's operations did
+COLD_AFTER_S = 0.01
 
 
 @dataclass
@@ -42,6 +45,11 @@ class OpTrace:
     # slow link's hold; not computing, not queued for a core): on the CPU an operation right after idling reads
     # several times its CPU time (``diagnosis``)
     idle_s: float = 0.0
+    # of the operations that followed another of this step (the first has none): how many, and how many of them
+    # began after sleeping longer than COLD_AFTER_S (the share tells a rank that waited before nearly every operation
+    # from one that waited once, as long in all, and then ran warm)
+    followed: int = 0
+    cold: int = 0
     _ended: float | None = None  # the thread's off-CPU clock when this step's newest operation ended
 
     def begin(self, step: int) -> None:
@@ -54,11 +62,15 @@ class OpTrace:
         self.on_device.clear()
         self.sync_s = 0.0
         self.idle_s = 0.0
+        self.followed = self.cold = 0
         self._ended = None
 
     def operation_started(self) -> None:
         if self._ended is not None:
-            self.idle_s += max(0.0, sleeping_clock() - self._ended)
+            slept = max(0.0, sleeping_clock() - self._ended)
+            self.idle_s += slept
+            self.followed += 1
+            self.cold += slept > COLD_AFTER_S
 
     def operation_ended(self) -> None:
         self._ended = sleeping_clock()
@@ -105,6 +117,7 @@ class OpTrace:
             "f": _stats(self.forward_s), "b": _stats(self.backward_s),
             "sync": round(self.sync_s, 6), "commit": round(self.commit_wait_s, 6),
             "idle": round(self.idle_s / (len(self.forward_s) + len(self.backward_s)), 7),  # per operation
+            "cold": round(self.cold / self.followed, 4) if self.followed else 0.0,  # share begun cold
             "tx": [[n, m, round(t, 6)] for n, m, t in self.sends],
             "rx": [[n, m, round(a, 6), round(b, 6)] for n, m, a, b in self.recvs],
             "ar": [[u, round(a, 6), round(b, 6)] for u, a, b in self.reductions],

@@ -12,7 +12,7 @@ import pytest
 from megatron_odyssey.planning.errors import PlanningError
 from megatron_odyssey.planning.plan import layout
 from megatron_odyssey.planning.profile import uniform_profile
-from megatron_odyssey.runtime.diagnosis import Diagnoser, DiagnosisOptions
+from megatron_odyssey.runtime.diagnosis import Diagnoser, DiagnosisOptions, judged_summary
 from megatron_odyssey.runtime.faults import FailSpec, Injector
 from megatron_odyssey.runtime.op_trace import ComputeTimer, OpTrace, message_name, sleeping_clock
 
@@ -73,7 +73,24 @@ def test_the_rank_record_says_how_long_it_idled_between_its_operations_of_the_st
     time.sleep(0.1)  # the gradient sync and the commit, between steps: not idling between operations
     trace.begin(8)
     timer.stop("forward", timer.start())
-    assert json.loads(trace.summary())["idle"] < 0.01
+    s = json.loads(trace.summary())
+    assert s["idle"] < 0.01 and s["cold"] == 0.0
+
+
+def test_the_rank_record_says_what_share_of_its_operations_began_cold():
+    """Of the operations that followed another in the step, those begun after sleeping longer than
+    COLD_AFTER_S (10 ms): 2 of the 3 here; the step's first operation follows none."""
+    trace = OpTrace(ident=0, node=0)
+    timer = ComputeTimer(time.thread_time, trace)
+    trace.begin(1)
+    time.sleep(0.05)  # before the step's first operation: it follows none
+    timer.stop("forward", timer.start())
+    time.sleep(0.05)
+    timer.stop("forward", timer.start())
+    timer.stop("backward", timer.start())  # at once: warm
+    time.sleep(0.05)
+    timer.stop("backward", timer.start())
+    assert json.loads(trace.summary())["cold"] == pytest.approx(2 / 3, abs=1e-3)
 
 
 def test_the_sleeping_clock_counts_sleep_not_compute_nor_a_wait_for_a_core():
@@ -122,6 +139,49 @@ def test_a_node_that_idled_far_longer_than_its_twins_is_not_judged_but_the_node_
     d = Diagnoser()
     named = [f for step in range(12) for f in d.observe(step, step_summaries(step, {2: 2.5}), PLAN, PROFILE)]
     assert [(f.kind, f.nodes) for f in named] == [("slow", [2])]
+
+
+def test_a_node_that_began_far_more_of_its_operations_cold_than_its_twins_is_not_judged():
+    """A slow link stalls every pipeline: every node sleeps alike, 60 s per operation of 3-7.5 s (mostly asleep),
+    but node 2, the link's end, before 90% of its operations and its twins before 40% (they wait a few times, long,
+    then run warm), and its compute reads 2.5x theirs; it is not judged. Node 3, slow, began none of its operations
+    cold and is named. Where every node began as many operations cold (Megatron's 1F1B schedule under a slow link),
+    all are judged; so is a node awake most of the time, however many of its operations began cold."""
+    def stalled(step: int, cold: dict[int, float], slow: dict[int, float]) -> dict[int, dict]:
+        s = step_summaries(step, slow)
+        for node in range(6):
+            s[node]["idle"], s[node]["cold"] = idle, cold.get(node, 0.4)
+        return s
+
+    idle = 60.0
+
+    d = Diagnoser()
+    named = []
+    for step in range(12):
+        named += d.observe(step, stalled(step, {2: 0.9, 3: 0.0}, {2: 2.5, 3: 3.0}), PLAN, PROFILE)
+        assert d.last_idled == {2}
+    assert [(f.kind, f.nodes) for f in named] == [("slow", [3])]
+    d = Diagnoser()
+    for step in range(12):
+        d.observe(step, stalled(step, {}, {}), PLAN, PROFILE)
+        assert d.last_idled == set() and set(d.last_factors) == set(range(6))
+    # a share only a little larger than the twins' (below cold_margin) leaves the node judged, and named
+    d = Diagnoser()
+    named = [f for step in range(12) for f in d.observe(step, stalled(step, {2: 0.6}, {2: 2.5}), PLAN, PROFILE)]
+    assert d.last_idled == set() and [(f.kind, f.nodes) for f in named] == [("slow", [2])]
+    idle = 3.0  # awake most of the time (a clean run's swings of the share): judged, and named
+    d = Diagnoser()
+    named = [f for step in range(12) for f in d.observe(step, stalled(step, {2: 0.9}, {2: 2.5}), PLAN, PROFILE)]
+    assert d.last_idled == set() and [(f.kind, f.nodes) for f in named] == [("slow", [2])]
+
+
+def test_the_end_of_the_job_says_how_many_steps_were_judged_and_who_was_left_out():
+    steps = [{"step": 0}, {"step": 1, "slowest": {"node": 0, "factor": 1.1}},
+             {"step": 2, "slowest": {"node": 3, "factor": 1.2}, "idled": [5, 2]}, {"step": 3, "idled": [2]}]
+    assert judged_summary(steps) == ("diagnosis: judged the nodes' compute in 3 steps; left out of some, as waiting "
+                                     "on others (their compute read cold): node 2 in 2 of them, node 5 in 1 of them")
+    assert judged_summary(steps[:2]) == "diagnosis: judged the nodes' compute in 1 step"
+    assert judged_summary([{"step": 0}]) is None
 
 
 def test_noise_below_the_threshold_is_never_named_and_twins_set_the_reference():
