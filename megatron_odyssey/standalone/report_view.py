@@ -12,7 +12,6 @@ from typing import Any
 
 from ..planning.estimator import score
 from ..planning.planner import DEFAULT_MTBF_HOURS, policy_label
-from ..runtime.diagnosis import judged_summary
 
 
 def _duration(seconds: float) -> str:
@@ -150,9 +149,6 @@ def _print_diagnoses_and_joins(console, report: dict[str, Any]) -> None:
         for d in report["diagnoses"]:
             console.print(f"  step {d['step']}, ranks {d['ranks']}: {d['evidence']}"
                           + (f"; {d['action']}: {d['reason']}" if d.get("reason") else ""))
-    judged = judged_summary(report.get("steps", []))
-    if judged:
-        console.print("  " + judged[0].upper() + judged[1:])
     if report.get("joins"):
         table = Table(title="Nodes that came back")
         for col in ("step", "ranks", "decision", "transfer (s)", "recovery (s)", "options (step s / transition s / "
