@@ -902,13 +902,17 @@ class Agent:
             return min(float(self.store.get(k).split()[0]) for k in keys) if keys else None
 
         action = self.slow_nodes.after_commit(step, summaries, self.plan, self.planner, self.profile, slowed_at)
+        if action is not None and step + 1 >= self.cfg.steps:  # the ranks are finishing the job: nothing to redo
+            action.record.reason = (f"{action.record.action} not taken: step {step} was the job's last"
+                                    + (f" (the planner's choice: {action.record.reason})" if action.record.reason else ""))
+            action.record.action, action = "none", None
         self._stamp_diagnoses()
         for rec in self.slow_nodes.records[self.said_diagnoses:]:
             if rec.kind in ("slow", "comm-slow"):  # (hangs are said where they are fenced)
                 self.log(f"diagnosis at step {step}: {rec.kind} ranks {rec.ranks}: {rec.evidence}; action "
                          f"{rec.action}" + (f" ({rec.reason})" if rec.reason else ""))
         self.said_diagnoses = len(self.slow_nodes.records)
-        if action is not None and self.next_step < self.cfg.steps:
+        if action is not None:
             self.pending_action = action
 
     # -- ranks joining the running job (runtime.joining) ------------------------------------------------------

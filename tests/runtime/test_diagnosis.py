@@ -35,6 +35,19 @@ def test_a_slow_rank_is_named_within_5_steps_and_handled_as_eq8_prefers(referenc
     assert all(d["ranks"] == [3] for d in report["diagnoses"]), failure_story(report)
 
 
+def test_a_slow_rank_named_at_the_last_step_is_not_acted_on_and_the_job_ends_well(fault_free_reference, tmp_path):
+    """Slow from the start, rank 3 is named after 3 judged steps: at step 3, the last of 4. No step is left to
+    rebalance: the action is not taken (the record says so) and the job ends as the fault-free one (before, the
+    agent waited for the ranks to redo a step 4 that does not exist, saw them leave and stopped: "every node has
+    failed")."""
+    params, report = run(tmp_path, ["step=0,rank=3,kind=slow,factor=4"], steps=4, slow_action="rebalance")
+    assert_exact(reference_run(fault_free_reference, steps=4), params, report)
+    assert report["failures"] == [], failure_story(report)
+    for d in report["diagnoses"]:  # (named later than step 3 is not at all: a step left out, on a loaded host)
+        assert (d["kind"], d["ranks"], d["step"], d["action"]) == ("slow", [3], 3, "none"), d
+        assert "rebalance not taken: step 3 was the job's last" in d["reason"], d
+
+
 def test_rebalance_then_readmit_trains_exactly(reference, tmp_path):
     """Forced rebalance (--slow-action rebalance) of a rank slow for 4 steps: its pipeline gets fewer
     micro-batches at a step boundary, and once it runs at full speed again the balanced plan comes back."""
