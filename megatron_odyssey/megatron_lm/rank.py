@@ -286,7 +286,8 @@ def config_from_megatron_args(args: Any) -> TrainConfig:
         soft_timeout_s=args.odyssey_soft_timeout, hard_timeout_s=args.odyssey_hard_timeout,
         first_step_timeout_s=args.odyssey_first_step_timeout,
         workdir=os.environ.get(WORKDIR_ENV), mtbf_hours=args.odyssey_mtbf_hours,
-        extra={"megatron": True, "start_step": int(args.iteration), "save_dir": getattr(args, "save", None),
+        extra={"megatron": True, "start_step": int(args.iteration),
+               "exit_interval": getattr(args, "exit_interval", None) or None, "save_dir": getattr(args, "save", None),
                "optimizer_format": unrecorded_optimizer_format(args, version),
                "tied_embeddings": not getattr(args, "untie_embeddings_and_output_weights", True),
                # how the logged loss is added up (agent.committed_loss)

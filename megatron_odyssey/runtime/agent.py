@@ -895,6 +895,13 @@ class Agent:
         if first_of_generation and self.failures and self.failures[-1].generation == self.gen:
             self.write_report(ok=True, final=False)  # the report grows as the job goes, not only at its end
 
+    def _last_step(self, step: int) -> bool:
+        """No step comes after ``step``: it is --train-iters' last, or, in a Megatron-LM job, the one after which
+        its --exit-interval ends the job (``checkpoint_and_decide_exit``: Megatron's iteration ``step + 1``). A
+        re-plan decided there would wait for the ranks to redo a step they never run."""
+        interval = self.cfg.extra.get("exit_interval")
+        return step + 1 >= self.cfg.steps or bool(interval) and (step + 1) % int(interval) == 0
+
     def _diagnose(self, step: int, summaries: dict[int, dict[str, Any]]) -> None:
         """Judge the committed step's operation records (``slow_nodes``); an action is taken by the main loop."""
         def slowed_at(ranks: list[int]) -> float | None:
@@ -902,7 +909,7 @@ class Agent:
             return min(float(self.store.get(k).split()[0]) for k in keys) if keys else None
 
         action = self.slow_nodes.after_commit(step, summaries, self.plan, self.planner, self.profile, slowed_at)
-        if action is not None and step + 1 >= self.cfg.steps:  # the ranks are finishing the job: nothing to redo
+        if action is not None and self._last_step(step):  # the ranks are finishing the job: nothing to redo
             action.record.reason = (f"{action.record.action} not taken: step {step} was the job's last"
                                     + (f" (the planner's choice: {action.record.reason})" if action.record.reason else ""))
             action.record.action, action = "none", None
@@ -945,7 +952,7 @@ class Agent:
                 spec["due"], spec["due_at"] = True, time.time()
                 self.log(f"rank {spec['rank']}'s machine is back (--rejoin {spec['rank']}@{spec['after_step']})")
                 self.store.set(REJOIN_KEY.format(spec["rank"]), "1")
-        if self.pending_action is not None or step + 1 >= self.cfg.steps:
+        if self.pending_action is not None or self._last_step(step):
             return
         pending = self.join_requests.pending
         tp = self.cfg.tp

@@ -501,6 +501,22 @@ def test_a_slow_rank_is_named_in_megatrons_own_schedule(stock: dict, tmp_path: P
     assert same_training(job.iterations(), stock)
 
 
+def test_a_re_plan_decided_where_exit_interval_ends_the_job_is_not_taken(stock: dict, tmp_path: Path) -> None:
+    """--exit-interval 4 ends the job after iteration 4 (step 3). A rank 4x slower from the start is named there,
+    after the three steps it is judged on: no step is left to rebalance, so the action is not taken (the report
+    says why) and the job ends as stock's first 4 iterations. Before, the agent waited for the ranks to redo step 4
+    on the new plan, saw them leave and stopped the job: "every node has failed"."""
+    job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--exit-interval", "4", "--odyssey-slow-action", "rebalance",
+                                      "--odyssey-inject-fault", "step=0,rank=1,kind=slow,factor=4"], _port(1650))
+    assert job.returncode == 0, job.tail()
+    assert [s["step"] for s in job.report["steps"]] == [0, 1, 2, 3] and job.report["failures"] == []
+    for d in job.report["diagnoses"]:  # (named at all only when judged in each of steps 1-3: none left out)
+        assert (d["kind"], d["ranks"], d["step"], d["action"]) == ("slow", [1], 3, "none"), d
+        assert "rebalance not taken: step 3 was the job's last" in d["reason"], d
+    logged = job.iterations()
+    assert sorted(logged) == sorted(stock)[:4] and same_training(logged, {i: stock[i] for i in logged})
+
+
 #: a slow link holds each message back (F - 1) times the compute that produced it: about 1.3 ms a micro-batch in
 #: the tiny job, so 40x came to 50 ms, just at the diagnosis' 50 ms floor (DiagnosisOptions.link_floor_s), and the
 #: link was named late or not at all; 150x holds them about 0.2 s
