@@ -20,10 +20,11 @@ from megatron_odyssey.megatron_lm.clean_exit import leave_with_groups_destroyed
 
 RANK = textwrap.dedent("""
     import atexit
-    # the last exit handler (they run last registered, first called): one C call that holds the GIL for a second
-    # or two, called from C, so no Python code runs between it and the interpreter's finalisation to hand the GIL
-    # over to the waiting worker thread
-    atexit.register(sum, range(300_000_000))
+    # the last exit handler (they run last registered, first called): one C call that holds the GIL for several
+    # seconds (long enough for the peer to join on a host loaded by other jobs: 1-2 s failed three tries in a row
+    # beside a Megatron-LM regression), called from C, so no Python code runs between it and the interpreter's
+    # finalisation to hand the GIL over to the waiting worker thread
+    atexit.register(sum, range(1_000_000_000))
     import os, sys, time
     from pathlib import Path
     import torch, torch.distributed as dist
@@ -85,8 +86,8 @@ def _run(tmp_path: Path, mode: str) -> list[int]:
 
 def test_a_collective_still_in_a_gloo_thread_at_exit_aborts_the_process(tmp_path: Path) -> None:
     """The bug, without the fix: rank 0 leaves with SIGABRT, "terminate called without an active exception". On a
-    loaded machine the peer may join only after the exit handler's second or two, and both leave with 0 (seen once
-    in .ci/run under -n 2): up to three tries, the first abort counts; a premise that no longer holds still fails."""
+    loaded machine the peer may join only after the exit handler's seconds, and both leave with 0 (seen in .ci/run
+    under -n 2, and beside a regression): up to three tries, the first abort counts; a premise that no longer holds still fails."""
     for attempt in range(3):
         (tmp_path / str(attempt)).mkdir()
         codes, outs = _run(tmp_path / str(attempt), "plain")
