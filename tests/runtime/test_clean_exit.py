@@ -1,9 +1,13 @@
 """A job that trained to its end leaves with 0, not SIGABRT (``megatron_lm.clean_exit``), with real gloo ranks.
 
 The race (pytorch/pytorch#190489) is made certain here instead of waited for: rank 0's last collective is still in
-a gloo worker thread when its interpreter shuts down. Its peer joins only once rank 0 runs its exit handlers, which
-hold the GIL meanwhile, so the worker thread, done, is waiting for the GIL to drop the collective's tensors when the
-interpreter starts finalising; Python then ends that thread, through C++ code that may not be unwound: abort."""
+a gloo worker thread when its interpreter shuts down. Its peer joins only once rank 0 runs its exit handlers, and
+rank 0's last handlers hold the GIL, in C, until the peer says its collective is done and a while after, so the
+worker thread, done, is waiting for the GIL to drop the collective's tensors when the interpreter starts finalising;
+Python then ends that thread, through C++ code that may not be unwound: abort. Two things keep the race certain
+however loaded the machine: the peer is told to join only after every exit handler that runs Python code (torch's
+own, registered at its import, ran after that before, and handed the GIL over: both ranks left with 0 three times in
+a row in CI), and rank 0 waits for the peer's word that it is done, not for a fixed time."""
 from __future__ import annotations
 
 import os
@@ -19,21 +23,32 @@ import pytest
 from megatron_odyssey.megatron_lm.clean_exit import leave_with_groups_destroyed
 
 RANK = textwrap.dedent("""
-    import atexit
-    # the last exit handler (they run last registered, first called): one C call that holds the GIL for several
-    # seconds (long enough for the peer to join on a host loaded by other jobs: 1-2 s failed three tries in a row
-    # beside a Megatron-LM regression), called from C, so no Python code runs between it and the interpreter's
-    # finalisation to hand the GIL over to the waiting worker thread
-    atexit.register(sum, range(1_000_000_000))
-    import os, sys, time
+    import atexit, ctypes, os, sys
+
+
+    class PollFd(ctypes.Structure):
+        _fields_ = [("fd", ctypes.c_int), ("events", ctypes.c_short), ("revents", ctypes.c_short)]
+
+
+    flags, rank = sys.argv[1], int(os.environ["RANK"])
+    if rank == 0:
+        # Rank 0's last exit handlers (they run last registered, first called: so registered before any import, whose
+        # own handlers run Python code, which hands the GIL over): two C calls made with the GIL held (ctypes.PyDLL
+        # does not release it), called from C, so no Python code runs between them and the interpreter's finalisation:
+        # wait (at most 60 s) until the peer writes to the pipe that its collective with this rank is done, then 2 s
+        # more for this rank's worker thread to finish it and wait for the GIL
+        libc = ctypes.PyDLL(None)
+        peer_done = PollFd(os.open(os.path.join(flags, "peer_done"), os.O_RDWR), 1, 0)  # (read-write: no blocking)
+        atexit.register(libc.usleep, 2_000_000)
+        atexit.register(libc.poll, ctypes.byref(peer_done), 1, 60_000)
+        # the handler before them: the peer may join rank 0's last collective now
+        atexit.register(os.mkdir, os.path.join(flags, "finalising"))
+    import time
     from pathlib import Path
     import torch, torch.distributed as dist
     from megatron_odyssey.megatron_lm.clean_exit import leave_with_groups_destroyed
 
-    flags = Path(sys.argv[1])
-    rank = int(os.environ["RANK"])
-    if rank == 0:  # the handler before it: the peer may join rank 0's last collective now
-        atexit.register((flags / "finalising").write_text, "")
+    flags = Path(flags)
 
 
     def main():
@@ -56,6 +71,12 @@ RANK = textwrap.dedent("""
                 break
             time.sleep(0.01)
         dist.all_gather_into_tensor(torch.empty(8), torch.ones(4))
+        try:  # (without blocking: if rank 0 is gone, nobody reads the pipe)
+            pipe = os.open(flags / "peer_done", os.O_WRONLY | os.O_NONBLOCK)
+            os.write(pipe, b"x")
+            os.close(pipe)
+        except OSError:
+            pass
         dist.destroy_process_group()
 
 
@@ -75,6 +96,7 @@ def _free_port() -> int:
 def _run(tmp_path: Path, mode: str) -> list[int]:
     script = tmp_path / "rank.py"
     script.write_text(RANK)
+    os.mkfifo(tmp_path / "peer_done")
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2",
                OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[2]),
                                                                  os.environ.get("PYTHONPATH", "")]))
@@ -85,9 +107,10 @@ def _run(tmp_path: Path, mode: str) -> list[int]:
 
 
 def test_a_collective_still_in_a_gloo_thread_at_exit_aborts_the_process(tmp_path: Path) -> None:
-    """The bug, without the fix: rank 0 leaves with SIGABRT, "terminate called without an active exception". On a
-    loaded machine the peer may join only after the exit handler's seconds, and both leave with 0 (seen in .ci/run
-    under -n 2, and beside a regression): up to three tries, the first abort counts; a premise that no longer holds still fails."""
+    """The bug, without the fix: rank 0 leaves with SIGABRT, "terminate called without an active exception" (16 of
+    16 tries here: 4 quiet, 8 beside four busy processes, 4 beside eight). Up to three tries, the first abort counts (a
+    worker thread starved for the 2 s after its peer's word would miss the race); a premise that no longer holds
+    still fails."""
     for attempt in range(3):
         (tmp_path / str(attempt)).mkdir()
         codes, outs = _run(tmp_path / str(attempt), "plain")
