@@ -1093,6 +1093,29 @@ class Agent:
             return True
         return self.recover(set(), replan=action)
 
+    def _ended_before(self, replan: Action | None, failed: set[int]) -> bool:
+        """The ranks still in the job all finished it (left with 0) before this recovery could start: the training
+        script ended the job after the step just committed, by a decision this agent cannot know ahead (Megatron's
+        --exit-duration-in-mins, or a signal caught by --exit-signal-handler; --exit-interval is known:
+        ``_last_step``). A re-plan is not taken, and the job ends as the ranks did. A failure leaves nobody to
+        recover it with: the job stops, saying so (not "every node has failed")."""
+        step = self.next_step - 1
+        if failed:
+            self.stop_reason = (f"rank(s) {sorted(failed)} failed while every other rank finished the job after step "
+                                f"{step} (the training script's own exit decision): nobody is left to recover with")
+            self.failures.append(FailureRecord(ranks=sorted(failed), step=self.next_step, reason=self.stop_reason,
+                                               error=self._error_of(failed), ended=self._endings_of(failed)))
+            return False
+        if replan is not None:
+            replan.record.reason = (f"{replan.record.action} not taken: every rank finished the job after step {step}"
+                                    + (f" (the planner's choice: {replan.record.reason})" if replan.record.reason
+                                       else ""))
+            if replan.what != "join":  # (a join's record keeps the planner's policy; its ranks leave with the job)
+                replan.record.action = "none"
+        self.log(f"every rank finished the job after step {step} (the training script's own exit decision) before "
+                 + (f"the {replan.what} began: not taken" if replan else "this agent took over"))
+        return True
+
     def _close_failure_records(self, now: float) -> None:
         """The recoveries into this generation end with its first commit: their times are known now."""
         for rec in self.failures + self.replans:
@@ -1163,7 +1186,7 @@ class Agent:
             self.log(f"generation {self.gen}: rank(s) {sorted(failed)} failed at step {self.next_step}; aborting "
                      f"the step")
         # seal membership: every other member registers or is dead/fenced
-        scanned = 0.0
+        scanned, finished_all = 0.0, set()
         while True:
             more = self.detect() - self.dead
             if more:
@@ -1179,8 +1202,10 @@ class Agent:
             finished = {i for i in self.members() if i not in self.dead and self.procs[i].exitcode == 0}
             if finished:  # left the job after its last step: not a failure, but not in the next generation
                 self.dead |= finished
-                self.log(f"rank(s) {sorted(finished)} had finished the job; the survivors go on without them")
+                finished_all |= finished
             live = [i for i in self.members() if i not in self.dead]
+            if finished and live:
+                self.log(f"rank(s) {sorted(finished)} had finished the job; the survivors go on without them")
             if self.store.check([f"{self.key('recover')}/{i}" for i in live]):  # one round trip for all
                 break
             # who is still missing (progress judging spares the others): one round trip per rank, so only once a
@@ -1192,6 +1217,8 @@ class Agent:
         sealed_at = time.time()
         self.recovering = set()
         survivors = [i for i in self.members() if i not in self.dead]
+        if not survivors and finished_all:
+            return self._ended_before(replan, gen_failed)
         held = [int(v) for v in self.store.multi_get([f"{self.key('recover')}/{i}" for i in survivors])]
         # a survivor of a staggered plan may hold a step updated before its commit that never came: it rolls
         # back to the last step this agent committed (runtime.generation: the plan's resume step tells it)

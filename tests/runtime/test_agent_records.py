@@ -167,6 +167,59 @@ def test_a_rank_that_said_it_finished_is_not_taken_for_hung_and_is_killed_if_it_
         lingering.kill()
 
 
+def test_a_re_plan_the_ranks_ended_the_job_before_is_not_taken(tmp_path, capsys) -> None:
+    """A re-plan decided after step 2 of 6, and every rank left with 0 meanwhile, having said it finished: the job
+    ended by the training script's own decision after that step, one the agent cannot know ahead (Megatron's
+    --exit-duration-in-mins, or a signal caught by --exit-signal-handler). The re-plan is not taken and the job ends
+    well (before, the agent went on to plan without them: "every node has failed", exit 1). With one rank killed
+    while the other finished, nobody is left to recover with: the job stops, saying that."""
+    import subprocess
+    import sys
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from megatron_odyssey.launch import LocalRank
+    from megatron_odyssey.runtime.agent import Agent, free_port
+    from megatron_odyssey.runtime.config import TrainConfig
+    from megatron_odyssey.runtime.control_plane import DONE_KEY
+    from megatron_odyssey.runtime.slow_nodes import Action, DiagnosisRecord
+    from megatron_odyssey.testing.processes import start_sleeper
+
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=10))
+    finished = [subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True) for _ in range(3)]
+    killed = start_sleeper()
+    try:
+        killed.kill()
+        assert [p.wait(timeout=30) for p in finished] == [0, 0, 0] and killed.wait(timeout=30) == -9
+        cfg = TrainConfig(nproc=2, tp=1, pp=1, layers=4, hidden=32, heads=4, seq=16, global_batch=2, micro_batch=1,
+                          steps=6, heartbeat_timeout_s=5.0)
+        agent = Agent(cfg, None, tmp_path / "a", procs={i: LocalRank(p) for i, p in enumerate(finished[:2])},
+                      store=store)
+        agent.next_step, agent.started_gen = 3, True  # step 2 committed
+        for ident in (0, 1):
+            store.set(DONE_KEY.format(ident), "1")
+        record = DiagnosisRecord(2, [1], "slow", "compute 3x its peers'", "rebalance", factor=3.0,
+                                 reason="rebalance: 1.2 s per step instead of 1.9 s")
+        assert agent._act(Action("replan", record, ranks=[1], plan=agent.plan))
+        assert record.action == "none" and record.replan is None and agent.gen == 0 and agent.replans == []
+        assert record.reason == ("rebalance not taken: every rank finished the job after step 2 (the planner's choice: "
+                                 "rebalance: 1.2 s per step instead of 1.9 s)")
+        out = capsys.readouterr().out
+        assert "every rank finished the job after step 2 (the training script's own exit decision) before the " \
+               "replan began: not taken" in out and "every node has failed" not in out
+
+        lost = Agent(cfg, None, tmp_path / "b", procs={0: LocalRank(finished[2]), 1: LocalRank(killed)}, store=store)
+        lost.next_step, lost.started_gen = 3, True
+        assert not lost.recover({1})
+        assert lost.stop_reason == ("rank(s) [1] failed while every other rank finished the job after step 2 (the "
+                                    "training script's own exit decision): nobody is left to recover with")
+        assert [(f.ranks, f.reason) for f in lost.failures] == [([1], lost.stop_reason)]
+    finally:
+        killed.kill()
+
+
 def test_the_agent_goes_on_without_a_standby_whose_store_is_gone(tmp_path, capsys) -> None:
     """The write-ahead to the standby's store reconnects on an error; when the standby's machine is gone
     the agent says so on the terminal and goes on without it (losing its own machine now ends the job), it
