@@ -255,14 +255,29 @@ def odyssey_flags_given(args: Any) -> list[str]:
             if k != "odyssey" and getattr(args, k, v) != v]
 
 
+def ends_after(step: int, train_iters: int, exit_interval: int | None) -> bool:
+    """Megatron's training loop ends after 0-based ``step`` (its iteration ``step + 1``): --train-iters' last, or
+    the one --exit-interval's check ends it after (``checkpoint_and_decide_exit``: iteration % interval == 0,
+    counted from 0 however the job started). Exits on a signal or a duration cannot be known ahead."""
+    return step + 1 >= train_iters or bool(exit_interval) and (step + 1) % int(exit_interval) == 0
+
+
+def last_step_from(start: int, train_iters: int, exit_interval: int | None) -> int:
+    """The first step at or after ``start`` that :func:`ends_after` (a job resumed from iteration ``start``)."""
+    end = train_iters - 1
+    if exit_interval:
+        end = min(end, (start // int(exit_interval) + 1) * int(exit_interval) - 1)
+    return end
+
+
 def _last_iteration(args: Any) -> int | None:
-    """The iteration the job's loop ends after: --train-iters, or earlier --exit-interval's first exit; unknown with
-    an exit on a signal or a duration."""
+    """The iteration the job's loop ends after, for a job starting at iteration 0 (a resumed one's start is read
+    from its checkpoint later: the agent asks :func:`ends_after` per step); unknown with an exit on a signal or a
+    duration."""
     train_iters = getattr(args, "train_iters", None)
     if train_iters is None or getattr(args, "exit_signal_handler", False) or getattr(args, "exit_duration_in_mins", None):
         return None
-    interval = getattr(args, "exit_interval", None)
-    return min(train_iters, interval) if interval else train_iters
+    return last_step_from(0, train_iters, getattr(args, "exit_interval", None)) + 1
 
 
 def _check_megatron_fault_injector(args: Any) -> None:

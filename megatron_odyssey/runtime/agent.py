@@ -41,6 +41,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
+from ..arguments import ends_after
 from ..planning.cluster import node_ranks
 from ..planning.errors import PlanningError
 from ..planning.estimator import fragile
@@ -899,8 +900,7 @@ class Agent:
         """No step comes after ``step``: it is --train-iters' last, or, in a Megatron-LM job, the one after which
         its --exit-interval ends the job (``checkpoint_and_decide_exit``: Megatron's iteration ``step + 1``). A
         re-plan decided there would wait for the ranks to redo a step they never run."""
-        interval = self.cfg.extra.get("exit_interval")
-        return step + 1 >= self.cfg.steps or bool(interval) and (step + 1) % int(interval) == 0
+        return ends_after(step, self.cfg.steps, self.cfg.extra.get("exit_interval"))
 
     def _diagnose(self, step: int, summaries: dict[int, dict[str, Any]]) -> None:
         """Judge the committed step's operation records (``slow_nodes``); an action is taken by the main loop."""

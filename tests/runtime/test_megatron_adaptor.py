@@ -124,6 +124,18 @@ def test_bad_policy_is_rejected_by_argparse(capsys: pytest.CaptureFixture, polic
         TrainConfig(policy="stagger", stagger=False).validate()
 
 
+def test_where_megatrons_loop_ends_counts_exit_interval_from_iteration_0() -> None:
+    """--train-iters 10 --exit-interval 4: Megatron's check after iteration i ends the loop where i % 4 == 0 or
+    i == 10, i.e. after 0-based steps 3, 7 and 9. A job resumed at iteration 5 ends after step 7, not 5 + 4 - 1
+    (the agent asks per step, argument checks at start-up from iteration 0)."""
+    from megatron_odyssey.arguments import ends_after, last_step_from
+
+    assert [s for s in range(10) if ends_after(s, 10, 4)] == [3, 7, 9]
+    assert [s for s in range(10) if ends_after(s, 10, None)] == [9]
+    assert [last_step_from(start, 10, 4) for start in (0, 3, 4, 5, 8, 9)] == [3, 3, 7, 7, 9, 9]
+    assert last_step_from(5, 10, None) == 9 and last_step_from(0, 3, 4) == 2
+
+
 @pytest.mark.parametrize("argv, megatron, message", [
     (["--odyssey"], {"use_distributed_optimizer": True}, "--num-distributed-optimizer-instances 2"),
     (["--odyssey"], {"fp16": True, "calculate_per_token_loss": True, "accumulate_allreduce_grads_in_fp32": True},
