@@ -8,7 +8,7 @@ write to a hung file system or to a full terminal pipe would: the process and it
 wait for it in their next collective), ``slow`` sleeps 2 s once (a straggler that must *not* be declared dead), or,
 with ``factor=F``, makes every compute operation of the rank take F times as long from that step on (a
 sustained fail-slow node, which the agent's diagnosis must name and the planner handle); ``slow-link`` with
-``factor=F`` holds each message the rank sends back for (F - 1) times the compute that produced it (a slow
+``factor=F`` holds each message the rank sends back for (F - 1) times the fastest compute it has timed (a slow
 link: its compute is normal, its receivers wait),
 ``error`` raises :class:`InjectedError` from the injection point: a local bug of the rank (as an
 out-of-memory or a shape error would be), which it must report and leave the job for, not take
@@ -132,6 +132,7 @@ class Injector:
         self.store = store
         self.fired: set[FailSpec] = set()
         self.compute_factor = self.link_factor = 1.0  # sustained slowdowns in force (see pace)
+        self.fastest_compute_s: float | None = None  # the slow link's unit: its hold per message is F - 1 of these
         self.slow_until: dict[str, int] = {}  # kind -> first step it no longer applies (steps=N)
 
     def slowed(self) -> bool:
@@ -141,14 +142,19 @@ class Injector:
     def pace(self, what: str, seconds: float) -> None:
         """The executor's hook (``PipelineExecutor.pace``): stretch a compute operation of ``seconds`` to
         ``compute_factor`` times its length (busy: a slow device computes longer, it does not sleep), or hold
-        a message back as a link ``link_factor`` times slower would (idle: the wire is slow, not the rank)."""
+        a message back as a link ``link_factor`` times slower would (idle: the wire is slow, not the rank): for
+        ``link_factor - 1`` times the fastest compute the rank has timed (``seconds``: the one that produced the
+        message), the same for every message, as they are one size (an activation, its gradient). Not the
+        message's own compute: that reads cold after each hold (op_trace), so the hold fed on itself, 0.59 s a
+        message in one run of a test and 2.9 s in the next."""
         factor = self.compute_factor if what == "compute" else self.link_factor
         if factor <= 1.0 or seconds <= 0:
             return
         if what == "compute":
             _busy((factor - 1.0) * seconds)
         else:
-            time.sleep((factor - 1.0) * seconds)
+            self.fastest_compute_s = min(seconds, self.fastest_compute_s or seconds)
+            time.sleep((factor - 1.0) * self.fastest_compute_s)
 
     def __call__(self, step: int, phase: str) -> None:
         for kind, until in list(self.slow_until.items()):

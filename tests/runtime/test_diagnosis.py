@@ -67,7 +67,9 @@ def test_rebalance_then_readmit_trains_exactly(reference, tmp_path):
 
 
 def test_a_slow_link_is_named_as_communication_slow(reference, tmp_path):
-    params, report = run(tmp_path, ["step=2,rank=2,kind=slow-link,factor=30"], steps=STEPS, slow_action="none")
+    """50x: each message held 49 times the rank's fastest compute, about 4-5 ms here: 0.21-0.25 s a message, above
+    the diagnosis' 50 ms floor (DiagnosisOptions.link_floor_s) even on a machine three times faster (30x: 110 ms)."""
+    params, report = run(tmp_path, ["step=2,rank=2,kind=slow-link,factor=50"], steps=STEPS, slow_action="none")
     assert_exact(reference, params, report)
     (link,) = [d for d in report["diagnoses"] if d["kind"] == "comm-slow"]
     assert link["ranks"] == [2] and link["step"] <= 2 + 5 and link["action"] == "none"

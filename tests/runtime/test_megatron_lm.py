@@ -517,7 +517,7 @@ def test_a_re_plan_decided_where_exit_interval_ends_the_job_is_not_taken(stock: 
     assert sorted(logged) == sorted(stock)[:4] and same_training(logged, {i: stock[i] for i in logged})
 
 
-#: a slow link holds each message back (F - 1) times the compute that produced it: about 1.3 ms a micro-batch in
+#: a slow link holds each message back (F - 1) times the rank's fastest compute: about 1.3 ms a micro-batch in
 #: the tiny job, so 40x came to 50 ms, just at the diagnosis' 50 ms floor (DiagnosisOptions.link_floor_s), and the
 #: link was named late or not at all; 150x holds them about 0.2 s
 SLOW_LINK = 150
