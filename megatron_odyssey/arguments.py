@@ -119,10 +119,11 @@ def add_odyssey_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="write per-iteration and per-failure records (JSON) here")
     g.add_argument("--odyssey-inject-fault", action="append", default=[], metavar="SPEC",
                    help="testing: step=I,rank=R,phase=forward|backward|grad-sync|optimizer|data|recovery|log|save|between|"
-                        "eval|exit|end,kind=kill|hang|stall|block|slow|error|crash|kill-writer (repeatable; end: after the last "
+                        "eval|exit|end,kind=kill|hang|stall|block|slow|error|crash|kill-writer|sigterm (repeatable; end: after the last "
                         "iteration, at the barrier after train() returns; rank is the launch-time global rank; "
                         "error: the rank raises, as a local bug would; crash: it segfaults in native code; "
                         "kill-writer (phase=save): the save's checkpoint writer processes are SIGKILLed as they start; "
+                        "sigterm: the rank gets SIGTERM itself (with --exit-signal-handler Megatron ends the job); "
                         "kind=slow,factor=F[,steps=N]: its compute F times slower from iteration I on, for N "
                         "iterations or to the end; kind=exit,code=C: the rank leaves with C by the script's own "
                         "choice, as Megatron's rerun state machine does)")

@@ -20,6 +20,9 @@ agent and the rank itself (a lost machine that held both): the standby agent mus
 ``exit`` with ``code=C`` is no fault: the training script ends the job with a code of its own, as Megatron-LM's
 rerun state machine does on every rank at once (16: resume to disambiguate, 17: a result failed validation); the
 rank tells the agent (``control_plane.say_leaving``) and leaves with C, and the job must end with C, not recover;
+``sigterm`` is no fault either: the rank's own process gets SIGTERM, as from a scheduler that signals every task
+itself (not through ``odyssey-launch``): with Megatron-LM's ``--exit-signal-handler`` every rank saves and leaves
+after that iteration (its exit check gathers the flag over the world), an end the agent cannot know ahead;
 ``kill-machine`` (``odyssey-launch`` only) kills the rank's launcher and every rank it started: the
 whole machine is lost (on machine 0, with the agent); ``kill-writer`` (``phase=save``, Megatron-LM only): every
 process the rank forks from then on (the save's checkpoint writers) is SIGKILLed as it starts, as by the OOM killer
@@ -47,7 +50,7 @@ from ..planning.errors import PlanningError
 PHASES = ("forward", "backward", "weight-grad", "grad-sync", "optimizer", "data", "recovery", "log", "save", "between",
           "eval", "exit", "end")
 KINDS = ("kill", "hang", "stall", "block", "slow", "slow-link", "error", "crash", "kill-agent", "kill-with-agent",
-         "kill-machine", "exit", "kill-writer")
+         "kill-machine", "exit", "kill-writer", "sigterm")
 SUSTAINED = ("slow", "slow-link")  # kinds that take factor=F and last from their step on
 SLOW_S = 2.0
 
@@ -206,6 +209,8 @@ class Injector:
                 raise InjectedError(f"injected error (--fail step={step},rank={self.ident},phase={phase},kind=error)")
             elif spec.kind == "slow":
                 time.sleep(SLOW_S)
+            elif spec.kind == "sigterm":
+                os.kill(os.getpid(), signal.SIGTERM)  # (its handler, if any, runs here, in the main thread)
             elif spec.kind == "exit":
                 self._leave(spec, f"the training script ended the job (--fail step={step},rank={self.ident},"
                                   f"phase={phase},kind=exit,code={spec.code})")

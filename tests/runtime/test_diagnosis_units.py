@@ -259,6 +259,35 @@ def test_the_injected_slowdown_burns_cpu_for_its_steps_and_then_stops():
     assert inj.compute_factor == 1.0
 
 
+def test_a_slow_link_holds_every_message_by_the_fastest_compute_not_its_own():
+    """Each message (one size: an activation, its gradient) is held (F - 1) x the fastest compute the rank timed:
+    a compute that read cold after the previous hold (here 5x) does not lengthen the next hold."""
+    inj = Injector([FailSpec.parse("step=0,rank=0,kind=slow-link,factor=3")], ident=0)
+    inj(0, "forward")
+    held, unit = [], []
+    for compute_s in (0.02, 0.01, 0.05, 0.01):
+        t0 = time.perf_counter()
+        inj.pace("send", compute_s)
+        held.append(time.perf_counter() - t0)
+        unit.append(inj.fastest_compute_s)
+    assert unit == [0.02, 0.01, 0.01, 0.01]  # each hold: 2 x that (a sleep: at least that long)
+    assert held[0] >= 0.04 and all(h >= 0.02 for h in held[1:]), held
+
+
+def test_an_injected_sigterm_reaches_the_rank_itself():
+    """kind=sigterm: the rank's own SIGTERM handler (Megatron's --exit-signal-handler) runs at the injection
+    point, as if a scheduler had signalled the task; the step before it nothing happens."""
+    import subprocess
+    import sys
+
+    probe = ("import signal; from megatron_odyssey.runtime.faults import FailSpec, Injector\n"
+             "got = []; signal.signal(signal.SIGTERM, lambda *_: got.append('SIGTERM'))\n"
+             "inj = Injector([FailSpec.parse('step=3,rank=0,phase=between,kind=sigterm')], ident=0)\n"
+             "inj(2, 'between'); print(got); inj(3, 'forward'); print(got); inj(3, 'between'); print(got)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["[]", "[]", "['SIGTERM']"], out
+
+
 def test_the_last_to_enter_an_all_reduce_is_the_one_its_peers_waited_for():
     s = step_summaries(0)
     for node, entered in ((1, 10.0), (3, 10.1), (5, 10.9)):  # unit 3's all-reduce over stage 1's twins

@@ -517,6 +517,33 @@ def test_a_re_plan_decided_where_exit_interval_ends_the_job_is_not_taken(stock: 
     assert sorted(logged) == sorted(stock)[:4] and same_training(logged, {i: stock[i] for i in logged})
 
 
+def test_a_re_plan_decided_where_a_signal_ends_the_job_is_not_taken(stock: dict, tmp_path: Path) -> None:
+    """--exit-signal-handler, and rank 0 gets SIGTERM itself in step 3 (a scheduler signalling every task, not
+    through odyssey-launch): Megatron's exit check after iteration 4 gathers the flag and every rank saves and
+    leaves, an end the agent cannot know ahead. A rank 4x slower from the start is named at step 3 too (after the
+    three steps it is judged on), with a forced rebalance. The ranks leave before the re-plan begins: it is not
+    taken, the report says why, and the job ends with 0 (before: "every node has failed", exit 1). Where the
+    re-plan's abort reaches them inside the exit check first, they redo step 4 on the new plan and leave after it.
+    Either way every logged iteration equals stock's. (Named at step 4, on a loaded host, nothing is decided.)"""
+    job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--exit-signal-handler", "--odyssey-slow-action", "rebalance",
+                                      "--odyssey-inject-fault", "step=0,rank=1,kind=slow,factor=4",
+                                      "--odyssey-inject-fault", "step=3,rank=0,phase=between,kind=sigterm"],
+                      _port(1660))
+    assert job.returncode == 0, job.tail()
+    assert "exiting program after receiving SIGTERM" in job.logs and "every node has failed" not in job.logs
+    assert job.report["failures"] == [], job.report["failures"]
+    steps = [s["step"] for s in job.report["steps"]]
+    for d in job.report["diagnoses"]:
+        assert (d["kind"], d["ranks"], d["step"]) == ("slow", [1], 3), d
+        if d["action"] == "none":  # the ranks left first
+            assert "rebalance not taken: every rank finished the job after step 3" in d["reason"], d
+            assert steps == [0, 1, 2, 3] and "before the replan began: not taken" in job.logs
+        else:  # the abort came first: step 4 on the rebalanced plan
+            assert d["action"] == "rebalance" and steps == [0, 1, 2, 3, 4], (d, steps)
+    logged = job.iterations()
+    assert same_training(logged, {i: stock[i] for i in logged}) and max(logged) in (4, 5)
+
+
 #: a slow link holds each message back (F - 1) times the rank's fastest compute: about 1.3 ms a micro-batch in
 #: the tiny job, so 40x came to 50 ms, just at the diagnosis' 50 ms floor (DiagnosisOptions.link_floor_s), and the
 #: link was named late or not at all; 150x holds them about 0.2 s
