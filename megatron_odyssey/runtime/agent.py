@@ -1112,8 +1112,9 @@ class Agent:
                                        else ""))
             if replan.what != "join":  # (a join's record keeps the planner's policy; its ranks leave with the job)
                 replan.record.action = "none"
+        what = {"replan": "the re-plan", "join": "the join"}.get(replan.what, replan.what) if replan else ""
         self.log(f"every rank finished the job after step {step} (the training script's own exit decision) before "
-                 + (f"the {replan.what} began: not taken" if replan else "this agent took over"))
+                 + (f"{what} could start: not taken" if replan else "this agent took over"))
         return True
 
     def _close_failure_records(self, now: float) -> None:

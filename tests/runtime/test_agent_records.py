@@ -208,7 +208,7 @@ def test_a_re_plan_the_ranks_ended_the_job_before_is_not_taken(tmp_path, capsys)
                                  "rebalance: 1.2 s per step instead of 1.9 s)")
         out = capsys.readouterr().out
         assert "every rank finished the job after step 2 (the training script's own exit decision) before the " \
-               "replan began: not taken" in out and "every node has failed" not in out
+               "re-plan could start: not taken" in out and "every node has failed" not in out
 
         lost = Agent(cfg, None, tmp_path / "b", procs={0: LocalRank(finished[2]), 1: LocalRank(killed)}, store=store)
         lost.next_step, lost.started_gen = 3, True

@@ -537,7 +537,7 @@ def test_a_re_plan_decided_where_a_signal_ends_the_job_is_not_taken(stock: dict,
         assert (d["kind"], d["ranks"], d["step"]) == ("slow", [1], 3), d
         if d["action"] == "none":  # the ranks left first
             assert "rebalance not taken: every rank finished the job after step 3" in d["reason"], d
-            assert steps == [0, 1, 2, 3] and "before the replan began: not taken" in job.logs
+            assert steps == [0, 1, 2, 3] and "before the re-plan could start: not taken" in job.logs
         else:  # the abort came first: step 4 on the rebalanced plan
             assert d["action"] == "rebalance" and steps == [0, 1, 2, 3, 4], (d, steps)
     logged = job.iterations()
