@@ -910,9 +910,8 @@ class Agent:
 
         action = self.slow_nodes.after_commit(step, summaries, self.plan, self.planner, self.profile, slowed_at)
         if action is not None and self._last_step(step):  # the ranks are finishing the job: nothing to redo
-            action.record.reason = (f"{action.record.action} not taken: step {step} was the job's last"
-                                    + (f" (the planner's choice: {action.record.reason})" if action.record.reason else ""))
-            action.record.action, action = "none", None
+            self._not_taken(action, f"step {step} was the job's last")
+            action = None
         self._stamp_diagnoses()
         for rec in self.slow_nodes.records[self.said_diagnoses:]:
             if rec.kind in ("slow", "comm-slow"):  # (hangs are said where they are fenced)
@@ -1107,15 +1106,20 @@ class Agent:
                                                error=self._error_of(failed), ended=self._endings_of(failed)))
             return False
         if replan is not None:
-            replan.record.reason = (f"{replan.record.action} not taken: every rank finished the job after step {step}"
-                                    + (f" (the planner's choice: {replan.record.reason})" if replan.record.reason
-                                       else ""))
-            if replan.what != "join":  # (a join's record keeps the planner's policy; its ranks leave with the job)
-                replan.record.action = "none"
-        what = {"replan": "the re-plan", "join": "the join"}.get(replan.what, replan.what) if replan else ""
+            self._not_taken(replan, f"every rank finished the job after step {step}")
         self.log(f"every rank finished the job after step {step} (the training script's own exit decision) before "
-                 + (f"{what} could start: not taken" if replan else "this agent took over"))
+                 + ("this agent took over" if replan is None else
+                    f"the {'join' if replan.what == 'join' else 're-plan'} could start: not taken"))
         return True
+
+    @staticmethod
+    def _not_taken(action: Action, why: str) -> None:
+        """The report's entry of an action decided but not taken: why, then the planner's choice it had been."""
+        record = action.record
+        record.reason = (f"{record.action} not taken: {why}"
+                         + (f" (the planner's choice: {record.reason})" if record.reason else ""))
+        if action.what != "join":  # (a join's record keeps the planner's policy; its ranks leave with the job)
+            record.action = "none"
 
     def _close_failure_records(self, now: float) -> None:
         """The recoveries into this generation end with its first commit: their times are known now."""
