@@ -1097,8 +1097,14 @@ class Agent:
         script ended the job after the step just committed, by a decision this agent cannot know ahead (Megatron's
         --exit-duration-in-mins, or a signal caught by --exit-signal-handler; --exit-interval is known:
         ``_last_step``). A re-plan is not taken, and the job ends as the ranks did. A failure leaves nobody to
-        recover it with: the job stops, saying so (not "every node has failed")."""
+        recover it with: the job stops, saying so (not "every node has failed"). Unless the only ranks that died
+        are slow ones this agent dropped (fenced) after that step: the others' exit passed world collectives the
+        dropped ranks took part in (the exit check's, a final save's barriers), so the kill came after their work
+        was done, and the job is complete (:meth:`_dropped_after_the_end`)."""
         step = self.next_step - 1
+        if failed and failed <= set(self.dropping):
+            self._dropped_after_the_end(failed, step)
+            return True
         if failed:
             self.stop_reason = (f"rank(s) {sorted(failed)} failed while every other rank finished the job after step "
                                 f"{step} (the training script's own exit decision): nobody is left to recover with")
@@ -1111,6 +1117,18 @@ class Agent:
                  + ("this agent took over" if replan is None else
                     f"the {'join' if replan.what == 'join' else 're-plan'} could start: not taken"))
         return True
+
+    def _dropped_after_the_end(self, dropped: set[int], step: int) -> None:
+        """The kill of slow ranks dropped after ``step`` landed once every other rank had finished the job there:
+        they count as ranks killed after their work was done (not a failure), and their diagnosis says the drop
+        came too late to cost the job anything."""
+        self.killed_after_done |= dropped
+        for rec in self.slow_nodes.records:
+            if rec.action == "drop" and set(rec.ranks) & dropped and "job had ended" not in rec.reason:
+                rec.reason = (f"drop taken after the job had ended: every other rank finished the job after step "
+                              f"{step}" + (f" (the planner's choice: {rec.reason})" if rec.reason else ""))
+        self.log(f"rank(s) {sorted(dropped)} were dropped as slow once every other rank had finished the job after "
+                 f"step {step} (the training script's own exit decision): the job is complete")
 
     @staticmethod
     def _not_taken(action: Action, why: str) -> None:

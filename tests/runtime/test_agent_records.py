@@ -220,6 +220,60 @@ def test_a_re_plan_the_ranks_ended_the_job_before_is_not_taken(tmp_path, capsys)
         killed.kill()
 
 
+def test_a_slow_rank_dropped_as_the_others_ended_the_job_is_not_a_failure(tmp_path, capsys) -> None:
+    """A drop of slow rank 1 decided after step 2 of 6: the agent fences (SIGKILLs) it, and its death is recovered
+    from like a failure. But rank 0 had already left with 0, having said it finished (Megatron's own exit decision,
+    which ran world collectives rank 1 took part in): the kill came after the job's work was done. The job ends
+    with 0 and no failure; the diagnosis says the drop came after the end (before: "nobody is left to recover
+    with", exit 1)."""
+    import subprocess
+    import sys
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from megatron_odyssey.launch import LocalRank
+    from megatron_odyssey.runtime.agent import Agent, free_port
+    from megatron_odyssey.runtime.config import TrainConfig
+    from megatron_odyssey.runtime.control_plane import DONE_KEY
+    from megatron_odyssey.runtime.errors import STARTED_KEY
+    from megatron_odyssey.runtime.slow_nodes import Action, DiagnosisRecord
+    from megatron_odyssey.testing.processes import start_sleeper
+
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=10))
+    finished = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    slow = start_sleeper()
+    try:
+        assert finished.wait(timeout=30) == 0
+        cfg = TrainConfig(nproc=2, tp=1, pp=1, layers=4, hidden=32, heads=4, seq=16, global_batch=2, micro_batch=1,
+                          steps=6, heartbeat_timeout_s=5.0, report=str(tmp_path / "report.json"))
+        agent = Agent(cfg, None, tmp_path / "a", procs={0: LocalRank(finished), 1: LocalRank(slow)}, store=store)
+        agent.next_step, agent.started_gen = 3, True  # step 2 committed
+        for ident in (0, 1):
+            store.set(STARTED_KEY.format(ident), "1")
+        store.set(DONE_KEY.format(0), "1")
+        record = DiagnosisRecord(2, [1], "slow", "compute 4x its peers'", "drop", factor=4.0,
+                                 reason="drop: 1.0 s per step instead of 2.4 s")
+        agent.slow_nodes.records.append(record)
+        agent.pending_action = Action("drop", record, ranks=[1])
+        assert agent.supervise() == 0, agent.stop_reason
+        assert slow.wait(timeout=30) == -9  # fenced
+        assert agent.failures == [] and not agent.stop_reason and agent.gen == 0
+        assert record.action == "drop" and record.reason == (
+            "drop taken after the job had ended: every other rank finished the job after step 2 (the planner's "
+            "choice: drop: 1.0 s per step instead of 2.4 s)")
+        out = capsys.readouterr().out
+        assert "rank 1 is slow (its compute is 4x slower); the planner drops it: fencing it (SIGKILL)" in out
+        assert "rank(s) [1] were dropped as slow once every other rank had finished the job after step 2" in out
+        assert "nobody is left" not in out
+        report = json.loads((tmp_path / "report.json").read_text())
+        assert report["ok"] and report["failures"] == [], report["failures"]
+        assert [(d["action"], d["reason"]) for d in report["diagnoses"]] == [("drop", record.reason)]
+    finally:
+        slow.kill()
+
+
 def test_the_agent_goes_on_without_a_standby_whose_store_is_gone(tmp_path, capsys) -> None:
     """The write-ahead to the standby's store reconnects on an error; when the standby's machine is gone
     the agent says so on the terminal and goes on without it (losing its own machine now ends the job), it

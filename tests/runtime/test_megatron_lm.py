@@ -517,31 +517,57 @@ def test_a_re_plan_decided_where_exit_interval_ends_the_job_is_not_taken(stock: 
     assert sorted(logged) == sorted(stock)[:4] and same_training(logged, {i: stock[i] for i in logged})
 
 
-def test_a_re_plan_decided_where_a_signal_ends_the_job_is_not_taken(stock: dict, tmp_path: Path) -> None:
+@pytest.mark.parametrize("action", ["rebalance", "drop"])
+def test_an_action_decided_where_a_signal_ends_the_job_does_not_fail_it(stock: dict, tmp_path: Path,
+                                                                        action: str) -> None:
     """--exit-signal-handler, and rank 0 gets SIGTERM itself in step 3 (a scheduler signalling every task, not
-    through odyssey-launch): Megatron's exit check after iteration 4 gathers the flag and every rank saves and
-    leaves, an end the agent cannot know ahead. A rank 4x slower from the start is named at step 3 too (after the
-    three steps it is judged on), with a forced rebalance. The ranks leave before the re-plan begins: it is not
-    taken, the report says why, and the job ends with 0 (before: "every node has failed", exit 1). Where the
-    re-plan's abort reaches them inside the exit check first, they redo step 4 on the new plan and leave after it.
-    Either way every logged iteration equals stock's. (Named at step 4, on a loaded host, nothing is decided.)"""
-    job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--exit-signal-handler", "--odyssey-slow-action", "rebalance",
+    through odyssey-launch): Megatron's exit check after iteration 4 gathers the flag and every rank leaves, an end
+    the agent cannot know ahead. A rank 4x slower from the start is named at step 3 too (after the three steps it is
+    judged on), with a forced action. (Named at step 4, on a loaded host, nothing is decided.)
+
+    - rebalance: the ranks leave before the re-plan begins: it is not taken, the report says why, and the job ends
+      with 0 (before: "every node has failed", exit 1). Where the re-plan's abort reaches them inside the exit check
+      first, they redo step 4 on the new plan and leave after it.
+    - drop (with --save: every rank saves on the signal): the slow rank is fenced. Where the kill lands before it
+      passed the exit check or the final save, the others recover from its failure there and run the check or the
+      save again without it; where it lands after the others had finished, the job was complete, and the report
+      says the drop came after the end (before: "nobody is left to recover with", exit 1).
+
+    Either way the job ends with 0 and every logged iteration equals stock's."""
+    # (--save-interval past the job's end: the only save is the exit's)
+    save = ["--save", str(tmp_path / "ckpt"), "--save-interval", "100"] if action == "drop" else []
+    job = run_odyssey(MLM, tmp_path, [*ODYSSEY, *save, "--exit-signal-handler", "--odyssey-slow-action", action,
                                       "--odyssey-inject-fault", "step=0,rank=1,kind=slow,factor=4",
                                       "--odyssey-inject-fault", "step=3,rank=0,phase=between,kind=sigterm"],
-                      _port(1660))
+                      _port(1660 if action == "rebalance" else 1670))
     assert job.returncode == 0, job.tail()
     assert "exiting program after receiving SIGTERM" in job.logs and "every node has failed" not in job.logs
-    assert job.report["failures"] == [], job.report["failures"]
+    assert "nobody is left" not in job.logs
     steps = [s["step"] for s in job.report["steps"]]
     for d in job.report["diagnoses"]:
         assert (d["kind"], d["ranks"], d["step"]) == ("slow", [1], 3), d
-        if d["action"] == "none":  # the ranks left first
+        if action == "drop":
+            assert d["action"] == "drop", d
+            if not job.report["failures"]:  # the kill came after the others had finished
+                assert "drop taken after the job had ended: every other rank finished the job after step 3" in \
+                    d["reason"], d
+                assert "were dropped as slow once every other rank had finished the job after step 3" in job.logs
+            else:
+                (failure,) = job.report["failures"]
+                assert failure["ranks"] == [1] and failure["dropped"].startswith("slow ("), failure
+        elif d["action"] == "none":  # the ranks left first
             assert "rebalance not taken: every rank finished the job after step 3" in d["reason"], d
             assert steps == [0, 1, 2, 3] and "before the re-plan could start: not taken" in job.logs
         else:  # the abort came first: step 4 on the rebalanced plan
             assert d["action"] == "rebalance" and steps == [0, 1, 2, 3, 4], (d, steps)
+    if not job.report["diagnoses"]:
+        assert job.report["failures"] == [], job.report["failures"]
+    elif action == "rebalance":
+        assert job.report["failures"] == [], job.report["failures"]
     logged = job.iterations()
     assert same_training(logged, {i: stock[i] for i in logged}) and max(logged) in (4, 5)
+    if save:  # the final checkpoint is whole: its tracker names iteration 4
+        assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
 
 
 #: a slow link holds each message back (F - 1) times the rank's fastest compute: about 1.3 ms a micro-batch in
