@@ -119,11 +119,13 @@ def add_odyssey_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="write per-iteration and per-failure records (JSON) here")
     g.add_argument("--odyssey-inject-fault", action="append", default=[], metavar="SPEC",
                    help="testing: step=I,rank=R,phase=forward|backward|grad-sync|optimizer|data|recovery|log|save|between|"
-                        "eval|exit|end,kind=kill|hang|stall|block|slow|error|crash|kill-writer|sigterm (repeatable; end: after the last "
+                        "eval|exit|end,kind=kill|hang|stall|block|slow|error|crash|kill-writer|sigterm|deadline (repeatable; end: after the last "
                         "iteration, at the barrier after train() returns; rank is the launch-time global rank; "
                         "error: the rank raises, as a local bug would; crash: it segfaults in native code; "
                         "kill-writer (phase=save): the save's checkpoint writer processes are SIGKILLed as they start; "
                         "sigterm: the rank gets SIGTERM itself (with --exit-signal-handler Megatron ends the job); "
+                        "deadline: the job's --exit-duration-in-mins is reached at that iteration (Megatron's exit check "
+                        "after it ends the job); "
                         "kind=slow,factor=F[,steps=N]: its compute F times slower from iteration I on, for N "
                         "iterations or to the end; kind=exit,code=C: the rank leaves with C by the script's own "
                         "choice, as Megatron's rerun state machine does)")
@@ -354,6 +356,9 @@ def validate_odyssey_args(args: Any) -> None:
             raise OdysseyArgumentError(f"--odyssey-inject-fault {text!r}: core_r0.{minor}'s checkpoint writers are "
                                        f"threads of the rank (core_r0.17.0 on), not processes of their own: none can "
                                        f"die alone (core_r0.12-0.16 fork them)")
+        if spec.kind == "deadline" and not getattr(args, "exit_duration_in_mins", None):
+            raise OdysseyArgumentError(f"--odyssey-inject-fault {text!r}: kind=deadline reaches the job's time limit, "
+                                       f"but --exit-duration-in-mins is not set")
         last = _last_iteration(args)
         if spec.phase == "end" and last is not None and spec.step != last - 1:
             raise OdysseyArgumentError(f"--odyssey-inject-fault {text!r}: phase=end fires once, after the last "

@@ -1,5 +1,6 @@
 """Megatron-LM's own fault injector (``--fault-injector-*``, core_r0.18.0 on, with nvidia-resiliency-ext 0.6+)
-under ``--odyssey``: compatible, so a job can be tested with the faults Megatron injects.
+under ``--odyssey``: compatible, so a job can be tested with the faults Megatron injects. (Also the one kind of
+Odyssey's own injector that reaches into Megatron: ``kind=deadline``, :func:`reach_the_time_limit`.)
 
 Its faults are real ones: a signal (SIGKILL, SIGTERM, SIGINT, SIGSTOP), a crash (SEGFAULT, OS_ABORT), a hang
 with the GIL held (LOCK_GIL), an exception raised in the main thread at any moment (ASYNC_EXC, SIGNAL_EXC) or in
@@ -100,3 +101,17 @@ def _dispatch(fault: Any, delay: float, ident: int) -> None:
     log.warning(f"[{now:%Y-%m-%d %H:%M:%S.%f}] FAULT INJECTION: Rank {ident} will inject fault {fault.name} at "
                 f"{now + datetime.timedelta(seconds=delay):%Y-%m-%d %H:%M:%S.%f}")
     dispatch_fault_injection(fault=fault, delay=delay, callback=None)
+
+
+def reach_the_time_limit() -> None:
+    """``--odyssey-inject-fault ...,kind=deadline``: this rank's clock of the job's start
+    (``megatron.training.training._TRAIN_START_TIME``, which the exit check of ``checkpoint_and_decide_exit`` and
+    ``evaluate`` measures ``--exit-duration-in-mins`` from, in every release) is set back by the limit, so the next
+    check finds it passed, as a job that ran that long would; the check's all-reduce (MAX) tells every rank."""
+    from megatron.training import training
+    from megatron.training.global_vars import get_args
+
+    limit_mins = get_args().exit_duration_in_mins
+    if not limit_mins:
+        raise RuntimeError("kind=deadline: --exit-duration-in-mins is not set (checked at start-up)")
+    training._TRAIN_START_TIME -= limit_mins * 60.0

@@ -160,6 +160,9 @@ class TrainConfig:
             if spec.kind == "kill-machine" and not self.extra.get("megatron"):
                 raise PlanningError(f"--fail {text!r}: kind=kill-machine kills a launcher of odyssey-launch and its "
                                     f"ranks; odyssey train runs on one machine (use kill-agent or kill-with-agent)")
+            if spec.kind == "deadline" and not self.extra.get("megatron"):
+                raise PlanningError(f"--fail {text!r}: kind=deadline reaches Megatron-LM's --exit-duration-in-mins; "
+                                    f"odyssey train has no time limit (use --steps)")
             if spec.kind == "kill-writer" and not self.extra.get("megatron"):
                 raise PlanningError(f"--fail {text!r}: kind=kill-writer kills the processes Megatron's checkpoint "
                                     f"save forks; odyssey train's save forks none (use kind=kill at phase=save)")

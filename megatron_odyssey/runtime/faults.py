@@ -23,6 +23,10 @@ rank tells the agent (``control_plane.say_leaving``) and leaves with C, and the 
 ``sigterm`` is no fault either: the rank's own process gets SIGTERM, as from a scheduler that signals every task
 itself (not through ``odyssey-launch``): with Megatron-LM's ``--exit-signal-handler`` every rank saves and leaves
 after that iteration (its exit check gathers the flag over the world), an end the agent cannot know ahead;
+``deadline`` (Megatron-LM only) is no fault either: the job's wall-clock limit (``--exit-duration-in-mins``) is
+reached at that step, as a scheduler's time limit would be (the rank's clock of the job's start is set back by the
+limit): the exit check after that iteration all-reduces an elapsed time past it, and every rank saves and leaves,
+an end the agent cannot know ahead either, at a step a test can choose;
 ``kill-machine`` (``odyssey-launch`` only) kills the rank's launcher and every rank it started: the
 whole machine is lost (on machine 0, with the agent); ``kill-writer`` (``phase=save``, Megatron-LM only): every
 process the rank forks from then on (the save's checkpoint writers) is SIGKILLed as it starts, as by the OOM killer
@@ -50,7 +54,7 @@ from ..planning.errors import PlanningError
 PHASES = ("forward", "backward", "weight-grad", "grad-sync", "optimizer", "data", "recovery", "log", "save", "between",
           "eval", "exit", "end")
 KINDS = ("kill", "hang", "stall", "block", "slow", "slow-link", "error", "crash", "kill-agent", "kill-with-agent",
-         "kill-machine", "exit", "kill-writer", "sigterm")
+         "kill-machine", "exit", "kill-writer", "sigterm", "deadline")
 SUSTAINED = ("slow", "slow-link")  # kinds that take factor=F and last from their step on
 SLOW_S = 2.0
 
@@ -211,6 +215,10 @@ class Injector:
                 time.sleep(SLOW_S)
             elif spec.kind == "sigterm":
                 os.kill(os.getpid(), signal.SIGTERM)  # (its handler, if any, runs here, in the main thread)
+            elif spec.kind == "deadline":
+                from ..megatron_lm.fault_injection import reach_the_time_limit
+
+                reach_the_time_limit()
             elif spec.kind == "exit":
                 self._leave(spec, f"the training script ended the job (--fail step={step},rank={self.ident},"
                                   f"phase={phase},kind=exit,code={spec.code})")

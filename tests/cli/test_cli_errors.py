@@ -185,6 +185,8 @@ CASES: list[tuple[list[str], str]] = [
                                                             "save: use phase=save"),
     (["train", "--fail", "step=1,rank=1,phase=save,kind=kill-writer", "--checkpoint-interval", "1"],
      "odyssey train's save forks none (use kind=kill at phase=save)"),
+    (["train", "--fail", "step=1,rank=1,kind=deadline"], "kind=deadline reaches Megatron-LM's --exit-duration-in-mins; "
+                                                         "odyssey train has no time limit (use --steps)"),
     (["train", "--heartbeat-timeout", "0"], "--heartbeat-timeout must be longer than"),
     (["train", "--checkpoint-interval", "-1"], "--checkpoint-interval must be >= 0"),
     (["train", "--mtbf-hours", "-1"], "--mtbf-hours must be positive"),

@@ -257,6 +257,18 @@ def test_killing_checkpoint_writers_is_refused_where_they_are_threads(monkeypatc
         validate_odyssey_args(_megatron_like_args(["--odyssey", "--odyssey-inject-fault", "step=1,rank=1,kind=kill-writer"]))
 
 
+def test_reaching_the_time_limit_needs_one() -> None:
+    """kind=deadline sets the job's clock past --exit-duration-in-mins at a chosen step: without that flag it would
+    do nothing, so it is refused at start-up, naming the flag."""
+    flags = ["--odyssey", "--odyssey-inject-fault", "step=3,rank=0,phase=between,kind=deadline"]
+    validate_odyssey_args(_megatron_like_args(flags, exit_duration_in_mins=60.0))
+    for unset in ({}, {"exit_duration_in_mins": None}):
+        with pytest.raises(OdysseyArgumentError, match=r"--odyssey-inject-fault 'step=3,rank=0,phase=between,"
+                                                       r"kind=deadline': kind=deadline reaches the job's time limit, "
+                                                       r"but --exit-duration-in-mins is not set"):
+            validate_odyssey_args(_megatron_like_args(flags, **unset))
+
+
 def test_a_batch_size_ramp_is_accepted() -> None:
     """A failure inside the ramp stops the job with the checkpoint to relaunch from; past it, recovery works
     (megatron_lm.batch_ramp)."""

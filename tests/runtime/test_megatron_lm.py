@@ -517,13 +517,19 @@ def test_a_re_plan_decided_where_exit_interval_ends_the_job_is_not_taken(stock: 
     assert sorted(logged) == sorted(stock)[:4] and same_training(logged, {i: stock[i] for i in logged})
 
 
-@pytest.mark.parametrize("action", ["rebalance", "drop"])
-def test_an_action_decided_where_a_signal_ends_the_job_does_not_fail_it(stock: dict, tmp_path: Path,
-                                                                        action: str) -> None:
-    """--exit-signal-handler, and rank 0 gets SIGTERM itself in step 3 (a scheduler signalling every task, not
-    through odyssey-launch): Megatron's exit check after iteration 4 gathers the flag and every rank leaves, an end
-    the agent cannot know ahead. A rank 4x slower from the start is named at step 3 too (after the three steps it is
-    judged on), with a forced action. (Named at step 4, on a loaded host, nothing is decided.)
+#: how the job's own exit check ends it after iteration 4: the fault on rank 0 in step 3, the flag, what Megatron prints
+SCRIPT_ENDS = {"sigterm": (["--exit-signal-handler"], "exiting program after receiving SIGTERM"),
+               "deadline": (["--exit-duration-in-mins", "60"], "exiting program after 60.")}
+
+
+@pytest.mark.parametrize("action, end", [("rebalance", "sigterm"), ("drop", "sigterm"), ("rebalance", "deadline")])
+def test_an_action_decided_where_the_script_ends_the_job_does_not_fail_it(stock: dict, tmp_path: Path, action: str,
+                                                                          end: str) -> None:
+    """Megatron's exit check after iteration 4 ends the job, an end the agent cannot know ahead: rank 0 gets SIGTERM
+    itself in step 3 under --exit-signal-handler (a scheduler signalling every task, not through odyssey-launch;
+    the check gathers the flag), or the job's --exit-duration-in-mins is reached there (kind=deadline: a time
+    limit; the check all-reduces the elapsed time). A rank 4x slower from the start is named at step 3 too (after
+    the three steps it is judged on), with a forced action. (Named at step 4, on a loaded host, nothing is decided.)
 
     - rebalance: the ranks leave before the re-plan begins: it is not taken, the report says why, and the job ends
       with 0 (before: "every node has failed", exit 1). Where the re-plan's abort reaches them inside the exit check
@@ -534,14 +540,15 @@ def test_an_action_decided_where_a_signal_ends_the_job_does_not_fail_it(stock: d
       says the drop came after the end (before: "nobody is left to recover with", exit 1).
 
     Either way the job ends with 0 and every logged iteration equals stock's."""
+    flags, said = SCRIPT_ENDS[end]
     # (--save-interval past the job's end: the only save is the exit's)
     save = ["--save", str(tmp_path / "ckpt"), "--save-interval", "100"] if action == "drop" else []
-    job = run_odyssey(MLM, tmp_path, [*ODYSSEY, *save, "--exit-signal-handler", "--odyssey-slow-action", action,
+    job = run_odyssey(MLM, tmp_path, [*ODYSSEY, *save, *flags, "--odyssey-slow-action", action,
                                       "--odyssey-inject-fault", "step=0,rank=1,kind=slow,factor=4",
-                                      "--odyssey-inject-fault", "step=3,rank=0,phase=between,kind=sigterm"],
-                      _port(1660 if action == "rebalance" else 1670))
+                                      "--odyssey-inject-fault", f"step=3,rank=0,phase=between,kind={end}"],
+                      _port({"rebalance": 1660, "drop": 1670}[action] + 5 * (end == "deadline")))
     assert job.returncode == 0, job.tail()
-    assert "exiting program after receiving SIGTERM" in job.logs and "every node has failed" not in job.logs
+    assert said in job.logs and "every node has failed" not in job.logs
     assert "nobody is left" not in job.logs
     steps = [s["step"] for s in job.report["steps"]]
     for d in job.report["diagnoses"]:
