@@ -477,29 +477,46 @@ def _eq8_best(record: dict) -> str:
     return max((o for o in record["options"] if o["feasible"]), key=lambda o: o["score"])["action"]
 
 
+#: the slow-rank job's length: a rank is named after the three steps it is judged on (steps 1-3), or a step later
+#: where it was left out of one as waiting on others (a loaded host: seen on core_r0.18.0 and main beside a
+#: regression run); with 5 iterations that step would be the last, where nothing is acted on
+SLOW_ITERS = 7
+
+
+@pytest.fixture(scope="module")
+def stock_slow(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[str, ...]]:
+    """Stock Megatron-LM for SLOW_ITERS iterations (the learning-rate schedule spans --train-iters)."""
+    job = run_stock(MLM, tmp_path_factory.mktemp("stock_slow"), tiny_gpt_flags_for(MLM, SLOW_ITERS), _port(1680))
+    assert job.returncode == 0, job.tail()
+    its = job.iterations()
+    assert sorted(its) == list(range(1, SLOW_ITERS + 1))
+    return its
+
+
 @pytest.mark.parametrize("action", ["auto", "rebalance"])
-def test_a_slow_rank_is_named_in_megatrons_own_schedule(stock: dict, tmp_path: Path, action: str) -> None:
+def test_a_slow_rank_is_named_in_megatrons_own_schedule(stock_slow: dict, tmp_path: Path, action: str) -> None:
     """Before any failure Megatron's own 1F1B runs the compute, and is timed there for the diagnosis: a rank
     4x slower from iteration 0 is named slow after the three iterations it is judged on (the first is the
-    start-up's), the planner's reaction is the one Eq. 8 scores best (or the forced rebalance, which re-plans
-    onto our executor with fewer micro-batches on its pipeline), and training equals stock Megatron-LM's. Its
-    receivers and its data-parallel peers are seen waiting for it (Megatron's messages and gradient reduction
-    are noted too)."""
-    job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--odyssey-slow-action", action,
+    start-up's; a step later if it was left out of one), the planner's reaction is the one Eq. 8 scores best (or
+    the forced rebalance, which re-plans onto our executor with fewer micro-batches on its pipeline), and training
+    equals stock Megatron-LM's. Its receivers and its data-parallel peers are seen waiting for it (Megatron's
+    messages and gradient reduction are noted too)."""
+    flags = [*tiny_gpt_flags_for(MLM, SLOW_ITERS), "--odyssey-heartbeat-timeout", "10"]
+    job = run_odyssey(MLM, tmp_path, [*flags, "--odyssey-slow-action", action,
                                       "--odyssey-inject-fault", "step=0,rank=1,kind=slow,factor=4"],
                       _port(720 + 10 * (action == "rebalance")))
     assert job.returncode == 0, job.tail()
     report = job.report
     slow = [d for d in report["diagnoses"] if d["kind"] == "slow"]
-    assert slow and slow[0]["ranks"] == [1] and slow[0]["step"] <= 3 and slow[0]["factor"] >= 2, report["diagnoses"]
+    assert slow and slow[0]["ranks"] == [1] and slow[0]["step"] <= 4 and slow[0]["factor"] >= 2, report["diagnoses"]
     assert slow[0]["action"] == (_eq8_best(slow[0]) if action == "auto" else "rebalance"), slow[0]
     # C4D's evidence from Megatron's own messages and gradient reduction: who waited for it
     assert "its receivers waited" in slow[0]["evidence"] and "all-reduce peers waited" in slow[0]["evidence"]
     assert not report["failures"] or slow[0]["action"] == "drop"
     if slow[0]["action"] == "rebalance":
         assert report["steps"][-1]["generation"] == 1 and report["steps"][-1]["alive"] == 4
-    assert [s["step"] for s in report["steps"]] == list(range(ITERS))
-    assert same_training(job.iterations(), stock)
+    assert [s["step"] for s in report["steps"]] == list(range(SLOW_ITERS))
+    assert same_training(job.iterations(), stock_slow)
 
 
 def test_a_re_plan_decided_where_exit_interval_ends_the_job_is_not_taken(stock: dict, tmp_path: Path) -> None:
