@@ -56,7 +56,7 @@ from .plan_message import checkpoint_due, encode_plan_message
 from .liveness import COMM, IDLE, WAITING, WORKING, Beat
 from .process_probe import SilenceJudge
 from .diagnosis import DiagnosisOptions, judged_summary
-from .slow_nodes import Action, SlowNodes
+from .slow_nodes import Action, DiagnosisRecord, SlowNodes
 from .joining import ADMIT_KEY, REJOIN_KEY, JoinRecord, JoinRequests, publish_job
 from .step_log import StepLog, resident_mb
 from .errors import (ABORTED, DUMP_STACKS_KEY, GIVEUP_KEY, STACKS_ASKED_KEY, STARTED_KEY, STOP_LINE, ErrorRecord, describe_exit,
@@ -245,7 +245,7 @@ class Agent:
         self.joiners: dict[int, Any] = {}  # their processes by rank (stopped with the job if never admitted)
         self.exits_at: dict[int, int] = {}  # launched joiners: how much of the exit log predates their request
         self.redo_between = True  # the last recovery's survivors were all in one call between iterations
-        self.dropping: dict[int, str] = {}  # ranks fenced because the planner dropped their slow node: why
+        self.dropping: dict[int, DiagnosisRecord] = {}  # ranks fenced because the planner dropped their slow node
 
     # -- bookkeeping ----------------------------------------------------------------------------------
     def members(self) -> list[int]:
@@ -1085,7 +1085,7 @@ class Agent:
         if action.what == "drop":
             for ident in action.ranks:
                 if ident not in self.dead and self.procs[ident].exitcode is None:
-                    self.dropping[ident] = f"slow ({action.record.factor:g}x): {action.record.reason}"
+                    self.dropping[ident] = action.record
                     what = ("its compute is {:g}x slower" if action.record.kind == "slow" else
                             "its messages arrive {:g}x later than others'").format(action.record.factor)
                     self._fence(ident, f"is slow ({what}); the planner drops it")
@@ -1123,21 +1123,23 @@ class Agent:
         they count as ranks killed after their work was done (not a failure), and their diagnosis says the drop
         came too late to cost the job anything."""
         self.killed_after_done |= dropped
-        for rec in self.slow_nodes.records:
-            if rec.action == "drop" and set(rec.ranks) & dropped and "job had ended" not in rec.reason:
-                rec.reason = (f"drop taken after the job had ended: every other rank finished the job after step "
-                              f"{step}" + (f" (the planner's choice: {rec.reason})" if rec.reason else ""))
+        for rec in {id(self.dropping[i]): self.dropping[i] for i in dropped}.values():  # (one record per drop)
+            self._amend(rec, f"drop taken after the job had ended: every other rank finished the job after step {step}")
         self.log(f"rank(s) {sorted(dropped)} were dropped as slow once every other rank had finished the job after "
                  f"step {step} (the training script's own exit decision): the job is complete")
 
     @staticmethod
-    def _not_taken(action: Action, why: str) -> None:
+    def _amend(record: Any, what_happened: str) -> None:
+        """A decision's report entry (a diagnosis or a join) where what happened differs from what the planner chose:
+        that first, then the planner's choice."""
+        record.reason = what_happened + (f" (the planner's choice: {record.reason})" if record.reason else "")
+
+    @classmethod
+    def _not_taken(cls, action: Action, why: str) -> None:
         """The report's entry of an action decided but not taken: why, then the planner's choice it had been."""
-        record = action.record
-        record.reason = (f"{record.action} not taken: {why}"
-                         + (f" (the planner's choice: {record.reason})" if record.reason else ""))
+        cls._amend(action.record, f"{action.record.action} not taken: {why}")
         if action.what != "join":  # (a join's record keeps the planner's policy; its ranks leave with the job)
-            record.action = "none"
+            action.record.action = "none"
 
     def _close_failure_records(self, now: float) -> None:
         """The recoveries into this generation end with its first commit: their times are known now."""
@@ -1262,7 +1264,8 @@ class Agent:
                             detection_s=max(0.0, detected - started), step=last + 1, started=started,
                             sealed_at=sealed_at, error=self._error_of(gen_failed),
                             ended=self._endings_of(gen_failed), takeover=takeover,
-                            dropped="; ".join(sorted({self.dropping[i] for i in gen_failed if i in self.dropping})),
+                            dropped="; ".join(sorted({f"slow ({r.factor:g}x): {r.reason}" for r in
+                                                      (self.dropping[i] for i in gen_failed if i in self.dropping)})),
                             rolled_back=rolled_back)
         if rec.dropped:
             rec.phase = "(slow)"  # taken out by the agent between operations, not hit in a phase

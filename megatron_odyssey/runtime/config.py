@@ -11,6 +11,15 @@ from ..arguments import POLICIES, SLOW_ACTION_CHOICES
 from ..planning.errors import PlanningError
 from ..planning.plan import ExecutionPlan, symmetric_plan
 
+#: fault kinds only a Megatron-LM job (odyssey-launch, the --odyssey flags) can fire, and why odyssey train cannot
+KINDS_OF_MEGATRON_JOBS = {
+    "kill-machine": "kills a launcher of odyssey-launch and its ranks; odyssey train runs on one machine (use "
+                    "kill-agent or kill-with-agent)",
+    "deadline": "reaches Megatron-LM's --exit-duration-in-mins; odyssey train has no time limit (use --steps)",
+    "kill-writer": "kills the processes Megatron's checkpoint save forks; odyssey train's save forks none (use "
+                   "kind=kill at phase=save)",
+}
+
 
 @dataclass
 class TrainConfig:
@@ -157,15 +166,8 @@ class TrainConfig:
             if spec.phase == "end" and not self.extra.get("megatron"):
                 raise PlanningError(f"--fail {text!r}: phase=end is Megatron-LM's barrier after train() returns; "
                                     f"odyssey train has no end phase (use between on the last step)")
-            if spec.kind == "kill-machine" and not self.extra.get("megatron"):
-                raise PlanningError(f"--fail {text!r}: kind=kill-machine kills a launcher of odyssey-launch and its "
-                                    f"ranks; odyssey train runs on one machine (use kill-agent or kill-with-agent)")
-            if spec.kind == "deadline" and not self.extra.get("megatron"):
-                raise PlanningError(f"--fail {text!r}: kind=deadline reaches Megatron-LM's --exit-duration-in-mins; "
-                                    f"odyssey train has no time limit (use --steps)")
-            if spec.kind == "kill-writer" and not self.extra.get("megatron"):
-                raise PlanningError(f"--fail {text!r}: kind=kill-writer kills the processes Megatron's checkpoint "
-                                    f"save forks; odyssey train's save forks none (use kind=kill at phase=save)")
+            if spec.kind in KINDS_OF_MEGATRON_JOBS and not self.extra.get("megatron"):
+                raise PlanningError(f"--fail {text!r}: kind={spec.kind} {KINDS_OF_MEGATRON_JOBS[spec.kind]}")
             if spec.phase == "save" and not self.extra.get("megatron") and not self.checkpoint_interval:
                 raise PlanningError(f"--fail {text!r}: phase=save needs checkpoints (--checkpoint-interval > 0)")
         for r in self.extra.get("rejoin", []):

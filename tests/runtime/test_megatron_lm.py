@@ -586,9 +586,7 @@ def test_an_action_decided_where_the_script_ends_the_job_does_not_fail_it(stock:
             assert steps == [0, 1, 2, 3] and "before the re-plan could start: not taken" in job.logs
         else:  # the abort came first: step 4 on the rebalanced plan
             assert d["action"] == "rebalance" and steps == [0, 1, 2, 3, 4], (d, steps)
-    if not job.report["diagnoses"]:
-        assert job.report["failures"] == [], job.report["failures"]
-    elif action == "rebalance":
+    if action == "rebalance" or not job.report["diagnoses"]:  # (a drop's kill may be a failure)
         assert job.report["failures"] == [], job.report["failures"]
     logged = job.iterations()
     assert same_training(logged, {i: stock[i] for i in logged}) and max(logged) in (4, 5)
