@@ -291,7 +291,7 @@ deferred_param_gather = once_training("end", "the deferred weight all-gather")
 
 def params_norm(original: Callable[..., Any]) -> Callable[..., Any]:
     """``calc_params_l2_norm`` as ``train()`` calls it with ``--log-params-norm``, after every iteration outside
-    ``train_step``: the norm over the plan (each unit once, ``rank.plan_params_norm``; the same figure as Megatron's
+    ``train_step``: the norm over the plan (each unit once, ``plan_norms.plan_params_norm``; the same figure as Megatron's
     in the launch layout), with one all-reduce over the world. After a failure Megatron's sums over a
     model-parallel group that holds part of a pipeline (it printed 18.879 for stock's 25.475 after a reroute). And
     even before one: its all-reduces over the model-parallel and data-parallel groups complete for the ranks whose

@@ -21,14 +21,13 @@ import dataclasses
 import functools
 import inspect
 import json
-import math
 import os
 import signal
 import sys
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -51,6 +50,8 @@ from .checkpoint import unrecorded_optimizer_format
 from .versions import installed_version
 from .hooks import ORIGINAL_ATTR, STATE, loss_reduction_as_communication, overridden, sub_optimizers
 from .interleaved import InterleavedCapture, chunk_layer_start, reshuffle_transfers, shapes_for_layers
+from .plan_norms import plan_grad_norm, plan_params_norm, plan_zero_count, unit_owners
+from .views import TIED_NAMES, MegatronStageRunner, OptimizerStateView, megatron_global_names
 from ..runtime.errors import (GIVEUP_KEY, STARTED_KEY, dump_stacks_on_signals, fail_locally, giveup_reason,
                               is_peer_failure, stop_now)
 from ..runtime.generation import GenerationRank, keys, node_stage
@@ -100,134 +101,6 @@ class AbortWatcher(StoreThread):
 
     def lost(self, exc: BaseException) -> None:
         stop_now(self.runtime.ident, f"the agent is gone ({type(exc).__name__}: {str(exc)[:120]})")
-
-
-# -- Megatron objects seen through Odyssey's interfaces ------------------------------------------------
-
-class MegatronStageRunner:
-    """StageRunner over a Megatron model chunk and the job's own ``forward_step`` function."""
-
-    def __init__(self, chunk: Any, is_first: bool, is_last: bool):
-        self.chunk, self.is_first, self.is_last = chunk, is_first, is_last
-        self.forward_step_func: Callable[..., Any] | None = None
-
-    def forward(self, batch: Mapping[str, torch.Tensor], input_tensor: torch.Tensor | None) -> torch.Tensor:
-        from megatron.core.utils import get_attr_wrapped_model
-
-        get_attr_wrapped_model(self.chunk, "set_input_tensor")(input_tensor)
-        out = self.forward_step_func(iter([dict(batch)]), self.chunk)  # (output_tensor, loss_func)
-        if self.is_last:  # the executor computes the loss from this per-token loss; the script's checks run here
-            rerun.check_loss(out[1], out[0])
-        return out[0]
-
-
-class OptimizerStateView:
-    """The ``state`` of the torch optimizer(s) inside a Megatron optimizer, keyed by the parameter that
-    holds fp32 values (the model parameter in fp32, the main copy under bf16)."""
-
-    def __init__(self, megatron_optimizer: Any):
-        self.inner: dict[int, torch.optim.Optimizer] = {}
-        self.main_of: dict[int, torch.nn.Parameter] = {}  # id(model param) -> fp32 param the optimizer steps
-        for opt in sub_optimizers(megatron_optimizer):
-            torch_opt = opt.optimizer
-            model_groups = getattr(opt, "float16_groups", None)
-            main_groups = getattr(opt, "fp32_from_float16_groups", None)
-            if model_groups is not None:
-                for mg, fg in zip(model_groups, main_groups):
-                    for mp, fp in zip(mg, fg):
-                        self.main_of[id(mp)] = fp
-            for group in torch_opt.param_groups:
-                for p in group["params"]:
-                    self.inner[id(p)] = torch_opt
-
-    def main_param(self, p: torch.nn.Parameter) -> torch.nn.Parameter:
-        return self.main_of.get(id(p), p)
-
-    @property
-    def state(self) -> "OptimizerStateView":
-        return self
-
-    def get(self, p: torch.nn.Parameter, default: Any = None) -> Any:
-        opt = self.inner.get(id(p))
-        return default if opt is None else opt.state.get(p, default)
-
-    def __setitem__(self, p: torch.nn.Parameter, value: Any) -> None:
-        self.inner[id(p)].state[p] = value
-
-
-def megatron_global_names(chunk: Any, layer_start: int) -> list[tuple[str, torch.nn.Parameter]]:
-    """(plan-independent global name, parameter) for a Megatron model chunk whose first layer is ``layer_start``."""
-    from ..runtime.model import to_global_name
-
-    return [(to_global_name(name, layer_start), p) for name, p in chunk.named_parameters()]
-
-
-#: the tied embedding weight's names: the word embeddings, and the output layer's copy on a stage without them
-TIED_NAMES = (*TIED_ALIASES.values(), *TIED_ALIASES)
-
-
-def unit_owners(plan: ExecutionPlan) -> dict[int, int]:
-    """unit -> the node that counts it in the gradient norm (the lowest live node holding it)."""
-    return {unit: min(nodes) for unit, nodes in plan.holders().items()}
-
-
-def plan_grad_norm(named: list[tuple[str, torch.nn.Parameter]], owner: dict[int, int], node: int, tp_rank: int,
-                   num_layers: int, device: Any) -> float:
-    """L2 norm of the whole model's gradient for any plan: every unit is counted once, by the lowest
-    live node holding it (and tensor-parallel duplicates once, by TP rank 0; a tied output layer's copy of
-    the word embeddings, marked ``shared``, not at all, as in Megatron); one SUM all-reduce over
-    the world. Replaces Megatron's norm over the uniform model-parallel group."""
-    return _plan_norm(named, owner, node, tp_rank, num_layers, device, _gradient)
-
-
-def plan_params_norm(named: list[tuple[str, torch.nn.Parameter]], owner: dict[int, int], node: int, tp_rank: int,
-                     num_layers: int, device: Any) -> float:
-    """L2 norm of the whole model's parameters for any plan, counted as :func:`plan_grad_norm` counts gradients:
-    what ``--log-params-norm`` prints (Megatron's ``calc_params_l2_norm`` sums over the uniform model-parallel
-    group, which after a failure holds a part of a pipeline, or of several). The fp32 main copy where the
-    optimizer keeps one whole on the rank, as Megatron reads it."""
-    return _plan_norm(named, owner, node, tp_rank, num_layers, device, _parameter)
-
-
-def _gradient(p: torch.nn.Parameter) -> torch.Tensor | None:
-    g = getattr(p, "main_grad", None)
-    return p.grad if g is None else g
-
-
-def _parameter(p: torch.nn.Parameter) -> torch.Tensor:
-    main = getattr(p, "main_param", None)
-    return main if main is not None and not getattr(p, "main_param_sharded", False) else p.data
-
-
-def plan_zero_count(named: list[tuple[str, torch.nn.Parameter]], owner: dict[int, int], node: int, tp_rank: int,
-                    num_layers: int, device: Any) -> float:
-    """Zero entries of the whole model's gradient for any plan, each unit counted once as :func:`plan_grad_norm`
-    counts it: what core_r0.12.0's chained optimizer logs at every step (its ``count_zeros_fp32`` sums over the
-    uniform model-parallel group)."""
-    return _plan_sum(named, owner, node, tp_rank, num_layers, device, _gradient,
-                     lambda t: t.numel() - torch.count_nonzero(t))
-
-
-def _plan_norm(named: list[tuple[str, torch.nn.Parameter]], owner: dict[int, int], node: int, tp_rank: int,
-               num_layers: int, device: Any, of: Callable[[torch.nn.Parameter], torch.Tensor | None]) -> float:
-    return math.sqrt(_plan_sum(named, owner, node, tp_rank, num_layers, device, of, lambda t: t.double().pow(2).sum()))
-
-
-def _plan_sum(named: list[tuple[str, torch.nn.Parameter]], owner: dict[int, int], node: int, tp_rank: int,
-              num_layers: int, device: Any, of: Callable[[torch.nn.Parameter], torch.Tensor | None],
-              measure: Callable[[torch.Tensor], torch.Tensor]) -> float:
-    """``measure`` summed over the whole model, each unit by its owner: one SUM all-reduce over the world."""
-    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-
-    total = torch.zeros(1, dtype=torch.float64, device=device)
-    for name, p in named:
-        t = of(p)
-        if t is None or owner.get(unit_of(name, num_layers)) != node or getattr(p, "shared", False):
-            continue
-        if tp_rank == 0 or param_is_not_tensor_parallel_duplicate(p):
-            total += measure(t.detach())
-    dist.all_reduce(total)
-    return float(total)
 
 
 def stack_dump_signal(args: Any) -> int:
@@ -290,7 +163,7 @@ def config_from_megatron_args(args: Any) -> TrainConfig:
                "exit_interval": getattr(args, "exit_interval", None) or None, "save_dir": getattr(args, "save", None),
                "optimizer_format": unrecorded_optimizer_format(args, version),
                "tied_embeddings": not getattr(args, "untie_embeddings_and_output_weights", True),
-               # how the logged loss is added up (agent.committed_loss)
+               # how the logged loss is added up (step_loss.committed_loss)
                "loss_reduced_per_micro_batch": bool(version and version.loss_reduced_per_micro_batch),
                **({"batch_ramp": ramp.to_list()} if ramp else {}),
                **({"step_batch_size_schedule": args.step_batch_size_schedule}

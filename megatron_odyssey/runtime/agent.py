@@ -23,6 +23,12 @@ A rank that exits after a *local* error (:mod:`.errors`) left a record: the agen
 its traceback and recovers without the rank, but stops the job when the same error (type and
 place) recurs on another rank, or when a rank fails before finishing start-up. Whenever it gives
 up it publishes ``odyssey/giveup`` (every rank's waiting loop exits on it at once) and stops the ranks.
+
+What the agent decides with is kept in modules of their own: who is at fault for a stop in progress
+(:mod:`.progress_judge`), whether a silent process stopped or starved (:mod:`.process_probe`), what a slow node
+calls for (:mod:`.slow_nodes`), the loss a step commits (:mod:`.step_loss`), the report's records
+(:mod:`.job_report`), the write-ahead to the standby (:mod:`.control_plane`) and ranks that join
+(:mod:`.joining`); the agent owns the processes, the store and the generations.
 """
 from __future__ import annotations
 
@@ -32,11 +38,9 @@ import multiprocessing as mp
 import os
 import signal
 import statistics
-import struct
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -51,14 +55,17 @@ from ..planning.planner import Decision, Planner, PlannerOptions
 from ..planning.schedule import overlapped_nodes
 from ..planning.sharding import lost_units
 from .config import TrainConfig
-from .control_plane import LEAVING_KEY, Deposed, Replica, free_port, listening
+from .control_plane import LEAVING_KEY, Deposed, Replica, ReplicaLost, free_port
 from .plan_message import checkpoint_due, encode_plan_message
-from .liveness import COMM, IDLE, WAITING, WORKING, Beat
+from .liveness import COMM, WAITING, Beat
 from .process_probe import SilenceJudge
+from .progress_judge import ProgressJudge, Stall
 from .diagnosis import DiagnosisOptions, judged_summary
 from .slow_nodes import Action, DiagnosisRecord, SlowNodes
 from .joining import ADMIT_KEY, REJOIN_KEY, JoinRecord, JoinRequests, publish_job
 from .step_log import StepLog, resident_mb
+from .step_loss import committed_loss, ready_shares
+from .job_report import FailureRecord, failure_entries, host_summary, takeover_entries, write_report_file
 from .errors import (ABORTED, DUMP_STACKS_KEY, GIVEUP_KEY, STACKS_ASKED_KEY, STARTED_KEY, STOP_LINE, ErrorRecord, describe_exit,
                      dump_stacks_on_signals, rank_log_stack, rank_log_traceback, read_error)
 
@@ -75,7 +82,6 @@ def rank_start_method(cfg: TrainConfig) -> str:
 
 DEVICE_KEY = "odyssey/device_info"  # rank 0's measured device (odyssey train), JSON
 DEPOSED_EXIT = 3  # an agent the standby took over from leaves with this code
-REPLICA_RECONNECT_S = 10.0  # how long a reconnect to the standby's store may take to be accepted
 TAKEOVER_RECONNECT_S = 5.0  # after a takeover, how long a rank's heartbeat may take to reach the new agent
 
 
@@ -114,57 +120,6 @@ def _rank_main(cfg_path: str, ident: int, port: int, log_path: str, echo: bool) 
     standby = cfg.extra.get("control", {}).get("standby")
     control = ControlPlane(("127.0.0.1", port), parse_address(standby), ident, cfg.timeout_s) if standby else None
     run(cfg, ident, store, ("127.0.0.1", port), control)
-
-
-@dataclass(frozen=True)
-class Stall:
-    """A member found stopped by progress (``Agent._stalled``): why, the bound it passed, and who waits on it."""
-
-    rank: int
-    why: str
-    bound: str
-    waiting: list[int]
-    since: float  # when it last made progress: where the failure's detection time starts
-
-
-@dataclass
-class FailureRecord:
-    ranks: list[int]
-    phase: str = ""
-    policy: str = ""
-    fill: bool = False  # weight gradients deferred into pipeline bubbles (a filled reroute)
-    stagger: bool = False  # ... with the staggered optimizer (ranks update before the commit)
-    overlapped: list[int] = field(default_factory=list)  # --overlap-grad-reduce: ranks reducing inside the backward
-    rolled_back: list[int] = field(default_factory=list)  # ranks that undid a step updated ahead of its commit
-    kind: str = ""  # the policy with the filled and the normalised reroute told apart (Candidate.kind)
-    detection_s: float = 0.0
-    decision_s: float = 0.0
-    transfer_s: float = 0.0
-    recovery_s: float = 0.0
-    step: int = -1
-    reason: str = ""
-    candidates: list[dict[str, Any]] = field(default_factory=list)
-    cached: bool = False  # the decision came from the precomputed plan cache
-    rebuild: dict[str, float] = field(default_factory=dict)  # slowest rank's world/groups/model time
-    # rank -> the fraction of its stage's optimizer state it keeps (sharded optimizer: megatron_lm.replica_optimizer)
-    optimizer_shares: dict[int, float] = field(default_factory=dict)
-    phases: dict[str, float] = field(default_factory=dict)  # since the failure: sealed, published, first step
-    error: dict[str, Any] | None = None  # a failed rank's own error (type, place, message, traceback)
-    # rank -> how a failed rank's process ended when it left no error of its own ("was killed by SIGSEGV", "exited
-    # with code 1", "was fenced (SIGKILL): missed heartbeats for 30.0 s"): a signal, a crash, an exception outside
-    # Odyssey's reach (Megatron's fault injector's), or the agent's fence
-    ended: dict[int, str] = field(default_factory=dict)
-    time_to_next_failure_s: float = 0.0  # what Eq. 8 assumed (per-device MTBF / live devices)
-    mtbf_hours: float = 0.0
-    started: float = 0.0  # injection (or detection) time, for recovery_s
-    sealed_at: float = 0.0
-    published_at: float = 0.0
-    joined_at: float = 0.0  # every survivor joined the new generation (its go)
-    generation: int = 0
-    lost_steps: int = 0  # committed steps a restart from a checkpoint trains again
-    checkpoint_on_entry: bool = False  # the plan is fragile: its ranks checkpoint after its first step
-    takeover: dict[str, Any] | None = None  # the standby took over from a lost agent (control_plane)
-    dropped: str = ""  # the agent took these ranks out itself: why (a slow node the planner chose to drop)
 
 
 class Agent:
@@ -217,16 +172,14 @@ class Agent:
         self.stop_reason = ""  # why recover() could not go on
         self.ramp_skipped: set[tuple[str, tuple[int, ...]]] = set()  # actions not taken inside a batch-size ramp
         self.beats: dict[int, Beat] = {}  # rank -> its last heartbeat (liveness and progress)
-        self.named_stalled: set[tuple[int, int]] = set()  # (rank, count) already reported at the soft timeout
         self.unexplained = ""  # why every rank left for a recovery nobody called (see _left_waiting): the job stops
         self.named_mismatch: set[tuple[int, int]] = set()  # (generation, step) whose ready shares did not match
         self._members: tuple[Any, list[int]] = (None, [])  # (plan, its ranks): see members()
         self.beats_read = 0.0  # when the heartbeats were last read (at most every half interval)
-        self.judged_from = 0.0  # progress is judged from the last abort on (see _stalled)
-        self.aborted_at = 0.0  # the last abort: a stop between steps counts from it (see _behind_the_others)
+        # who is at fault for a stop in progress, by the ranks' progress (named at the soft timeout, fenced at the hard)
+        self.progress = ProgressJudge(cfg.soft_timeout_s, cfg.hard_timeout_s, cfg.first_step_timeout_s, self.log,
+                                      self._dump_stacks)
         self.warm = False  # a step of this generation has committed (its first step warms up: not judged)
-        self.generation_began = 0.0  # when this generation's plan went out: older heartbeats tell of the last one
-        self.recovering: set[int] = set()  # ranks registered for the recovery in progress (not judged)
         self.replica: Replica | None = None  # the standby's copy of this agent's state (control_plane)
         self.published: dict[str, Any] | None = None  # this generation's plan message, as published
         self.takeover_at = 0.0  # this agent took over from a lost one (its ranks' heartbeats come back now)
@@ -524,103 +477,9 @@ class Agent:
             self.beats[ident] = Beat.parse(value)
 
     def _stalled(self, now: float) -> Stall | None:
-        """The member at fault for a stop in progress, once it has been stopped for the hard timeout.
-
-        Judged: members inside a step (not those waiting on the agent), from the first commit of a
-        generation on (its first step connects, allocates and compiles: judged too once it has run past
-        ``first_step_timeout_s``), only while no member is starting
-        up or outside a step (the others may be waiting on it), and only since the last abort (ranks blocked
-        on a fenced peer need a moment to notice). Who waits tells who is at fault (C4D): ranks blocked in
-        communication wait on a peer; a rank stopped while *working* (in its own computation, or in a
-        collective its peers never entered) is the cause. When every stopped rank is in communication (a
-        hang inside the collective itself) the first to stop is taken. The culprit is named at the soft
-        timeout, with its stacks dumped to its log (faulthandler, on the job's stack_dump_signal)."""
+        """The live member at fault for a stop in progress (``ProgressJudge.stalled``)."""
         live = [i for i in self.members() if i not in self.dead]
-        if not self.warm and now - self.step_started < self.cfg.first_step_timeout_s:
-            # a generation's first step connects, allocates and compiles: judged only once it has taken longer
-            # than --first-step-timeout (a data loader deadlocked at its fork, a first collective that never forms)
-            self.judged_from = now
-            return None
-        if any(i not in self.beats or self.beats[i].state == IDLE for i in live):
-            # a member still starting up, or outside a step (saving, logging): working ranks may be waiting
-            # on it, and nothing can be attributed by progress; judge again from when every member is back in a
-            # step; meanwhile a member left behind the others while none of them moves is what they wait for
-            self.judged_from = now
-            return self._behind_the_others(live, now)
-        idle = {i: now - max(self.beats[i].since, self.judged_from) for i in live
-                if self.beats[i].state in (WORKING, COMM) and i not in self.recovering}
-        stopped = [i for i, s in idle.items() if s >= self.cfg.soft_timeout_s]
-        culprits = [i for i in stopped if self.beats[i].state == WORKING] or stopped
-        if not culprits:
-            return None
-        first = max(culprits, key=lambda i: (idle[i], -i))
-        if self._finishing(first, now):  # (its heartbeat thread still beats while its teardown waits)
-            return None
-        beat = self.beats[first]
-        if (first, beat.count) not in self.named_stalled:
-            self.named_stalled.add((first, beat.count))
-            waiting = sorted(i for i in stopped if i != first and self.beats[i].state == COMM)
-            self.log(f"rank {first} has made no progress for {idle[first]:.1f} s inside step {beat.step} (last "
-                     f"operation: {beat.phase}, {beat.state})"
-                     + (f"; ranks {waiting} wait on it in communication" if waiting else "")
-                     + f"; its stacks are dumped to its log; fenced after --hard-timeout {self.cfg.hard_timeout_s:g} s")
-            self._dump_stacks(first)
-        if idle[first] < self.cfg.hard_timeout_s:
-            return None
-        return Stall(first, f"made no progress for {idle[first]:.1f} s inside step {beat.step} (last operation: "
-                            f"{beat.phase}) while its heartbeat went on", f"--hard-timeout {self.cfg.hard_timeout_s:g} s",
-                     sorted(i for i in live if i != first and self.beats[i].state == COMM), beat.since)
-
-    def _behind_the_others(self, live: list[int], now: float) -> Stall | None:
-        """A member left behind every other, at a stop of the loop between steps (``liveness``: every rank makes the
-        same stops in the same order), or the one at the same stop as others that is not in the torch.distributed
-        collective they wait in, while none of them has moved for the hard timeout: what they wait for (a rank
-        blocked writing to its terminal's full pipe, a save hung on its file system). Named with its stacks dumped
-        once it has stopped for the soft timeout, fenced at the hard one; in a save both wait
-        ``--first-step-timeout`` longer (a save takes its time). Never while a member is starting up, recovering or
-        waiting on the agent, nor when nothing tells which one the others wait for (several equally far behind
-        and out of any collective). A stop counts from the last abort at the earliest: a fenced rank's peers leave
-        the collective it held up with an error, one by one, and the first to leave looked, for as long as the
-        others' heartbeats still said they were in it, like the one they all waited for, stopped since before the
-        fence (on core_r0.13 a survivor was fenced for it the moment its peer was)."""
-        if len(live) < 2 or any(i not in self.beats or i in self.recovering or self.beats[i].state == WAITING
-                                or self.beats[i].t < self.generation_began for i in live):
-            # (a heartbeat from before this generation's plan says where the rank waited when the last one broke:
-            # a recovery and a first step take less than a heartbeat interval on a GPU, and the peers the last
-            # stall held up still look stopped there for as long - on an H200 a survivor was fenced for it)
-            return None
-        last = min(self.beats[i].position for i in live)
-        behind = [i for i in live if self.beats[i].position == last]
-        if len(behind) > 1:  # at the same stop: the one not in the collective the others there wait in
-            behind = [i for i in behind if not self.beats[i].in_collective]
-        if len(behind) != 1:
-            return None
-        (first,) = behind
-        others = [i for i in live if i != first]
-        beat = self.beats[first]
-        stopped = now - max(beat.since, self.aborted_at)
-        extra = (self.cfg.first_step_timeout_s - self.cfg.hard_timeout_s) if beat.phase == "save" else 0.0
-        waited = min(now - max(self.beats[i].since, self.aborted_at) for i in others)
-        if stopped < self.cfg.soft_timeout_s + extra or waited < self.cfg.soft_timeout_s or self._finishing(first, now):
-            return None
-        where = f"{beat.phase or '-'} after step {beat.step}" if beat.state == IDLE else f"{beat.phase} of step {beat.step}"
-        level = [i for i in others if self.beats[i].position == beat.position]
-        ahead = [i for i in others if i not in level]
-        waiting = " and ".join(([f"ranks {level} wait in a collective there that it has not entered"] if level else [])
-                               + ([f"ranks {ahead} wait further on"] if ahead else []))
-        if (first, beat.count) not in self.named_stalled:
-            self.named_stalled.add((first, beat.count))
-            self.log(f"rank {first} has stopped for {stopped:.1f} s at {where} ({beat.state}) while {waiting}; its "
-                     f"stacks are dumped to its log; fenced after "
-                     + (f"--first-step-timeout {self.cfg.first_step_timeout_s:g} s (a save)" if extra else
-                        f"--hard-timeout {self.cfg.hard_timeout_s:g} s"))
-            self._dump_stacks(first)
-        if stopped < self.cfg.hard_timeout_s + extra or waited < self.cfg.hard_timeout_s:
-            return None
-        bound = f"--first-step-timeout {self.cfg.first_step_timeout_s:g} s" if extra else \
-            f"--hard-timeout {self.cfg.hard_timeout_s:g} s"
-        return Stall(first, f"stopped for {stopped:.1f} s at {where} while {waiting} and its heartbeat went on", bound,
-                     others, beat.since)
+        return self.progress.stalled(live, self.beats, now, self.warm, self.step_started, self._finishing)
 
     def _dump_stacks(self, ident: int) -> None:
         """Ask the rank for its stacks (into its log): by signal (ranks register faulthandler on it) when it runs
@@ -875,7 +734,7 @@ class Agent:
         if "device" not in self.cfg.extra and self.store.check([DEVICE_KEY]):
             self._adopt_device(json.loads(self.store.get(DEVICE_KEY)))
         if not self.warm:
-            self.warm, self.judged_from = True, now
+            self.warm, self.progress.judged_from = True, now
         self._diagnose(t, summaries)
         self._consider_joins(t)
         diagnoser = self.slow_nodes.diagnoser
@@ -1196,7 +1055,7 @@ class Agent:
                if replan else f"ranks {sorted(failed)} failed")
         self.store.set(self.key("abort"), why)
         self._wake_waiters()
-        self.judged_from = self.aborted_at = time.time()
+        self.progress.aborted(time.time())
         injected = [float(self.store.get(f"odyssey/injected/{i}")) for i in failed
                     if self.store.check([f"odyssey/injected/{i}"])]
         # not injected by Odyssey: a hang began after the rank's last heartbeat, a death just before its detection
@@ -1235,12 +1094,12 @@ class Agent:
                 break
             # who is still missing (progress judging spares the others): one round trip per rank, so only once a
             # rank could be judged (judging counts from this recovery's start) and not at every pass
-            if time.time() - self.judged_from > self.cfg.soft_timeout_s / 2 and time.time() - scanned > 0.1:
+            if time.time() - self.progress.judged_from > self.cfg.soft_timeout_s / 2 and time.time() - scanned > 0.1:
                 scanned = time.time()
-                self.recovering = {i for i in live if self.store.check([f"{self.key('recover')}/{i}"])}
+                self.progress.recovering = {i for i in live if self.store.check([f"{self.key('recover')}/{i}"])}
             time.sleep(0.005)
         sealed_at = time.time()
-        self.recovering = set()
+        self.progress.recovering = set()
         survivors = [i for i in self.members() if i not in self.dead]
         if not survivors and finished_all:
             return self._ended_before(replan, gen_failed)
@@ -1414,8 +1273,8 @@ class Agent:
         self.next_step = int(msg["resume_step"])
         self.step_started = time.time()
         self.started_gen = False
-        self.judged_from, self.warm = time.time(), False
-        self.generation_began = self.judged_from
+        self.warm = False
+        self.progress.new_generation(time.time())
         self.held = set()  # standbys are considered again on the new plan
         msg.setdefault("redo_between", self.redo_between)
         msg.setdefault("save_on_entry", self._fragile(plan) and msg.get("policy") != "restart")
@@ -1474,36 +1333,16 @@ class Agent:
         self._to_standby(lambda replica: replica.state(snapshot))
 
     def _to_standby(self, write: Callable[[Replica], None]) -> None:
-        """A write ahead into the standby's store, reconnecting on a store error; a standby that keeps
-        failing costs the failover (said on the terminal), not the job. Deposed goes through."""
-        first: Exception | None = None
-        last: Exception | None = None
-        for attempt in range(3):
-            if self.replica is None:
-                return
-            try:
-                write(self.replica)
-                return
-            except Deposed:
-                raise
-            except Exception as exc:  # noqa: BLE001 - a broken connection to the standby's store
-                first, last = first or exc, exc
-                time.sleep(0.2 * (attempt + 1))
-                try:
-                    seq = self.replica.seq
-                    # a standby that is gone refuses at once (a store client would retry that for its whole
-                    # timeout); one on a loaded machine may take seconds to accept
-                    if not listening(self.replica.address):
-                        raise ConnectionRefusedError(f"nothing listens at {self.replica.address[0]}:"
-                                                     f"{self.replica.address[1]} any more")
-                    self.replica = Replica(self.replica.address, connect_timeout_s=REPLICA_RECONNECT_S)
-                    self.replica.seq = seq
-                except Exception as again:  # noqa: BLE001
-                    last = again
-        self.log_error(f"the standby agent's store stopped answering ({type(first).__name__}: {first}; last: "
-                       f"{type(last).__name__}: {last}); going on without a standby (losing this machine now ends "
-                       f"the job)")
-        self.replica = None
+        """A write ahead into the standby's store (``Replica.write_ahead``); a standby that keeps failing costs the
+        failover (said on the terminal), not the job. Deposed goes through."""
+        if self.replica is None:
+            return
+        try:
+            self.replica.write_ahead(write)
+        except ReplicaLost as lost:
+            self.log_error(f"the standby agent's store stopped answering ({lost}); going on without a standby "
+                           f"(losing this machine now ends the job)")
+            self.replica = None
 
     def restore(self, state: dict[str, Any]) -> None:
         """Become the agent whose ``snapshot`` (with its newest commit merged in) this is."""
@@ -1664,75 +1503,15 @@ class Agent:
         takeover, so a lost machine does not take the job's record with it."""
         if not self.cfg.report:
             return
-        hidden = ("started", "generation", "sealed_at", "published_at", "joined_at", "takeover")
-        # wall_s: when the failure happened (injection, else detection), on the steps' clock
-        failures = [{**{k: v for k, v in vars(f).items() if k not in hidden},
-                     "wall_s": f.started - self.started if f.started else None} for f in self.failures if f.ranks
-                    or not f.takeover]
-        takeovers = [{"step": f.step, "generation": f.generation, "reason": f.takeover["reason"],
-                      "ranks_lost": f.ranks, "policy": f.policy, "detection_s": f.detection_s,
-                      "recovery_s": f.recovery_s} for f in self.failures if f.takeover]
         devices = {i: self.store.get(f"odyssey/device/{i}").decode() for i in sorted(self.procs)
                    if self.store is not None and self.store.check([f"odyssey/device/{i}"])}
-        report = {"ok": ok, "running": not final, "steps": self.steps.records(), "failures": failures,
-                  "takeovers": takeovers, **self._diagnoses_and_joins(),
+        report = {"ok": ok, "running": not final, "steps": self.steps.records(),
+                  "failures": failure_entries(self.failures, self.started),
+                  "takeovers": takeover_entries(self.failures), **self._diagnoses_and_joins(),
                   **({"ended_by_script": self.ended_by} if self.ended_by else {}),
                   "profile": self.profile.name, "devices": devices, "host": host_summary(),
                   "final_plan": self.plan.to_dict(), "config": {k: v for k, v in vars(self.cfg).items()}}
-        path = Path(self.cfg.report)
-        partial = path.with_suffix(".json.partial")
-        partial.write_text(json.dumps(report, indent=1))
-        partial.replace(path)  # a reader never sees half a report
-
-
-def ready_shares(value: bytes) -> dict[int, bytes]:
-    """Every rank's *ready* value of a step, from the step's appended key (``rank=value;`` per rank)."""
-    out = {}
-    for item in value.split(b";"):
-        if item:
-            rank, share = item.split(b"=", 1)
-            out[int(rank)] = share
-    return out
-
-
-def committed_loss(shares: list[bytes], data_parallel: int = 1, per_micro_batch: bool = False) -> float:
-    """The step's loss from every rank's *ready* value: a share of the normalised loss (``"x"``), a loss sum and
-    its token count (``"x n"``, Megatron's own step) whose totals are divided, or each micro-batch's loss sum and
-    tokens (``"p j:x:n ..."``, a Megatron-LM plan step), added up as Megatron-LM's ``train_step`` does on the
-    ``data_parallel`` ranks of generation 0: in fp32, each rank over its micro-batches j = k * DP + d in order,
-    then over the ranks, and divided in fp32 (the printed loss is that float32). ``per_micro_batch``: as
-    core_r0.12.0, whose loss function all-reduces each micro-batch's values over the ranks (k-th micro-batches
-    summed over d), and whose ``train_step`` then adds those up over k."""
-    plain, numerator, tokens = 0.0, 0.0, 0.0
-    parts: dict[int, tuple[float, float]] = {}
-    for share in shares:
-        fields = share.split()
-        if fields and fields[0] == b"p":
-            for item in fields[1:]:
-                j, n, t = item.split(b":")
-                parts[int(j)] = (float(n), float(t))
-        elif len(fields) == 2:
-            numerator, tokens = numerator + float(fields[0]), tokens + float(fields[1])
-        else:
-            plain += float(fields[0])
-    if parts:
-        # inner: the values added first (one rank's micro-batches; or, per micro-batch, its k-th ones of every rank)
-        inner = ([sorted(j for j in parts if j // data_parallel == k) for k in range(max(parts) // data_parallel + 1)]
-                 if per_micro_batch else
-                 [sorted(j for j in parts if j % data_parallel == d) for d in range(data_parallel)])
-        total_n = total_t = 0.0
-        for group in inner:
-            group_n = group_t = 0.0
-            for j in group:
-                group_n, group_t = _f32(group_n + parts[j][0]), _f32(group_t + parts[j][1])
-            total_n, total_t = _f32(total_n + group_n), _f32(total_t + group_t)
-        plain += _f32(total_n / total_t) if total_t else 0.0
-    return plain + (numerator / tokens if tokens else 0.0)
-
-
-def _f32(x: float) -> float:
-    """``x`` rounded to float32 (a sum or quotient of two float32 values, exact in float64, rounded once)."""
-    return struct.unpack("f", struct.pack("f", x))[0]
+        write_report_file(Path(self.cfg.report), report)
 
 
 def megatron_checkpoint_iteration(save_dir: str | None) -> int | None:
@@ -1746,14 +1525,6 @@ def megatron_checkpoint_iteration(save_dir: str | None) -> int | None:
     except OSError:
         return None
     return int(text) if text.isdigit() else None
-
-
-def host_summary() -> dict[str, Any]:
-    """What the ranks ran on, for reading the report's timings (several ranks may share few cores)."""
-    import platform
-
-    return {"hostname": platform.node(), "cpu_cores": len(os.sched_getaffinity(0))
-            if hasattr(os, "sched_getaffinity") else os.cpu_count()}
 
 
 def _indent(text: str) -> str:

@@ -61,6 +61,7 @@ LEAVING_KEY = "odyssey/leaving/{}"
 FENCE_KEY = "odyssey/fence/{}"  # the agent asks a rank's node agent to SIGKILL it (or, without one, the rank itself)
 PROBE_TIMEOUT_S = 1.0  # a connect or an operation on a store that may be gone
 ANNOUNCE_S = 60.0  # how long a standby on the agent's machine waits for the agent it backs to be started
+REPLICA_RECONNECT_S = 10.0  # how long a reconnect to the standby's store may take to be accepted
 
 
 def say_leaving(store: Any, ident: int, code: int, why: str) -> None:
@@ -132,6 +133,31 @@ class Replica:
         if self.store.check([TAKEOVER_KEY]):
             raise Deposed(self.store.get(TAKEOVER_KEY).decode())
 
+    def write_ahead(self, write: Callable[["Replica"], None], attempts: int = 3) -> None:
+        """``write(self)``, reconnecting after a store error (a broken connection; a standby on a loaded machine
+        may take seconds to accept); :class:`ReplicaLost` when every attempt failed. Deposed goes through."""
+        first: Exception | None = None
+        last: Exception | None = None
+        for attempt in range(attempts):
+            try:
+                write(self)
+                return
+            except Deposed:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a broken connection to the standby's store
+                first, last = first or exc, exc
+                time.sleep(0.2 * (attempt + 1))
+                try:
+                    # a standby that is gone refuses at once (a store client would retry that for its whole
+                    # timeout)
+                    if not listening(self.address):
+                        raise ConnectionRefusedError(f"nothing listens at {self.address[0]}:{self.address[1]} any "
+                                                     f"more")
+                    self.store = client(self.address, REPLICA_RECONNECT_S)
+                except Exception as again:  # noqa: BLE001
+                    last = again
+        raise ReplicaLost(f"{type(first).__name__}: {first}; last: {type(last).__name__}: {last}")
+
     def finish(self, code: int) -> None:
         try:
             self.store.set(FINISHED_KEY, str(code))
@@ -142,6 +168,10 @@ class Replica:
 
 class Deposed(RuntimeError):
     """The standby took over from this agent (it was unreachable for too long): this agent must leave."""
+
+
+class ReplicaLost(RuntimeError):
+    """The standby's store kept failing: the agent goes on without a standby."""
 
 
 # -- the standby's side ---------------------------------------------------------------------------------

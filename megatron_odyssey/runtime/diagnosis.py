@@ -14,7 +14,7 @@ Synchronous training repeats the same operations every step, so an anomaly can b
 - **comm-slow** (communication slow): a message handed to the transport on time arrives late. Matching each
   receive with its send gives the delay of every link (source node -> destination node); a link much slower
   than the others is named, and a node all of whose outgoing links are slow is named as the slow one.
-- **hang** / **comm-hang** are judged by the agent from progress (``agent.Agent._stalled``): a rank stopped
+- **hang** / **comm-hang** are judged by the agent from progress (``progress_judge.ProgressJudge``): a rank stopped
   in its own work (or whose process stopped) vs one stopped inside a communication its peers never entered.
 
 A node that slept between its operations far longer than its peers for the work it did, or began far more of

@@ -55,7 +55,7 @@ PHASE_OF_OP = {FORWARD: "forward", BACKWARD: "backward", WEIGHT_GRAD: "weight-gr
 class StepResult:
     loss_sum: float = 0.0  # sum of this rank's normalised micro-batch losses (last stage only)
     # (global micro-batch, fp32 sum of its token losses, its loss tokens) of each micro-batch ending here: how
-    # Megatron-LM reports a step's loss (runtime.agent.committed_loss redoes its fp32 sums)
+    # Megatron-LM reports a step's loss (runtime.step_loss.committed_loss redoes its fp32 sums)
     loss_parts: list[tuple[int, float, float]] = field(default_factory=list)
     forward_s: float = 0.0
     backward_s: float = 0.0

@@ -284,7 +284,7 @@ class GenerationRank(abc.ABC):
         """Gradients of ``step`` are synchronised here; ``loss_share`` is this rank's part of its loss (a sum
         over ``tokens`` loss tokens when given: the agent then divides the totals, as Megatron does); or
         ``parts``: each of its micro-batches' loss sum and tokens, which the agent adds up in fp32 the way
-        Megatron-LM's data-parallel ranks would have (``agent.committed_loss``)."""
+        Megatron-LM's data-parallel ranks would have (``step_loss.committed_loss``)."""
         if parts is not None:
             value = "p" + "".join(f" {j}:{n!r}:{t!r}" for j, n, t in parts)
         else:

@@ -12,7 +12,7 @@ stops in the same order, so a rank behind every other while none of them moves i
 whether its main thread waits in one of torch.distributed's collectives there (sampled by the heartbeat thread:
 Megatron's own collectives between steps are not ours to mark), so among ranks at the same stop the one that never
 entered the collective the others wait in is found too.
-The agent judges ranks inside a step by progress (``agent.Agent._stalled``), with
+The agent judges ranks inside a step by progress (``progress_judge.ProgressJudge``), with
 a soft timeout (name the rank, dump its stacks) and a hard one (fence it and recover), as Megatron's
 in-process restart does with ``--inprocess-soft-timeout``/``--inprocess-hard-timeout``. As in C4D, who
 waits tells who is at fault: ranks blocked in communication wait on a peer; a rank stopped while

@@ -836,3 +836,37 @@ def save_writer_death_worker(rank: int, world: int, store_file: str, port: int, 
         progress.rest(step, "between")
         open(os.path.join(ckpt, f"{name}-saved-{rank}"), "w").close()
     dist.destroy_process_group()
+
+
+def plan_norms_worker(rank: int, world: int, store_file: str, out: str) -> None:
+    """Three nodes of a re-arranged job (one pipeline of two stages, one of a single stage) hold known gradients
+    and weights; each rank computes the plan-wide gradient norm, parameter norm and zero count
+    (megatron_lm.plan_norms), and rank 0 saves what every rank got."""
+    import torch.distributed as dist
+
+    from megatron_odyssey.megatron_lm.plan_norms import plan_grad_norm, plan_params_norm, plan_zero_count, unit_owners
+    from megatron_odyssey.planning.plan import layout
+
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
+    plan = layout([((2, 2), 2), ((4,), 2)], num_layers=4)  # node 0: emb + layers 0-1; 1: 2-3 + out; 2: all
+    names = {0: ["embedding.word_embeddings.weight", "decoder.layers.0.mlp.weight", "decoder.layers.1.mlp.weight"],
+             1: ["decoder.layers.2.mlp.weight", "decoder.layers.3.mlp.weight", "decoder.final_layernorm.weight",
+                 "output_layer.weight"],
+             2: ["embedding.word_embeddings.weight", *(f"decoder.layers.{i}.mlp.weight" for i in range(4)),
+                 "decoder.final_layernorm.weight", "output_layer.weight"]}[rank]
+    named = []
+    for k, name in enumerate(names):
+        p = torch.nn.Parameter(torch.full((2, 3), float(rank + 1)))
+        p.main_grad = torch.arange(6, dtype=torch.float32).reshape(2, 3) * (k + 1) * (rank + 1)  # one zero each
+        if name == "output_layer.weight" and rank == 1:
+            p.shared = True  # a tied output layer's copy of the word embeddings: never counted
+        named.append((name, p))
+    owners = unit_owners(plan)
+    got = [f(named, owners, rank, 0, 4, torch.device("cpu"))
+           for f in (plan_grad_norm, plan_params_norm, plan_zero_count)]
+    everyone = [None] * world
+    dist.all_gather_object(everyone, {"owners": owners, "got": got})
+    if rank == 0:
+        torch.save(everyone, out)
+    dist.barrier()
+    dist.destroy_process_group()

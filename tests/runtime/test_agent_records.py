@@ -1,5 +1,6 @@
-"""The agent's bookkeeping that the report and the Megatron host rely on: the committed loss from every
-rank's ready value, Megatron's checkpoint tracker, and the step log written as steps commit."""
+"""The agent's bookkeeping that the report and the Megatron host rely on: Megatron's checkpoint tracker, the step
+log written as steps commit, and the agent's own decisions on real processes (the committed loss is in
+``test_step_loss.py``, who is at fault for a stop in ``test_progress_judge.py``)."""
 from __future__ import annotations
 
 import json
@@ -8,61 +9,8 @@ import time
 
 import pytest
 
-from megatron_odyssey.runtime.agent import committed_loss, megatron_checkpoint_iteration, ready_shares
+from megatron_odyssey.runtime.agent import megatron_checkpoint_iteration
 from megatron_odyssey.runtime.step_log import StepLog
-
-
-def test_committed_loss_is_megatrons_token_weighted_mean() -> None:
-    """Megatron's train_step: sum of every micro-batch's loss sum over every DP rank / sum of their tokens."""
-    shares = [b"12.5 5.0", b"0.0", b"7.5 3.0", b"0.0"]  # two last-stage ranks (loss sum, tokens), two others
-    assert committed_loss(shares) == pytest.approx((12.5 + 7.5) / (5.0 + 3.0))
-    assert committed_loss([b"1.25", b"0.75", b"0.0"]) == pytest.approx(2.0)  # shares of a normalised loss
-    shares = ready_shares(b"3=1.25;0=0.75;12=12.5 5.0;")  # the step's appended key, in arrival order
-    assert shares == {3: b"1.25", 0: b"0.75", 12: b"12.5 5.0"}
-
-
-def test_plan_step_loss_is_added_up_in_fp32_as_megatrons_ranks_would() -> None:
-    """Micro-batch loss sums from wherever a plan ran them, added up as Megatron-LM's train_step on DP=2 ranks
-    does: each rank's micro-batches j = 2 k + d in fp32 (vstack + sum), the two ranks' totals (all-reduce), an
-    fp32 quotient. Summing the means, or in float64, differs in the last printed digit of such losses."""
-    import random
-
-    import torch
-
-    rng = random.Random(3)
-    for _ in range(200):
-        parts = {j: (float(torch.tensor(rng.uniform(150.0, 300.0), dtype=torch.float32)), 32.0) for j in range(8)}
-        per_rank = [torch.vstack([torch.tensor(parts[j]) for j in range(d, 8, 2)]).sum(dim=0) for d in range(2)]
-        total = per_rank[0] + per_rank[1]
-        expected = float(total[0] / total[1])
-        # the plan ran micro-batches 0-2 and 6 on one last stage, 3-5 and 7 on another; a third rank has none
-        shares = [b"p" + b"".join(b" %d:%r:%r" % (j, *parts[j]) for j in (6, 0, 1, 2)), b"p",
-                  b"p" + b"".join(b" %d:%r:%r" % (j, *parts[j]) for j in (3, 4, 5, 7))]
-        assert committed_loss(shares, data_parallel=2) == expected
-
-
-def test_core_r0_12s_loss_is_added_up_micro_batch_by_micro_batch() -> None:
-    """core_r0.12.0's pretrain_gpt.py all-reduces each micro-batch's (loss sum, tokens) over the DP=2 ranks, and its
-    train_step adds those up over the micro-batches in order (numerator += val[0]): another fp32 order, which the
-    agent follows for that release (the rank-first order differed by 2 in the last printed digit of a join test)."""
-    import random
-
-    import torch
-
-    rng = random.Random(5)
-    differs = 0
-    for _ in range(200):
-        parts = {j: (float(torch.tensor(rng.uniform(150.0, 300.0), dtype=torch.float32)), 32.0) for j in range(8)}
-        numerator, denominator = 0, 0
-        for k in range(4):
-            reduced = torch.tensor(parts[2 * k]) + torch.tensor(parts[2 * k + 1])  # the all-reduce of two ranks
-            numerator, denominator = numerator + reduced[0], denominator + reduced[1]
-        expected = float(numerator / denominator)
-        shares = [b"p" + b"".join(b" %d:%r:%r" % (j, *parts[j]) for j in (6, 0, 1, 2)), b"p",
-                  b"p" + b"".join(b" %d:%r:%r" % (j, *parts[j]) for j in (3, 4, 5, 7))]
-        assert committed_loss(shares, data_parallel=2, per_micro_batch=True) == expected
-        differs += committed_loss(shares, data_parallel=2) != expected
-    assert differs > 0  # the orders are not the same sum
 
 
 def test_megatron_checkpoint_tracker(tmp_path) -> None:
@@ -356,144 +304,6 @@ def test_the_commit_waits_for_a_returning_machine_but_not_forever(tmp_path, caps
     assert not agent._awaiting_rejoiner() and agent.rejoin[-1]["settled"]
 
 
-def test_a_rank_left_behind_the_others_between_steps_is_named_then_fenced(tmp_path, capsys) -> None:
-    """A rank stopped at a stop of Megatron's loop (its terminal's pipe full inside training_log, a save hung on its
-    file system) while every other member waits ahead of it, at a later stop or inside the next step, and none
-    of them moves: named with its stacks at the soft timeout, fenced at the hard one (in a save, --first-step-timeout
-    later than that); never while a peer still moves, while several are equally far behind, while everyone is at the
-    same stop (a long save), or while a recovery is under way."""
-    from megatron_odyssey.runtime.agent import Agent
-    from megatron_odyssey.runtime.config import TrainConfig
-    from megatron_odyssey.runtime.liveness import COMM, IDLE, WAITING, Beat
-
-    cfg = TrainConfig(nproc=4, tp=1, pp=2, layers=4, hidden=32, heads=4, seq=16, global_batch=4, micro_batch=1,
-                      steps=8, soft_timeout_s=20.0, hard_timeout_s=40.0, first_step_timeout_s=600.0)
-    agent = Agent(cfg, None, tmp_path, procs={i: None for i in range(4)}, store=None)
-    agent.warm = True
-    now, calls, found = time.time(), [], []
-
-    def beats(behind_s: float, ahead_s: float, ahead: tuple = (COMM, 5, 0, "grad-sync"),
-              behind: tuple = (4, 1, "between"), also_behind: int | None = None, in_collective: bool = False) -> int | None:
-        state, step, stop, phase = ahead
-        agent.beats = {i: Beat(now, 10, state, step, phase, now - ahead_s, stop, in_collective) for i in range(3)}
-        calls.append(1)  # (each case a fresh stop: named once per stop)
-        agent.beats[3] = Beat(now, len(calls), IDLE, behind[0], behind[2], now - behind_s, behind[1])
-        if also_behind is not None:
-            agent.beats[also_behind] = agent.beats[3]
-        found.append(agent._stalled(now))
-        return found[-1].rank if found[-1] else None
-
-    # the others inside the next step
-    assert beats(behind_s=30, ahead_s=25) is None  # named (soft timeout), not yet fenced
-    said = capsys.readouterr()
-    assert ("rank 3 has stopped for 30.0 s at between after step 4 (idle) while ranks [0, 1, 2] wait further on; "
-            "its stacks are dumped to its log; fenced after --hard-timeout 40 s") in said.out + said.err
-    assert beats(behind_s=41, ahead_s=45) == 3
-    assert (found[-1].why, found[-1].bound) == ("stopped for 41.0 s at between after step 4 while ranks [0, 1, 2] "
-                                                "wait further on and its heartbeat went on", "--hard-timeout 40 s")
-    assert found[-1].waiting == [0, 1, 2]
-    assert found[-1].since == now - 41  # the failure's detection time counts from there, not from the fencing
-    # the others at a later stop after the same step: in training_log's collective, the exit check's
-    assert beats(behind_s=41, ahead_s=45, ahead=(IDLE, 4, 2, "log")) == 3
-    assert beats(behind_s=41, ahead_s=45, ahead=(IDLE, 4, 3, "exit"), behind=(4, 2, "log")) == 3
-    # in an evaluation's forward: ahead of a rank left at the timer's barrier before it
-    assert beats(behind_s=41, ahead_s=45, ahead=("working", 4, 2, "eval")) == 3
-    # at the same stop (training_log), the only one there not in the collective the others wait in
-    in_log = (IDLE, 4, 2, "log")
-    assert beats(behind_s=41, ahead_s=45, ahead=in_log, behind=(4, 2, "log")) is None  # not known to be in one
-    assert beats(behind_s=41, ahead_s=45, ahead=in_log, behind=(4, 2, "log"), in_collective=True) == 3
-    assert found[-1].why.startswith("stopped for 41.0 s at log after step 4 while ranks [0, 1, 2] wait in a "
-                                    "collective there that it has not entered")
-    assert beats(behind_s=41, ahead_s=45, ahead=in_log, behind=(4, 2, "log"), in_collective=True,
-                 also_behind=0) is None  # two out of it: either may be what the others wait for
-    # in a save: --first-step-timeout longer
-    assert beats(behind_s=41, ahead_s=45, behind=(4, 3, "save")) is None
-    assert beats(behind_s=599, ahead_s=620, behind=(4, 3, "save")) is None
-    said = capsys.readouterr()
-    assert "rank 3 has stopped for 599.0 s at save after step 4" in said.out + said.err
-    assert "fenced after --first-step-timeout 600 s (a save)" in said.out + said.err
-    assert beats(behind_s=601, ahead_s=620, behind=(4, 3, "save")) == 3
-    # not: a peer moved a moment ago; nobody ahead (every member in the same save); two equally far behind
-    assert beats(behind_s=41, ahead_s=10) is None
-    assert beats(behind_s=700, ahead_s=650, ahead=(IDLE, 4, 1, "between")) is None
-    assert beats(behind_s=41, ahead_s=45, also_behind=0) is None
-    assert beats(behind_s=41, ahead_s=45, ahead=(WAITING, 5, 0, "optimizer")) is None  # waiting on the agent
-    agent.recovering = {0}
-    assert beats(behind_s=700, ahead_s=650) is None  # a recovery is under way
-
-def test_a_rank_stopped_in_its_own_work_is_fenced_with_the_time_it_stopped(tmp_path, capsys) -> None:
-    """A rank stopped inside a step while its heartbeat goes on (a kernel that never ends: Megatron's GPU_SLEEP),
-    its peers waiting on it in communication: fenced at the hard timeout, and the stall carries when it stopped, so
-    the failure's detection time counts from there (a fault Odyssey did not inject has no other start)."""
-    from megatron_odyssey.runtime.agent import Agent
-    from megatron_odyssey.runtime.config import TrainConfig
-    from megatron_odyssey.runtime.liveness import COMM, WORKING, Beat
-
-    cfg = TrainConfig(nproc=4, tp=1, pp=2, layers=4, hidden=32, heads=4, seq=16, global_batch=4, micro_batch=1,
-                      steps=8, soft_timeout_s=10.0, hard_timeout_s=20.0, first_step_timeout_s=600.0)
-    agent = Agent(cfg, None, tmp_path, procs={i: None for i in range(4)}, store=None)
-    agent.warm, agent.judged_from, now = True, 0.0, time.time()
-    agent.beats = {i: Beat(now, 10, COMM, 3, "forward", now - 18, 0, True) for i in (0, 2, 3)}
-    agent.beats[1] = Beat(now, 7, WORKING, 3, "start", now - 21, 0)
-    stall = agent._stalled(now)
-    assert stall is not None and stall.rank == 1 and stall.waiting == [0, 2, 3]
-    assert stall.since == now - 21 and stall.bound == "--hard-timeout 20 s"
-    agent.beats[1] = Beat(now, 8, WORKING, 3, "start", now - 19, 0)
-    assert agent._stalled(now) is None  # named at the soft timeout, not yet fenced
-
-
-def test_heartbeats_from_before_a_recovery_blame_nobody_in_the_next_generation(tmp_path, capsys) -> None:
-    """On an H200 a survivor was fenced 0.02 s after the new generation's first commit: the recovery and that step
-    took under a heartbeat interval, so the agent still held every survivor's last beat from the broken generation,
-    all stopped 21 s at the log stop where the fenced rank had held them up, one of them just out of the collective
-    (it had seen the abort). Such beats tell nothing about the new generation; fresh ones are judged as before."""
-    from megatron_odyssey.runtime.agent import Agent
-    from megatron_odyssey.runtime.config import TrainConfig
-    from megatron_odyssey.runtime.liveness import IDLE, Beat
-
-    cfg = TrainConfig(nproc=4, tp=1, pp=2, layers=4, hidden=32, heads=4, seq=16, global_batch=4, micro_batch=1,
-                      steps=8, soft_timeout_s=10.0, hard_timeout_s=20.0, first_step_timeout_s=600.0)
-    agent = Agent(cfg, None, tmp_path, procs={i: None for i in range(4)}, store=None)
-    agent.dead = {1}
-    now = time.time()
-    agent.warm, agent.judged_from, agent.generation_began = True, now - 0.02, now - 1.0
-    agent.beats = {i: Beat(now - 1.2, 40, IDLE, 2, "log", now - 21.0, 1, i != 0) for i in (0, 2, 3)}
-    assert agent._stalled(now) is None
-    assert "rank 0" not in capsys.readouterr().out
-    # the same picture heard in this generation is a rank the others wait for: fenced at the hard timeout
-    agent.beats = {i: Beat(now, 40, IDLE, 2, "log", now - 21.0, 1, i != 0) for i in (0, 2, 3)}
-    stall = agent._stalled(now)
-    assert stall is not None and stall.rank == 0 and stall.waiting == [2, 3]
-
-
-def test_a_survivor_leaving_the_collective_a_fenced_rank_held_up_is_not_fenced_for_the_wait(tmp_path, capsys) -> None:
-    """Seen on core_r0.13.0: rank 1 blocked at the exit check after iteration 3 while 0, 2 and 3 waited in its
-    collective; fenced at the hard timeout (10 s), its peers left the collective with an error, one by one. For a
-    moment rank 3 was out of it while the beats of 0 and 2 still said they were in it: rank 3 looked like the one
-    they all waited for, stopped since before the fence, and was fenced at once, a second rank lost to one fault.
-    A stop now counts from the last abort; a rank still stopped the hard timeout after it is fenced as before."""
-    from megatron_odyssey.runtime.agent import Agent
-    from megatron_odyssey.runtime.config import TrainConfig
-    from megatron_odyssey.runtime.liveness import IDLE, Beat
-
-    cfg = TrainConfig(nproc=4, tp=1, pp=2, layers=4, hidden=32, heads=4, seq=16, global_batch=4, micro_batch=1,
-                      steps=8, soft_timeout_s=5.0, hard_timeout_s=10.0, first_step_timeout_s=600.0)
-    agent = Agent(cfg, None, tmp_path, procs={i: None for i in range(4)}, store=None)
-    agent.dead = {1}
-    now = time.time()
-    agent.warm, agent.generation_began = True, now - 60.0
-    agent.judged_from = agent.aborted_at = now - 0.3  # rank 1 was fenced and the step aborted 0.3 s ago
-    agent.beats = {i: Beat(now, 40, IDLE, 2, "exit", now - 10.4, 1, i != 3) for i in (0, 2, 3)}
-    assert agent._stalled(now) is None
-    assert "rank 3" not in capsys.readouterr().out
-    # still there, out of the collective, the hard timeout after the abort: what the others wait for
-    later = now + 10.0
-    agent.beats = {i: Beat(later, 50, IDLE, 2, "exit", now - 10.4, 1, i != 3) for i in (0, 2, 3)}
-    stall = agent._stalled(later)
-    assert stall is not None and stall.rank == 3 and stall.waiting == [0, 2]
-    assert "rank 3 has stopped for 10.3 s at exit after step 2" in capsys.readouterr().out
-
-
 def test_a_fenced_stall_starts_its_failures_detection_time_where_the_rank_stopped(tmp_path) -> None:
     """The agent's own look (``detect``) at four live rank processes, rank 1 stopped in its own work for 21 s: it is
     fenced (SIGKILL; its process ends) and its failure's start is recorded as the moment it stopped, which
@@ -520,7 +330,7 @@ def test_a_fenced_stall_starts_its_failures_detection_time_where_the_rank_stoppe
                           stack_dump_signal=int(signal.SIGUSR1))
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         agent = Agent(cfg, None, tmp_path, procs=ranks, store=store)
-        agent.warm, agent.judged_from, now = True, 0.0, time.time()
+        agent.warm, agent.progress.judged_from, now = True, 0.0, time.time()
         agent.beats = {i: Beat(now, 10, COMM, 3, "forward", now - 18, 0, True) for i in (0, 2, 3)}
         agent.beats[1] = Beat(now, 7, WORKING, 3, "start", now - 21, 0)
         agent.beats_read = now + 60  # (the beats above stand: no store round trip replaces them)
@@ -686,7 +496,7 @@ def test_a_rank_that_said_it_finished_before_the_last_iteration_is_not_fenced(tm
         assert agent.detect() == set() and not agent.fenced and 1 in agent.exiting and procs[1].poll() is None
         # beating, but stopped in its teardown for longer than --hard-timeout, rank 0 waiting in communication: not
         # named (no stack dump's signal into a process that far into its exit), not fenced
-        agent.warm, agent.judged_from, t = True, 0.0, time.time()
+        agent.warm, agent.progress.judged_from, t = True, 0.0, time.time()
         agent.beats = {0: Beat(t, 5, COMM, 3, "grad-sync", t - 40), 1: Beat(t, 5, WORKING, 3, "forward", t - 40)}
         assert agent.detect() == set() and not agent.fenced and procs[1].poll() is None
         assert "rank 1 has made no progress" not in capsys.readouterr().out
@@ -696,13 +506,13 @@ def test_a_rank_that_said_it_finished_before_the_last_iteration_is_not_fenced(tm
         assert agent.detect() == set() and not agent.fenced and procs[1].poll() is None
         assert "rank 1 has stopped" not in capsys.readouterr().out
         agent.exiting[1] -= 31  # past the hard timeout: killed, as a finished rank
-        agent.judged_from, t = 0.0, time.time()  # (the stop between steps restarted the judging: back inside a step)
+        agent.progress.judged_from, t = 0.0, time.time()  # (the stop between steps restarted the judging: back inside a step)
         agent.beats = {0: Beat(t, 7, COMM, 3, "grad-sync", t), 1: Beat(t, 7, WORKING, 3, "forward", t - 40)}
         assert agent.detect() == set() and procs[1].wait(timeout=10) == -9 and 1 in agent.killed_after_done
 
         store.delete_key(DONE_KEY.format(1))  # nobody said it: the same stall, then the same silence, are hangs
         stalled = Agent(cfg, None, tmp_path / "b", procs={0: LocalRank(procs[0]), 1: LocalRank(procs[2])}, store=store)
-        stalled.next_step, stalled.warm, stalled.judged_from, stalled.beats_read = 3, True, 0.0, time.time() + 600
+        stalled.next_step, stalled.warm, stalled.progress.judged_from, stalled.beats_read = 3, True, 0.0, time.time() + 600
         t = time.time()
         stalled.beats = {0: Beat(t, 5, COMM, 3, "grad-sync", t - 40), 1: Beat(t, 5, WORKING, 3, "forward", t - 40)}
         # (fenced; its stand-in process, which has no faulthandler, may already have died of the stack dump's signal)
