@@ -3,7 +3,6 @@ node agent's exit reports and fencing over the store (real processes, real TCPSt
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from megatron_odyssey.launch import FENCE_KEY, RemoteExits, RemoteRank, parse, report_exit
+from megatron_odyssey.testing.ports import job_port
 
 ENV_DUMP = """
 import json, os, sys
@@ -32,7 +32,7 @@ def _launch(tmp: Path, exit_code_of_rank1: int, port: int) -> subprocess.Complet
 
 
 def test_ranks_get_torchruns_environment_and_a_plain_job_passes(tmp_path: Path) -> None:
-    port = 31000 + os.getpid() % 1000
+    port = job_port(1900)
     proc = _launch(tmp_path, 0, port)
     assert proc.returncode == 0, proc.stderr
     envs = [json.loads((tmp_path / f"env{r}.json").read_text()) for r in range(3)]
@@ -42,7 +42,7 @@ def test_ranks_get_torchruns_environment_and_a_plain_job_passes(tmp_path: Path) 
 
 
 def test_a_rank_that_dies_before_training_fails_the_job_with_its_log(tmp_path: Path) -> None:
-    proc = _launch(tmp_path, 3, 32000 + os.getpid() % 1000)
+    proc = _launch(tmp_path, 3, job_port(1910))
     assert proc.returncode == 1
     assert "rank(s) [1] exited [3] before training started" in proc.stderr
 
@@ -80,7 +80,7 @@ def _launch_and_terminate(tmp: Path, mode: str, port: int, *flags: str) -> tuple
 
 def test_sigterm_to_the_launcher_reaches_every_rank_which_may_leave_cleanly(tmp_path: Path) -> None:
     """As torchrun: Megatron's --exit-signal-handler gets the scheduler's SIGTERM, saves and exits with 0."""
-    proc, wall = _launch_and_terminate(tmp_path, "save", 33000 + os.getpid() % 1000, "--termination-grace", "600")
+    proc, wall = _launch_and_terminate(tmp_path, "save", job_port(1920), "--termination-grace", "600")
     assert proc.returncode == 0, proc.stderr
     assert wall < 240, wall  # the launcher left with its ranks, not after the termination grace (on a loaded machine
     # the ranks' own exit took 21 s: the grace is long enough that nothing but waiting it out comes near it)
@@ -89,7 +89,7 @@ def test_sigterm_to_the_launcher_reaches_every_rank_which_may_leave_cleanly(tmp_
 
 
 def test_ranks_still_running_after_the_termination_grace_are_killed(tmp_path: Path) -> None:
-    proc, wall = _launch_and_terminate(tmp_path, "ignore", 34000 + os.getpid() % 1000, "--termination-grace", "1")
+    proc, wall = _launch_and_terminate(tmp_path, "ignore", job_port(1930), "--termination-grace", "1")
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
     assert "received SIGTERM and passed it to the ranks: the job is being stopped" in proc.stderr
     assert "exited" not in proc.stderr  # not reported as ranks failing at start-up
@@ -115,7 +115,7 @@ def test_start_up_errors_of_every_failing_rank_reach_the_terminal(tmp_path: Path
     script = tmp_path / "job.py"
     script.write_text(RAISE)
     proc = subprocess.run([sys.executable, "-m", "megatron_odyssey.launch", "--nproc-per-node", "3",
-                           "--master-port", str(33000 + os.getpid() % 1000), "--workdir", str(tmp_path / "logs"),
+                           "--master-port", str(job_port(1940)), "--workdir", str(tmp_path / "logs"),
                            str(script)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert "before training started" in proc.stderr
