@@ -128,7 +128,8 @@ class OpTrace:
 def sleeping_clock() -> float:
     """Seconds the calling thread has spent asleep (blocked or waiting, neither running nor queued for a core):
     wall time less its time on a core and in the run queue (Linux's per-thread schedstat). A rank preempted on a
-    busy host is not idle; its core stays warm. Without schedstat: wall time less the thread's CPU time."""
+    busy host is not idle; its core stays warm. A wait for the GIL held by another thread of the process is a
+    sleep like any blocked wait. Without schedstat: wall time less the thread's CPU time."""
     try:
         tid = threading.get_native_id()  # (a forked child's thread inherits its parent thread's local)
         if getattr(_SCHEDSTAT, "tid", None) != tid:
