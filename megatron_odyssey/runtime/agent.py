@@ -36,7 +36,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import signal
 import statistics
 import sys
 import time
@@ -55,11 +54,12 @@ from ..planning.planner import Decision, Planner, PlannerOptions
 from ..planning.schedule import overlapped_nodes
 from ..planning.sharding import lost_units
 from .config import TrainConfig
-from .control_plane import LEAVING_KEY, Deposed, Replica, ReplicaLost, free_port
+from .control_plane import Deposed, Replica, ReplicaLost, free_port
 from .plan_message import checkpoint_due, encode_plan_message
 from .liveness import COMM, WAITING, Beat
 from .process_probe import SilenceJudge
 from .progress_judge import ProgressJudge, Stall
+from .rank_exits import RankExits
 from .diagnosis import DiagnosisOptions, judged_summary
 from .slow_nodes import Action, DiagnosisRecord, SlowNodes
 from .joining import ADMIT_KEY, REJOIN_KEY, JoinRecord, JoinRequests, publish_job
@@ -67,7 +67,7 @@ from .step_log import StepLog, resident_mb
 from .step_loss import committed_loss, ready_shares
 from .job_report import FailureRecord, failure_entries, host_summary, takeover_entries, write_report_file
 from .errors import (ABORTED, DUMP_STACKS_KEY, GIVEUP_KEY, STACKS_ASKED_KEY, STARTED_KEY, STOP_LINE, ErrorRecord, describe_exit,
-                     dump_stacks_on_signals, rank_log_stack, rank_log_traceback, read_error)
+                     dump_stacks_on_signals, indented, rank_log_stack, rank_log_traceback, read_error)
 
 
 def rank_start_method(cfg: TrainConfig) -> str:
@@ -134,10 +134,7 @@ class Agent:
         self.state_gen = 0  # the generation that committed it (its optimizer state's scheme: see _lost_shards)
         # the optimizer state is sharded: generation 0's distributed optimizer, then replicated shards (_lost_shards)
         self.sharded_state = bool(cfg.extra.get("distopt_instances"))
-        self.exiting: dict[int, float] = {}  # rank -> when it was first seen finished but not yet exited
-        self.leaving: dict[int, dict[str, Any]] = {}  # rank -> the exit the script chose (LEAVING_KEY), once left
         self.ended_by: dict[str, Any] | None = None  # the script's own end of the job, for the report
-        self.killed_after_done: set[int] = set()
         self.gen = 0
         self.started_gen = True  # generation 0 needs no join barrier
         self.store = store  # created after the ranks are forked (see run) unless given
@@ -148,7 +145,9 @@ class Agent:
         # a rank fenced for missed heartbeats -> its last heartbeat; for a stop in progress -> its last progress
         self.silent_since: dict[int, float] = {}
         self.silence = SilenceJudge(cfg.heartbeat_timeout_s, self.log)  # a silent rank: stopped, or starved?
-        self.endings: dict[int, str] = {}  # a failed rank without an error record -> how its process ended (ended)
+        # how each rank left or is leaving: on purpose, finished, or how it ended (said on the terminal)
+        self.exits = RankExits(self.procs, cfg.hard_timeout_s, self.log, self.log_error, self._last_traceback,
+                               store)
         # committed steps go to disk as they commit (beside the report, else in the workdir)
         self.steps = StepLog(Path(cfg.report).with_suffix(".steps.jsonl") if cfg.report else workdir / "steps.jsonl")
         self.failures: list[FailureRecord] = []
@@ -258,6 +257,7 @@ class Agent:
             self.procs[ident] = p
         self.store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=self.cfg.timeout_s))
+        self.exits.store = self.store
         self.port = port
         publish_job(self.store, Path(self.cfg_path).read_text(), self.workdir, port)  # for ranks that join later
         for spec in self.rejoin:
@@ -300,7 +300,7 @@ class Agent:
                 self.give_up(self.unexplained)
                 self.write_report(ok=False)
                 return 1
-            if self.leaving:
+            if self.exits.leaving:
                 return self._ended_by_the_script()
             if failed and self._being_stopped():
                 return self._stopped_by_signal(failed)
@@ -315,7 +315,7 @@ class Agent:
                 if reason is not None:
                     self.failures.append(FailureRecord(ranks=sorted(failed), step=self.next_step, reason=reason,
                                                        phase=self._phase_of(failed, self.next_step),
-                                                       error=self._error_of(failed), ended=self._endings_of(failed)))
+                                                       error=self._error_of(failed), ended=self.exits.endings_of(failed)))
                 self.give_up(reason or self.stop_reason or "recovery failed")
                 self.write_report(ok=False)
                 return 1
@@ -334,7 +334,7 @@ class Agent:
         for p in self.joiners.values():  # replacements never admitted (held as standbys to the end) leave with the job
             if p.poll() is None:
                 p.kill()
-        bad = [i for i in self.members() if self.procs[i].exitcode != 0 and i not in self.killed_after_done]
+        bad = [i for i in self.members() if self.procs[i].exitcode != 0 and i not in self.exits.killed_after_done]
         for ident in bad:
             if ident not in self.errors:  # (a local error was printed when it happened)
                 self.log_error(f"rank {ident} exited {self.procs[ident].exitcode}:\n" + self._tail(ident))
@@ -359,18 +359,18 @@ class Agent:
         # (a rank that left with an error is a failure even then: a recovery waiting for it would wait forever)
         self._read_beats(now)
         for ident in self.members():
-            if ident in self.dead or ident in self.killed_after_done:  # (finished, then killed lingering: done)
+            if ident in self.dead or ident in self.exits.killed_after_done:  # (finished, then killed lingering: done)
                 continue
             code = self.procs[ident].exitcode
-            if code is not None and code != 0 and self._left_on_purpose(ident, code):
+            if code is not None and code != 0 and self.exits.left_on_purpose(ident, code):
                 continue
             if code is not None and code != 0:
                 self.procs[ident].kill()  # leftovers (a launched rank's data-loader workers hold its sockets)
                 out.add(ident)
             elif code is None and self._stale(ident, now):
-                if self._finishing(ident, now):
+                if self.exits.finishing(ident, now):
                     continue
-                if self._left_on_purpose(ident, None) or self._being_stopped():
+                if self.exits.left_on_purpose(ident, None) or self._being_stopped():
                     continue  # (stopped by a signal: the launcher's --termination-grace ends one that stays)
                 beat = self.beats.get(ident)
                 fence, state = (True, "") if beat is None else self.silence.fence(ident, self.procs[ident],
@@ -458,10 +458,10 @@ class Agent:
         self.procs[ident].kill()
         self.procs[ident].join(5)
         self.fenced.add(ident)
-        self.endings[ident] = f"was fenced (SIGKILL): {why}"
+        self.exits.fenced(ident, why)
         stack = rank_log_stack(self.workdir, ident) if stacks else None
         if stack:
-            self.log_error(f"rank {ident} had stopped here (from the stacks it dumped to its log):\n" + _indent(stack))
+            self.log_error(f"rank {ident} had stopped here (from the stacks it dumped to its log):\n" + indented(stack))
 
     def _read_beats(self, now: float) -> None:
         """Every member's last heartbeat in one store round trip, at most every half heartbeat interval
@@ -479,7 +479,7 @@ class Agent:
     def _stalled(self, now: float) -> Stall | None:
         """The live member at fault for a stop in progress (``ProgressJudge.stalled``)."""
         live = [i for i in self.members() if i not in self.dead]
-        return self.progress.stalled(live, self.beats, now, self.warm, self.step_started, self._finishing)
+        return self.progress.stalled(live, self.beats, now, self.warm, self.step_started, self.exits.finishing)
 
     def _dump_stacks(self, ident: int) -> None:
         """Ask the rank for its stacks (into its log): by signal (ranks register faulthandler on it) when it runs
@@ -503,7 +503,7 @@ class Agent:
             if record is not None:
                 self.errors[ident] = record
                 self.log_error(f"rank {ident} failed with its own error ({record.where}): {record.headline()}\n"
-                               + _indent(record.traceback))
+                               + indented(record.traceback))
                 first = next((r for i, r in self.errors.items() if i != ident and r.signature == record.signature), None)
                 if first is not None and stop is None:
                     stop = (f"the same error ({record.type} at {record.place}) recurred on rank {ident} after rank "
@@ -512,13 +512,13 @@ class Agent:
                     self.log_error(f"recovering without rank {ident} (an error on one rank is treated as that "
                                    f"rank's failure; the job stops if it recurs on another)")
             elif started and ident not in self.fenced:
-                self._say_how_it_ended(ident)
+                self.exits.say_how_it_ended(ident)
             if not started and stop is None:
                 what = record.headline() if record else f"exit code {self.procs[ident].exitcode}"
                 stop = f"rank {ident} failed during start-up ({what})"
                 if record is None:
                     self.log_error(f"rank {ident} exited {self.procs[ident].exitcode} during start-up; its last "
-                                   f"error:\n" + _indent(self._last_traceback(ident)))
+                                   f"error:\n" + indented(self._last_traceback(ident)))
         return stop
 
     def _being_stopped(self) -> bool:
@@ -537,65 +537,31 @@ class Agent:
         self.write_report(ok=False)
         return 128 + self.termination.signum
 
-    def _left_on_purpose(self, ident: int, code: int | None) -> bool:
-        """The rank said, before it left, that it leaves with this code by the script's own decision (Megatron-LM's
-        rerun state machine: every rank leaves with it after the checkpoint it asked for). ``code`` None: the rank
-        has not left yet but is silent, past the save that exit asked for and tearing down its process groups (which
-        can hold the GIL and so stop its heartbeat: seen on core_r0.12.0 under torch 2.7.1): not hung either, and
-        the job ends with the code it said (``_ended_by_the_script``)."""
-        if ident not in self.leaving:
-            try:
-                said = self.store.check([LEAVING_KEY.format(ident)])
-                leaving = json.loads(self.store.get(LEAVING_KEY.format(ident))) if said else None
-            except Exception:  # noqa: BLE001 - the store is this agent's: a failure here is not the rank's
-                return False
-            if not leaving or (code is not None and leaving.get("code") != code):
-                return False
-            self.leaving[ident] = leaving
-        return True
-
     def _ended_by_the_script(self) -> int:
         """The script ended the job with a code of its own: nothing to recover. The other ranks are leaving the
         same way (after the same checkpoint save, which a stop now could cut short): wait for them, at most the
         hard timeout, then stop the rest; the job leaves with the script's code, as under torchrun or srun, so
         that a wrapper that relaunches on it (Megatron-LM's 16: resume to disambiguate) does."""
-        first = next(iter(self.leaving.values()))
+        first = next(iter(self.exits.leaving.values()))
         code, why = int(first["code"]), str(first.get("why") or "")
-        self.log(f"rank(s) {sorted(self.leaving)} left with exit code {code}: {why}; not a failure, nothing to "
+        self.log(f"rank(s) {sorted(self.exits.leaving)} left with exit code {code}: {why}; not a failure, nothing to "
                  f"recover; waiting for the other ranks to leave")
         deadline = time.time() + self.cfg.hard_timeout_s
         live = [i for i in self.members() if i not in self.dead]
         while time.time() < deadline and any(self.procs[i].exitcode is None for i in live):
             time.sleep(0.05)
         for ident in live:  # (one still running may be tearing down after saying so: the same end)
-            self._left_on_purpose(ident, self.procs[ident].exitcode)
+            self.exits.left_on_purpose(ident, self.procs[ident].exitcode)
         others = {i: describe_exit(self.procs[i].exitcode) if self.procs[i].exitcode is not None else "still running"
-                  for i in live if i not in self.leaving}
+                  for i in live if i not in self.exits.leaving}
         reason = f"the training script ended the job with exit code {code} at step {self.next_step}: {why}"
         if others:
             reason += f" (rank(s) otherwise: {others})"
-        self.ended_by = {"code": code, "why": why, "step": self.next_step, "ranks": sorted(self.leaving),
+        self.ended_by = {"code": code, "why": why, "step": self.next_step, "ranks": sorted(self.exits.leaving),
                          "others": {str(i): e for i, e in others.items()}}
         self.give_up(reason)
         self.write_report(ok=False)
         return code
-
-    def _say_how_it_ended(self, ident: int) -> None:
-        """A rank that failed without an error record of its own: a signal (the kernel's OOM killer, a
-        scheduler, a crash in native code, Megatron's fault injector) or an exception outside Odyssey's
-        reach. Its exit status and its log's last traceback go to the terminal, not only to its log."""
-        code = self.procs[ident].exitcode
-        if code is None or code == 0:
-            return
-        self.endings[ident] = ended = describe_exit(code)
-        if code == -signal.SIGKILL:
-            self.log_error(f"rank {ident} {ended} (it cannot leave a trace: the OOM killer, a scheduler, a person "
-                           f"or a fault injector sent it)")
-        else:
-            self.log_error(f"rank {ident} {ended}; the end of its log:\n" + _indent(self._last_traceback(ident)))
-
-    def _endings_of(self, ranks: set[int]) -> dict[int, str]:
-        return {i: self.endings[i] for i in sorted(ranks) if i in self.endings}
 
     def _started(self, ident: int) -> bool:
         """A rank reached its first training step (a failure before that ends the job)."""
@@ -626,43 +592,6 @@ class Agent:
             self.store.compare_set(key, "", ABORTED)
         if giveup is not None:
             self.store.compare_set(f"odyssey/gen{self.gen + 1}/plan", "", json.dumps({"giveup": giveup}))
-
-    def _said_done(self, ident: int) -> bool:
-        """The rank finished the job (its exit handler said so): its heartbeat thread stops with the
-        interpreter, and tearing down a world of dead peers can take a while. Said on a clean end only
-        (``clean_exit.say_done``; at interpreter exit, not after an uncaught exception), so also where the job ends
-        before ``--train-iters``: every rank takes Megatron's exit decision together."""
-        from .control_plane import DONE_KEY
-
-        if ident in self.exiting:
-            return True
-        try:
-            said = self.store.check([DONE_KEY.format(ident)])
-        except Exception:  # noqa: BLE001 - the store is this agent's: a failure here is not the rank's
-            return False
-        if said:
-            self.exiting[ident] = time.time()
-        return said
-
-    def _finishing(self, ident: int, now: float) -> bool:
-        """The rank said it finished: it is shutting down, not hung (past its last step, or its job ended by
-        Megatron's own decision before it: --exit-interval, --exit-duration-in-mins, a signal sent to the ranks
-        themselves), so it is neither named nor fenced as a stall: it is left to :meth:`_finish_exit`. Asked before
-        a stall is named, whose stack dump's signal could kill a process this far into its exit."""
-        if not self._said_done(ident):
-            return False
-        self._finish_exit(ident, now)
-        return True
-
-    def _finish_exit(self, ident: int, now: float) -> None:
-        """A finished rank still exiting after the hard timeout is killed; its work is done, so it counts as
-        a clean exit (``detect`` passes over it from then on). No stacks are asked for: a process this far into
-        its exit may have dropped faulthandler's handler, and the signal would kill it (seen on core_r0.12.0)."""
-        if now - self.exiting[ident] > self.cfg.hard_timeout_s:
-            self.log(f"rank {ident} finished the job but has not exited for {self.cfg.hard_timeout_s:.0f} s: "
-                     f"killing it (its work is done: not a failure)")
-            self.procs[ident].kill()
-            self.killed_after_done.add(ident)
 
     def _stale(self, ident: int, now: float) -> bool:
         beat = self.beats.get(ident)
@@ -902,7 +831,7 @@ class Agent:
             self.dead.discard(ident)
             self.fenced.discard(ident)
             self.beats.pop(ident, None)
-            self.exiting.pop(ident, None)
+            self.exits.replaced(ident)
         self.held -= set(action.ranks)
 
     def _batch_ramp(self) -> Any:
@@ -968,7 +897,7 @@ class Agent:
             self.stop_reason = (f"rank(s) {sorted(failed)} failed while every other rank finished the job after step "
                                 f"{step} (the training script's own exit decision): nobody is left to recover with")
             self.failures.append(FailureRecord(ranks=sorted(failed), step=self.next_step, reason=self.stop_reason,
-                                               error=self._error_of(failed), ended=self._endings_of(failed)))
+                                               error=self._error_of(failed), ended=self.exits.endings_of(failed)))
             return False
         if replan is not None:
             self._not_taken(replan, f"every rank finished the job after step {step}")
@@ -981,7 +910,7 @@ class Agent:
         """The kill of slow ranks dropped after ``step`` landed once every other rank had finished the job there:
         they count as ranks killed after their work was done (not a failure), and their diagnosis says the drop
         came too late to cost the job anything."""
-        self.killed_after_done |= dropped
+        self.exits.killed_after_done |= dropped
         for rec in {id(self.dropping[i]): self.dropping[i] for i in dropped}.values():  # (one record per drop)
             self._amend(rec, f"drop taken after the job had ended: every other rank finished the job after step {step}")
         self.log(f"rank(s) {sorted(dropped)} were dropped as slow once every other rank had finished the job after "
@@ -1081,7 +1010,7 @@ class Agent:
                 if stop is not None:
                     self.stop_reason = stop
                     self.failures.append(FailureRecord(ranks=sorted(gen_failed), step=self.next_step, reason=stop,
-                                                       error=self._error_of(more), ended=self._endings_of(more)))
+                                                       error=self._error_of(more), ended=self.exits.endings_of(more)))
                     return False
             finished = {i for i in self.members() if i not in self.dead and self.procs[i].exitcode == 0}
             if finished:  # left the job after its last step: not a failure, but not in the next generation
@@ -1122,7 +1051,7 @@ class Agent:
         rec = FailureRecord(ranks=sorted(gen_failed), phase=self._phase_of(gen_failed, last + 1),
                             detection_s=max(0.0, detected - started), step=last + 1, started=started,
                             sealed_at=sealed_at, error=self._error_of(gen_failed),
-                            ended=self._endings_of(gen_failed), takeover=takeover,
+                            ended=self.exits.endings_of(gen_failed), takeover=takeover,
                             dropped="; ".join(sorted({f"slow ({r.factor:g}x): {r.reason}" for r in
                                                       (self.dropping[i] for i in gen_failed if i in self.dropping)})),
                             rolled_back=rolled_back)
@@ -1525,10 +1454,6 @@ def megatron_checkpoint_iteration(save_dir: str | None) -> int | None:
     except OSError:
         return None
     return int(text) if text.isdigit() else None
-
-
-def _indent(text: str) -> str:
-    return "  " + "\n  ".join(text.rstrip().splitlines())
 
 
 def run_agent(cfg_path: Path, workdir: Path, echo_rank0: bool = True) -> int:

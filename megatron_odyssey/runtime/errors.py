@@ -264,6 +264,11 @@ def last_traceback(text: str, max_lines: int = 80) -> str:
     return "\n".join(chunk)
 
 
+def indented(text: str) -> str:
+    """A rank's traceback or stack set under the terminal line that shows it."""
+    return "  " + "\n  ".join(text.rstrip().splitlines())
+
+
 def describe_exit(code: int) -> str:
     """How a process ended, from its exit status (``Popen.returncode``: negative for a signal)."""
     if code < 0:

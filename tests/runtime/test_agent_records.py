@@ -99,15 +99,15 @@ def test_a_rank_that_said_it_finished_is_not_taken_for_hung_and_is_killed_if_it_
         assert finished.wait(timeout=30) == 0
         # (odyssey-launch's ranks: a killed one exits -9, where a rank a lost agent forked, PidRank, says 0 once done)
         agent = Agent(cfg, None, tmp_path, procs={0: LocalRank(lingering), 1: LocalRank(finished)}, store=store)
-        assert not agent._said_done(0) and 0 not in agent.exiting
+        assert not agent.exits.said_done(0) and 0 not in agent.exits.exiting
         store.set(DONE_KEY.format(0), "1")
-        assert agent._said_done(0) and agent._said_done(0)  # remembered from the first time it was seen
-        seen = agent.exiting[0]
-        agent._finish_exit(0, seen + 0.5)  # within the hard timeout: left alone (no signal either: see _finish_exit)
+        assert agent.exits.said_done(0) and agent.exits.said_done(0)  # remembered from the first time it was seen
+        seen = agent.exits.exiting[0]
+        agent.exits.finish_exit(0, seen + 0.5)  # within the hard timeout: left alone (no signal either: see finish_exit)
         time.sleep(0.2)
-        assert lingering.poll() is None and 0 not in agent.killed_after_done
-        agent._finish_exit(0, seen + 1.5)  # past it: killed, and its work counts as done
-        assert lingering.wait(timeout=10) == -9 and 0 in agent.killed_after_done
+        assert lingering.poll() is None and 0 not in agent.exits.killed_after_done
+        agent.exits.finish_exit(0, seen + 1.5)  # past it: killed, and its work counts as done
+        assert lingering.wait(timeout=10) == -9 and 0 in agent.exits.killed_after_done
         assert "rank 0 finished the job but has not exited for 1 s: killing it (its work is done" in capsys.readouterr().out
         agent.next_step = cfg.steps  # the last step committed
         assert agent.detect() == set() and not agent.dead
@@ -389,7 +389,7 @@ def test_ranks_waiting_for_a_recovery_nobody_called_name_the_one_they_waited_for
     assert beats(waited_s=11) == {1}
     stuck.join(10)
     assert stuck.exitcode == -9 and 1 in agent.fenced
-    assert agent.endings[1].startswith("was fenced (SIGKILL): was what ranks [0, 2, 3] waited for (at log of step 2, "
+    assert agent.exits.endings[1].startswith("was fenced (SIGKILL): was what ranks [0, 2, 3] waited for (at log of step 2, "
                                        "idle): a collective of theirs timed out")
 
 
@@ -422,7 +422,7 @@ def test_a_silent_rank_that_said_it_leaves_with_the_scripts_code_is_not_fenced(t
         agent.beats_read = now + 600
         assert agent.detect() == {1}
         assert procs[0].poll() is None and procs[1].wait(timeout=10) == -9
-        assert agent.leaving == {0: {"code": 17, "why": "Megatron-LM's rerun state machine found a result that "
+        assert agent.exits.leaving == {0: {"code": 17, "why": "Megatron-LM's rerun state machine found a result that "
                                                         "failed its validation"}}
     finally:
         for p in procs:
@@ -493,7 +493,7 @@ def test_a_rank_that_said_it_finished_before_the_last_iteration_is_not_fenced(tm
         now = time.time()
         agent.beats = {0: Beat(now), 1: Beat(now - 6.0)}  # rank 1 silent past the timeout
         agent.beats_read = now + 600
-        assert agent.detect() == set() and not agent.fenced and 1 in agent.exiting and procs[1].poll() is None
+        assert agent.detect() == set() and not agent.fenced and 1 in agent.exits.exiting and procs[1].poll() is None
         # beating, but stopped in its teardown for longer than --hard-timeout, rank 0 waiting in communication: not
         # named (no stack dump's signal into a process that far into its exit), not fenced
         agent.warm, agent.progress.judged_from, t = True, 0.0, time.time()
@@ -505,10 +505,10 @@ def test_a_rank_that_said_it_finished_before_the_last_iteration_is_not_fenced(tm
         agent.beats = {0: Beat(t, 6, COMM, 4, "grad-sync", t - 40), 1: Beat(t, 6, IDLE, 3, "exit", t - 40, 1)}
         assert agent.detect() == set() and not agent.fenced and procs[1].poll() is None
         assert "rank 1 has stopped" not in capsys.readouterr().out
-        agent.exiting[1] -= 31  # past the hard timeout: killed, as a finished rank
+        agent.exits.exiting[1] -= 31  # past the hard timeout: killed, as a finished rank
         agent.progress.judged_from, t = 0.0, time.time()  # (the stop between steps restarted the judging: back inside a step)
         agent.beats = {0: Beat(t, 7, COMM, 3, "grad-sync", t), 1: Beat(t, 7, WORKING, 3, "forward", t - 40)}
-        assert agent.detect() == set() and procs[1].wait(timeout=10) == -9 and 1 in agent.killed_after_done
+        assert agent.detect() == set() and procs[1].wait(timeout=10) == -9 and 1 in agent.exits.killed_after_done
 
         store.delete_key(DONE_KEY.format(1))  # nobody said it: the same stall, then the same silence, are hangs
         stalled = Agent(cfg, None, tmp_path / "b", procs={0: LocalRank(procs[0]), 1: LocalRank(procs[2])}, store=store)
