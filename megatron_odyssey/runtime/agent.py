@@ -50,7 +50,7 @@ from ..planning.errors import PlanningError
 from ..planning.estimator import fragile
 from ..planning.plan import ExecutionPlan
 from ..planning.cache import PlanCache
-from ..planning.planner import Decision, Planner, PlannerOptions
+from ..planning.planner import Candidate, Decision, Planner, PlannerOptions
 from ..planning.schedule import overlapped_nodes
 from ..planning.sharding import lost_units
 from .config import TrainConfig
@@ -998,37 +998,10 @@ class Agent:
         elif not takeover:
             self.log(f"generation {self.gen}: rank(s) {sorted(failed)} failed at step {self.next_step}; aborting "
                      f"the step")
-        # seal membership: every other member registers or is dead/fenced
-        scanned, finished_all = 0.0, set()
-        while True:
-            more = self.detect() - self.dead
-            if more:
-                self.dead |= more
-                gen_failed |= more
-                self.log(f"rank(s) {sorted(more)} failed during recovery")
-                stop = self.judge(more)
-                if stop is not None:
-                    self.stop_reason = stop
-                    self.failures.append(FailureRecord(ranks=sorted(gen_failed), step=self.next_step, reason=stop,
-                                                       error=self._error_of(more), ended=self.exits.endings_of(more)))
-                    return False
-            finished = {i for i in self.members() if i not in self.dead and self.procs[i].exitcode == 0}
-            if finished:  # left the job after its last step: not a failure, but not in the next generation
-                self.dead |= finished
-                finished_all |= finished
-            live = [i for i in self.members() if i not in self.dead]
-            if finished and live:
-                self.log(f"rank(s) {sorted(finished)} had finished the job; the survivors go on without them")
-            if self.store.check([f"{self.key('recover')}/{i}" for i in live]):  # one round trip for all
-                break
-            # who is still missing (progress judging spares the others): one round trip per rank, so only once a
-            # rank could be judged (judging counts from this recovery's start) and not at every pass
-            if time.time() - self.progress.judged_from > self.cfg.soft_timeout_s / 2 and time.time() - scanned > 0.1:
-                scanned = time.time()
-                self.progress.recovering = {i for i in live if self.store.check([f"{self.key('recover')}/{i}"])}
-            time.sleep(0.005)
-        sealed_at = time.time()
-        self.progress.recovering = set()
+        sealed = self._seal(gen_failed)
+        if sealed is None:
+            return False
+        sealed_at, finished_all = sealed
         survivors = [i for i in self.members() if i not in self.dead]
         if not survivors and finished_all:
             return self._ended_before(replan, gen_failed)
@@ -1106,43 +1079,10 @@ class Agent:
         if self.cfg.overlap_grad_reduce and chosen.plan is not None:
             rec.overlapped = node_ranks(sorted(overlapped_nodes(chosen.plan)), self.cfg.tp)
         rec.candidates = [c.summary() for c in decision.candidates]
-        resume, ckpt = last + 1, None
-        if chosen.policy == "restart" and self.cfg.extra.get("megatron"):  # a Megatron job: its own checkpoint
-            ckpt = megatron_checkpoint_iteration(self.cfg.extra.get("save_dir"))
-            if ckpt is not None and lost:
-                from ..megatron_lm.checkpoint import LAYOUT_FREE_OPTIMIZER_FORMATS, optimizer_format
-
-                # (as the checkpoint records it, or, where its release does not, as the job said it saves)
-                kind = optimizer_format(self.cfg.extra["save_dir"], ckpt) or self.cfg.extra.get("optimizer_format")
-                if kind not in LAYOUT_FREE_OPTIMIZER_FORMATS:
-                    self.stop_reason = (
-                        f"cannot continue in-process: {chosen.reason}; the checkpoint of iteration {ckpt} holds the "
-                        f"distributed optimizer's state as {kind or 'an unknown format'}, bound to the layout that "
-                        f"wrote it, which a re-arranged job cannot load: relaunch with --load "
-                        f"{self.cfg.extra.get('save_dir')} on the surviving machines (checkpoints saved with "
-                        f"--dist-ckpt-optim-fully-reshardable, and every checkpoint saved after a failure, are "
-                        f"loaded in-process instead)")
-                    self.failures.append(rec)
-                    return False
-            if ckpt is None:
-                self.stop_reason = (f"cannot continue: {chosen.reason}, and there is no Megatron checkpoint to "
-                                    f"restore (no --save, or nothing saved yet); relaunch from the start")
-                self.failures.append(rec)
-                return False
-            resume = ckpt  # Megatron's iteration N is N steps done: step N is the next
-            ramp = self._inside_ramp(resume)
-            if ramp is not None:  # the redo would train steps of the ramp on a plan
-                self.stop_reason = (f"cannot continue in-process: {chosen.reason}, and the checkpoint of iteration "
-                                    f"{ckpt} is inside the batch-size ramp ({ramp}); {self._relaunch_hint()}")
-                self.failures.append(rec)
-                return False
-            self.log(f"restart: {chosen.reason}; the survivors load Megatron's checkpoint of iteration {ckpt} "
-                     f"in-process, resuming at step {resume}")
-        elif chosen.policy == "restart":
-            ckpt = self.latest_checkpoint()
-            resume = (ckpt + 1) if ckpt is not None else 0
-            where = f"checkpoint of step {ckpt}" if ckpt is not None else "the initial weights (no checkpoint yet)"
-            self.log(f"restart: {chosen.reason}; restoring {where}, resuming at step {resume}")
+        point = self._resume_point(chosen, last, lost, rec)
+        if point is None:
+            return False
+        resume, ckpt = point
         rec.lost_steps = max(0, last + 1 - resume)
         for c in decision.candidates:
             self.log(f"  candidate {c.kind:<11} step {c.step_time_s:.4g}s transition "
@@ -1160,6 +1100,86 @@ class Agent:
                                          "admitted": used})
         self._tell_admitted(used)
         return True
+
+    def _seal(self, gen_failed: set[int]) -> tuple[float, set[int]] | None:
+        """Seal the membership: wait until every other member has registered for the recovery or is dead or fenced.
+        Ranks that fail meanwhile join ``gen_failed``; ranks that finished the job leave it (not failures). Returns
+        when it was sealed and who had finished, or None where a failure meanwhile stops the job (``stop_reason``)."""
+        scanned, finished_all = 0.0, set()
+        while True:
+            more = self.detect() - self.dead
+            if more:
+                self.dead |= more
+                gen_failed |= more
+                self.log(f"rank(s) {sorted(more)} failed during recovery")
+                stop = self.judge(more)
+                if stop is not None:
+                    self.stop_reason = stop
+                    self.failures.append(FailureRecord(ranks=sorted(gen_failed), step=self.next_step, reason=stop,
+                                                       error=self._error_of(more), ended=self.exits.endings_of(more)))
+                    return None
+            finished = {i for i in self.members() if i not in self.dead and self.procs[i].exitcode == 0}
+            if finished:  # left the job after its last step: not a failure, but not in the next generation
+                self.dead |= finished
+                finished_all |= finished
+            live = [i for i in self.members() if i not in self.dead]
+            if finished and live:
+                self.log(f"rank(s) {sorted(finished)} had finished the job; the survivors go on without them")
+            if self.store.check([f"{self.key('recover')}/{i}" for i in live]):  # one round trip for all
+                break
+            # who is still missing (progress judging spares the others): one round trip per rank, so only once a
+            # rank could be judged (judging counts from this recovery's start) and not at every pass
+            if time.time() - self.progress.judged_from > self.cfg.soft_timeout_s / 2 and time.time() - scanned > 0.1:
+                scanned = time.time()
+                self.progress.recovering = {i for i in live if self.store.check([f"{self.key('recover')}/{i}"])}
+            time.sleep(0.005)
+        self.progress.recovering = set()
+        return time.time(), finished_all
+
+    def _resume_point(self, chosen: Candidate, last: int, lost: frozenset[int], rec: FailureRecord
+                      ) -> tuple[int, int | None] | None:
+        """The step the next generation resumes at, and the checkpoint it restores (None: none, the survivors go on
+        from their live state). A restart restores the newest checkpoint: a Megatron job's own (``--save``), else
+        Odyssey's. None where no checkpoint can be restored in-process (``stop_reason`` says why and how to
+        relaunch)."""
+        resume, ckpt = last + 1, None
+        if chosen.policy == "restart" and self.cfg.extra.get("megatron"):  # a Megatron job: its own checkpoint
+            ckpt = megatron_checkpoint_iteration(self.cfg.extra.get("save_dir"))
+            if ckpt is not None and lost:
+                from ..megatron_lm.checkpoint import LAYOUT_FREE_OPTIMIZER_FORMATS, optimizer_format
+
+                # (as the checkpoint records it, or, where its release does not, as the job said it saves)
+                kind = optimizer_format(self.cfg.extra["save_dir"], ckpt) or self.cfg.extra.get("optimizer_format")
+                if kind not in LAYOUT_FREE_OPTIMIZER_FORMATS:
+                    self.stop_reason = (
+                        f"cannot continue in-process: {chosen.reason}; the checkpoint of iteration {ckpt} holds the "
+                        f"distributed optimizer's state as {kind or 'an unknown format'}, bound to the layout that "
+                        f"wrote it, which a re-arranged job cannot load: relaunch with --load "
+                        f"{self.cfg.extra.get('save_dir')} on the surviving machines (checkpoints saved with "
+                        f"--dist-ckpt-optim-fully-reshardable, and every checkpoint saved after a failure, are "
+                        f"loaded in-process instead)")
+                    self.failures.append(rec)
+                    return None
+            if ckpt is None:
+                self.stop_reason = (f"cannot continue: {chosen.reason}, and there is no Megatron checkpoint to "
+                                    f"restore (no --save, or nothing saved yet); relaunch from the start")
+                self.failures.append(rec)
+                return None
+            resume = ckpt  # Megatron's iteration N is N steps done: step N is the next
+            ramp = self._inside_ramp(resume)
+            if ramp is not None:  # the redo would train steps of the ramp on a plan
+                self.stop_reason = (f"cannot continue in-process: {chosen.reason}, and the checkpoint of iteration "
+                                    f"{ckpt} is inside the batch-size ramp ({ramp}); {self._relaunch_hint()}")
+                self.failures.append(rec)
+                return None
+            self.log(f"restart: {chosen.reason}; the survivors load Megatron's checkpoint of iteration {ckpt} "
+                     f"in-process, resuming at step {resume}")
+        elif chosen.policy == "restart":
+            ckpt = self.latest_checkpoint()
+            resume = (ckpt + 1) if ckpt is not None else 0
+            where = f"checkpoint of step {ckpt}" if ckpt is not None else "the initial weights (no checkpoint yet)"
+            self.log(f"restart: {chosen.reason}; restoring {where}, resuming at step {resume}")
+        return resume, ckpt
 
     def _tell_admitted(self, ranks: list[int]) -> None:
         """Joining ranks waiting for admission (``joining.wait_for_admission``): the generation just published."""
@@ -1389,7 +1409,7 @@ class Agent:
         self.planner = Planner(profile, self.cfg.global_batch, self.cfg.micro_batch, self.options)
         self._refresh_cache()
 
-    def _apply_policy(self, decision: Decision):
+    def _apply_policy(self, decision: Decision) -> Candidate:
         """The planner's choice, or the forced policy when it is feasible (else say why not)."""
         if self.cfg.policy == "auto":
             return decision.chosen
