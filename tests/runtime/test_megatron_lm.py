@@ -343,9 +343,12 @@ def test_a_rank_blocked_between_iterations_is_fenced(stock: dict, tmp_path: Path
     bound = 60.0 if phase == "save" else 10.0
     assert bound <= failure["detection_s"] < bound + 10, failure
     waiting = "wait further on" if phase == "between" else "wait in a collective there that it has not entered"
-    assert f"rank 1 has stopped for 5.0 s at {phase} after step 2 (idle) while ranks [0, 2, 3] {waiting}" in job.logs \
-        or phase == "save"
-    assert failure["ended"]["1"].startswith(f"was fenced (SIGKILL): stopped for {bound:.1f} s at {phase} after step 2")
+    # named at the soft timeout (5 s) and fenced at the bound, each read at the agent's next look: on a loaded host a
+    # tenth or more later ("5.1 s": core_r0.12.0, load average 80)
+    assert re.search(rf"rank 1 has stopped for [56]\.\d s at {phase} after step 2 \(idle\) while ranks "
+                     rf"\[0, 2, 3\] {waiting}", job.logs) or phase == "save"
+    assert re.match(rf"was fenced \(SIGKILL\): stopped for {bound:.0f}\.\d s at {phase} after step 2",
+                    failure["ended"]["1"])
     # where it had stopped, on the terminal: the stack it dumped when it was named
     said = job.logs[job.logs.index("rank 1 had stopped here (from the stacks it dumped to its log):"):]
     assert "Current thread" in said.splitlines()[1] and "faults.py" in said.splitlines()[2]
