@@ -95,6 +95,9 @@ def test_the_rank_record_says_what_share_of_its_operations_began_cold():
     assert json.loads(trace.summary())["cold"] == pytest.approx(2 / 3, abs=1e-3)
 
 
+needs_schedstat = pytest.mark.skipif(not os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat"),
+                                     reason="no per-thread schedstat here (the clock falls back to wall less CPU "
+                                            "time)")
 _SLEEPING_CLOCK_CHECK = """
 import threading, time
 from megatron_odyssey.runtime.op_trace import sleeping_clock
@@ -113,13 +116,12 @@ print(t1 - t0, t2 - t1, seen[1] - seen[0])
 """
 
 
+@needs_schedstat
 def test_the_sleeping_clock_counts_sleep_not_compute_nor_a_wait_for_a_core():
     """In a process of its own: its only thread runs Python, as the premise of "pure compute" needs. In a pytest-xdist
     worker, execnet's I/O thread (started by ``_thread``, unseen by ``threading.enumerate``) takes the GIL now and
     then; when it is then queued for a core on a loaded host, this thread waits on the GIL, which is a sleep (one CI
     run read 46 ms of it in the 200 ms loop)."""
-    if not os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat"):
-        pytest.skip("no per-thread schedstat here (the clock falls back to wall less CPU time)")
     out = subprocess.run([sys.executable, "-c", _SLEEPING_CLOCK_CHECK], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert out.returncode == 0, out.stderr
@@ -128,11 +130,10 @@ def test_the_sleeping_clock_counts_sleep_not_compute_nor_a_wait_for_a_core():
     assert other_thread_slept == pytest.approx(0.1, abs=0.02)
 
 
+@needs_schedstat
 def test_a_wait_for_the_gil_is_sleep():
     """A thread held off the GIL by another thread of its process is blocked, not computing and not queued for a
     core: the clock counts it (a rank's compute thread waiting on its heartbeat thread is idle for that time)."""
-    if not os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat"):
-        pytest.skip("no per-thread schedstat here (the clock falls back to wall less CPU time)")
     done = threading.Event()
 
     def spin() -> None:  # pure Python: it holds the GIL for every switch interval it is given
