@@ -171,6 +171,7 @@ class Agent:
         self.stop_reason = ""  # why recover() could not go on
         self.ramp_skipped: set[tuple[str, tuple[int, ...]]] = set()  # actions not taken inside a batch-size ramp
         self.beats: dict[int, Beat] = {}  # rank -> its last heartbeat (liveness and progress)
+        self.admitted_at: dict[int, float] = {}  # joined ranks -> when admitted (their silence counts from then)
         self.unexplained = ""  # why every rank left for a recovery nobody called (see _left_waiting): the job stops
         self.named_mismatch: set[tuple[int, int]] = set()  # (generation, step) whose ready shares did not match
         self._members: tuple[Any, list[int]] = (None, [])  # (plan, its ranks): see members()
@@ -372,15 +373,15 @@ class Agent:
                     continue
                 if self.exits.left_on_purpose(ident, None) or self._being_stopped():
                     continue  # (stopped by a signal: the launcher's --termination-grace ends one that stays)
-                beat = self.beats.get(ident)
-                fence, state = (True, "") if beat is None else self.silence.fence(ident, self.procs[ident],
-                                                                                  now - beat.t)
+                heard = self._heard_at(ident)
+                fence, state = (True, "") if heard is None else self.silence.fence(ident, self.procs[ident],
+                                                                                   now - heard)
                 if not fence:
                     continue  # its process runs: a starved heartbeat, given a grace (said on the terminal)
                 graced = ident in self.silence.graced
                 why = f"missed heartbeats for {self.cfg.heartbeat_timeout_s * (2 if graced else 1):.1f} s"
-                if beat is not None:
-                    self.silent_since[ident] = beat.t
+                if heard is not None:
+                    self.silent_since[ident] = heard
                 self.slow_nodes.hang(self.next_step, [ident], "hang", f"rank {ident} {why}: its process "
                                      + (f"did not beat though not stopped ({state})" if graced else
                                         f"stopped ({state})" if state else "stopped"))
@@ -389,8 +390,8 @@ class Agent:
                 self._fence(ident, why)
                 self.silence.forget(ident)
                 out.add(ident)
-            elif code is None and ident in self.beats:
-                self.silence.look(ident, self.procs[ident], now - self.beats[ident].t)
+            elif code is None and (heard := self._heard_at(ident)) is not None:
+                self.silence.look(ident, self.procs[ident], now - heard)
         stall = None if done or self._being_stopped() else self._stalled(now)
         if stall is not None and stall.rank not in out:
             beat = self.beats[stall.rank]
@@ -474,7 +475,9 @@ class Agent:
         if not known:
             return
         for ident, value in zip(known, self.store.multi_get([f"odyssey/hb/{i}" for i in known])):
-            self.beats[ident] = Beat.parse(value)
+            beat = Beat.parse(value)
+            if beat.t >= self.admitted_at.get(ident, 0.0):  # (older: its earlier life's, not yet overwritten)
+                self.beats[ident] = beat
 
     def _stalled(self, now: float) -> Stall | None:
         """The live member at fault for a stop in progress (``ProgressJudge.stalled``)."""
@@ -593,10 +596,20 @@ class Agent:
         if giveup is not None:
             self.store.compare_set(f"odyssey/gen{self.gen + 1}/plan", "", json.dumps({"giveup": giveup}))
 
+    def _heard_at(self, ident: int) -> float | None:
+        """When the rank last showed it lives: its last beat, else its admission (a joined rank beats from its
+        request on, and a beat the store holds from before the admission is its earlier life's: on a loaded
+        machine the new process's first beat may come after an admission decided within a beat of its request);
+        None for a rank never heard from."""
+        beat = self.beats.get(ident)
+        return beat.t if beat is not None else self.admitted_at.get(ident)
+
     def _stale(self, ident: int, now: float) -> bool:
         beat = self.beats.get(ident)
         if beat is None and self.takeover_at:  # its heartbeat thread moves to this agent within seconds
             return now - self.takeover_at > self.cfg.heartbeat_timeout_s + TAKEOVER_RECONNECT_S
+        if beat is None and ident in self.admitted_at:  # it beats already: no start-up to wait for
+            return now - self.admitted_at[ident] > self.cfg.heartbeat_timeout_s
         if beat is None:
             return now - self.started > max(60.0, 10 * self.cfg.heartbeat_timeout_s)  # never came up
         return now - beat.t > self.cfg.heartbeat_timeout_s
@@ -831,6 +844,7 @@ class Agent:
             self.dead.discard(ident)
             self.fenced.discard(ident)
             self.beats.pop(ident, None)
+            self.admitted_at[ident] = time.time()
             self.exits.replaced(ident)
         self.held -= set(action.ranks)
 

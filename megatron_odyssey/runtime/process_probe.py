@@ -134,9 +134,12 @@ def is_zombie(pid: int) -> bool:
 
 
 class ProcessProbe(Protocol):
-    """A rank's process as the agent can look at it: sampled now (None: nothing to read), and let go of."""
+    """A rank's process as the agent can look at it: sampled now (None: nothing to read), whether an answer is on
+    its way (asked, not yet answered), and let go of."""
 
     def sample(self) -> ProcessSample | None: ...
+
+    def awaiting(self) -> bool: ...
 
     def release(self) -> None: ...
 
@@ -150,6 +153,9 @@ class LocalProcess:
     def sample(self) -> ProcessSample | None:
         return sample(self.pid)
 
+    def awaiting(self) -> bool:
+        return False  # (read at once)
+
     def release(self) -> None:
         pass
 
@@ -157,17 +163,19 @@ class LocalProcess:
 class RemoteProcess:
     """A rank on another machine, sampled by its node agent (:class:`ProbeRequests`) once asked: the first look asks
     and finds nothing yet; later looks read the newest answer. An answer that has not changed for ``stale_s`` (the
-    node agent, or its machine, stopped) counts as nothing to read: the heartbeat alone decides."""
+    node agent, or its machine, stopped) counts as nothing to read, as does no answer ``stale_s`` after the ask: the
+    heartbeat alone decides."""
 
     def __init__(self, store: Any, ident: int, stale_s: float = 2.0, every_s: float = 0.1):
         self.store, self.ident, self.stale_s, self.every_s = store, ident, stale_s, every_s
         self.asked: str | None = None  # the stamp of the standing ask; answers carry it back
         self.last: ProcessSample | None = None
         self.changed_at = self.read_at = 0.0  # time.monotonic() here when the answer last changed / was read
+        self.asked_at = 0.0  # time.monotonic() here of the standing ask
 
     def sample(self) -> ProcessSample | None:
         if self.asked is None:
-            self.asked, self.last = repr(time.time()), None
+            self.asked, self.last, self.asked_at = repr(time.time()), None, time.monotonic()
             self.store.set(PROBE_ASK_KEY.format(self.ident), self.asked)
             return None
         now = time.monotonic()
@@ -178,6 +186,10 @@ class RemoteProcess:
             if stamp == self.asked and (fresh := ProcessSample.decode(answer)) != self.last:
                 self.last, self.changed_at = fresh, now  # (an answer to an earlier ask, written late, is not one)
         return self.last if self.last is not None and now - self.changed_at < self.stale_s else None
+
+    def awaiting(self) -> bool:
+        """Asked, not answered yet, and the node agent still has time to (it answers every half second)."""
+        return self.asked is not None and self.last is None and time.monotonic() - self.asked_at < self.stale_s
 
     def release(self) -> None:
         if self.asked is not None:
@@ -223,8 +235,9 @@ class SilenceJudge:
     GIL held by its main thread in native code). It gets a grace of a second heartbeat timeout, said on the
     terminal, and is fenced only if still silent at twice the timeout. A process stopped (T), asleep without CPU,
     in an uninterruptible wait or gone is fenced at the timeout, as before. Without a process to read (no probe, or
-    one that has no answer) the heartbeat alone decides. ``rank``: the rank as the agent supervises it
-    (:func:`probe_of`)."""
+    one that has no answer) the heartbeat alone decides; a probe first asked at the timeout (nobody looked at the
+    rank past half of it: the agent's own pass was late on a loaded machine) is given its answer's time first.
+    ``rank``: the rank as the agent supervises it (:func:`probe_of`)."""
 
     def __init__(self, timeout_s: float, say: Callable[[str], None]):
         self.timeout_s, self.say = timeout_s, say
@@ -249,7 +262,7 @@ class SilenceJudge:
         probe = self._probe(ident, rank)
         now = probe.sample() if probe is not None else None
         if now is None:
-            return True, ""
+            return probe is None or not probe.awaiting() or silent_s >= 2 * self.timeout_s, ""
         first = self.first.get(ident)
         detail = now.describe(first)
         running = now.runnable or (first is not None and now.cpu_s - first.cpu_s >= 0.05)

@@ -130,8 +130,8 @@ def test_ranks_on_another_machine_are_sampled_by_their_node_agent(tmp_path, caps
     launcher's ``node_agent``, here in a thread, over the same store), which samples them and writes the samples
     back while asked. Rank 0 (spinning) gets its grace; ranks 1 (asleep without CPU) and 2 (stopped) are fenced at
     the timeout, through their node agent, with their states on the terminal; asks are withdrawn when a silence
-    ends. A node agent that stops answering leaves the heartbeat alone to decide: rank 0 is then fenced at the
-    timeout."""
+    ends. A node agent that stops answering (no answer 2 s after the ask) leaves the heartbeat alone to decide: rank 0
+    is then fenced at the timeout."""
     import argparse
     import threading
 
@@ -178,7 +178,8 @@ def test_ranks_on_another_machine_are_sampled_by_their_node_agent(tmp_path, caps
 
         stop.set()  # the node agent no longer answers
         node.join(10)
-        for _ in range(20):
+        asked_until = time.monotonic() + 2.2  # (past the 2 s a node agent has to answer an ask)
+        while time.monotonic() < asked_until:
             assert _silent_for(agent, {0: 3.0}) == set()
             time.sleep(0.05)
         assert 0 not in agent.silence.first
@@ -217,12 +218,105 @@ def test_a_remote_answer_counts_only_for_its_own_ask_and_while_it_changes() -> N
     assert probe.sample() == ProcessSample("T", 9.0, 102.0)
 
 
+def test_an_admitted_rank_on_another_machine_is_judged_from_its_admission(tmp_path, capsys) -> None:
+    """Machine 3 comes back and its rank is admitted while the store still holds its earlier life's last beat, 150 s
+    old: the new process asked to join, but its own first beat has not reached the store yet (its heartbeat thread
+    starved on a loaded machine). That old beat is not the new process's: its silence counts from the admission, so
+    it is not fenced at once (before, it was, for the dead process's silence, with no look at the new one). Past half
+    the timeout its node agent is asked about it; past the timeout its process, which spins, gets the grace; its
+    first beat ends the silence."""
+    import argparse
+    import threading
+
+    import torch.distributed as dist
+
+    from megatron_odyssey.launch import LocalRank, node_agent
+    from megatron_odyssey.runtime.agent import Agent
+    from megatron_odyssey.runtime.config import TrainConfig
+    from megatron_odyssey.runtime.joining import JOINING_KEY
+    from megatron_odyssey.runtime.slow_nodes import Action
+
+    here = {i: LocalRank(_python("import time; time.sleep(120)")) for i in range(3)}
+    joiner = LocalRank(_python("while True: pass"))
+    dead = LocalRank(_python("pass"))
+    dead.join(10)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    stop = threading.Event()
+    node = threading.Thread(target=node_agent, args=(argparse.Namespace(node_rank=3, workdir=tmp_path, join=3),
+                                                     {3: joiner}, dist.TCPStore("127.0.0.1", store.port), None, stop))
+    node.start()
+    try:
+        cfg = TrainConfig(nproc=4, tp=1, pp=2, layers=4, hidden=32, heads=4, seq=16, global_batch=4, micro_batch=1,
+                          steps=8, heartbeat_timeout_s=5.0)
+        agent = Agent(cfg, None, tmp_path, procs={**here, 3: dead}, store=store)
+        agent.dead.add(3)
+        store.set("odyssey/hb/3", repr(time.time() - 150.0))  # the earlier life's last beat
+        store.append(JOINING_KEY, f"3:{joiner.pid}:launched;")
+        agent.join_requests.poll(store)
+        agent._admit(Action("join", None, ranks=[3]))
+        admitted = time.time()
+
+        def look(at: float) -> set[int]:
+            """The agent's look (reading the beats from the store) ``at`` seconds after the admission; ranks 0-2
+            beat just before."""
+            time.sleep(max(0.0, admitted + at - time.time()))
+            for i in here:
+                store.set(f"odyssey/hb/{i}", repr(time.time()))
+            agent.beats_read = 0.0
+            return agent.detect()
+
+        assert look(0.0) == set() and 3 in agent.members() and 3 not in agent.beats
+        assert "rank 3" not in capsys.readouterr().out
+        deadline = time.monotonic() + 20
+        while 3 not in agent.silence.first and time.monotonic() < deadline:  # asked, then answered
+            assert look(2.6) == set()
+            time.sleep(0.05)
+        assert agent.silence.first[3].runnable
+        assert look(5.2) == set()
+        out = capsys.readouterr().out
+        assert "rank 3 missed heartbeats for 5.2 s, but its process is not stopped (state R, running" in out, out
+        store.set("odyssey/hb/3", repr(time.time()))  # its first beat
+        agent.beats_read = 0.0
+        assert agent.detect() == set()
+        assert "rank 3 beats again after 5.2 s of silence" in capsys.readouterr().out
+        assert joiner.exitcode is None
+    finally:
+        stop.set()
+        node.join(10)
+        for rank in (*here.values(), joiner):
+            rank.kill()
+            rank.join(5)
+
+
 def test_a_judge_without_a_process_to_read_fences_at_the_timeout() -> None:
     """A rank on another machine (no pid here): its heartbeat alone decides, as before."""
     said: list[str] = []
     judge = SilenceJudge(5.0, said.append)
     judge.look(7, None, 3.0)
     assert judge.fence(7, None, 5.5) == (True, "") and said == []
+
+
+def test_a_remote_rank_first_asked_about_at_the_timeout_gets_its_answers_time() -> None:
+    """Nobody looked at the rank past half the timeout (the agent's own pass came late): the ask goes out at the
+    timeout and the node agent is given its time to answer (``stale_s``) before the heartbeat alone decides, and
+    never past twice the timeout. An answer that comes decides as any other."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    judge = SilenceJudge(5.0, lambda _: None)
+    silent = SimpleNamespace(process_probe=RemoteProcess(store, 7, stale_s=0.5, every_s=0.0))
+    assert judge.fence(7, silent, 5.5) == (False, "")  # asked now
+    assert silent.process_probe.awaiting() and judge.fence(7, silent, 5.6) == (False, "")
+    assert judge.fence(7, silent, 10.0) == (True, "")  # (twice the timeout: no more waiting)
+    time.sleep(0.6)
+    assert not silent.process_probe.awaiting() and judge.fence(7, silent, 6.2) == (True, "")  # no answer came
+
+    stopped = SimpleNamespace(process_probe=RemoteProcess(store, 8, stale_s=0.5, every_s=0.0))
+    assert judge.fence(8, stopped, 5.5) == (False, "")
+    store.set(PROBE_KEY.format(8), f"{store.get(PROBE_ASK_KEY.format(8)).decode()} T 9.0 100.0")
+    assert judge.fence(8, stopped, 5.6) == (True, "state T, stopped")
 
 
 def test_a_late_heartbeat_says_so_and_where_the_main_thread_is(capfd) -> None:
