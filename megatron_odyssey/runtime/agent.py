@@ -388,7 +388,6 @@ class Agent:
                 if state:
                     self.log(f"rank {ident}'s process: {state}")
                 self._fence(ident, why)
-                self.silence.forget(ident)
                 out.add(ident)
             elif code is None and (heard := self._heard_at(ident)) is not None:
                 self.silence.look(ident, self.procs[ident], now - heard)
@@ -459,6 +458,7 @@ class Agent:
         self.procs[ident].kill()
         self.procs[ident].join(5)
         self.fenced.add(ident)
+        self.silence.forget(ident)  # (whatever way it was fenced: its silence is over)
         self.exits.fenced(ident, why)
         stack = rank_log_stack(self.workdir, ident) if stacks else None
         if stack:
@@ -844,6 +844,7 @@ class Agent:
             self.dead.discard(ident)
             self.fenced.discard(ident)
             self.beats.pop(ident, None)
+            self.silence.forget(ident)  # (a grace its earlier life got is not the new process's)
             self.admitted_at[ident] = time.time()
             self.exits.replaced(ident)
         self.held -= set(action.ranks)

@@ -222,9 +222,9 @@ def test_an_admitted_rank_on_another_machine_is_judged_from_its_admission(tmp_pa
     """Machine 3 comes back and its rank is admitted while the store still holds its earlier life's last beat, 150 s
     old: the new process asked to join, but its own first beat has not reached the store yet (its heartbeat thread
     starved on a loaded machine). That old beat is not the new process's: its silence counts from the admission, so
-    it is not fenced at once (before, it was, for the dead process's silence, with no look at the new one). Past half
-    the timeout its node agent is asked about it; past the timeout its process, which spins, gets the grace; its
-    first beat ends the silence."""
+    it is not fenced at once (before, it was, for the dead process's silence, with no look at the new one), nor said to
+    beat again after a grace its earlier life got. Past half the timeout its node agent is asked about it; past the
+    timeout its process, which spins, gets the grace; its first beat ends the silence."""
     import argparse
     import threading
 
@@ -250,6 +250,7 @@ def test_an_admitted_rank_on_another_machine_is_judged_from_its_admission(tmp_pa
                           steps=8, heartbeat_timeout_s=5.0)
         agent = Agent(cfg, None, tmp_path, procs={**here, 3: dead}, store=store)
         agent.dead.add(3)
+        agent.silence.graced[3] = 10.7  # the earlier life starved once (and was then fenced by its peers' wait)
         store.set("odyssey/hb/3", repr(time.time() - 150.0))  # the earlier life's last beat
         store.append(JOINING_KEY, f"3:{joiner.pid}:launched;")
         agent.join_requests.poll(store)
