@@ -46,6 +46,12 @@ def announce(store: Any, ident: int, launched: bool = False) -> None:
     store.append(JOINING_KEY, f"{ident}:{os.getpid()}{':launched' if launched else ''};")
 
 
+def asked_to_join(store: Any) -> set[tuple[int, int]]:
+    """Every (rank, pid) that has asked to join the job so far."""
+    value = store.get(JOINING_KEY).decode() if store.check([JOINING_KEY]) else ""
+    return {(int(rank), int(pid)) for rank, pid, *_ in (item.split(":") for item in filter(None, value.split(";")))}
+
+
 def wait_for_admission(store: Any, ident: int, poll_s: float = 0.05) -> tuple[int, dict[str, Any]]:
     """Block until the agent admits this rank; returns the generation and its plan message. Leaves when the
     agent refuses it, gives up on the job, or is gone (the job ended without needing it)."""

@@ -224,7 +224,9 @@ def test_an_admitted_rank_on_another_machine_is_judged_from_its_admission(tmp_pa
     starved on a loaded machine). That old beat is not the new process's: its silence counts from the admission, so
     it is not fenced at once (before, it was, for the dead process's silence, with no look at the new one), nor said to
     beat again after a grace its earlier life got. Past half the timeout its node agent is asked about it; past the
-    timeout its process, which spins, gets the grace; its first beat ends the silence."""
+    timeout its process, which spins, gets the grace; its first beat ends the silence. Before it asked to join, its
+    machine's node agent answers no ask about rank 3 (a --rejoin replacement starts early, while the rank's earlier
+    life may still be judged: the replacement's answer would give a dead process a running one's grace)."""
     import argparse
     import threading
 
@@ -252,6 +254,11 @@ def test_an_admitted_rank_on_another_machine_is_judged_from_its_admission(tmp_pa
         agent.dead.add(3)
         agent.silence.graced[3] = 10.7  # the earlier life starved once (and was then fenced by its peers' wait)
         store.set("odyssey/hb/3", repr(time.time() - 150.0))  # the earlier life's last beat
+        # before it asks to join, an ask about rank 3 is about its earlier life: the joining machine does not answer
+        store.set(PROBE_ASK_KEY.format(3), "about-the-earlier-life")
+        time.sleep(1.2)
+        assert not store.check([PROBE_KEY.format(3)])
+        store.set(PROBE_ASK_KEY.format(3), "")
         store.append(JOINING_KEY, f"3:{joiner.pid}:launched;")
         agent.join_requests.poll(store)
         agent._admit(Action("join", None, ranks=[3]))
