@@ -38,7 +38,8 @@ from typing import Any
 from .runtime.control_plane import FENCE_KEY, LEAVING_KEY, free_port  # (no torch import: the launcher starts fast)
 from .runtime.errors import (DUMP_STACKS_KEY, STACKS_ASKED_KEY, STOPPED_EXIT, describe_exit, rank_log_stack,
                              rank_log_traceback)
-from .runtime.joining import CONFIG_KEY, asked_to_join, read_job_config  # (rank 0 publishes the config when train() starts)
+# (rank 0 publishes the config when train() starts)
+from .runtime.joining import CONFIG_KEY, asked_to_join, read_job_config
 from .runtime.process_probe import ProbeRequests, RemoteProcess
 
 FINISHED_KEY = "odyssey/finished"  # the agent ran the job to its end (its exit code): node agents stop
@@ -370,12 +371,16 @@ def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any
     fence = {ident: incarnation_fence_key(ident, p.pid) if getattr(args, "join", None) else FENCE_KEY.format(ident)
              for ident, p in local.items()}
     stacks = StackRequests(local)
+
     def probed() -> dict[int, int]:
         """This machine's ranks the agent may ask about. A joining machine's rank only once it asked to join: until
         then an ask about its rank is about the rank's earlier life (a --rejoin replacement starts early), and the
         replacement's answer would give a dead process the grace of a running one."""
         live = {ident: p.pid for ident, p in local.items() if ident not in reported}
-        return {i: pid for i, pid in live.items() if (i, pid) in asked_to_join(store)} if getattr(args, "join", None) else live
+        if not getattr(args, "join", None):
+            return live
+        asked = asked_to_join(store)  # (one read of the key per poll, not one per rank)
+        return {i: pid for i, pid in live.items() if (i, pid) in asked}
 
     probes = ProbeRequests(probed)
     while len(reported) < len(local):

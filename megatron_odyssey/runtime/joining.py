@@ -46,10 +46,19 @@ def announce(store: Any, ident: int, launched: bool = False) -> None:
     store.append(JOINING_KEY, f"{ident}:{os.getpid()}{':launched' if launched else ''};")
 
 
+def join_requests_in(text: str) -> list[tuple[int, int, bool]]:
+    """``JOINING_KEY``'s entries: (rank, pid, whether a launcher supervises it)."""
+    out = []
+    for item in filter(None, text.split(";")):
+        rank, pid, *how = item.split(":")
+        out.append((int(rank), int(pid), how == ["launched"]))
+    return out
+
+
 def asked_to_join(store: Any) -> set[tuple[int, int]]:
     """Every (rank, pid) that has asked to join the job so far."""
-    value = store.get(JOINING_KEY).decode() if store.check([JOINING_KEY]) else ""
-    return {(int(rank), int(pid)) for rank, pid, *_ in (item.split(":") for item in filter(None, value.split(";")))}
+    text = store.get(JOINING_KEY).decode() if store.check([JOINING_KEY]) else ""
+    return {(rank, pid) for rank, pid, _ in join_requests_in(text)}
 
 
 def wait_for_admission(store: Any, ident: int, poll_s: float = 0.05) -> tuple[int, dict[str, Any]]:
@@ -115,13 +124,12 @@ class JoinRequests:
         value = store.get(JOINING_KEY).decode()
         new, self.seen = value[self.seen:], len(value)
         out = {}
-        for item in filter(None, new.split(";")):
-            rank, pid, *how = item.split(":")
-            out[int(rank)] = int(pid)
-            if how == ["launched"]:
-                self.launched.add(int(rank))
+        for rank, pid, launched in join_requests_in(new):
+            out[rank] = pid
+            if launched:
+                self.launched.add(rank)
             else:
-                self.launched.discard(int(rank))
+                self.launched.discard(rank)
         self.pending.update(out)
         return out
 
