@@ -168,10 +168,11 @@ def incarnation_fence_key(ident: int, pid: int) -> str:
 class RemoteRank:
     """A rank on another machine, seen through the store its node agent reports to."""
 
-    def __init__(self, store: Any, ident: int, exits: RemoteExits | None = None, fence_key: str | None = None):
+    def __init__(self, store: Any, ident: int, exits: RemoteExits | None = None, fence_key: str | None = None,
+                 pid: int | None = None):
         self.store, self.ident, self.exits = store, ident, exits or RemoteExits(store, every_s=0.0)
         self.fence_key = fence_key or FENCE_KEY.format(ident)
-        self.process_probe = RemoteProcess(store, ident)  # its process, as its node agent samples it
+        self.process_probe = RemoteProcess(store, ident, pid=pid)  # its process, as its node agent samples it
 
     @property
     def exitcode(self) -> int | None:
@@ -375,7 +376,8 @@ def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any
     def probed() -> dict[int, int]:
         """This machine's ranks the agent may ask about. A joining machine's rank only once it asked to join: until
         then an ask about its rank is about the rank's earlier life (a --rejoin replacement starts early), and the
-        replacement's answer would give a dead process the grace of a running one."""
+        replacement's answer would give a dead process the grace of a running one. (Asks about a joined rank name its
+        pid, and only that process answers them; an ask about a rank launched with the job cannot.)"""
         live = {ident: p.pid for ident, p in local.items() if ident not in reported}
         if not getattr(args, "join", None):
             return live

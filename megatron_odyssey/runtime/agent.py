@@ -831,7 +831,7 @@ class Agent:
             from ..launch import RemoteExits, RemoteRank, incarnation_fence_key
 
             return RemoteRank(self.store, ident, RemoteExits(self.store, after=self.exits_at.get(ident, 0)),
-                              fence_key=incarnation_fence_key(ident, pid))
+                              fence_key=incarnation_fence_key(ident, pid), pid=pid)
         from .control_plane import PidRank
 
         return PidRank(pid, self.store, ident)

@@ -14,8 +14,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
-#: the agent asks a rank's node agent to sample its process (``RemoteProcess``; value: a stamp, empty when withdrawn);
-#: while asked, the node agent writes a fresh sample, with the stamp, to ``PROBE_KEY`` every ``ProbeRequests.every_s``
+#: the agent asks a rank's node agent to sample its process (``RemoteProcess``; value: a stamp, ``stamp@pid`` when the
+#: agent knows which process it means, empty when withdrawn); while asked, the node agent writes a fresh sample, with
+#: the stamp, to ``PROBE_KEY`` every ``ProbeRequests.every_s``
 PROBE_ASK_KEY = "odyssey/probe-ask/{}"
 PROBE_KEY = "odyssey/probe/{}"
 
@@ -164,10 +165,11 @@ class RemoteProcess:
     """A rank on another machine, sampled by its node agent (:class:`ProbeRequests`) once asked: the first look asks
     and finds nothing yet; later looks read the newest answer. An answer that has not changed for ``stale_s`` (the
     node agent, or its machine, stopped) counts as nothing to read, as does no answer ``stale_s`` after the ask: the
-    heartbeat alone decides."""
+    heartbeat alone decides. ``pid``: the process meant, where the agent knows it (a rank that asked to join): only
+    that process answers, not another life of the same rank."""
 
-    def __init__(self, store: Any, ident: int, stale_s: float = 2.0, every_s: float = 0.1):
-        self.store, self.ident, self.stale_s, self.every_s = store, ident, stale_s, every_s
+    def __init__(self, store: Any, ident: int, stale_s: float = 2.0, every_s: float = 0.1, pid: int | None = None):
+        self.store, self.ident, self.stale_s, self.every_s, self.pid = store, ident, stale_s, every_s, pid
         self.asked: str | None = None  # the stamp of the standing ask; answers carry it back
         self.last: ProcessSample | None = None
         self.changed_at = self.read_at = 0.0  # time.monotonic() here when the answer last changed / was read
@@ -175,7 +177,8 @@ class RemoteProcess:
 
     def sample(self) -> ProcessSample | None:
         if self.asked is None:
-            self.asked, self.last, self.asked_at = repr(time.time()), None, time.monotonic()
+            stamp = repr(time.time()) if self.pid is None else f"{time.time()!r}@{self.pid}"
+            self.asked, self.last, self.asked_at = stamp, None, time.monotonic()
             self.store.set(PROBE_ASK_KEY.format(self.ident), self.asked)
             return None
         now = time.monotonic()
@@ -211,7 +214,8 @@ def probe_of(rank: Any) -> ProcessProbe | None:
 
 class ProbeRequests:
     """A node agent's half: each of its ranks the agent asked about (``PROBE_ASK_KEY``) is sampled and the sample
-    written back, every ``every_s``, for as long as the ask stands."""
+    written back, every ``every_s``, for as long as the ask stands. An ask that names another process than the
+    rank's here (its earlier or later life) is not answered."""
 
     def __init__(self, pids: Callable[[], dict[int, int]], every_s: float = 0.5):
         self.pids, self.every_s, self.polled = pids, every_s, 0.0
@@ -223,7 +227,8 @@ class ProbeRequests:
         for ident, pid in self.pids().items():
             ask = PROBE_ASK_KEY.format(ident)
             stamp = store.get(ask).decode() if store.check([ask]) else ""  # ("": withdrawn)
-            if stamp and (now := sample(pid)) is not None:
+            meant = stamp.partition("@")[2]
+            if stamp and meant in ("", str(pid)) and (now := sample(pid)) is not None:
                 store.set(PROBE_KEY.format(ident), f"{stamp} {now.encode()}")
 
 

@@ -218,6 +218,35 @@ def test_a_remote_answer_counts_only_for_its_own_ask_and_while_it_changes() -> N
     assert probe.sample() == ProcessSample("T", 9.0, 102.0)
 
 
+def test_an_ask_that_names_a_process_is_answered_by_that_process_only() -> None:
+    """The agent asks about a joined rank by its pid: the node agent does not answer it with another process of the
+    same rank (a later life started early, or an earlier one not yet reaped), which could give a dead process the grace
+    of a running one. An ask that names no process (a rank launched with the job) is answered as before."""
+    import torch.distributed as dist
+
+    from megatron_odyssey.runtime.process_probe import ProbeRequests
+
+    here = _python("while True: pass")
+    other = _python("pass")
+    other.wait(10)
+    try:
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        node = ProbeRequests(lambda: {3: here.pid}, every_s=0.0)
+        for meant, answered in ((other.pid, False), (here.pid, True), (None, True)):
+            probe = RemoteProcess(store, 3, every_s=0.0, pid=meant)
+            assert probe.sample() is None  # asks
+            ask = store.get(PROBE_ASK_KEY.format(3)).decode()
+            assert ask.endswith(f"@{meant}") if meant else "@" not in ask
+            node.poll(store)
+            got = probe.sample()
+            assert (got is not None) == answered, (meant, got)
+            assert got is None or got.state == "R"
+            probe.release()
+    finally:
+        here.kill()
+        here.wait(10)
+
+
 def test_an_admitted_rank_on_another_machine_is_judged_from_its_admission(tmp_path, capsys) -> None:
     """Machine 3 comes back and its rank is admitted while the store still holds its earlier life's last beat, 150 s
     old: the new process asked to join, but its own first beat has not reached the store yet (its heartbeat thread
@@ -280,6 +309,7 @@ def test_an_admitted_rank_on_another_machine_is_judged_from_its_admission(tmp_pa
             assert look(2.6) == set()
             time.sleep(0.05)
         assert agent.silence.first[3].runnable
+        assert store.get(PROBE_ASK_KEY.format(3)).decode().endswith(f"@{joiner.pid}")  # (the process meant)
         assert look(5.2) == set()
         out = capsys.readouterr().out
         assert "rank 3 missed heartbeats for 5.2 s, but its process is not stopped (state R, running" in out, out
