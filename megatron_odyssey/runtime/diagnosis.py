@@ -56,8 +56,8 @@ class Finding:
 class DiagnosisOptions:
     # a rank whose median factor is this many times its peers' is slow: 2, because on a loaded host with
     # hyperthreads even a rank's CPU time per operation can read 1.7x its twins' for 5 steps (seen in CI). Once in
-    # about 60 CI runs a clean run's rank read 2.1-2.2x for its first 3 judged steps and was named; 30 clean runs at
-    # load 10-37 here never passed 1.5x (docs/benchmarks.md, thirty-fifth session): left at 2, not raised for it
+    # about 60 CI runs a clean run's rank read 2.1-2.2x for its first 3 judged steps and was named; in 30 clean runs at
+    # load 10-37 no node's median reached 1.5x (one step 1.99x; docs/benchmarks.md, thirty-fifth session): left at 2
     slow_factor: float = 2.0
     link_ratio: float = 4.0  # a link whose messages take this many times longer than the others' ...
     link_floor_s: float = 0.05  # ... and at least this long (scheduling on a loaded host delays any message)
