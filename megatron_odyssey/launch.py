@@ -40,7 +40,7 @@ from .runtime.errors import (DUMP_STACKS_KEY, STACKS_ASKED_KEY, STOPPED_EXIT, de
                              rank_log_traceback)
 # (rank 0 publishes the config when train() starts)
 from .runtime.joining import CONFIG_KEY, asked_to_join, read_job_config
-from .runtime.process_probe import ProbeRequests, RemoteProcess
+from .runtime.process_probe import RANK_PID_KEY, ProbeRequests, RemoteProcess
 
 FINISHED_KEY = "odyssey/finished"  # the agent ran the job to its end (its exit code): node agents stop
 
@@ -376,15 +376,23 @@ def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any
     def probed() -> dict[int, int]:
         """This machine's ranks the agent may ask about. A joining machine's rank only once it asked to join: until
         then an ask about its rank is about the rank's earlier life (a --rejoin replacement starts early), and the
-        replacement's answer would give a dead process the grace of a running one. (Asks about a joined rank name its
-        pid, and only that process answers them; an ask about a rank launched with the job cannot.)"""
+        replacement's answer would give a dead process the grace of a running one. (An ask names the pid it means
+        where the agent knows it, and only that process answers it: see ``say_pids``.)"""
         live = {ident: p.pid for ident, p in local.items() if ident not in reported}
         if not getattr(args, "join", None):
             return live
         asked = asked_to_join(store)  # (one read of the key per poll, not one per rank)
         return {i: pid for i, pid in live.items() if (i, pid) in asked}
 
+    def say_pids(to: Any) -> None:
+        """The pids of the ranks launched with the job, for the agent's asks about them (a joining machine's ranks
+        said theirs in their join requests: its rank's key stays its earlier life's)."""
+        if not getattr(args, "join", None):
+            for ident, p in local.items():
+                to.set(RANK_PID_KEY.format(ident), str(p.pid))
+
     probes = ProbeRequests(probed)
+    say_pids(store)
     while len(reported) < len(local):
         try:
             if store.check([FINISHED_KEY]) or (stop is not None and stop.is_set()):
@@ -413,6 +421,7 @@ def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any
             if moved is None:
                 raise
             store, reported = moved, set()  # the new agent has not seen any exit: report them again
+            say_pids(store)
             continue
         time.sleep(0.01)
     return max((p.exitcode or 0 for p in local.values()), default=0)

@@ -19,6 +19,9 @@ from typing import Any, Callable, Protocol
 #: the stamp, to ``PROBE_KEY`` every ``ProbeRequests.every_s``
 PROBE_ASK_KEY = "odyssey/probe-ask/{}"
 PROBE_KEY = "odyssey/probe/{}"
+#: the pid of a rank launched with the job, said by its machine's node agent at its start (a joining machine's
+#: launcher says its ranks' pids in their join requests instead), so that an ask can name the process it means
+RANK_PID_KEY = "odyssey/rank-pid/{}"
 
 STATES = {"R": "running", "S": "sleeping", "D": "in uninterruptible wait", "T": "stopped", "t": "stopped by a tracer",
           "Z": "a zombie", "X": "dead", "I": "idle"}
@@ -165,8 +168,8 @@ class RemoteProcess:
     """A rank on another machine, sampled by its node agent (:class:`ProbeRequests`) once asked: the first look asks
     and finds nothing yet; later looks read the newest answer. An answer that has not changed for ``stale_s`` (the
     node agent, or its machine, stopped) counts as nothing to read, as does no answer ``stale_s`` after the ask: the
-    heartbeat alone decides. ``pid``: the process meant, where the agent knows it (a rank that asked to join): only
-    that process answers, not another life of the same rank."""
+    heartbeat alone decides. ``pid``: the process meant (a rank that asked to join gave it; else its node agent said it
+    at its start, ``RANK_PID_KEY``): only that process answers, not another life of the same rank."""
 
     def __init__(self, store: Any, ident: int, stale_s: float = 2.0, every_s: float = 0.1, pid: int | None = None):
         self.store, self.ident, self.stale_s, self.every_s, self.pid = store, ident, stale_s, every_s, pid
@@ -177,6 +180,8 @@ class RemoteProcess:
 
     def sample(self) -> ProcessSample | None:
         if self.asked is None:
+            if self.pid is None and self.store.check([key := RANK_PID_KEY.format(self.ident)]):
+                self.pid = int(self.store.get(key))
             stamp = repr(time.time()) if self.pid is None else f"{time.time()!r}@{self.pid}"
             self.asked, self.last, self.asked_at = stamp, None, time.monotonic()
             self.store.set(PROBE_ASK_KEY.format(self.ident), self.asked)

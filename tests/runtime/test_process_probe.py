@@ -7,8 +7,9 @@ import subprocess
 import sys
 import time
 
-from megatron_odyssey.runtime.process_probe import (PROBE_ASK_KEY, PROBE_KEY, ProcessSample, RemoteProcess,
-                                                    SilenceJudge, children_of, dead_children, is_zombie, sample)
+from megatron_odyssey.runtime.process_probe import (PROBE_ASK_KEY, PROBE_KEY, RANK_PID_KEY, ProcessSample,
+                                                    RemoteProcess, SilenceJudge, children_of, dead_children, is_zombie,
+                                                    sample)
 
 
 def _python(code: str) -> subprocess.Popen:
@@ -148,6 +149,9 @@ def test_ranks_on_another_machine_are_sampled_by_their_node_agent(tmp_path, caps
                                                      there, dist.TCPStore("127.0.0.1", store.port), None, stop))
     node.start()
     try:
+        said = time.monotonic() + 10  # (its start's pids: long before any ask in a job, whose asks wait for silence)
+        while not store.check([RANK_PID_KEY.format(i) for i in there]) and time.monotonic() < said:
+            time.sleep(0.01)
         cfg = TrainConfig(nproc=4, tp=1, pp=2, layers=4, hidden=32, heads=4, seq=16, global_batch=4, micro_batch=1,
                           steps=8, heartbeat_timeout_s=5.0)
         exits = RemoteExits(store)
@@ -163,6 +167,9 @@ def test_ranks_on_another_machine_are_sampled_by_their_node_agent(tmp_path, caps
             time.sleep(0.05)
         assert set(agent.silence.first) == {0, 1, 2} and asked(0)
         assert not asked(3)  # (a rank that beats is not asked about)
+        # each ask names the process its node agent said it launched (at its start, before the agent's first ask)
+        assert [store.get(PROBE_ASK_KEY.format(i)).decode().partition("@")[2] for i in (0, 1, 2)] == \
+            [str(there[i].pid) for i in (0, 1, 2)]
         time.sleep(1.2)  # (the node agent samples again: CPU time accrues between the two samples)
         assert _silent_for(agent, {0: 6.0, 1: 6.0, 2: 6.0}) == {1, 2}
         out = capsys.readouterr().out
@@ -287,6 +294,7 @@ def test_an_admitted_rank_on_another_machine_is_judged_from_its_admission(tmp_pa
         store.set(PROBE_ASK_KEY.format(3), "about-the-earlier-life")
         time.sleep(1.2)
         assert not store.check([PROBE_KEY.format(3)])
+        assert not store.check([RANK_PID_KEY.format(3)])  # (a joining machine says its pid in its join request)
         store.set(PROBE_ASK_KEY.format(3), "")
         store.append(JOINING_KEY, f"3:{joiner.pid}:launched;")
         agent.join_requests.poll(store)
