@@ -1,6 +1,7 @@
 """A silent heartbeat: a stopped process, or one whose heartbeat thread got no time? What /proc says decides."""
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -393,6 +394,10 @@ def test_a_late_heartbeat_says_so_and_where_the_main_thread_is(capfd) -> None:
 
 
 def _forked(then) -> int:
+    # the garbage earlier tests left in this worker (agents and their TCPStores, in reference cycles) is collected
+    # here, not in the child: filelock's at-fork hook ran a collection in a child, which destroyed a store whose
+    # threads the child does not have, and the child died of SIGSEGV before its own code ran (seen once in CI)
+    gc.collect()
     pid = os.fork()
     if pid == 0:
         then()
