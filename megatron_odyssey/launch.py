@@ -38,8 +38,7 @@ from typing import Any
 from .runtime.control_plane import FENCE_KEY, LEAVING_KEY, free_port  # (no torch import: the launcher starts fast)
 from .runtime.errors import (DUMP_STACKS_KEY, STACKS_ASKED_KEY, STOPPED_EXIT, describe_exit, rank_log_stack,
                              rank_log_traceback)
-# (rank 0 publishes the config when train() starts)
-from .runtime.joining import CONFIG_KEY, asked_to_join, read_job_config
+from .runtime.joining import CONFIG_KEY, read_job_config  # (rank 0 publishes the config when train() starts)
 from .runtime.process_probe import RANK_PID_KEY, ProbeRequests, RemoteProcess
 
 FINISHED_KEY = "odyssey/finished"  # the agent ran the job to its end (its exit code): node agents stop
@@ -373,17 +372,6 @@ def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any
              for ident, p in local.items()}
     stacks = StackRequests(local)
 
-    def probed() -> dict[int, int]:
-        """This machine's ranks the agent may ask about. A joining machine's rank only once it asked to join: until
-        then an ask about its rank is about the rank's earlier life (a --rejoin replacement starts early), and the
-        replacement's answer would give a dead process the grace of a running one. (An ask names the pid it means
-        where the agent knows it, and only that process answers it: see ``say_pids``.)"""
-        live = {ident: p.pid for ident, p in local.items() if ident not in reported}
-        if not getattr(args, "join", None):
-            return live
-        asked = asked_to_join(store)  # (one read of the key per poll, not one per rank)
-        return {i: pid for i, pid in live.items() if (i, pid) in asked}
-
     def say_pids(to: Any) -> None:
         """The pids of the ranks launched with the job, for the agent's asks about them (a joining machine's ranks
         said theirs in their join requests: its rank's key stays its earlier life's)."""
@@ -391,7 +379,11 @@ def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any
             for ident, p in local.items():
                 to.set(RANK_PID_KEY.format(ident), str(p.pid))
 
-    probes = ProbeRequests(probed)
+    # a joining machine answers only asks that name its rank's process: the agent's asks about the new life do (its
+    # join request gave the pid); one that names none is about the rank's earlier life (a --rejoin replacement starts
+    # early), and its answer would give a dead process the grace of a running one
+    probes = ProbeRequests(lambda: {ident: p.pid for ident, p in local.items() if ident not in reported},
+                           named_only=bool(getattr(args, "join", None)))
     say_pids(store)
     while len(reported) < len(local):
         try:

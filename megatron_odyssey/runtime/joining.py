@@ -55,12 +55,6 @@ def join_requests_in(text: str) -> list[tuple[int, int, bool]]:
     return out
 
 
-def asked_to_join(store: Any) -> set[tuple[int, int]]:
-    """Every (rank, pid) that has asked to join the job so far."""
-    text = store.get(JOINING_KEY).decode() if store.check([JOINING_KEY]) else ""
-    return {(rank, pid) for rank, pid, _ in join_requests_in(text)}
-
-
 def wait_for_admission(store: Any, ident: int, poll_s: float = 0.05) -> tuple[int, dict[str, Any]]:
     """Block until the agent admits this rank; returns the generation and its plan message. Leaves when the
     agent refuses it, gives up on the job, or is gone (the job ended without needing it)."""

@@ -229,7 +229,8 @@ def test_a_remote_answer_counts_only_for_its_own_ask_and_while_it_changes() -> N
 def test_an_ask_that_names_a_process_is_answered_by_that_process_only() -> None:
     """The agent asks about a joined rank by its pid: the node agent does not answer it with another process of the
     same rank (a later life started early, or an earlier one not yet reaped), which could give a dead process the grace
-    of a running one. An ask that names no process (a rank launched with the job) is answered as before."""
+    of a running one. An ask that names no process is answered, except on a joining machine (``named_only``): there it
+    is about the rank's earlier life."""
     import torch.distributed as dist
 
     from megatron_odyssey.runtime.process_probe import ProbeRequests
@@ -239,15 +240,16 @@ def test_an_ask_that_names_a_process_is_answered_by_that_process_only() -> None:
     other.wait(10)
     try:
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        node = ProbeRequests(lambda: {3: here.pid}, every_s=0.0)
-        for meant, answered in ((other.pid, False), (here.pid, True), (None, True)):
+        for named_only, meant, answered in ((False, other.pid, False), (False, here.pid, True), (False, None, True),
+                                            (True, other.pid, False), (True, here.pid, True), (True, None, False)):
+            node = ProbeRequests(lambda: {3: here.pid}, every_s=0.0, named_only=named_only)
             probe = RemoteProcess(store, 3, every_s=0.0, pid=meant)
             assert probe.sample() is None  # asks
             ask = store.get(PROBE_ASK_KEY.format(3)).decode()
             assert ask.endswith(f"@{meant}") if meant else "@" not in ask
             node.poll(store)
             got = probe.sample()
-            assert (got is not None) == answered, (meant, got)
+            assert (got is not None) == answered, (named_only, meant, got)
             assert got is None or got.state == "R"
             probe.release()
     finally:
