@@ -165,13 +165,16 @@ def incarnation_fence_key(ident: int, pid: int) -> str:
 
 
 class RemoteRank:
-    """A rank on another machine, seen through the store its node agent reports to."""
+    """A rank on another machine, seen through the store its node agent reports to. ``joined_pid``: the process of
+    a rank that joined the running job (``odyssey-launch --join``), whose node agent obeys only that process's own
+    fence key and answers only asks that name it; an agent that takes the job over is given it again (the lost
+    agent's replicated ``"joined"``), or could neither fence that rank nor ask about it."""
 
-    def __init__(self, store: Any, ident: int, exits: RemoteExits | None = None, fence_key: str | None = None,
-                 pid: int | None = None):
+    def __init__(self, store: Any, ident: int, exits: RemoteExits | None = None, joined_pid: int | None = None):
         self.store, self.ident, self.exits = store, ident, exits or RemoteExits(store, every_s=0.0)
-        self.fence_key = fence_key or FENCE_KEY.format(ident)
-        self.process_probe = RemoteProcess(store, ident, pid=pid)  # its process, as its node agent samples it
+        self.joined_pid = joined_pid
+        self.fence_key = FENCE_KEY.format(ident) if joined_pid is None else incarnation_fence_key(ident, joined_pid)
+        self.process_probe = RemoteProcess(store, ident, pid=joined_pid)  # its process, as its node agent samples it
 
     @property
     def exitcode(self) -> int | None:
@@ -427,7 +430,7 @@ def standby_node(args: argparse.Namespace, local: dict[int, LocalRank], agent_st
 
     from .runtime.agent import Agent, take_over
     from .runtime.config import TrainConfig
-    from .runtime.control_plane import STANDBY_KEY, ControlPlane, OrphanRank, Standby
+    from .runtime.control_plane import STANDBY_KEY, ControlPlane, Standby
 
     host = args.standby_addr or route_address(args.master_addr, args.odyssey_port)
     store = dist.TCPStore("0.0.0.0", args.standby_port, is_master=True, wait_for_workers=False,
@@ -458,11 +461,7 @@ def standby_node(args: argparse.Namespace, local: dict[int, LocalRank], agent_st
         node.join()
         return codes[0] if codes else result
     cfg = TrainConfig(**json.loads(cfg_text))
-    world = args.nnodes * args.nproc_per_node
-    machine0 = range(args.nproc_per_node)  # lost with the agent's machine, or orphaned by its launcher
-    exits = RemoteExits(store)
-    procs: dict[int, Any] = {i: local.get(i) or (OrphanRank(store, i) if i in machine0 else RemoteRank(store, i, exits))
-                             for i in range(world)}
+    procs = ranks_taken_over(store, args.nnodes * args.nproc_per_node, args.nproc_per_node, local, result)
     agent = Agent(cfg, None, args.workdir, procs=procs, store=store)
     code = take_over(agent, result, watcher, f"the agent on {args.master_addr} was lost; the standby on {host} "
                                              f"took over")
@@ -470,6 +469,21 @@ def standby_node(args: argparse.Namespace, local: dict[int, LocalRank], agent_st
     stop.set()
     node.join(10)
     return code
+
+
+def ranks_taken_over(store: Any, world: int, nproc_per_node: int, local: dict[int, Any],
+                     state: dict[str, Any]) -> dict[int, Any]:
+    """Every rank of the job as the standby's agent supervises it after taking over from the lost agent (whose
+    replicated ``state`` this is): its own machine's ranks; machine 0's, lost with the agent's machine or orphaned by
+    its launcher (``OrphanRank``: seen only by their heartbeats); every other machine's through its node agent, a rank
+    that joined the running job as the process that joined."""
+    from .runtime.control_plane import OrphanRank
+
+    exits = RemoteExits(store)
+    joined = {int(i): int(pid) for i, pid in state.get("joined", {}).items()}
+    return {i: local.get(i) or (OrphanRank(store, i) if i < nproc_per_node else
+                                RemoteRank(store, i, exits, joined_pid=joined.get(i)))
+            for i in range(world)}
 
 
 def join_running_job(args: argparse.Namespace) -> int:

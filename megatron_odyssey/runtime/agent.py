@@ -828,10 +828,10 @@ class Agent:
         machine; the agent did not fork it)."""
         pid = self.join_requests.pending[ident]
         if ident in self.join_requests.launched:
-            from ..launch import RemoteExits, RemoteRank, incarnation_fence_key
+            from ..launch import RemoteExits, RemoteRank
 
             return RemoteRank(self.store, ident, RemoteExits(self.store, after=self.exits_at.get(ident, 0)),
-                              fence_key=incarnation_fence_key(ident, pid), pid=pid)
+                              joined_pid=pid)
         from .control_plane import PidRank
 
         return PidRank(pid, self.store, ident)
@@ -1282,6 +1282,8 @@ class Agent:
                 "checkpoints": {s: sorted(w) for s, w in self.checkpoints.items()},
                 "latest_checkpoint": self._latest_checkpoint_if_any(),
                 "pids": {i: getattr(p, "pid", None) for i, p in self.procs.items()},
+                # ranks that joined through their machine's launcher: who fences them and whom an ask names
+                "joined": {i: p.joined_pid for i, p in self.procs.items() if getattr(p, "joined_pid", None)},
                 "agent_pid": os.getpid(), "started_any": self.gen > 0 or self.warm,
                 # the report's records so far (a standby's report goes on from them; a standby agent cannot
                 # admit the ranks waiting to join here: they leave with this agent's store)

@@ -279,8 +279,8 @@ def test_a_joined_rank_answers_to_its_own_fence_and_exit_not_its_earlier_lifes(t
     announce(store, 1, launched=True)  # (as the Megatron rank does, with its own pid)
     requests = JoinRequests()
     assert 1 in requests.poll(store) and requests.launched == {1}
-    mine = RemoteRank(store, 1, RemoteExits(store, every_s=0.0, after=exits_reported(store)),
-                      fence_key=incarnation_fence_key(1, pid))
+    mine = RemoteRank(store, 1, RemoteExits(store, every_s=0.0, after=exits_reported(store)), joined_pid=pid)
+    assert mine.fence_key == incarnation_fence_key(1, pid) != FENCE_KEY.format(1)
     store.set(FENCE_KEY.format(1), "1")  # the earlier life's fence, set late
     time.sleep(1.0)
     assert launcher.is_alive() and mine.exitcode is None

@@ -337,6 +337,73 @@ def test_an_admitted_rank_on_another_machine_is_judged_from_its_admission(tmp_pa
             rank.join(5)
 
 
+def test_after_a_takeover_a_joined_rank_is_asked_about_and_fenced_as_the_process_that_joined(tmp_path) -> None:
+    """Machine 2 came back and its rank was admitted (``odyssey-launch --join``: its node agent obeys only that
+    process's own fence key and answers only asks that name it); then machine 0 is lost with the agent, and the
+    standby on machine 1 takes over. The standby's agent gets the joined process from the lost agent's replicated
+    state: its asks name that process and are answered, and its fence kills it. Before, the standby took rank 2 for a
+    rank launched with the job: its asks went unanswered (the heartbeat alone judged, a starved process without its
+    grace) and its fence was ignored, so a hung rank whose heartbeat thread had stopped too stayed alive."""
+    import argparse
+    import json
+    import threading
+
+    import torch.distributed as dist
+
+    from megatron_odyssey.launch import FENCE_KEY, LocalRank, incarnation_fence_key, node_agent, ranks_taken_over
+    from megatron_odyssey.runtime.agent import Agent
+    from megatron_odyssey.runtime.config import TrainConfig
+    from megatron_odyssey.runtime.control_plane import OrphanRank
+    from megatron_odyssey.runtime.joining import JOINING_KEY
+    from megatron_odyssey.runtime.slow_nodes import Action
+
+    cfg = TrainConfig(nproc=4, tp=1, pp=2, layers=4, hidden=32, heads=4, seq=16, global_batch=4, micro_batch=1,
+                      steps=8)
+    here = {i: LocalRank(_python("import time; time.sleep(120)")) for i in (0, 1, 3)}
+    joiner = LocalRank(_python("while True: pass"))  # (no heartbeat thread of its own to obey a fence: only SIGKILL)
+    earlier = LocalRank(_python("pass"))
+    earlier.join(10)
+    lost_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    standby_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    stop = threading.Event()
+    # machine 2's node agent, already on the standby's store as after following it (ControlPlane.follow: the
+    # takeover tests); a joining machine's, so it answers only asks that name its rank's process
+    node = threading.Thread(target=node_agent, args=(argparse.Namespace(node_rank=2, workdir=tmp_path, join=2),
+                                                     {2: joiner}, dist.TCPStore("127.0.0.1", standby_store.port),
+                                                     None, stop))
+    node.start()
+    try:
+        lost = Agent(cfg, None, tmp_path, procs={**here, 2: earlier}, store=lost_store)
+        lost.dead.add(2)
+        lost_store.append(JOINING_KEY, f"2:{joiner.pid}:launched;")
+        lost.join_requests.poll(lost_store)
+        lost._admit(Action("join", None, ranks=[2]))
+        state = json.loads(json.dumps(lost.snapshot()))  # as the standby's replica keeps it
+        assert state["joined"] == {"2": joiner.pid}
+        # the standby's agent, on machine 1 (one rank a machine): machine 0's rank orphaned, machine 1's its own
+        procs = ranks_taken_over(standby_store, 4, 1, {1: here[1]}, state)
+        assert isinstance(procs[0], OrphanRank) and procs[1] is here[1]
+        assert procs[3].joined_pid is None and procs[3].fence_key == FENCE_KEY.format(3)
+        assert procs[2].joined_pid == joiner.pid and procs[2].fence_key == incarnation_fence_key(2, joiner.pid)
+        rank2 = procs[2]
+        deadline = time.monotonic() + 20
+        while (found := rank2.process_probe.sample()) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert found is not None and found.runnable, found  # answered: the ask names the process that joined
+        assert standby_store.get(PROBE_ASK_KEY.format(2)).decode().endswith(f"@{joiner.pid}")
+        assert rank2.exitcode is None
+        rank2.kill()
+        rank2.join(20)
+        assert rank2.exitcode == -9 and joiner.exitcode == -9  # fenced: its node agent killed it
+        assert all(here[i].exitcode is None for i in here)
+    finally:
+        stop.set()
+        node.join(10)
+        for rank in (*here.values(), joiner):
+            rank.kill()
+            rank.join(5)
+
+
 def test_a_judge_without_a_process_to_read_fences_at_the_timeout() -> None:
     """A rank on another machine (no pid here): its heartbeat alone decides, as before."""
     said: list[str] = []
