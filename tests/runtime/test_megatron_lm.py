@@ -1655,6 +1655,40 @@ def test_a_lost_machine_comes_back_to_an_fp16_job(tmp_path_factory: pytest.TempP
     assert same_training(job.iterations(), stock.iterations(), rel=1e-5)
 
 
+def test_a_rank_that_joined_is_still_judged_by_its_process_after_the_standby_takes_over(
+        tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    """Four machines of one rank each, eight iterations. Machine 3 is lost in iteration 2 and comes back
+    (``odyssey-launch --join``, admitted after iteration 4); machine 0 is lost with the agent in iteration 6 and the
+    standby on machine 1 takes over; in iteration 7 the rank that joined hangs (SIGSTOP: its heartbeat thread stops
+    too). The standby's agent knows rank 3 as the process that joined (the lost agent's replicated state): its ask
+    names that process, so the joined machine's node agent answers (state T, stopped), and its fence is the key that
+    node agent obeys. The two left train on as stock. Before, the standby took rank 3 for the rank launched with the
+    job: its ask named no process and went unanswered, and its fence was ignored, so the stopped process stayed."""
+    flags = tiny_gpt_flags_for(MLM, 8)
+    stock8 = run_stock(MLM, tmp_path_factory.mktemp("stock_join_takeover"), flags, _port(1960))
+    assert stock8.returncode == 0, stock8.tail()
+    job = run_odyssey(MLM, tmp_path, [*flags, "--odyssey-heartbeat-timeout", "10",
+                                      "--odyssey-inject-fault", "step=1,rank=3,phase=forward,kind=kill-machine",
+                                      "--odyssey-rejoin", "3@2",
+                                      "--odyssey-inject-fault", "step=5,rank=0,phase=forward,kind=kill-machine",
+                                      "--odyssey-inject-fault", "step=6,rank=3,phase=forward,kind=hang"],
+                      _port(1950), nodes=4, join=(3,))
+    assert job.returncode == 0, job.tail()
+    report = job.report
+    (joined,) = report["joins"]
+    assert joined["ranks"] == [3] and joined["step"] == 4, joined
+    (takeover,) = report["takeovers"]
+    assert takeover["ranks_lost"] == [0], takeover
+    assert [f["ranks"] for f in report["failures"]] == [[3], [0], [3]], report["failures"]
+    hang = report["failures"][-1]
+    assert hang["step"] == 6 and 8.0 <= hang["detection_s"] < 20, hang
+    # the standby's agent (machine 1's terminal) read the joined process's state from its node agent
+    assert "rank 3's process: state T, stopped" in (tmp_path / "console1.txt").read_text()
+    assert re.match(r"was fenced \(SIGKILL\)", hang["ended"]["3"]), hang
+    assert [s["step"] for s in report["steps"]] == list(range(8)) and report["steps"][-1]["alive"] == 2
+    assert same_training(job.iterations(), stock8.iterations())
+
+
 def test_a_tensor_parallel_node_is_lost_and_comes_back(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
     """TP=2 x PP=2 x DP=2 on four machines of one node (two TP ranks) each. After machine 3 is lost every rank
     is stage 0 of 1 to Megatron, and TP rank 0 must still broadcast the labels to its TP peer (a patched
