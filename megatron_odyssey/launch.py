@@ -42,6 +42,9 @@ from .runtime.joining import CONFIG_KEY, read_job_config  # (rank 0 publishes th
 from .runtime.process_probe import RANK_PID_KEY, ProbeRequests, RemoteProcess
 
 FINISHED_KEY = "odyssey/finished"  # the agent ran the job to its end (its exit code): node agents stop
+AWAITING_END_KEY = "odyssey/awaiting-end"  # machines whose ranks ended before the job ("node;" each) wait for it
+SAW_END_KEY = "odyssey/saw-end/{}"  # ... and say here that they read its exit code
+FINISH_WAIT_S = 5.0  # how long the agent's launcher keeps its store up for those machines to read the job's end
 
 EXIT_KEY = "odyssey/exit/{}"  # node agents report a rank's exit code here
 EXITS_KEY = "odyssey/exits"  # ... and append "rank:code;" here: the coordinator reads every exit in one get
@@ -312,8 +315,20 @@ def coordinate(args: argparse.Namespace, local: dict[int, LocalRank], terminatio
         agent.attach_replica(parse_address(wait_key(store, STANDBY_KEY, "the standby agent's address",
                                                     cfg.timeout_s).decode()))
     code = agent.supervise()
-    store.set(FINISHED_KEY, str(code))
+    finish_job(store, code)
     return code
+
+
+def finish_job(store: Any, code: int, wait_s: float = FINISH_WAIT_S) -> None:
+    """Say the job's end (its exit code) to every machine; the store goes away with this process, so the launchers
+    waiting for that end (their ranks ended before it: :func:`await_the_jobs_end`) get up to ``wait_s`` to read it."""
+    store.set(FINISHED_KEY, str(code))
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        waiting = store.get(AWAITING_END_KEY).decode() if store.check([AWAITING_END_KEY]) else ""
+        if all(store.check([SAW_END_KEY.format(node)]) for node in set(waiting.split(";")) - {""}):
+            return
+        time.sleep(0.02)
 
 
 def startup_errors(workdir: Path, ranks: list[int]) -> str:
@@ -324,7 +339,7 @@ def startup_errors(workdir: Path, ranks: list[int]) -> str:
     return "\n".join(f"--- rank(s) {who}:\n{text}" for text, who in seen.items())
 
 
-def serve_node(args: argparse.Namespace, local: dict[int, LocalRank]) -> int:
+def serve_node(args: argparse.Namespace, local: dict[int, LocalRank], termination: Termination | None = None) -> int:
     """Machines 1..: report rank exits to the coordinator and fence ranks it asks to fence; machine 1 also
     runs the standby agent (see :func:`standby_node`)."""
     import torch.distributed as dist
@@ -335,11 +350,11 @@ def serve_node(args: argparse.Namespace, local: dict[int, LocalRank]) -> int:
     store = dist.TCPStore(args.master_addr, args.odyssey_port, is_master=False, timeout=timedelta(seconds=300))
     control = None
     if args.standby and args.node_rank == 1:
-        return standby_node(args, local, store)
+        return standby_node(args, local, store, termination)
     if args.standby:
         standby = parse_address(wait_key(store, STANDBY_KEY, "the standby agent's address", 300).decode())
         control = ControlPlane((args.master_addr, args.odyssey_port), standby, -1, wait_s=120)
-    return node_agent(args, local, store, control)
+    return node_agent(args, local, store, control, termination=termination)
 
 
 class StackRequests:
@@ -367,9 +382,10 @@ class StackRequests:
 
 
 def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any, control: Any = None,
-               stop: Any = None) -> int:
+               stop: Any = None, termination: Termination | None = None) -> int:
     """Report this machine's rank exits and fence the ranks the agent asks to fence, until every rank has
-    exited or the agent finished the job; follows the standby when it takes over (``control``)."""
+    exited or the agent finished the job; follows the standby when it takes over (``control``). Exits with the
+    job's code where it learns it (see :func:`await_the_jobs_end`)."""
     reported: set[int] = set()
     fence = {ident: incarnation_fence_key(ident, p.pid) if getattr(args, "join", None) else FENCE_KEY.format(ident)
              for ident, p in local.items()}
@@ -419,10 +435,50 @@ def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any
             say_pids(store)
             continue
         time.sleep(0.01)
-    return max((p.exitcode or 0 for p in local.values()), default=0)
+    own = max((p.exitcode or 0 for p in local.values()), key=abs, default=0)
+    if own == 0 or (stop is not None and stop.is_set()) or (termination is not None and termination.signum):
+        return own
+    return await_the_jobs_end(args, local, store, control, own, stop)
 
 
-def standby_node(args: argparse.Namespace, local: dict[int, LocalRank], agent_store: Any) -> int:
+def await_the_jobs_end(args: argparse.Namespace, local: dict[int, LocalRank], store: Any, control: Any, own: int,
+                       stop: Any = None) -> int:
+    """Every rank of this machine has ended, one at least with an error or a signal, and the job goes on without
+    them (the agent recovers, or ends the job): wait for the job's end and exit with its code, as the other
+    machines' launchers do. A launcher that exited with its rank's code would fail a job that recovered, for a
+    scheduler that stops a job when one of its tasks fails (``srun --kill-on-bad-exit``, torchrun-style job
+    specs). Where the job's end cannot be learned (its agent is lost and no standby took over), this machine's
+    own code: ``own``."""
+    node = args.node_rank
+    print(f"[odyssey launch node {node}] this machine's ranks have ended (one {describe_exit(own)}); the job goes "
+          f"on without them: waiting for its end, to exit with the job's code", file=sys.stderr, flush=True)
+    try:
+        store.append(AWAITING_END_KEY, f"{node};")
+        while stop is None or not stop.is_set():
+            try:
+                if store.check([FINISHED_KEY]):
+                    code = int(store.get(FINISHED_KEY))
+                    store.set(SAW_END_KEY.format(node), "1")
+                    return code
+            except Exception:  # noqa: BLE001 - the agent's store is gone: follow the standby, if it took over
+                moved = control.follow(store) if control is not None else None
+                if moved is None:
+                    if control is None:
+                        raise
+                    continue  # (a hiccup: the store answers again)
+                store = moved  # the new agent has seen none of this machine's exits
+                for ident, p in local.items():
+                    report_exit(store, ident, p.exitcode)
+                store.append(AWAITING_END_KEY, f"{node};")
+            time.sleep(0.1)
+    except Exception as exc:  # noqa: BLE001 - the end is unknown: say why, and leave with this machine's code
+        print(f"[odyssey launch node {node}] the job's end cannot be learned ({type(exc).__name__}: {exc}); leaving "
+              f"with this machine's ranks' code", file=sys.stderr, flush=True)
+    return own
+
+
+def standby_node(args: argparse.Namespace, local: dict[int, LocalRank], agent_store: Any,
+                 termination: Termination | None = None) -> int:
     """Machine 1: this machine's node agent (a thread), and the standby agent, which hosts its own store,
     registers it with the agent, keeps the agent's replicated state, and takes the job over when machine 0
     is lost (the ranks of machine 0 are then seen only by their heartbeats: ``OrphanRank``)."""
@@ -439,7 +495,8 @@ def standby_node(args: argparse.Namespace, local: dict[int, LocalRank], agent_st
     control = ControlPlane((args.master_addr, args.odyssey_port), (host, args.standby_port), -1, wait_s=120)
     codes: list[int] = []
     stop = threading.Event()
-    node = threading.Thread(target=lambda: codes.append(node_agent(args, local, agent_store, control, stop)),
+    node = threading.Thread(target=lambda: codes.append(node_agent(args, local, agent_store, control, stop,
+                                                                    termination)),
                             name="odyssey-node-agent", daemon=True)
     node.start()
     watcher = Standby(store, (args.master_addr, args.odyssey_port), args.workdir / "standby.steps.jsonl",
@@ -465,7 +522,7 @@ def standby_node(args: argparse.Namespace, local: dict[int, LocalRank], agent_st
     agent = Agent(cfg, None, args.workdir, procs=procs, store=store)
     code = take_over(agent, result, watcher, f"the agent on {args.master_addr} was lost; the standby on {host} "
                                              f"took over")
-    store.set(FINISHED_KEY, str(code))
+    finish_job(store, code)
     stop.set()
     node.join(10)
     return code
@@ -516,10 +573,11 @@ def join_running_job(args: argparse.Namespace) -> int:
     standby = parse_address(store.get(STANDBY_KEY).decode()) if store.check([STANDBY_KEY]) else None
     local = start_ranks(args, joining={"tp": cfg.tp, "address": f"{address[0]}:{address[1]}",
                                        "standby": standby is not None})
-    Termination(local, args.termination_grace).install()  # a joined machine is stopped like any other
+    termination = Termination(local, args.termination_grace)
+    termination.install()  # a joined machine is stopped like any other
     control = ControlPlane(address, standby, -1, wait_s=120) if standby is not None else None
     try:
-        return node_agent(args, local, store, control)
+        return node_agent(args, local, store, control, termination=termination)
     finally:  # (ranks held as standbys to the end of the job leave with it)
         for p in local.values():
             p.kill()
@@ -550,7 +608,7 @@ def main(argv: list[str] | None = None) -> None:
     termination = Termination(local, args.termination_grace)
     termination.install()
     try:
-        code = coordinate(args, local, termination) if args.node_rank == 0 else serve_node(args, local)
+        code = coordinate(args, local, termination) if args.node_rank == 0 else serve_node(args, local, termination)
     except KeyboardInterrupt:
         code = 130
     finally:

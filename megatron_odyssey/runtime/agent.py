@@ -1285,6 +1285,7 @@ class Agent:
                 # ranks that joined through their machine's launcher: who fences them and whom an ask names
                 "joined": {i: p.joined_pid for i, p in self.procs.items() if getattr(p, "joined_pid", None)},
                 "agent_pid": os.getpid(), "started_any": self.gen > 0 or self.warm,
+                "rejoin": self.rejoin,  # (--rejoin: which machines are back already, and which of them asked)
                 # the report's records so far (a standby's report goes on from them; a standby agent cannot
                 # admit the ranks waiting to join here: they leave with this agent's store)
                 **self._diagnoses_and_joins()}
@@ -1325,6 +1326,7 @@ class Agent:
         self.published = state.get("published")
         self.warm = committed_here
         self.restored_records = {what: list(state.get(what, [])) for what in ("diagnoses", "joins")}
+        self.rejoin = [dict(spec) for spec in state.get("rejoin", self.rejoin)]
 
     def take_over(self, state: dict[str, Any], reason: str) -> int:
         """Go on from a lost agent's replicated ``state``: end every wait its ranks may be in (their commit,
@@ -1342,6 +1344,9 @@ class Agent:
         if state.get("started_any") or "committed" in state:  # every member had reached its first step
             for ident in self.members():
                 self.store.set(STARTED_KEY.format(ident), "1")
+        for spec in self.rejoin:  # a replacement told to ask to join is told again here (it may not have asked yet)
+            if spec.get("due"):
+                self.store.set(REJOIN_KEY.format(spec["rank"]), "1")
         latest = state.get("latest_checkpoint")
         if latest is not None:  # the restart fallback finds it complete here too
             for ident in self.checkpoints.get(int(latest), ()):

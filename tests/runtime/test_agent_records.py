@@ -72,6 +72,34 @@ def test_a_standby_agent_inherits_the_reports_diagnoses_and_joins(tmp_path) -> N
     assert [(j["ranks"], j["policy"]) for j in again["joins"]] == [([1], "standby")]
 
 
+def test_a_standby_agent_knows_which_machines_came_back_already(tmp_path, capsys) -> None:
+    """``--rejoin 1@2``: machine 1 came back after step 2 and its rank was admitted; then the agent is lost. The
+    standby's agent goes on from the same record: when rank 1 fails again it does not take the machine for coming
+    back a second time and hold the next commit for a replacement that will never ask (before: the job stood still
+    for the store timeout, 180 s, in the Megatron-LM test of a join followed by a takeover)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from megatron_odyssey.runtime.agent import Agent
+    from megatron_odyssey.runtime.config import TrainConfig
+    from megatron_odyssey.runtime.joining import REJOIN_KEY
+
+    cfg = TrainConfig(nproc=4, tp=1, pp=2, layers=4, hidden=32, heads=4, seq=16, global_batch=4, micro_batch=1, steps=8,
+                      extra={"rejoin": [{"rank": 1, "after_step": 2}]})
+    lost = Agent(cfg, None, tmp_path, procs={}, store=None)
+    lost.rejoin[0].update(due=True, due_at=time.time(), settled=True)  # back, asked, admitted
+    state = json.loads(json.dumps(lost.snapshot()))
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    standby = Agent(cfg, None, tmp_path, procs={}, store=store)
+    standby.restore(state)
+    assert standby.rejoin == lost.rejoin
+    standby.dead.add(1)  # rank 1 fails again
+    standby._consider_joins(5)
+    assert not standby._awaiting_rejoiner()
+    assert not store.check([REJOIN_KEY.format(1)]) and "machine is back" not in capsys.readouterr().out
+
+
 def test_a_rank_that_said_it_finished_is_not_taken_for_hung_and_is_killed_if_it_lingers(tmp_path, capsys) -> None:
     """After the last commit a rank whose heartbeat stopped is judged by whether it said it finished
     (``DONE_KEY``, set by its exit handler): if so it is shutting down, not hung, and it is killed only after

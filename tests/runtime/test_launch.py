@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_odyssey.launch import FENCE_KEY, RemoteExits, RemoteRank, parse, report_exit
+from megatron_odyssey.launch import FENCE_KEY, FINISHED_KEY, RemoteExits, RemoteRank, parse, report_exit
 from megatron_odyssey.testing.ports import job_port
 
 ENV_DUMP = """
@@ -161,6 +161,97 @@ def test_remote_rank_reads_exits_and_requests_fencing_through_the_store() -> Non
     del server
 
 
+def _node_agent(tmp: Path, port: int, local: dict, node_rank: int = 2) -> tuple[object, list[int]]:
+    """Machine ``node_rank``'s node agent in a thread (``--no-standby``: no control plane), reporting to the store at
+    ``port``; its return code lands in the list."""
+    import argparse
+    import threading
+
+    import torch.distributed as dist
+
+    from megatron_odyssey.launch import node_agent
+
+    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=5))
+    codes: list[int] = []
+    args = argparse.Namespace(node_rank=node_rank, workdir=tmp, join=None)
+    thread = threading.Thread(target=lambda: codes.append(node_agent(args, local, client)), daemon=True)
+    thread.start()
+    return thread, codes
+
+
+def _rank(code: str):
+    from megatron_odyssey.launch import LocalRank
+
+    return LocalRank(subprocess.Popen([sys.executable, "-c", code], start_new_session=True))
+
+
+def test_a_machine_whose_ranks_ended_waits_for_the_jobs_end_and_exits_with_its_code(tmp_path: Path,
+                                                                                      capfd: pytest.CaptureFixture) -> None:
+    """Machine 2's ranks end while the job goes on without them: the agent fences rank 4 (SIGKILL), rank 5 fails
+    with an error. Its launcher waits for the job's end and exits with the job's code, 0, as every machine's
+    launcher does: before, it exited at once with 247 (its rank's SIGKILL), and a scheduler that stops a job when a
+    task fails (``srun --kill-on-bad-exit``) would have stopped the job that recovered. The agent's launcher, ending
+    the job, keeps its store up until that machine has read the end (``finish_job``), and no longer."""
+    import torch.distributed as dist
+
+    from megatron_odyssey.launch import FINISH_WAIT_S, SAW_END_KEY, finish_job
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    fenced, failed = _rank("import time; time.sleep(120)"), _rank("raise SystemExit(1)")
+    try:
+        node, codes = _node_agent(tmp_path, server.port, {4: fenced, 5: failed})
+        server.set(FENCE_KEY.format(4), "1")
+        exits = RemoteExits(server, every_s=0.0)
+        deadline = time.monotonic() + 30
+        while (exits.code(4) is None or exits.code(5) is None) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (exits.code(4), exits.code(5)) == (-9, 1)
+        time.sleep(0.5)
+        assert node.is_alive() and not codes  # waiting for the job, not failing it
+        t0 = time.monotonic()
+        finish_job(server, 0)
+        took = time.monotonic() - t0
+        node.join(10)
+        assert codes == [0] and server.check([SAW_END_KEY.format(2)])
+        assert took < FINISH_WAIT_S / 2, took  # (it read the end: the store was not held up to the bound)
+        assert ("[odyssey launch node 2] this machine's ranks have ended (one was killed by SIGKILL); the job goes on "
+                "without them: waiting for its end") in capfd.readouterr().err
+        # a machine that said it waits and never reads the end (lost meanwhile) holds the store up to the bound only
+        t0 = time.monotonic()
+        server.append("odyssey/awaiting-end", "3;")
+        finish_job(server, 0, wait_s=0.5)
+        assert 0.5 <= time.monotonic() - t0 < 5
+    finally:
+        fenced.kill()
+
+
+def test_a_machine_that_cannot_learn_the_jobs_end_leaves_with_its_ranks_code(tmp_path: Path,
+                                                                            capfd: pytest.CaptureFixture) -> None:
+    """The agent's machine is lost and no standby takes over (``--no-standby``) after this machine's rank failed:
+    its launcher does not wait for an end that cannot come, it leaves with its rank's code and says why."""
+    from megatron_odyssey.runtime.control_plane import free_port
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c", "import sys, time, torch.distributed as d; s = d.TCPStore("
+                               "'127.0.0.1', int(sys.argv[1]), is_master=True, wait_for_workers=False); "
+                               "print('up', flush=True); time.sleep(120)", str(port)], stdout=subprocess.PIPE,
+                              start_new_session=True)
+    try:
+        assert server.stdout.readline() == b"up\n"
+        node, codes = _node_agent(tmp_path, port, {4: _rank("raise SystemExit(3)")})
+        deadline = time.monotonic() + 30
+        while "waiting for its end" not in (err := capfd.readouterr().err) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert node.is_alive() and not codes
+        server.kill()  # the agent's machine, lost
+        server.wait(10)
+        node.join(30)
+        assert codes == [3]
+        assert "[odyssey launch node 2] the job's end cannot be learned" in capfd.readouterr().err
+    finally:
+        server.kill()
+
+
 def test_logged_training_compares_to_the_last_printed_digit() -> None:
     from megatron_odyssey.testing.megatron_lm_job import JobResult, same_training
 
@@ -285,5 +376,10 @@ def test_a_joined_rank_answers_to_its_own_fence_and_exit_not_its_earlier_lifes(t
     time.sleep(1.0)
     assert launcher.is_alive() and mine.exitcode is None
     mine.kill()
+    mine.join(30)
+    assert mine.exitcode == -9
+    # its machine's launcher waits for the job's end (test_a_machine_whose_ranks_ended_waits_for_the_jobs_end)
+    assert launcher.is_alive() and not codes
+    store.set(FINISHED_KEY, "0")
     launcher.join(timeout=30)
-    assert codes and codes[0] != 0 and mine.exitcode == -9
+    assert codes == [0]

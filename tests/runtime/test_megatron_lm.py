@@ -1663,7 +1663,9 @@ def test_a_rank_that_joined_is_still_judged_by_its_process_after_the_standby_tak
     too). The standby's agent knows rank 3 as the process that joined (the lost agent's replicated state): its ask
     names that process, so the joined machine's node agent answers (state T, stopped), and its fence is the key that
     node agent obeys. The two left train on as stock. Before, the standby took rank 3 for the rank launched with the
-    job: its ask named no process and went unanswered, and its fence was ignored, so the stopped process stayed."""
+    job: its ask named no process and went unanswered, and its fence was ignored, so the stopped process stayed; it
+    took machine 3 for coming back a second time and held iteration 8 for 180 s; and the joined machine's launcher
+    exited 247 (its rank's SIGKILL) although the job recovered."""
     flags = tiny_gpt_flags_for(MLM, 8)
     stock8 = run_stock(MLM, tmp_path_factory.mktemp("stock_join_takeover"), flags, _port(1960))
     assert stock8.returncode == 0, stock8.tail()
@@ -1682,9 +1684,16 @@ def test_a_rank_that_joined_is_still_judged_by_its_process_after_the_standby_tak
     assert [f["ranks"] for f in report["failures"]] == [[3], [0], [3]], report["failures"]
     hang = report["failures"][-1]
     assert hang["step"] == 6 and 8.0 <= hang["detection_s"] < 20, hang
-    # the standby's agent (machine 1's terminal) read the joined process's state from its node agent
+    # the standby's agent (machine 1's terminal) read the joined process's state from its node agent ...
     assert "rank 3's process: state T, stopped" in (tmp_path / "console1.txt").read_text()
     assert re.match(r"was fenced \(SIGKILL\)", hang["ended"]["3"]), hang
+    # ... whose fence killed it then, not the job's end; its launcher then waited for the job's end, and exits 0
+    assert ("this machine's ranks have ended (one was killed by SIGKILL); the job goes on without them"
+            in (tmp_path / "console_join3.txt").read_text())
+    # the standby's agent knew machine 3 had come back already (the lost agent's --odyssey-rejoin record): rank 3's
+    # second failure did not hold a commit for a replacement that would never ask (before: 180 s)
+    said = (tmp_path / "console0.txt").read_text() + (tmp_path / "console1.txt").read_text()
+    assert said.count("rank 3's machine is back") == 1, said
     assert [s["step"] for s in report["steps"]] == list(range(8)) and report["steps"][-1]["alive"] == 2
     assert same_training(job.iterations(), stock8.iterations())
 
