@@ -404,6 +404,7 @@ def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any
     probes = ProbeRequests(lambda: {ident: p.pid for ident, p in local.items() if ident not in reported},
                            named_only=bool(getattr(args, "join", None)))
     say_pids(store)
+    waits = False  # said it waits for the job's end (await_the_jobs_end), to the store it reports to
     while len(reported) < len(local):
         try:
             if store.check([FINISHED_KEY]) or (stop is not None and stop.is_set()):
@@ -414,6 +415,11 @@ def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any
                 if ident not in reported and store.check([fence[ident]]):
                     p.kill()
                 if ident not in reported and p.exitcode is not None:
+                    if p.exitcode != 0 and not waits and store.check([CONFIG_KEY]):  # (training had started)
+                        # said before the exit is: the agent, which ends the job only once it knows of this exit,
+                        # then keeps its store up until this machine has read the end (finish_job)
+                        store.append(AWAITING_END_KEY, f"{args.node_rank};")
+                        waits = True
                     report_exit(store, ident, p.exitcode)
                     reported.add(ident)
                     fenced = store.check([fence[ident]])
@@ -431,21 +437,27 @@ def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any
             moved = control.follow(store) if control is not None else None
             if moved is None:
                 raise
-            store, reported = moved, set()  # the new agent has not seen any exit: report them again
+            store, reported, waits = moved, set(), False  # the new agent has not seen any exit: report them again
             say_pids(store)
             continue
         time.sleep(0.01)
     own = max((p.exitcode or 0 for p in local.values()), key=abs, default=0)
-    if own == 0 or (stop is not None and stop.is_set()) or (termination is not None and termination.signum):
+    if not waits:
+        return own
+    if (stop is not None and stop.is_set()) or (termination is not None and termination.signum):
+        try:  # (the job is being stopped: the agent need not keep its store up for this machine)
+            store.set(SAW_END_KEY.format(args.node_rank), "1")
+        except Exception:  # noqa: BLE001
+            pass
         return own
     return await_the_jobs_end(args, local, store, control, own, stop)
 
 
 def await_the_jobs_end(args: argparse.Namespace, local: dict[int, LocalRank], store: Any, control: Any, own: int,
                        stop: Any = None) -> int:
-    """Every rank of this machine has ended, one at least with an error or a signal, and the job goes on without
-    them (the agent recovers, or ends the job): wait for the job's end and exit with its code, as the other
-    machines' launchers do. A launcher that exited with its rank's code would fail a job that recovered, for a
+    """Every rank of this machine has ended, one at least with an error or a signal, after training started, and the
+    job goes on without them (the agent recovers, or ends the job): wait for the job's end and exit with its code,
+    as the other machines' launchers do (this machine said it waits: ``AWAITING_END_KEY``). A launcher that exited with its rank's code would fail a job that recovered, for a
     scheduler that stops a job when one of its tasks fails (``srun --kill-on-bad-exit``, torchrun-style job
     specs). Where the job's end cannot be learned (its agent is lost and no standby took over), this machine's
     own code: ``own``."""
@@ -453,7 +465,6 @@ def await_the_jobs_end(args: argparse.Namespace, local: dict[int, LocalRank], st
     print(f"[odyssey launch node {node}] this machine's ranks have ended (one {describe_exit(own)}); the job goes "
           f"on without them: waiting for its end, to exit with the job's code", file=sys.stderr, flush=True)
     try:
-        store.append(AWAITING_END_KEY, f"{node};")
         while stop is None or not stop.is_set():
             try:
                 if store.check([FINISHED_KEY]):

@@ -196,7 +196,10 @@ def test_a_machine_whose_ranks_ended_waits_for_the_jobs_end_and_exits_with_its_c
 
     from megatron_odyssey.launch import FINISH_WAIT_S, SAW_END_KEY, finish_job
 
+    from megatron_odyssey.launch import CONFIG_KEY
+
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    server.set(CONFIG_KEY, "{}")  # (training has started)
     fenced, failed = _rank("import time; time.sleep(120)"), _rank("raise SystemExit(1)")
     try:
         node, codes = _node_agent(tmp_path, server.port, {4: fenced, 5: failed})
@@ -225,10 +228,26 @@ def test_a_machine_whose_ranks_ended_waits_for_the_jobs_end_and_exits_with_its_c
         fenced.kill()
 
 
+def test_a_machine_whose_rank_fails_before_training_started_leaves_at_once(tmp_path: Path) -> None:
+    """Before training started the job has no end to wait for: the agent's launcher stops every rank and leaves with
+    the start-up error (``coordinate``), so this machine's launcher leaves with its rank's code at once."""
+    import torch.distributed as dist
+
+    from megatron_odyssey.launch import AWAITING_END_KEY
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    node, codes = _node_agent(tmp_path, server.port, {4: _rank("raise SystemExit(1)")})
+    node.join(30)
+    assert codes == [1] and not server.check([AWAITING_END_KEY])
+
+
 def test_a_machine_that_cannot_learn_the_jobs_end_leaves_with_its_ranks_code(tmp_path: Path,
                                                                             capfd: pytest.CaptureFixture) -> None:
     """The agent's machine is lost and no standby takes over (``--no-standby``) after this machine's rank failed:
     its launcher does not wait for an end that cannot come, it leaves with its rank's code and says why."""
+    import torch.distributed as dist
+
+    from megatron_odyssey.launch import CONFIG_KEY
     from megatron_odyssey.runtime.control_plane import free_port
 
     port = free_port()
@@ -238,11 +257,13 @@ def test_a_machine_that_cannot_learn_the_jobs_end_leaves_with_its_ranks_code(tmp
                               start_new_session=True)
     try:
         assert server.stdout.readline() == b"up\n"
+        dist.TCPStore("127.0.0.1", port, is_master=False).set(CONFIG_KEY, "{}")  # (training has started)
         node, codes = _node_agent(tmp_path, port, {4: _rank("raise SystemExit(3)")})
-        deadline = time.monotonic() + 30
-        while "waiting for its end" not in (err := capfd.readouterr().err) and time.monotonic() < deadline:
+        deadline, said = time.monotonic() + 30, ""
+        while "waiting for its end" not in said and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert node.is_alive() and not codes
+            said += capfd.readouterr().err
+        assert "waiting for its end" in said and node.is_alive() and not codes
         server.kill()  # the agent's machine, lost
         server.wait(10)
         node.join(30)
