@@ -8,7 +8,8 @@ makes them raise in code that is not ours: each guarded function below turns tha
 from the state it began in, and says so on stderr:
 
 - ``training_log``: its loss totals are put back, so the iteration is logged once, as stock Megatron would (and
-  it runs with the live world's size, :func:`live_world_size`);
+  it runs with the live world's size, :func:`live_world_size`; a rank that joined the running job logs its first
+  iteration as the job's steady state, not as ``train()``'s first);
 - but only when every survivor was in the call: a rank that lagged in it while the others had gone on to
   the next iteration (a collective that completed for some ranks before the failure reached them) does not
   run it again, since its collectives would wait for them (its log line, if it is the logging rank, is lost);
@@ -197,6 +198,11 @@ def training_log(original: Callable[..., Any]) -> Callable[..., Any]:
     def log(*args: Any, **kwargs: Any) -> Any:
         if STATE.runtime is None:
             return original(*args, **kwargs)
+        if kwargs.get("is_first_iteration") and STATE.runtime.joined_the_running_job:
+            # (0.16+) train()'s first iteration is logged without emptying the loss totals, so the next line
+            # averages both; a rank that joined the running job starts train() mid-job and, as the logging rank,
+            # averaged its first two iterations where the job, whose first iteration was long ago, logs each alone
+            kwargs["is_first_iteration"] = False
         with live_world_size():
             return original(*args, **kwargs)
 

@@ -201,7 +201,9 @@ PATCHES: tuple[Patch, ...] = (
     Patch(f"{_T}.training:training_log", _wrapper(".between_steps", "training_log"),
           "its interval barrier and timer all-gathers run over the world outside train_step: a peer's failure "
           "there is recovered from, and the log line abandoned; it divides by args.world_size for the throughput "
-          "and energy per GPU: the live world's while it runs"),
+          "and energy per GPU: the live world's while it runs; (0.16+) a rank that joined the running job logs its "
+          "first iteration as the job's steady state, not as train()'s first, whose loss totals stay for the next "
+          "line"),
     Patch(f"{_T}.training:save_checkpoint_and_time", _wrapper(".between_steps", "save_checkpoint_and_time"),
           "its timer barrier and the save run over the world outside train_step: a peer's failure there is "
           "recovered from and the save redone by the survivors"),

@@ -209,6 +209,7 @@ class MegatronRank(GenerationRank):
         self.backend = rank_backend(shared=dist.get_backend() == "gloo", device_type=self.device.type)
         self.p2p = P2P.for_backend(self.backend, self.device)
         self.stock = not joining  # generation 0: Megatron's own schedule and DDP (see module docstring)
+        self.joined_the_running_job = joining  # its train() starts mid-job (between_steps.training_log)
         self.loading_checkpoint = False  # inside an in-process restart's load_checkpoint
         self.admission: tuple[int, dict] | None = None  # a joining rank's generation and plan, until it enters
         self.current_step = int(args.iteration)

@@ -1664,8 +1664,10 @@ def test_a_rank_that_joined_is_still_judged_by_its_process_after_the_standby_tak
     names that process, so the joined machine's node agent answers (state T, stopped), and its fence is the key that
     node agent obeys. The two left train on as stock. Before, the standby took rank 3 for the rank launched with the
     job: its ask named no process and went unanswered, and its fence was ignored, so the stopped process stayed; it
-    took machine 3 for coming back a second time and held iteration 8 for 180 s; and the joined machine's launcher
-    exited 247 (its rank's SIGKILL) although the job recovered."""
+    took machine 3 for coming back a second time and held iteration 8 for 180 s; the joined machine's launcher
+    exited 247 (its rank's SIGKILL) although the job recovered; and the joined rank, the one that logs, printed for
+    iteration 6 the mean of iterations 5 and 6 (0.16+: train()'s first iteration leaves its loss totals for the next
+    line, and the joined rank's train() began at iteration 5)."""
     flags = tiny_gpt_flags_for(MLM, 8)
     stock8 = run_stock(MLM, tmp_path_factory.mktemp("stock_join_takeover"), flags, _port(1960))
     assert stock8.returncode == 0, stock8.tail()
