@@ -1,12 +1,14 @@
 """A silent heartbeat: a stopped process, or one whose heartbeat thread got no time? What /proc says decides."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import signal
 import subprocess
 import sys
 import time
+from typing import Iterator
 
 from megatron_odyssey.runtime.process_probe import (PROBE_ASK_KEY, PROBE_KEY, RANK_PID_KEY, ProcessSample,
                                                     RemoteProcess, SilenceJudge, children_of, dead_children, is_zombie,
@@ -257,6 +259,32 @@ def test_an_ask_that_names_a_process_is_answered_by_that_process_only() -> None:
         here.wait(10)
 
 
+@contextlib.contextmanager
+def _machine_that_joined(tmp_path, node_rank: int, joiner, port: int, others: dict) -> Iterator[None]:
+    """Machine ``node_rank`` came back (``odyssey-launch --join``): its node agent, in a thread, reports to the store
+    at ``port`` and answers only asks that name its rank's process, ``joiner``; afterwards every rank is killed."""
+    import argparse
+    import threading
+
+    import torch.distributed as dist
+
+    from megatron_odyssey.launch import node_agent
+
+    stop = threading.Event()
+    node = threading.Thread(target=node_agent, args=(argparse.Namespace(node_rank=node_rank, workdir=tmp_path,
+                                                                        join=node_rank),
+                                                     {node_rank: joiner}, dist.TCPStore("127.0.0.1", port), None, stop))
+    node.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        node.join(10)
+        for rank in (*others.values(), joiner):
+            rank.kill()
+            rank.join(5)
+
+
 def test_an_admitted_rank_on_another_machine_is_judged_from_its_admission(tmp_path, capsys) -> None:
     """Machine 3 comes back and its rank is admitted while the store still holds its earlier life's last beat, 150 s
     old: the new process asked to join, but its own first beat has not reached the store yet (its heartbeat thread
@@ -266,12 +294,9 @@ def test_an_admitted_rank_on_another_machine_is_judged_from_its_admission(tmp_pa
     timeout its process, which spins, gets the grace; its first beat ends the silence. Before it asked to join, its
     machine's node agent answers no ask about rank 3 (a --rejoin replacement starts early, while the rank's earlier
     life may still be judged: the replacement's answer would give a dead process a running one's grace)."""
-    import argparse
-    import threading
-
     import torch.distributed as dist
 
-    from megatron_odyssey.launch import LocalRank, node_agent
+    from megatron_odyssey.launch import LocalRank
     from megatron_odyssey.runtime.agent import Agent
     from megatron_odyssey.runtime.config import TrainConfig
     from megatron_odyssey.runtime.joining import JOINING_KEY
@@ -282,11 +307,7 @@ def test_an_admitted_rank_on_another_machine_is_judged_from_its_admission(tmp_pa
     dead = LocalRank(_python("pass"))
     dead.join(10)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    stop = threading.Event()
-    node = threading.Thread(target=node_agent, args=(argparse.Namespace(node_rank=3, workdir=tmp_path, join=3),
-                                                     {3: joiner}, dist.TCPStore("127.0.0.1", store.port), None, stop))
-    node.start()
-    try:
+    with _machine_that_joined(tmp_path, 3, joiner, store.port, others=here):
         cfg = TrainConfig(nproc=4, tp=1, pp=2, layers=4, hidden=32, heads=4, seq=16, global_batch=4, micro_batch=1,
                           steps=8, heartbeat_timeout_s=5.0)
         agent = Agent(cfg, None, tmp_path, procs={**here, 3: dead}, store=store)
@@ -329,12 +350,6 @@ def test_an_admitted_rank_on_another_machine_is_judged_from_its_admission(tmp_pa
         assert agent.detect() == set()
         assert "rank 3 beats again after 5.2 s of silence" in capsys.readouterr().out
         assert joiner.exitcode is None
-    finally:
-        stop.set()
-        node.join(10)
-        for rank in (*here.values(), joiner):
-            rank.kill()
-            rank.join(5)
 
 
 def test_after_a_takeover_a_joined_rank_is_asked_about_and_fenced_as_the_process_that_joined(tmp_path) -> None:
@@ -344,13 +359,11 @@ def test_after_a_takeover_a_joined_rank_is_asked_about_and_fenced_as_the_process
     state: its asks name that process and are answered, and its fence kills it. Before, the standby took rank 2 for a
     rank launched with the job: its asks went unanswered (the heartbeat alone judged, a starved process without its
     grace) and its fence was ignored, so a hung rank whose heartbeat thread had stopped too stayed alive."""
-    import argparse
     import json
-    import threading
 
     import torch.distributed as dist
 
-    from megatron_odyssey.launch import FENCE_KEY, LocalRank, incarnation_fence_key, node_agent, ranks_taken_over
+    from megatron_odyssey.launch import FENCE_KEY, LocalRank, incarnation_fence_key, ranks_taken_over
     from megatron_odyssey.runtime.agent import Agent
     from megatron_odyssey.runtime.config import TrainConfig
     from megatron_odyssey.runtime.control_plane import OrphanRank
@@ -365,14 +378,9 @@ def test_after_a_takeover_a_joined_rank_is_asked_about_and_fenced_as_the_process
     earlier.join(10)
     lost_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     standby_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    stop = threading.Event()
     # machine 2's node agent, already on the standby's store as after following it (ControlPlane.follow: the
-    # takeover tests); a joining machine's, so it answers only asks that name its rank's process
-    node = threading.Thread(target=node_agent, args=(argparse.Namespace(node_rank=2, workdir=tmp_path, join=2),
-                                                     {2: joiner}, dist.TCPStore("127.0.0.1", standby_store.port),
-                                                     None, stop))
-    node.start()
-    try:
+    # takeover tests)
+    with _machine_that_joined(tmp_path, 2, joiner, standby_store.port, others=here):
         lost = Agent(cfg, None, tmp_path, procs={**here, 2: earlier}, store=lost_store)
         lost.dead.add(2)
         lost_store.append(JOINING_KEY, f"2:{joiner.pid}:launched;")
@@ -396,12 +404,6 @@ def test_after_a_takeover_a_joined_rank_is_asked_about_and_fenced_as_the_process
         rank2.join(20)
         assert rank2.exitcode == -9 and joiner.exitcode == -9  # fenced: its node agent killed it
         assert all(here[i].exitcode is None for i in here)
-    finally:
-        stop.set()
-        node.join(10)
-        for rank in (*here.values(), joiner):
-            rank.kill()
-            rank.join(5)
 
 
 def test_a_judge_without_a_process_to_read_fences_at_the_timeout() -> None:
