@@ -529,6 +529,7 @@ def standby_node(args: argparse.Namespace, local: dict[int, LocalRank], agent_st
         node.join()
         return codes[0] if codes else result
     cfg = TrainConfig(**json.loads(cfg_text))
+    store.set(CONFIG_KEY, cfg_text)  # the job trains: what the lost agent's store said to machines (node_agent)
     procs = ranks_taken_over(store, args.nnodes * args.nproc_per_node, args.nproc_per_node, local, result)
     agent = Agent(cfg, None, args.workdir, procs=procs, store=store)
     code = take_over(agent, result, watcher, f"the agent on {args.master_addr} was lost; the standby on {host} "
