@@ -457,10 +457,10 @@ def await_the_jobs_end(args: argparse.Namespace, local: dict[int, LocalRank], st
                        stop: Any = None) -> int:
     """Every rank of this machine has ended, one at least with an error or a signal, after training started, and the
     job goes on without them (the agent recovers, or ends the job): wait for the job's end and exit with its code,
-    as the other machines' launchers do (this machine said it waits: ``AWAITING_END_KEY``). A launcher that exited with its rank's code would fail a job that recovered, for a
-    scheduler that stops a job when one of its tasks fails (``srun --kill-on-bad-exit``, torchrun-style job
-    specs). Where the job's end cannot be learned (its agent is lost and no standby took over), this machine's
-    own code: ``own``."""
+    as the other machines' launchers do (this machine said it waits: ``AWAITING_END_KEY``). A launcher that exited
+    with its rank's code would fail a job that recovered, for a scheduler that stops a job when one of its tasks
+    fails (``srun --kill-on-bad-exit``). Where the job's end cannot be learned (its agent is lost and no standby
+    took over), this machine's own code: ``own``."""
     node = args.node_rank
     print(f"[odyssey launch node {node}] this machine's ranks have ended (one {describe_exit(own)}); the job goes "
           f"on without them: waiting for its end, to exit with the job's code", file=sys.stderr, flush=True)
@@ -477,10 +477,10 @@ def await_the_jobs_end(args: argparse.Namespace, local: dict[int, LocalRank], st
                     if control is None:
                         raise
                     continue  # (a hiccup: the store answers again)
-                store = moved  # the new agent has seen none of this machine's exits
+                store = moved  # the new agent has seen none of this machine's exits: said after it knows this waits
+                store.append(AWAITING_END_KEY, f"{node};")
                 for ident, p in local.items():
                     report_exit(store, ident, p.exitcode)
-                store.append(AWAITING_END_KEY, f"{node};")
             time.sleep(0.1)
     except Exception as exc:  # noqa: BLE001 - the end is unknown: say why, and leave with this machine's code
         print(f"[odyssey launch node {node}] the job's end cannot be learned ({type(exc).__name__}: {exc}); leaving "
