@@ -472,10 +472,10 @@ def await_the_jobs_end(args: argparse.Namespace, local: dict[int, LocalRank], st
                     store.set(SAW_END_KEY.format(node), "1")
                     return code
             except Exception:  # noqa: BLE001 - the agent's store is gone: follow the standby, if it took over
-                moved = control.follow(store) if control is not None else None
+                if control is None:
+                    raise  # (no standby: the end is unknown)
+                moved = control.follow(store)  # (raises when none took over within its wait)
                 if moved is None:
-                    if control is None:
-                        raise
                     continue  # (a hiccup: the store answers again)
                 store = moved  # the new agent has seen none of this machine's exits: said after it knows this waits
                 store.append(AWAITING_END_KEY, f"{node};")
