@@ -342,12 +342,10 @@ def startup_errors(workdir: Path, ranks: list[int]) -> str:
 def serve_node(args: argparse.Namespace, local: dict[int, LocalRank], termination: Termination | None = None) -> int:
     """Machines 1..: report rank exits to the coordinator and fence ranks it asks to fence; machine 1 also
     runs the standby agent (see :func:`standby_node`)."""
-    import torch.distributed as dist
-
-    from .runtime.control_plane import STANDBY_KEY, ControlPlane, parse_address
+    from .runtime.control_plane import STANDBY_KEY, ControlPlane, client, parse_address
     from .runtime.generation import wait_key
 
-    store = dist.TCPStore(args.master_addr, args.odyssey_port, is_master=False, timeout=timedelta(seconds=300))
+    store = client((args.master_addr, args.odyssey_port), 300)
     control = None
     if args.standby and args.node_rank == 1:
         return standby_node(args, local, store, termination)
@@ -437,8 +435,10 @@ def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any
             moved = control.follow(store) if control is not None else None
             if moved is None:
                 raise
-            store, reported, waits = moved, set(), False  # the new agent has not seen any exit: report them again
-            say_pids(store)
+            store = moved.store  # (or the same agent's on a new connection: the last one broke)
+            if moved.took_over:  # the new agent has not seen any exit: report them again
+                reported, waits = set(), False
+                say_pids(store)
             continue
         time.sleep(0.01)
     own = max((p.exitcode or 0 for p in local.values()), key=abs, default=0)
@@ -477,10 +477,11 @@ def await_the_jobs_end(args: argparse.Namespace, local: dict[int, LocalRank], st
                 moved = control.follow(store)  # (raises when none took over within its wait)
                 if moved is None:
                     continue  # (a hiccup: the store answers again)
-                store = moved  # the new agent has seen none of this machine's exits: said after it knows this waits
-                store.append(AWAITING_END_KEY, f"{node};")
-                for ident, p in local.items():
-                    report_exit(store, ident, p.exitcode)
+                store = moved.store  # (or the same agent's on a new connection: the last one broke)
+                if moved.took_over:  # the new agent has seen none of this machine's exits: said once it knows it waits
+                    store.append(AWAITING_END_KEY, f"{node};")
+                    for ident, p in local.items():
+                        report_exit(store, ident, p.exitcode)
             time.sleep(0.1)
     except Exception as exc:  # noqa: BLE001 - the end is unknown: say why, and leave with this machine's code
         print(f"[odyssey launch node {node}] the job's end cannot be learned ({type(exc).__name__}: {exc}); leaving "
@@ -558,15 +559,13 @@ def ranks_taken_over(store: Any, world: int, nproc_per_node: int, local: dict[in
 def join_running_job(args: argparse.Namespace) -> int:
     """``--join``: this machine's ranks join the running job (see the module docstring); this launcher then
     reports their exits and fences them for the agent, like any machine's node agent."""
-    import torch.distributed as dist
-
-    from .runtime.control_plane import STANDBY_KEY, ControlPlane, listening, parse_address
+    from .runtime.control_plane import STANDBY_KEY, ControlPlane, client, listening, parse_address
 
     try:
         address = parse_address(args.join)
         if not listening(address, timeout_s=5):
             raise ConnectionRefusedError("nothing listens there")
-        store = dist.TCPStore(*address, is_master=False, timeout=timedelta(seconds=60))
+        store = client(address, 60)
         if not store.check([CONFIG_KEY]):
             raise RuntimeError("that job has not started training (or is not an --odyssey job)")
         cfg = read_job_config(store)
@@ -610,6 +609,8 @@ def route_address(master_addr: str, port: int) -> str:
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # this launcher's own store errors (a machine gone silent) on its terminal without C++ frames, as its ranks'
+    os.environ.setdefault("TORCH_SHOW_CPP_STACKTRACES", "0")
     if args.join:
         try:
             code = join_running_job(args)

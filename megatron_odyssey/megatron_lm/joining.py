@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import os
-from datetime import timedelta
 from typing import Any, Callable, ContextManager
 
 from . import log_writers
@@ -49,12 +48,11 @@ def join_rank() -> int | None:
 @functools.lru_cache(maxsize=1)
 def job_config() -> Any:
     """The running job's TrainConfig, from its agent's store (published by rank 0 when training began)."""
-    import torch.distributed as dist
-
+    from ..runtime.control_plane import client
     from ..runtime.joining import read_job_config
 
     host, port = os.environ["ODYSSEY_STORE"].rsplit(":", 1)
-    return read_job_config(dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60)))
+    return read_job_config(client((host, int(port)), 60))
 
 
 def private_layout(args: Any) -> None:

@@ -26,7 +26,6 @@ import signal
 import sys
 import threading
 import time
-from datetime import timedelta
 from typing import Any, Callable
 
 import torch
@@ -36,6 +35,8 @@ from ..arguments import parse_rejoin
 from ..planning.cluster import node_ranks
 from ..planning.plan import ExecutionPlan
 from ..runtime.config import TrainConfig
+from ..runtime.control_plane import client
+from ..runtime.sockets import bound_silence
 from ..runtime.executor import PipelineExecutor
 from ..runtime.grad_sync import GradientSync, all_reduce_flat, params_by_unit, unit_of
 from ..runtime.device_profile import REPLICA_COPIES
@@ -191,7 +192,8 @@ class MegatronRank(GenerationRank):
         host, port = os.environ[STORE_ENV].rsplit(":", 1)
         cfg = job_config() if joining else config_from_megatron_args(args)
         dump_stacks_on_signals(cfg.stack_dump_signal)
-        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=cfg.timeout_s))
+        store = client((host, int(port)), cfg.timeout_s)
+        bound_silence()  # Megatron's gloo groups too: a peer whose machine goes silent fails a collective, not hangs it
         ident = join_rank() if joining else dist.get_rank()
         self.cfg, self.ident, self.store, self.store_addr = cfg, ident, store, (host, int(port))
         self.args, self.megatron_model, self.megatron_optimizer, self.scheduler = args, model, optimizer, scheduler
@@ -1023,7 +1025,7 @@ def _store_or_none() -> Any:
     """A client of the agent's store, for reporting a start-up error (None if it cannot be reached)."""
     try:
         host, port = os.environ[STORE_ENV].rsplit(":", 1)
-        return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
+        return client((host, int(port)), 10)
     except Exception:
         return None
 

@@ -80,9 +80,16 @@ def parse_address(text: str) -> tuple[str, int]:
 
 
 def client(address: tuple[str, int], timeout_s: float) -> Any:
+    """A client of a job's store (the agent's or the standby's) whose requests fail within ``sockets.UNACKED_S``
+    once that machine is gone silent (lost power or network), instead of after Linux's 15 minutes of retransmits:
+    every client of a control store is made here."""
     import torch.distributed as dist
 
-    return dist.TCPStore(address[0], address[1], is_master=False, timeout=timedelta(seconds=timeout_s))
+    from .sockets import bound_silence
+
+    store = dist.TCPStore(address[0], address[1], is_master=False, timeout=timedelta(seconds=timeout_s))
+    bound_silence(address)
+    return store
 
 
 def listening(address: tuple[str, int], timeout_s: float = PROBE_TIMEOUT_S) -> bool:
@@ -361,6 +368,23 @@ class OrphanRank:
 
 
 # -- a rank's side ------------------------------------------------------------------------------------
+def answering(address: tuple[str, int]) -> Any | None:
+    """A new client of the store at ``address`` if it answers now, else None."""
+    try:
+        fresh = client(address, PROBE_TIMEOUT_S)
+        return fresh if reachable(fresh) else None
+    except Exception:  # noqa: BLE001 - not there (now)
+        return None
+
+
+@dataclass
+class Followed:
+    """Where to go on after a store error (:meth:`ControlPlane.follow`)."""
+
+    store: Any
+    took_over: bool  # the standby's store (it took the job over); else the same agent's, on a new connection
+
+
 class ControlPlane:
     """Where a rank's agent is: its store, and the standby that takes over when it is lost."""
 
@@ -390,25 +414,27 @@ class ControlPlane:
                 raise
             return client(self.current, timeout_s)
 
-    def follow(self, store: Any) -> Any | None:
-        """After an error: None when ``store`` still answers (or there is no standby); else, once the
-        standby has taken over, a client of the standby's store (the caller moves to it). Raises when
-        the agent stays lost and no standby takes over within ``wait_s``."""
-        if self.standby is None or reachable(store):
+    def follow(self, store: Any) -> Followed | None:
+        """After an error: None when ``store`` still answers (the error was not its connection's), or when its
+        agent is gone and there is no standby; else the store to go on with: the standby's once it has taken over,
+        or the same agent's on a new connection (the last one broke: a network blip outlasted
+        ``sockets.UNACKED_S``, and a broken client is never used again). Raises when the agent stays lost and no
+        standby takes over within ``wait_s``."""
+        if reachable(store):
             return None
+        if self.standby is None:
+            fresh = answering(self.current)
+            return Followed(fresh, took_over=False) if fresh is not None else None
         deadline = time.monotonic() + self.wait_s
         while time.monotonic() < deadline:
-            if self.current == self.standby and self.moved:
-                return client(self.current, PROBE_TIMEOUT_S)  # a thread of ours moved already
+            if self.current == self.standby and self.moved:  # a thread of ours moved already
+                return Followed(client(self.current, PROBE_TIMEOUT_S), took_over=True)
             moved = self._standby_took_over()
             if moved is not None:
-                return moved
-            try:
-                fresh = client(self.current, PROBE_TIMEOUT_S)
-                if reachable(fresh):
-                    return None  # a hiccup: the agent is there
-            except Exception:  # noqa: BLE001
-                pass
+                return Followed(moved, took_over=True)
+            fresh = answering(self.current)
+            if fresh is not None:
+                return Followed(fresh, took_over=False)
             time.sleep(0.1)
         raise ConnectionError(f"the agent's store {self.current[0]}:{self.current[1]} is gone and the standby "
                               f"{self.standby[0]}:{self.standby[1]} did not take over within {self.wait_s:.0f} s")

@@ -42,6 +42,7 @@ from .op_trace import OpTrace
 from .liveness import IDLE, WAITING, Progress
 from .plan_message import checkpoint_due, decode_plan_message
 from .transport import P2P
+from .sockets import bound_silence
 from .world import (RankMap, abort_all_groups, build_plan_groups, clear_parallel_state, connect_peers, init_world,
                     install_parallel_state, peer_pairs, shut_connections)
 
@@ -215,6 +216,7 @@ class GenerationRank(abc.ABC):
         self.progress.mark(self.progress.step, "recovery")  # each part of a rebuild is progress
         marks.append(time.perf_counter())
         self.groups = build_plan_groups(plan, self.rank_map, rank, tied=self.tied_embeddings)
+        bound_silence()  # a peer whose machine goes silent fails this rank's collectives, not hangs them
         if self.backend != "gloo":  # NCCL/HCCL open pair communicators lazily: open them in one global order
             connect_peers(peer_pairs(plan, self.rank_map, transfers), rank, self.p2p, self.device)
         if self.uses_parallel_state:
@@ -363,7 +365,8 @@ class GenerationRank(abc.ABC):
     # -- recovery -----------------------------------------------------------------------------------
     def follow_control_plane(self) -> bool:
         """After an error: when the agent is lost and the standby took over, move this rank's store to it
-        (True); the rank then recovers as from a peer failure. False when the agent is still there."""
+        (True); the rank then recovers as from a peer failure. False when the agent is still there (on a new
+        connection if the last one broke)."""
         if self.control is None:
             from .control_plane import reachable
 
@@ -376,9 +379,9 @@ class GenerationRank(abc.ABC):
             stop_now(self.ident, str(exc))
         if moved is None:
             return False
-        self.store, self.store_addr = moved, self.control.current
-        self.injector.store = moved
-        return True
+        self.store, self.store_addr = moved.store, self.control.current
+        self.injector.store = moved.store
+        return moved.took_over
 
     def recover(self, step: int) -> int:
         """Leave the broken generation and join the next one; returns the step to resume at."""

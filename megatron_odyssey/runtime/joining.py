@@ -143,9 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # as the agent's own ranks (several share the cores)
     os.environ.setdefault("TORCH_SHOW_CPP_STACKTRACES", "0")
-    import torch.distributed as dist
-
-    from .control_plane import listening, parse_address
+    from .control_plane import client, listening, parse_address
     from .errors import dump_stacks_on_signals
 
     dump_stacks_on_signals()
@@ -153,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if not listening((host, port), timeout_s=5):  # a wrong address fails now, not in 30 s
             raise ConnectionRefusedError("nothing listens there")
-        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
+        store = client((host, port), 30)
         cfg = read_job_config(store)
     except Exception as exc:  # noqa: BLE001 - say what went wrong on the terminal, not a traceback
         print(f"odyssey join: cannot reach the job at {args.address}: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -29,7 +29,6 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any, Callable, ContextManager, Iterator
 
 WORKING, COMM, WAITING, IDLE = "working", "comm", "waiting", "idle"
@@ -213,9 +212,9 @@ class StoreThread(threading.Thread):
 
 
 def _client(host: str, port: int, timeout_s: float) -> Any:
-    import torch.distributed as dist
+    from .control_plane import client
 
-    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=max(1.0, timeout_s)))
+    return client((host, port), max(1.0, timeout_s))
 
 
 class Heartbeat(StoreThread):

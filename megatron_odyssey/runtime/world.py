@@ -10,7 +10,6 @@ express uniform grids).
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -241,21 +240,16 @@ def shut_connections(keep_peer_ports: set[int]) -> int:
     sockets. ``shutdown(2)`` acts on the connection itself, whoever holds a descriptor of it."""
     import socket
 
+    from .sockets import tcp_connections
+
     closed = 0
-    for name in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else []:
+    for sock in tcp_connections():
         try:
-            sock = socket.socket(fileno=int(name))
-        except (OSError, ValueError):  # not a socket
-            continue
-        try:
-            if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
-                if sock.getpeername()[1] not in keep_peer_ports:
-                    sock.shutdown(socket.SHUT_RDWR)
-                    closed += 1
-        except OSError:  # listening or already closed
+            if sock.getpeername()[1] not in keep_peer_ports:
+                sock.shutdown(socket.SHUT_RDWR)
+                closed += 1
+        except OSError:  # closed meanwhile
             pass
-        finally:
-            sock.detach()  # the descriptor stays open; its owner closes it
     return closed
 
 

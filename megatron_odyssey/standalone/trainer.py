@@ -16,7 +16,6 @@ import json
 import sys
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Mapping
 
 import torch
@@ -24,6 +23,7 @@ import torch.distributed as dist
 
 from ..runtime import weight_grad
 from ..runtime.config import TrainConfig
+from ..runtime.control_plane import client
 from ..runtime.errors import STARTED_KEY, fail_locally, is_peer_failure, stop_now
 from ..runtime.generation import GenerationRank
 from ..runtime.liveness import WAITING, Heartbeat, Progress, track
@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     cfg = TrainConfig.load(args.config)
     host, port = args.store.rsplit(":", 1)
-    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=cfg.timeout_s))
+    store = client((host, int(port)), cfg.timeout_s)
     torch.set_num_threads(1)  # a fresh process: safe here, unlike in a forked rank
     run(cfg, args.rank, store, (host, int(port)))
 

@@ -260,13 +260,17 @@ def run_stock(megatron_lm: str | Path, work: Path, flags: list[str], port: int, 
 def run_odyssey(megatron_lm: str | Path, work: Path, flags: list[str], port: int, nproc: int = 4,
                 nodes: int = 1, gpu: bool = False, join: tuple[int, ...] = (),
                 sigterm_after_iteration: int | None = None, shared: str = "",
-                refusal_expected: bool = False, launcher_flags: tuple[str, ...] = ()) -> JobResult:
+                refusal_expected: bool = False, launcher_flags: tuple[str, ...] = (),
+                silent_machine_0: tuple[Any, int] | None = None) -> JobResult:
     """``odyssey-launch`` on ``nodes`` launchers (each standing for a machine) with ``--odyssey``; ``join``:
     machines (by node rank) that come back, each a launcher with ``--join``, started once the job trains
     (it then sets itself up; when it asks to join is the job's ``--odyssey-rejoin``); ``sigterm_after_iteration``:
     SIGTERM to every launcher once Megatron logged that iteration (a scheduler stopping the job); ``shared``: as
-    :func:`job_env`; ``launcher_flags``: more of odyssey-launch's own. A test that saves where stock cannot is
-    skipped, unless it expects that refusal."""
+    :func:`job_env`; ``launcher_flags``: more of odyssey-launch's own; ``silent_machine_0``: (a
+    ``testing.network_namespace.NetworkNamespace``, an iteration): machine 0 runs in that namespace and loses power
+    once the last machine logged that iteration (its link cut, then its processes frozen: nothing it does reaches
+    anyone any more); the job's code is then the other machines'. A test that saves where stock cannot is skipped,
+    unless it expects that refusal."""
     if not refusal_expected:
         skip_where_stock_cannot_save(megatron_lm, flags)
     script = patched_script(megatron_lm, work)
@@ -279,14 +283,21 @@ def run_odyssey(megatron_lm: str | Path, work: Path, flags: list[str], port: int
     # launcher (and its rank's prints) while the job waits for that rank
     consoles: list[Path] = []
 
-    def start(argv: list[str], console: Path) -> subprocess.Popen:
+    space = silent_machine_0[0] if silent_machine_0 is not None else None
+    if space is not None:
+        launch += ["--master-addr", space.ip]
+
+    def start(argv: list[str], console: Path, node: int | None = None) -> subprocess.Popen:
         consoles.append(console)
+        env = job_env(megatron_lm, gpu, shared)
+        if space is not None:  # (gloo finds its address from the interface: the namespace's, or ours towards it)
+            env["GLOO_SOCKET_IFNAME"] = space.link if node == 0 else space.host_link
+            argv = ["ip", "netns", "exec", space.name, *argv] if node == 0 else argv
         with console.open("w") as out:
-            return subprocess.Popen(argv, env=job_env(megatron_lm, gpu, shared), stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
     procs = [start(launch + ["--node-rank", str(n), "--workdir", str(work / f"logs{n}")] + args,
-                   work / f"console{n}.txt") for n in range(nodes)]
+                   work / f"console{n}.txt", n) for n in range(nodes)]
     address = work / "logs0" / "agent.address"  # written by machine 0's launcher once training began
     while join and not address.exists() and procs[0].poll() is None:
         time.sleep(0.2)
@@ -294,6 +305,17 @@ def run_odyssey(megatron_lm: str | Path, work: Path, flags: list[str], port: int
                               address.read_text().strip()] + args, work / f"console_join{n}.txt")
               for n in join if address.exists()]
     deadline, timed_out = time.monotonic() + 900, False
+    if space is not None:
+        silent_after = re.compile(rf"iteration\s+{silent_machine_0[1]}/")
+        while all(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if silent_after.search(consoles[nodes - 1].read_text(errors="replace")):
+                space.cut()
+                for pid in space.pids():
+                    os.kill(pid, signal.SIGSTOP)
+                (work / "silent_at").write_text(str(time.time()))
+                break
+            time.sleep(0.05)
+        lost, procs = procs[0], procs[1:]
     logged = re.compile(rf"iteration\s+{sigterm_after_iteration}/")
     while sigterm_after_iteration is not None and procs[0].poll() is None and time.monotonic() < deadline:
         if logged.search(consoles[0].read_text(errors="replace")):
@@ -311,6 +333,10 @@ def run_odyssey(megatron_lm: str | Path, work: Path, flags: list[str], port: int
             if p.poll() is None:
                 os.killpg(p.pid, 9)
                 p.wait()
+    if space is not None:
+        for pid in space.pids():  # machine 0, frozen since it went silent
+            os.kill(pid, signal.SIGKILL)
+        lost.wait(30)
     wall = time.perf_counter() - t0
     logs = "".join(c.read_text(errors="replace") for c in consoles)
     logs += "".join(p.read_text() for p in sorted(work.glob("logs*/rank*.log")))

@@ -1566,6 +1566,31 @@ def test_machine_0_is_lost_with_the_agent_and_a_rank(stock: dict, tmp_path: Path
     assert same_training(job.iterations(), stock)
 
 
+def test_machine_0_loses_power_and_goes_silent(stock: dict, tmp_path: Path) -> None:
+    """As above, but machine 0 goes silent as a machine that loses power does, instead of dying with its connections
+    closed: it runs in a network namespace whose link is cut after iteration 2, and its processes are frozen. The
+    other machines' requests to the agent's store fail within ``UNACKED_S``, the standby takes over, finds rank 0
+    gone by its silence, and the job trains as stock Megatron-LM. Before, every one of them waited on Linux's
+    retransmits (about 15 minutes), or for ever in a wait for a commit. Needs root (the namespace)."""
+    from megatron_odyssey.runtime.sockets import UNACKED_S
+    from megatron_odyssey.testing.network_namespace import Unavailable, network_namespace
+
+    try:
+        with network_namespace() as space:
+            job = run_odyssey(MLM, tmp_path, ODYSSEY, _port(1970), nodes=4, silent_machine_0=(space, 2))
+    except Unavailable as why:
+        pytest.skip(f"no second machine here: {why}")
+    assert job.returncode == 0, job.tail()
+    report = job.report
+    (takeover,) = report["takeovers"]
+    assert takeover["ranks_lost"] == [0] and takeover["policy"] in ("reroute", "reconfigure")
+    (failure,) = report["failures"]
+    assert failure["ranks"] == [0]
+    assert [s["step"] for s in report["steps"]] == list(range(ITERS))
+    assert same_training(job.iterations(), stock)
+    assert takeover["detection_s"] < UNACKED_S + 20, takeover  # (the standby's probe waited out the bound)
+
+
 def test_a_lost_machine_comes_back_and_joins(stock: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Four machines of one rank each; machine 3 is lost in iteration 2 (its launcher and rank killed) and the
     survivors reroute. A repaired machine 3 is started with ``odyssey-launch --join`` while the job trains: its

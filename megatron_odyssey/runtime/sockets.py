@@ -1,0 +1,71 @@
+"""This process's TCP connections, found through ``/proc/self/fd``: torch's store client and gloo keep their sockets
+to themselves, and the two things we must do to one act on the connection, whoever holds a descriptor of it: shut it
+(``world.shut_connections``), or bound how long its peer may stay silent (:func:`bound_silence`).
+
+Why the bound: a machine that loses power or its network sends nothing more, not even the reset a killed process's
+kernel sends, so a store client's request to it waits for an answer while Linux retransmits (``tcp_retries2``: about
+15 minutes); a client waiting in ``get`` for a key sends nothing and waits for ever. With ``TCP_USER_TIMEOUT`` and
+keepalive probes, a connection whose peer acknowledges nothing for ``UNACKED_S`` is aborted by the kernel, so the
+request fails and its caller follows the standby (``control_plane``); a rank's gloo connections are bounded alike,
+so a collective with a rank on that machine fails and the rank recovers (nothing else could end it: the agent cannot
+kill a process on a machine it cannot reach). A live peer's kernel acknowledges within milliseconds however busy
+its processes are, so a slow agent or a rank computing for minutes is never taken for a lost one."""
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+
+UNACKED_S = 10.0  # a control store's machine that acknowledges nothing for this long is gone
+KEEPALIVE_S = 2  # an idle connection is probed after this long, then this often (the probes go unanswered when gone)
+
+
+def tcp_connections() -> Iterator[socket.socket]:
+    """Each connected TCP socket of this process, as a socket object that does not own its descriptor (its owner
+    closes it)."""
+    for name in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else []:
+        try:
+            sock = socket.socket(fileno=int(name))
+        except (OSError, ValueError):  # not a socket (or closed meanwhile)
+            continue
+        try:
+            if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
+                try:
+                    sock.getpeername()
+                except OSError:  # listening, or not connected
+                    continue
+                yield sock
+        finally:
+            sock.detach()  # the descriptor stays open
+
+
+def _plain(ip: str) -> str:
+    return ip.removeprefix("::ffff:")  # an IPv4 peer of an IPv6 socket
+
+
+def bound_silence(peer: tuple[str, int] | None = None, unacked_s: float = UNACKED_S) -> int:
+    """Abort this process's connections to ``peer`` (host, port), or all of them (a rank's: its store's and its
+    gloo peers'), once their peer has acknowledged nothing for ``unacked_s``, idle ones included (keepalive); returns
+    how many were bounded. Nothing where the platform lacks ``TCP_USER_TIMEOUT`` (Linux has it)."""
+    if not hasattr(socket, "TCP_USER_TIMEOUT"):
+        return 0
+    ips = None
+    if peer is not None:
+        try:
+            ips = {_plain(info[4][0]) for info in socket.getaddrinfo(peer[0], peer[1], type=socket.SOCK_STREAM)}
+        except OSError:
+            return 0
+    bounded = 0
+    for sock in tcp_connections():
+        host, port = sock.getpeername()[:2]
+        if ips is not None and (port != peer[1] or _plain(host) not in ips):
+            continue
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(unacked_s * 1000))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_S)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_S)
+            bounded += 1
+        except OSError:  # closed meanwhile
+            continue
+    return bounded

@@ -1,0 +1,197 @@
+"""A machine that goes silent (loses power or its network) instead of dying with its connections closed: requests to
+its store fail within ``sockets.UNACKED_S``, the standby takes over from a silent agent, and the other machines'
+launchers follow it. Before, every request to the silent machine waited on Linux's retransmits (about 15 minutes) and
+a wait for a key waited for ever, so the standby never judged the agent lost and the job stood still.
+
+The silent machine is a network namespace whose link is taken down (``testing.network_namespace``): real stores,
+real sockets, real dropped packets. Those tests need root; the socket options are checked without."""
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from megatron_odyssey.runtime.control_plane import STATE_KEY, TAKEOVER_KEY, ControlPlane, Standby, client
+from megatron_odyssey.runtime.sockets import UNACKED_S, tcp_connections
+from megatron_odyssey.testing.network_namespace import NetworkNamespace, Unavailable, network_namespace
+
+SERVE = ("import sys, time, torch.distributed as d; s = d.TCPStore('0.0.0.0', int(sys.argv[1]), is_master=True, "
+         "wait_for_workers=False); s.set('odyssey/config', '{}'); print('up', flush=True); time.sleep(600)")
+SLACK_S = 8.0  # beyond UNACKED_S: a keepalive interval, the store's own retries, a loaded machine
+
+
+@pytest.fixture
+def silent() -> NetworkNamespace:
+    try:
+        with network_namespace() as space:
+            yield space
+    except Unavailable as why:
+        pytest.skip(f"no second machine here: {why}")
+
+
+def _store_in(space: NetworkNamespace, port: int = 29911) -> tuple[subprocess.Popen, tuple[str, int]]:
+    server = space.popen([sys.executable, "-c", SERVE, str(port)], stdout=subprocess.PIPE, start_new_session=True)
+    assert server.stdout.readline() == b"up\n", "the store in the namespace did not start"
+    return server, (space.ip, port)
+
+
+def _options(port: int) -> list[tuple[int, int]]:
+    found = []
+    for sock in tcp_connections():
+        if sock.getpeername()[1] == port:
+            found.append((sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT),
+                          sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)))
+    return found
+
+
+def test_a_control_store_client_bounds_the_silence_of_every_connection_to_that_store() -> None:
+    """(Every connection of this process to the store: a plain client's too, and the server's own client here.)"""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    plain = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10))
+    before = _options(server.port)
+    assert len(before) == 2 and set(before) == {(0, 0)}  # (Linux's defaults: no bound, no keepalive)
+    ours = client(("127.0.0.1", server.port), 10)
+    assert _options(server.port) == [(int(UNACKED_S * 1000), 1)] * 3
+    ours.set("k", "v")
+    assert plain.get("k") == b"v"  # the options change nothing while the peer answers
+
+
+def test_requests_to_a_machine_gone_silent_fail_within_the_bound(silent: NetworkNamespace) -> None:
+    """A rank waiting for a commit (``get`` of a key not set yet: it sends nothing while it waits) and a node agent's
+    poll (``check`` after the cut) both fail within the bound; a plain TCPStore client's ``check`` is still waiting
+    then (the cut is silent: nothing told it)."""
+    server, address = _store_in(silent)
+    waiting, polling = client(address, 600), client(address, 600)
+    plain = subprocess.Popen([sys.executable, "-c", "import sys, time, torch.distributed as d; from datetime import "
+                              "timedelta; s = d.TCPStore(sys.argv[1], int(sys.argv[2]), is_master=False, "
+                              "timeout=timedelta(seconds=600)); print('up', flush=True); sys.stdin.readline(); "
+                              "s.check(['odyssey/config']); print('answered', flush=True)", *map(str, address)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        assert plain.stdout.readline() == b"up\n"
+        ended: dict[str, float] = {}
+
+        def failing(op: str, request) -> threading.Thread:  # (a thread: without the bound it would wait for ever)
+            def run() -> None:
+                try:
+                    request()
+                except Exception:  # noqa: BLE001 - torch's DistNetworkError, what the callers' recovery catches
+                    ended[op] = time.monotonic()
+
+            thread = threading.Thread(target=run, daemon=True)
+            thread.start()
+            return thread
+
+        waiter = failing("get", lambda: waiting.get("odyssey/commit/never"))
+        time.sleep(0.5)
+        silent.cut()
+        cut = time.monotonic()
+        plain.stdin.write(b"ask\n")
+        plain.stdin.flush()
+        poller = failing("check", lambda: polling.check(["odyssey/config"]))
+        for thread in (waiter, poller):
+            thread.join(max(0.0, cut + UNACKED_S + SLACK_S - time.monotonic()))
+        assert set(ended) == {"get", "check"}, ended
+        took = {op: t - cut for op, t in ended.items()}
+        assert max(took.values()) < UNACKED_S + SLACK_S, took
+        assert plain.poll() is None  # still waiting for its answer: only the bound ended ours
+    finally:
+        plain.kill()
+        server.kill()
+
+
+def test_the_standby_takes_over_from_a_silent_agent_and_the_other_machines_follow(silent: NetworkNamespace,
+                                                                                     tmp_path: Path) -> None:
+    """The agent's machine goes silent: the standby judges the agent lost and returns its state to take over with,
+    and another machine's launcher (its node agent, polling the agent's store) moves to the standby's store and
+    reports its rank's exit there, each within the bound."""
+    from megatron_odyssey.launch import EXIT_KEY, LocalRank, node_agent
+
+    server, agent = _store_in(silent)
+    standby_store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    standby = (silent.host_ip, standby_store.port)  # as the agent's machine would reach it
+    standby_store.set(STATE_KEY, json.dumps({"gen": 1, "agent_pid": 1}))  # (the agent's replicated state)
+    watcher = Standby(standby_store, agent, tmp_path / "standby.steps.jsonl", takeover_after_s=2.0,
+                      log=lambda msg: None)
+    rank = LocalRank(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                                      start_new_session=True))
+    try:
+        control = ControlPlane(agent, standby, -1, wait_s=120)
+        args = argparse.Namespace(node_rank=2, workdir=tmp_path, join=None)
+        codes: list[int] = []
+        node = threading.Thread(target=lambda: codes.append(node_agent(args, {5: rank}, client(agent, 300), control)),
+                                daemon=True)
+        node.start()
+        took_over: list[object] = []
+        watching = threading.Thread(target=lambda: took_over.append(watcher.watch()), daemon=True)
+        watching.start()
+        time.sleep(1.0)
+        assert not took_over  # the agent answers: nothing to take over
+        silent.cut()
+        cut = time.monotonic()
+        watching.join(UNACKED_S + 2.0 + SLACK_S)
+        assert took_over and isinstance(took_over[0], dict) and took_over[0]["gen"] == 1, took_over
+        standby_store.set(TAKEOVER_KEY, "1")  # (what take_over says once it has the job)
+        rank.kill()
+        deadline = time.monotonic() + UNACKED_S + SLACK_S
+        while not standby_store.check([EXIT_KEY.format(5)]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert standby_store.check([EXIT_KEY.format(5)]), "the launcher did not follow the standby"
+        assert int(standby_store.get(EXIT_KEY.format(5))) == -9
+        assert time.monotonic() - cut < 2 * (UNACKED_S + SLACK_S)
+        node.join(10)
+    finally:
+        rank.kill()
+        server.kill()
+
+
+def test_a_network_blip_longer_than_the_bound_costs_a_connection_not_the_launcher(silent: NetworkNamespace,
+                                                                                     tmp_path: Path) -> None:
+    """The agent's machine is silent for longer than the bound, then answers again, and no standby took over: the
+    launcher's broken connection is replaced by a new one to the same agent, and its rank's exit reaches that agent.
+    Before, the launcher raised (its store answered, yet its own client was broken) and its machine left the job."""
+    from megatron_odyssey.launch import EXIT_KEY, LocalRank, node_agent
+
+    server, agent = _store_in(silent)
+    standby_store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    rank = LocalRank(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                                      start_new_session=True))
+    try:
+        control = ControlPlane(agent, (silent.host_ip, standby_store.port), -1, wait_s=120)
+        args = argparse.Namespace(node_rank=2, workdir=tmp_path, join=None)
+        failed: list[BaseException] = []
+
+        def launcher() -> None:
+            try:
+                node_agent(args, {5: rank}, client(agent, 300), control)
+            except BaseException as exc:  # noqa: BLE001 - the test's verdict
+                failed.append(exc)
+
+        node = threading.Thread(target=launcher, daemon=True)
+        node.start()
+        time.sleep(1.0)
+        silent.cut()
+        time.sleep(UNACKED_S + 4.0)  # (the launcher's poll fails meanwhile: its connection is aborted)
+        silent.mend()
+        time.sleep(2.0)
+        assert not failed, failed
+        rank.kill()
+        agents = client(agent, 30)
+        deadline = time.monotonic() + 30
+        while not agents.check([EXIT_KEY.format(5)]) and time.monotonic() < deadline and not failed:
+            time.sleep(0.1)
+        assert not failed, failed
+        assert int(agents.get(EXIT_KEY.format(5))) == -9
+        assert not standby_store.check([EXIT_KEY.format(5)])  # (no takeover: nothing went to the standby)
+    finally:
+        rank.kill()
+        server.kill()
