@@ -346,12 +346,13 @@ def serve_node(args: argparse.Namespace, local: dict[int, LocalRank], terminatio
     from .runtime.generation import wait_key
 
     store = client((args.master_addr, args.odyssey_port), 300)
-    control = None
     if args.standby and args.node_rank == 1:
         return standby_node(args, local, store, termination)
+    standby = None
     if args.standby:
         standby = parse_address(wait_key(store, STANDBY_KEY, "the standby agent's address", 300).decode())
-        control = ControlPlane((args.master_addr, args.odyssey_port), standby, -1, wait_s=120)
+    control = ControlPlane((args.master_addr, args.odyssey_port), standby, -1, wait_s=120)  # (standby or not: a
+    # broken connection to the agent is made again)
     return node_agent(args, local, store, control, termination=termination)
 
 
@@ -586,7 +587,7 @@ def join_running_job(args: argparse.Namespace) -> int:
                                        "standby": standby is not None})
     termination = Termination(local, args.termination_grace)
     termination.install()  # a joined machine is stopped like any other
-    control = ControlPlane(address, standby, -1, wait_s=120) if standby is not None else None
+    control = ControlPlane(address, standby, -1, wait_s=120)
     try:
         return node_agent(args, local, store, control, termination=termination)
     finally:  # (ranks held as standbys to the end of the job leave with it)

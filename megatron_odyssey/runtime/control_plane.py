@@ -368,6 +368,19 @@ class OrphanRank:
 
 
 # -- a rank's side ------------------------------------------------------------------------------------
+def refused(address: tuple[str, int], timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+    """The machine at ``address`` answers that nothing listens there (a silent one does not answer at all)."""
+    import socket
+
+    try:
+        socket.create_connection(address, timeout=timeout_s).close()
+        return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+
+
 def answering(address: tuple[str, int]) -> Any | None:
     """A new client of the store at ``address`` if it answers now, else None."""
     try:
@@ -415,17 +428,24 @@ class ControlPlane:
             return client(self.current, timeout_s)
 
     def follow(self, store: Any) -> Followed | None:
-        """After an error: None when ``store`` still answers (the error was not its connection's), or when its
-        agent is gone and there is no standby; else the store to go on with: the standby's once it has taken over,
-        or the same agent's on a new connection (the last one broke: a network blip outlasted
-        ``sockets.UNACKED_S``, and a broken client is never used again). Raises when the agent stays lost and no
-        standby takes over within ``wait_s``."""
+        """After an error: None when ``store`` still answers (the error was not its connection's); else the store
+        to go on with: the standby's once it has taken over, or the same agent's on a new connection (the last one
+        broke: a network blip outlasted ``sockets.UNACKED_S``, and a broken client is never used again). Raises
+        ConnectionError when the agent stays lost and no standby takes over within ``wait_s``, and, without a
+        standby, as soon as the agent's machine refuses the connection (its process is gone)."""
         if reachable(store):
             return None
-        if self.standby is None:
-            fresh = answering(self.current)
-            return Followed(fresh, took_over=False) if fresh is not None else None
         deadline = time.monotonic() + self.wait_s
+        if self.standby is None:  # the same agent again after a blip, or nobody
+            while time.monotonic() < deadline:
+                fresh = answering(self.current)
+                if fresh is not None:
+                    return Followed(fresh, took_over=False)
+                if refused(self.current):
+                    break
+                time.sleep(0.1)
+            raise ConnectionError(f"the agent's store {self.current[0]}:{self.current[1]} is gone and this job has "
+                                  f"no standby agent")
         while time.monotonic() < deadline:
             if self.current == self.standby and self.moved:  # a thread of ours moved already
                 return Followed(client(self.current, PROBE_TIMEOUT_S), took_over=True)

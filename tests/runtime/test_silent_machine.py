@@ -25,7 +25,7 @@ from megatron_odyssey.runtime.sockets import UNACKED_S, tcp_connections
 from megatron_odyssey.testing.network_namespace import NetworkNamespace, Unavailable, network_namespace
 
 SERVE = ("import sys, time, torch.distributed as d; s = d.TCPStore('0.0.0.0', int(sys.argv[1]), is_master=True, "
-         "wait_for_workers=False); s.set('odyssey/config', '{}'); print('up', flush=True); time.sleep(600)")
+         "wait_for_workers=False); s.set('odyssey/config', '{}'); print('up', s.port, flush=True); time.sleep(600)")
 SLACK_S = 8.0  # beyond UNACKED_S: a keepalive interval, the store's own retries, a loaded machine
 
 
@@ -40,7 +40,7 @@ def silent() -> NetworkNamespace:
 
 def _store_in(space: NetworkNamespace, port: int = 29911) -> tuple[subprocess.Popen, tuple[str, int]]:
     server = space.popen([sys.executable, "-c", SERVE, str(port)], stdout=subprocess.PIPE, start_new_session=True)
-    assert server.stdout.readline() == b"up\n", "the store in the namespace did not start"
+    assert server.stdout.readline().split() == [b"up", str(port).encode()], "the store in the namespace did not start"
     return server, (space.ip, port)
 
 
@@ -109,6 +109,41 @@ def test_requests_to_a_machine_gone_silent_fail_within_the_bound(silent: Network
         server.kill()
 
 
+def test_without_a_standby_a_launcher_whose_agent_is_gone_says_so_at_once(tmp_path: Path) -> None:
+    """``--no-standby``: the agent's process is gone (its machine refuses the connection): the launcher does not wait
+    for it to answer again, it stops with the reason."""
+    from megatron_odyssey.launch import LocalRank, node_agent
+
+    server = subprocess.Popen([sys.executable, "-c", SERVE, "0"], stdout=subprocess.PIPE, start_new_session=True)
+    rank = LocalRank(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                                      start_new_session=True))
+    try:
+        said = server.stdout.readline().split()
+        assert said[0] == b"up"
+        agent = ("127.0.0.1", int(said[1]))
+        failed: list[BaseException] = []
+
+        def launcher() -> None:
+            try:
+                node_agent(argparse.Namespace(node_rank=2, workdir=tmp_path, join=None), {5: rank},
+                           client(agent, 300), ControlPlane(agent, None, -1, wait_s=120))
+            except BaseException as exc:  # noqa: BLE001 - the test's verdict
+                failed.append(exc)
+
+        node = threading.Thread(target=launcher, daemon=True)
+        node.start()
+        time.sleep(0.5)
+        server.kill()
+        t0 = time.monotonic()
+        node.join(30)
+        assert failed and isinstance(failed[0], ConnectionError), failed
+        assert "is gone and this job has no standby agent" in str(failed[0])
+        assert time.monotonic() - t0 < 15  # (not the control plane's 120 s)
+    finally:
+        rank.kill()
+        server.kill()
+
+
 def test_the_standby_takes_over_from_a_silent_agent_and_the_other_machines_follow(silent: NetworkNamespace,
                                                                                      tmp_path: Path) -> None:
     """The agent's machine goes silent: the standby judges the agent lost and returns its state to take over with,
@@ -154,11 +189,13 @@ def test_the_standby_takes_over_from_a_silent_agent_and_the_other_machines_follo
         server.kill()
 
 
+@pytest.mark.parametrize("standby", [True, False], ids=["standby", "no-standby"])
 def test_a_network_blip_longer_than_the_bound_costs_a_connection_not_the_launcher(silent: NetworkNamespace,
-                                                                                     tmp_path: Path) -> None:
-    """The agent's machine is silent for longer than the bound, then answers again, and no standby took over: the
-    launcher's broken connection is replaced by a new one to the same agent, and its rank's exit reaches that agent.
-    Before, the launcher raised (its store answered, yet its own client was broken) and its machine left the job."""
+                                                                                     tmp_path: Path, standby: bool) -> None:
+    """The agent's machine is silent for longer than the bound, then answers again, and no standby took over (or
+    there is none: ``--no-standby``): the launcher's broken connection is replaced by a new one to the same agent,
+    and its rank's exit reaches that agent. Before, the launcher raised (its store answered, yet its own client was
+    broken) and its machine left the job."""
     from megatron_odyssey.launch import EXIT_KEY, LocalRank, node_agent
 
     server, agent = _store_in(silent)
@@ -166,7 +203,7 @@ def test_a_network_blip_longer_than_the_bound_costs_a_connection_not_the_launche
     rank = LocalRank(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
                                       start_new_session=True))
     try:
-        control = ControlPlane(agent, (silent.host_ip, standby_store.port), -1, wait_s=120)
+        control = ControlPlane(agent, (silent.host_ip, standby_store.port) if standby else None, -1, wait_s=120)
         args = argparse.Namespace(node_rank=2, workdir=tmp_path, join=None)
         failed: list[BaseException] = []
 
