@@ -162,8 +162,8 @@ def test_remote_rank_reads_exits_and_requests_fencing_through_the_store() -> Non
 
 
 def _node_agent(tmp: Path, port: int, local: dict, node_rank: int = 2) -> tuple[object, list[int]]:
-    """Machine ``node_rank``'s node agent in a thread (``--no-standby``: no control plane), reporting to the store at
-    ``port``; its return code lands in the list."""
+    """Machine ``node_rank``'s node agent in a thread (no control plane: a store error ends it), reporting to the
+    store at ``port``; its return code lands in the list."""
     import argparse
     import threading
 
