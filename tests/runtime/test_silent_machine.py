@@ -53,6 +53,24 @@ def _options(port: int) -> list[tuple[int, int]]:
     return found
 
 
+def _launcher(tmp: Path, rank, agent: tuple[str, int], control: ControlPlane) -> tuple[threading.Thread,
+                                                                                     list[BaseException]]:
+    """Machine 2's node agent (its rank 5) in a thread, reporting to ``agent``; what it raises lands in the list."""
+    from megatron_odyssey.launch import node_agent
+
+    failed: list[BaseException] = []
+
+    def launcher() -> None:
+        try:
+            node_agent(argparse.Namespace(node_rank=2, workdir=tmp, join=None), {5: rank}, client(agent, 300), control)
+        except BaseException as exc:  # noqa: BLE001 - the test's verdict
+            failed.append(exc)
+
+    node = threading.Thread(target=launcher, daemon=True)
+    node.start()
+    return node, failed
+
+
 def test_a_control_store_client_bounds_the_silence_of_every_connection_to_that_store() -> None:
     """(Every connection of this process to the store: a plain client's too, and the server's own client here.)"""
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
@@ -112,7 +130,7 @@ def test_requests_to_a_machine_gone_silent_fail_within_the_bound(silent: Network
 def test_without_a_standby_a_launcher_whose_agent_is_gone_says_so_at_once(tmp_path: Path) -> None:
     """``--no-standby``: the agent's process is gone (its machine refuses the connection): the launcher does not wait
     for it to answer again, it stops with the reason."""
-    from megatron_odyssey.launch import LocalRank, node_agent
+    from megatron_odyssey.launch import LocalRank
 
     server = subprocess.Popen([sys.executable, "-c", SERVE, "0"], stdout=subprocess.PIPE, start_new_session=True)
     rank = LocalRank(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
@@ -121,17 +139,7 @@ def test_without_a_standby_a_launcher_whose_agent_is_gone_says_so_at_once(tmp_pa
         said = server.stdout.readline().split()
         assert said[0] == b"up"
         agent = ("127.0.0.1", int(said[1]))
-        failed: list[BaseException] = []
-
-        def launcher() -> None:
-            try:
-                node_agent(argparse.Namespace(node_rank=2, workdir=tmp_path, join=None), {5: rank},
-                           client(agent, 300), ControlPlane(agent, None, -1, wait_s=120))
-            except BaseException as exc:  # noqa: BLE001 - the test's verdict
-                failed.append(exc)
-
-        node = threading.Thread(target=launcher, daemon=True)
-        node.start()
+        node, failed = _launcher(tmp_path, rank, agent, ControlPlane(agent, None, -1, wait_s=120))
         time.sleep(0.5)
         server.kill()
         t0 = time.monotonic()
@@ -191,12 +199,13 @@ def test_the_standby_takes_over_from_a_silent_agent_and_the_other_machines_follo
 
 @pytest.mark.parametrize("standby", [True, False], ids=["standby", "no-standby"])
 def test_a_network_blip_longer_than_the_bound_costs_a_connection_not_the_launcher(silent: NetworkNamespace,
-                                                                                     tmp_path: Path, standby: bool) -> None:
+                                                                                     tmp_path: Path,
+                                                                                     standby: bool) -> None:
     """The agent's machine is silent for longer than the bound, then answers again, and no standby took over (or
     there is none: ``--no-standby``): the launcher's broken connection is replaced by a new one to the same agent,
     and its rank's exit reaches that agent. Before, the launcher raised (its store answered, yet its own client was
     broken) and its machine left the job."""
-    from megatron_odyssey.launch import EXIT_KEY, LocalRank, node_agent
+    from megatron_odyssey.launch import EXIT_KEY, LocalRank
 
     server, agent = _store_in(silent)
     standby_store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
@@ -204,17 +213,7 @@ def test_a_network_blip_longer_than_the_bound_costs_a_connection_not_the_launche
                                       start_new_session=True))
     try:
         control = ControlPlane(agent, (silent.host_ip, standby_store.port) if standby else None, -1, wait_s=120)
-        args = argparse.Namespace(node_rank=2, workdir=tmp_path, join=None)
-        failed: list[BaseException] = []
-
-        def launcher() -> None:
-            try:
-                node_agent(args, {5: rank}, client(agent, 300), control)
-            except BaseException as exc:  # noqa: BLE001 - the test's verdict
-                failed.append(exc)
-
-        node = threading.Thread(target=launcher, daemon=True)
-        node.start()
+        node, failed = _launcher(tmp_path, rank, agent, control)
         time.sleep(1.0)
         silent.cut()
         time.sleep(UNACKED_S + 4.0)  # (the launcher's poll fails meanwhile: its connection is aborted)
