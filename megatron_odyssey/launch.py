@@ -351,8 +351,8 @@ def serve_node(args: argparse.Namespace, local: dict[int, LocalRank], terminatio
     standby = None
     if args.standby:
         standby = parse_address(wait_key(store, STANDBY_KEY, "the standby agent's address", 300).decode())
-    control = ControlPlane((args.master_addr, args.odyssey_port), standby, -1, wait_s=120)  # (standby or not: a
-    # broken connection to the agent is made again)
+    # (standby or not: a broken connection to the agent is made again)
+    control = ControlPlane((args.master_addr, args.odyssey_port), standby, -1, wait_s=120)
     return node_agent(args, local, store, control, termination=termination)
 
 
@@ -474,8 +474,8 @@ def await_the_jobs_end(args: argparse.Namespace, local: dict[int, LocalRank], st
                     return code
             except Exception:  # noqa: BLE001 - the agent's store is gone: follow the standby, if it took over
                 if control is None:
-                    raise  # (no standby: the end is unknown)
-                moved = control.follow(store)  # (raises when none took over within its wait)
+                    raise  # (no control plane: the end is unknown)
+                moved = control.follow(store)  # (raises when the agent stays lost and no standby took over)
                 if moved is None:
                     continue  # (a hiccup: the store answers again)
                 store = moved.store  # (or the same agent's on a new connection: the last one broke)

@@ -92,16 +92,24 @@ def client(address: tuple[str, int], timeout_s: float) -> Any:
     return store
 
 
-def listening(address: tuple[str, int], timeout_s: float = PROBE_TIMEOUT_S) -> bool:
-    """Something accepts connections at ``address``: asked before making a store client, which retries a
-    refused connection for its whole timeout (a gone store would cost that long to find out)."""
+def knock(address: tuple[str, int], timeout_s: float = PROBE_TIMEOUT_S) -> str:
+    """How the machine at ``address`` answers a connection: "accepted"; "refused" (nothing listens there: its process
+    is gone); or "silent" (no answer within ``timeout_s``, or another error: a machine gone silent gives none)."""
     import socket
 
     try:
         socket.create_connection(address, timeout=timeout_s).close()
-        return True
+        return "accepted"
+    except ConnectionRefusedError:
+        return "refused"
     except OSError:
-        return False
+        return "silent"
+
+
+def listening(address: tuple[str, int], timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+    """Something accepts connections at ``address``: asked before making a store client, which retries a
+    refused connection for its whole timeout (a gone store would cost that long to find out)."""
+    return knock(address, timeout_s) == "accepted"
 
 
 def reachable(store: Any) -> bool:
@@ -368,19 +376,6 @@ class OrphanRank:
 
 
 # -- a rank's side ------------------------------------------------------------------------------------
-def refused(address: tuple[str, int], timeout_s: float = PROBE_TIMEOUT_S) -> bool:
-    """The machine at ``address`` answers that nothing listens there (a silent one does not answer at all)."""
-    import socket
-
-    try:
-        socket.create_connection(address, timeout=timeout_s).close()
-        return False
-    except ConnectionRefusedError:
-        return True
-    except OSError:
-        return False
-
-
 def answering(address: tuple[str, int]) -> Any | None:
     """A new client of the store at ``address`` if it answers now, else None."""
     try:
@@ -441,7 +436,7 @@ class ControlPlane:
                 fresh = answering(self.current)
                 if fresh is not None:
                     return Followed(fresh, took_over=False)
-                if refused(self.current):
+                if knock(self.current) == "refused":
                     break
                 time.sleep(0.1)
             raise ConnectionError(f"the agent's store {self.current[0]}:{self.current[1]} is gone and this job has "

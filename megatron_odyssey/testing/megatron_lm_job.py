@@ -11,7 +11,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository (patches/ beside the package)
 PATCHES = ROOT / "patches"
@@ -257,6 +257,17 @@ def run_stock(megatron_lm: str | Path, work: Path, flags: list[str], port: int, 
     return JobResult(proc.returncode, time.perf_counter() - t0, proc.stdout + proc.stderr)
 
 
+def _until_logged(console: Path, iteration: int, running: Callable[[], bool], deadline: float) -> bool:
+    """Whether Megatron logged ``iteration`` on ``console`` (looked for until it does, ``running`` turns false, or
+    ``deadline`` passes)."""
+    logged = re.compile(rf"iteration\s+{iteration}/")
+    while running() and time.monotonic() < deadline:
+        if logged.search(console.read_text(errors="replace")):
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def run_odyssey(megatron_lm: str | Path, work: Path, flags: list[str], port: int, nproc: int = 4,
                 nodes: int = 1, gpu: bool = False, join: tuple[int, ...] = (),
                 sigterm_after_iteration: int | None = None, shared: str = "",
@@ -306,23 +317,16 @@ def run_odyssey(megatron_lm: str | Path, work: Path, flags: list[str], port: int
               for n in join if address.exists()]
     deadline, timed_out = time.monotonic() + 900, False
     if space is not None:
-        silent_after = re.compile(rf"iteration\s+{silent_machine_0[1]}/")
-        while all(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if silent_after.search(consoles[nodes - 1].read_text(errors="replace")):
-                space.cut()
-                for pid in space.pids():
-                    os.kill(pid, signal.SIGSTOP)
-                (work / "silent_at").write_text(str(time.time()))
-                break
-            time.sleep(0.05)
+        if _until_logged(consoles[nodes - 1], silent_machine_0[1], lambda: all(p.poll() is None for p in procs),
+                         deadline):
+            space.cut()
+            for pid in space.pids():
+                os.kill(pid, signal.SIGSTOP)
         lost, procs = procs[0], procs[1:]
-    logged = re.compile(rf"iteration\s+{sigterm_after_iteration}/")
-    while sigterm_after_iteration is not None and procs[0].poll() is None and time.monotonic() < deadline:
-        if logged.search(consoles[0].read_text(errors="replace")):
-            for p in procs:
-                p.send_signal(signal.SIGTERM)
-            break
-        time.sleep(0.05)
+    if sigterm_after_iteration is not None and _until_logged(consoles[0], sigterm_after_iteration,
+                                                             lambda: procs[0].poll() is None, deadline):
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
     for p in procs:
         try:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
