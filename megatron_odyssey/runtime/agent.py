@@ -54,7 +54,8 @@ from ..planning.planner import Candidate, Decision, Planner, PlannerOptions
 from ..planning.schedule import overlapped_nodes
 from ..planning.sharding import lost_units
 from .config import TrainConfig
-from .control_plane import Deposed, Replica, ReplicaLost, free_port
+from .control_plane import TAKEOVER_KEY, Deposed, Replica, ReplicaLost, free_port
+from .quorum import GONE, SILENT, NoQuorum, Quorum, standby_check
 from .plan_message import checkpoint_due, encode_plan_message
 from .liveness import COMM, WAITING, Beat
 from .process_probe import SilenceJudge
@@ -82,6 +83,7 @@ def rank_start_method(cfg: TrainConfig) -> str:
 
 DEVICE_KEY = "odyssey/device_info"  # rank 0's measured device (odyssey train), JSON
 DEPOSED_EXIT = 3  # an agent the standby took over from leaves with this code
+STEPPED_DOWN_EXIT = 4  # an agent or standby on the smaller side of a partition leaves with this code (runtime.quorum)
 TAKEOVER_RECONNECT_S = 5.0  # after a takeover, how long a rank's heartbeat may take to reach the new agent
 
 
@@ -181,6 +183,8 @@ class Agent:
                                       self._dump_stacks)
         self.warm = False  # a step of this generation has committed (its first step warms up: not judged)
         self.replica: Replica | None = None  # the standby's copy of this agent's state (control_plane)
+        self.replicated: frozenset[int] = frozenset()  # the ranks of the newest generation the standby acknowledged
+        self.quorum: Quorum | None = None  # the standby was lost silently: whom a new generation needs (runtime.quorum)
         self.published: dict[str, Any] | None = None  # this generation's plan message, as published
         self.takeover_at = 0.0  # this agent took over from a lost one (its ranks' heartbeats come back now)
         # the C4D-style diagnosis of the ranks' operation records, and what the planner does about it
@@ -271,6 +275,8 @@ class Agent:
             self.log(f"deposed: the standby agent took over ({exc}); leaving the ranks to it")
             sys.stdout.flush()
             os._exit(DEPOSED_EXIT)  # no atexit: it would wait for the ranks, which are the standby's now
+        except NoQuorum as exc:
+            self.step_down(str(exc))
         except Exception as exc:  # a bug in the agent itself (planner, report...): stop the job now, say why
             self.log_error("internal error, stopping the job:\n" + traceback.format_exc())
             self.give_up(f"the agent failed: {type(exc).__name__}: {exc}")
@@ -1018,6 +1024,8 @@ class Agent:
             return False
         sealed_at, finished_all = sealed
         survivors = [i for i in self.members() if i not in self.dead]
+        if takeover and takeover.get("lost_as") == SILENT:  # (a partition may have left the agent running)
+            standby_check(survivors, frozenset(self.members()))
         if not survivors and finished_all:
             return self._ended_before(replan, gen_failed)
         held = [int(v) for v in self.store.multi_get([f"{self.key('recover')}/{i}" for i in survivors])]
@@ -1246,6 +1254,8 @@ class Agent:
         self.published = msg
         if self.replica is not None:
             self._replicate_state()
+        if self.quorum is not None:  # (the standby was lost silently: it may run the job with the others)
+            self.quorum.check(self.members())
         self.store.set(self.key("plan"), encode_plan_message(msg))
         rec.published_at = time.time()
         self.write_report(ok=True, final=False)
@@ -1296,20 +1306,32 @@ class Agent:
                 "joins": self.restored_records["joins"] + [j.to_json() for j in self.joins]}
 
     def _replicate_state(self) -> None:
-        snapshot = self.snapshot()
-        self._to_standby(lambda replica: replica.state(snapshot))
+        snapshot, members = self.snapshot(), frozenset(self.members())
+        if self._to_standby(lambda replica: replica.state(snapshot), members):
+            self.replicated = members
 
-    def _to_standby(self, write: Callable[[Replica], None]) -> None:
-        """A write ahead into the standby's store (``Replica.write_ahead``); a standby that keeps failing costs the
-        failover (said on the terminal), not the job. Deposed goes through."""
+    def _to_standby(self, write: Callable[[Replica], None], members: frozenset[int] | None = None) -> bool:
+        """A write ahead into the standby's store (``Replica.write_ahead``); whether the standby acknowledged it. A
+        standby that keeps failing costs the failover (said on the terminal), not the job; where its machine went
+        silent rather than refused the connection it may be this machine that is cut off, and from then on a new
+        generation needs a majority (``runtime.quorum``: of the generation the standby last acknowledged, and of
+        ``members``, the one this write may or may not have reached). Deposed goes through."""
         if self.replica is None:
-            return
+            return False
         try:
             self.replica.write_ahead(write)
+            return True
         except ReplicaLost as lost:
-            self.log_error(f"the standby agent's store stopped answering ({lost}); going on without a standby "
-                           f"(losing this machine now ends the job)")
+            if lost.answer == "refused":  # its process is gone: it can never take over
+                self.log_error(f"the standby agent's store stopped answering ({lost}): its process is gone; going "
+                               f"on without a standby (losing this machine now ends the job)")
+            else:
+                self.quorum = Quorum(tuple({self.replicated, *([members] if members is not None else [])}))
+                self.log_error(f"the standby agent's store stopped answering ({lost}) and its machine is silent: it "
+                               f"lost power, or this machine is cut off from the job; going on without a standby, and "
+                               f"only with more than half of the job's {len(self.replicated)} ranks")
             self.replica = None
+            return False
 
     def restore(self, state: dict[str, Any]) -> None:
         """Become the agent whose ``snapshot`` (with its newest commit merged in) this is."""
@@ -1331,7 +1353,6 @@ class Agent:
     def take_over(self, state: dict[str, Any], reason: str) -> int:
         """Go on from a lost agent's replicated ``state``: end every wait its ranks may be in (their commit,
         the generation's start, its plan), say so (``TAKEOVER_KEY``), then recover as after a failure."""
-        from .control_plane import TAKEOVER_KEY
         from .errors import STARTED_KEY
 
         self.restore(state)
@@ -1354,10 +1375,14 @@ class Agent:
         self.store.set(g("abort"), reason)
         self.store.set(TAKEOVER_KEY, json.dumps({"generation": self.gen, "reason": reason}))
         self.log(f"taking over at generation {self.gen}, step {self.next_step}: {reason}")
-        self.write_report(ok=True, final=False)
-        info = {"reason": reason, "lost_agent_s": float(state.get("lost_agent_s", 0.0))}
+        lost_as = state.get("lost_as", GONE)
+        if lost_as != SILENT:  # (from a silent agent, the report is the standby's once it knows it holds the job)
+            self.write_report(ok=True, final=False)
+        info = {"reason": reason, "lost_agent_s": float(state.get("lost_agent_s", 0.0)), "lost_as": lost_as}
         try:
             ok = self.recover(set(), takeover=info)
+        except NoQuorum as exc:
+            self.step_down(str(exc))
         except Exception as exc:  # noqa: BLE001 - say why, and stop the ranks rather than leave them waiting
             ok, self.stop_reason = False, f"the takeover failed: {type(exc).__name__}: {exc}"
         if not ok:
@@ -1454,6 +1479,21 @@ class Agent:
         return "unknown"
 
     # -- end ------------------------------------------------------------------------------------------
+    def step_down(self, why: str) -> None:
+        """The smaller side of a partition (``runtime.quorum``): stop this side's ranks and leave, writing no report
+        (the other side's agent writes the job's) and withdrawing a takeover (so the agent, once the network mends,
+        is not deposed by a standby that did not take the job)."""
+        self.log_error(f"stepping down: {why}")  # (not the job's stop: the other side goes on with it)
+        if self.takeover_at:
+            try:
+                self.store.delete_key(TAKEOVER_KEY)
+            except Exception:  # noqa: BLE001 - (our own store)
+                pass
+        self.stop_all()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(STEPPED_DOWN_EXIT)  # no atexit: it would wait for ranks it cannot reach
+
     def stop_all(self) -> None:
         for p in self.procs.values():
             if p.exitcode is None:

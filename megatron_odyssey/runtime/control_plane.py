@@ -32,6 +32,9 @@ How it works:
 
 A deposed agent (one that comes back after the standby took over, e.g. from a pause) sees the takeover
 on its next write-ahead and leaves without touching the ranks.
+
+A partition (machine 0 cut off but running, or the standby's machine cut off) leaves both agents running, each
+with the ranks it reaches: :mod:`.quorum` lets only one side go on.
 """
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .process_probe import is_zombie
+from .quorum import GONE, SILENT
 
 STANDBY_KEY = "odyssey/standby"  # in the agent's store: HOST:PORT of the standby's store (launch mode)
 TAKEOVER_KEY = "odyssey/takeover"  # in the standby's store: set when it takes over (JSON: generation, reason)
@@ -153,6 +157,7 @@ class Replica:
         may take seconds to accept); :class:`ReplicaLost` when every attempt failed. Deposed goes through."""
         first: Exception | None = None
         last: Exception | None = None
+        answer = "accepted"
         for attempt in range(attempts):
             try:
                 write(self)
@@ -165,13 +170,14 @@ class Replica:
                 try:
                     # a standby that is gone refuses at once (a store client would retry that for its whole
                     # timeout)
-                    if not listening(self.address):
-                        raise ConnectionRefusedError(f"nothing listens at {self.address[0]}:{self.address[1]} any "
-                                                     f"more")
+                    answer = knock(self.address)
+                    if answer != "accepted":
+                        raise ConnectionError(f"{self.address[0]}:{self.address[1]} "
+                                              + ("refuses the connection" if answer == "refused" else "is silent"))
                     self.store = client(self.address, REPLICA_RECONNECT_S)
                 except Exception as again:  # noqa: BLE001
                     last = again
-        raise ReplicaLost(f"{type(first).__name__}: {first}; last: {type(last).__name__}: {last}")
+        raise ReplicaLost(f"{type(first).__name__}: {first}; last: {type(last).__name__}: {last}", answer)
 
     def finish(self, code: int) -> None:
         try:
@@ -186,7 +192,12 @@ class Deposed(RuntimeError):
 
 
 class ReplicaLost(RuntimeError):
-    """The standby's store kept failing: the agent goes on without a standby."""
+    """The standby's store kept failing: the agent goes on without a standby. ``answer``: how its machine answered a
+    connection last (:func:`knock`): "refused" says its process is gone, anything else may be a partition."""
+
+    def __init__(self, message: str, answer: str):
+        super().__init__(message)
+        self.answer = answer
 
 
 # -- the standby's side ---------------------------------------------------------------------------------
@@ -229,7 +240,7 @@ class Standby:
             if self.same_machine and self.store.check([STATE_KEY]) and not self._agent_process_alive():
                 self.log("the agent's process is gone")  # exact on one machine: no grace needed
                 self.copy_steps()
-                return self.snapshot()
+                return self.snapshot(GONE)
             if self._agent_answers():
                 self.lost_since = None
                 self.last_contact = time.time()
@@ -253,7 +264,8 @@ class Standby:
                         self.log("the agent was lost before it started the job: nothing to take over")
                         return 1
                     self.copy_steps()
-                    return self.snapshot()
+                    # refused: its process is gone and its machine answers; silent: it may run on, cut off from us
+                    return self.snapshot(GONE if knock(self.agent_address) == "refused" else SILENT)
             time.sleep(self.poll_s)
 
     def _agent_answers(self) -> bool:
@@ -299,12 +311,15 @@ class Standby:
                 f.write(value.decode() + "\n")
         self.seen = newest
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self, lost_as: str = GONE) -> dict[str, Any]:
+        """The state to take over with; ``lost_as``: how the agent was lost (``runtime.quorum``: from a silent one
+        the takeover needs half of the job's ranks)."""
         state = json.loads(self.store.get(STATE_KEY)) if self.store.check([STATE_KEY]) else {}
         step = json.loads(self.store.get(STEP_KEY)) if self.store.check([STEP_KEY]) else {}
         if step.get("generation") == state.get("gen"):
             state.update(step)  # the newest commit of the newest generation
         state["lost_agent_s"] = time.time() - self.last_contact
+        state["lost_as"] = lost_as
         return state
 
 

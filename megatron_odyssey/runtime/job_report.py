@@ -68,6 +68,7 @@ def failure_entries(failures: list[FailureRecord], job_started: float) -> list[d
 def takeover_entries(failures: list[FailureRecord]) -> list[dict[str, Any]]:
     """The report's ``"takeovers"``: the standby agent going on from a lost one, and what it cost."""
     return [{"step": f.step, "generation": f.generation, "reason": f.takeover["reason"], "ranks_lost": f.ranks,
+             "lost_as": f.takeover.get("lost_as", "gone"),  # (runtime.quorum: "silent" needed half of the ranks)
              "policy": f.policy, "detection_s": f.detection_s, "recovery_s": f.recovery_s}
             for f in failures if f.takeover]
 

@@ -59,6 +59,7 @@ class JobResult:
     wall_s: float
     logs: str
     report: dict[str, Any] = field(default_factory=dict)
+    cut_off: int | None = None  # run_odyssey(cut_off=CutOff(..., power_loss=False)): that machine's own exit code
 
     def tail(self, chars: int = 4000) -> str:
         """The end of the terminal for a failed test's message, without Python's warnings (on core_r0.12.0 a
@@ -268,19 +269,30 @@ def _until_logged(console: Path, iteration: int, running: Callable[[], bool], de
     return False
 
 
+@dataclass(frozen=True)
+class CutOff:
+    """A machine of a :func:`run_odyssey` job that goes silent once the last machine logged ``iteration``: machine
+    ``node`` runs in ``space`` (a ``testing.network_namespace.NetworkNamespace``), whose link is then cut. With
+    ``power_loss`` its processes are frozen as well (nothing it does reaches anyone any more); without, they run on,
+    cut off (a partition), and the job's result holds that machine's own exit code (``JobResult.cut_off``)."""
+
+    space: Any
+    iteration: int
+    node: int = 0
+    power_loss: bool = True
+
+
 def run_odyssey(megatron_lm: str | Path, work: Path, flags: list[str], port: int, nproc: int = 4,
                 nodes: int = 1, gpu: bool = False, join: tuple[int, ...] = (),
                 sigterm_after_iteration: int | None = None, shared: str = "",
                 refusal_expected: bool = False, launcher_flags: tuple[str, ...] = (),
-                silent_machine_0: tuple[Any, int] | None = None) -> JobResult:
+                cut_off: CutOff | None = None) -> JobResult:
     """``odyssey-launch`` on ``nodes`` launchers (each standing for a machine) with ``--odyssey``; ``join``:
     machines (by node rank) that come back, each a launcher with ``--join``, started once the job trains
     (it then sets itself up; when it asks to join is the job's ``--odyssey-rejoin``); ``sigterm_after_iteration``:
     SIGTERM to every launcher once Megatron logged that iteration (a scheduler stopping the job); ``shared``: as
-    :func:`job_env`; ``launcher_flags``: more of odyssey-launch's own; ``silent_machine_0``: (a
-    ``testing.network_namespace.NetworkNamespace``, an iteration): machine 0 runs in that namespace and loses power
-    once the last machine logged that iteration (its link cut, then its processes frozen: nothing it does reaches
-    anyone any more); the job's code is then the other machines'. A test that saves where stock cannot is skipped,
+    :func:`job_env`; ``launcher_flags``: more of odyssey-launch's own; ``cut_off``: a machine that goes silent
+    (:class:`CutOff`); the job's code is then the other machines'. A test that saves where stock cannot is skipped,
     unless it expects that refusal."""
     if not refusal_expected:
         skip_where_stock_cannot_save(megatron_lm, flags)
@@ -294,16 +306,17 @@ def run_odyssey(megatron_lm: str | Path, work: Path, flags: list[str], port: int
     # launcher (and its rank's prints) while the job waits for that rank
     consoles: list[Path] = []
 
-    space = silent_machine_0[0] if silent_machine_0 is not None else None
-    if space is not None:
-        launch += ["--master-addr", space.ip]
+    space = cut_off.space if cut_off is not None else None
+    if space is not None:  # (machine 0's address, as every machine reaches it)
+        launch += ["--master-addr", space.ip if cut_off.node == 0 else space.host_ip]
 
     def start(argv: list[str], console: Path, node: int | None = None) -> subprocess.Popen:
         consoles.append(console)
         env = job_env(megatron_lm, gpu, shared)
         if space is not None:  # (gloo finds its address from the interface: the namespace's, or ours towards it)
-            env["GLOO_SOCKET_IFNAME"] = space.link if node == 0 else space.host_link
-            argv = ["ip", "netns", "exec", space.name, *argv] if node == 0 else argv
+            inside = node == cut_off.node
+            env["GLOO_SOCKET_IFNAME"] = space.link if inside else space.host_link
+            argv = ["ip", "netns", "exec", space.name, *argv] if inside else argv
         with console.open("w") as out:
             return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -317,12 +330,12 @@ def run_odyssey(megatron_lm: str | Path, work: Path, flags: list[str], port: int
               for n in join if address.exists()]
     deadline, timed_out = time.monotonic() + 900, False
     if space is not None:
-        if _until_logged(consoles[nodes - 1], silent_machine_0[1], lambda: all(p.poll() is None for p in procs),
+        if _until_logged(consoles[nodes - 1], cut_off.iteration, lambda: all(p.poll() is None for p in procs),
                          deadline):
             space.cut()
-            for pid in space.pids():
+            for pid in space.pids() if cut_off.power_loss else []:
                 os.kill(pid, signal.SIGSTOP)
-        lost, procs = procs[0], procs[1:]
+        lost = procs.pop(cut_off.node)
     if sigterm_after_iteration is not None and _until_logged(consoles[0], sigterm_after_iteration,
                                                              lambda: procs[0].poll() is None, deadline):
         for p in procs:
@@ -337,8 +350,15 @@ def run_odyssey(megatron_lm: str | Path, work: Path, flags: list[str], port: int
             if p.poll() is None:
                 os.killpg(p.pid, 9)
                 p.wait()
+    cut_off_code = None
     if space is not None:
-        for pid in space.pids():  # machine 0, frozen since it went silent
+        if not cut_off.power_loss:  # (what it does on its own is the test's: 120 s more than the others took)
+            try:
+                lost.wait(min(120.0, max(1.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                pass
+            cut_off_code = lost.poll()  # (None: still running)
+        for pid in space.pids():  # the cut-off machine, frozen since it went silent (or still running)
             os.kill(pid, signal.SIGKILL)
         lost.wait(30)
     wall = time.perf_counter() - t0
@@ -347,7 +367,8 @@ def run_odyssey(megatron_lm: str | Path, work: Path, flags: list[str], port: int
     if timed_out:
         logs += "\n[run_odyssey] the job did not end in 900 s: killed\n"
     return JobResult(124 if timed_out else max(p.returncode for p in procs), wall, logs,
-                     json.loads(report.read_text()) if report.exists() else {})
+                     json.loads(report.read_text()) if report.exists() else {},
+                     cut_off=cut_off_code)
 
 
 def tensorboard_scalars(log_dir: str | Path) -> dict[str, dict[int, float]]:

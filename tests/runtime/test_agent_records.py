@@ -280,8 +280,9 @@ def test_the_agent_goes_on_without_a_standby_whose_store_is_gone(tmp_path, capsy
         server.kill()
         server.wait()
         agent._to_standby(lambda r: r.step({"committed": 2}, {"step": 2}))
-        assert agent.replica is None
-        assert "the standby agent's store stopped answering" in capsys.readouterr().err
+        assert agent.replica is None and agent.quorum is None  # (its process is gone: it cannot take over; quorum)
+        err = capsys.readouterr().err
+        assert "the standby agent's store stopped answering" in err and "its process is gone" in err
         agent._to_standby(lambda r: r.step({"committed": 3}, {"step": 3}))  # and no longer tries
     finally:
         server.kill()

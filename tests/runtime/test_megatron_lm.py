@@ -15,16 +15,18 @@ import os
 import re
 import subprocess
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Callable
 
 import pytest
 
-from megatron_odyssey.testing.megatron_lm_job import (NVML_STAND_IN, JobResult, job_env, max_tensor_difference,
+from megatron_odyssey.testing.megatron_lm_job import (NVML_STAND_IN, CutOff, JobResult, job_env, max_tensor_difference,
                                                       read_torch_dist, release_minor, run_odyssey, run_stock,
                                                       same_evaluations, same_training, shared_device_flags,
                                                       tiny_gpt_flags_for, with_batch_ramp, with_evaluation)
 from megatron_odyssey.megatron_lm.checkpoint import optimizer_format
+from megatron_odyssey.testing.network_namespace import NetworkNamespace
 from megatron_odyssey.megatron_lm.cpu_mode import tiny_gpt_flags
 from megatron_odyssey.testing.ports import job_port
 
@@ -1578,19 +1580,83 @@ def test_machine_0_loses_power_and_goes_silent(stock: dict, tmp_path: Path) -> N
     other machines' requests to the agent's store fail within ``UNACKED_S``, the standby takes over, finds rank 0
     gone by its silence, and the job trains as stock Megatron-LM. Before, every one of them waited on Linux's
     retransmits (about 15 minutes), or for ever in a wait for a commit. Needs root (the namespace)."""
-    from contextlib import ExitStack
-
     from megatron_odyssey.runtime.sockets import UNACKED_S
-    from megatron_odyssey.testing.network_namespace import Unavailable, network_namespace
 
     with ExitStack() as stack:
-        try:
-            space = stack.enter_context(network_namespace())
-        except Unavailable as why:  # (only a namespace that cannot be made skips; a failure in the job fails)
-            pytest.skip(f"no second machine here: {why}")
-        job = run_odyssey(MLM, tmp_path, ODYSSEY, _port(1970), nodes=4, silent_machine_0=(space, 2))
+        job = run_odyssey(MLM, tmp_path, ODYSSEY, _port(1970), nodes=4, cut_off=CutOff(_namespace(stack), 2))
     takeover = _trained_on_without_machine_0(job, stock)
     assert takeover["detection_s"] < UNACKED_S + 20, takeover  # (the standby's probe waited out the bound)
+    assert takeover["lost_as"] == "silent"  # (and the standby held 3 of the 4 ranks: runtime.quorum let it go on)
+
+
+def _namespace(stack: ExitStack) -> NetworkNamespace:
+    """A second machine (a network namespace) for the test's ``ExitStack``; only one that cannot be made skips (a
+    failure in the job fails)."""
+    from megatron_odyssey.testing.network_namespace import Unavailable, network_namespace
+
+    try:
+        return stack.enter_context(network_namespace())
+    except Unavailable as why:
+        pytest.skip(f"no second machine here: {why}")
+
+
+#: data parallel only: every machine holds the whole model, so a machine cut off could train on alone
+DATA_PARALLEL = [*tiny_gpt_flags_for(MLM, ITERS), "--odyssey-heartbeat-timeout", "10"] if CHECKOUT else []
+if DATA_PARALLEL:
+    DATA_PARALLEL[DATA_PARALLEL.index("--pipeline-model-parallel-size") + 1] = "1"
+
+
+@pytest.fixture(scope="module")
+def stock_dp(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[str, ...]]:
+    job = run_stock(MLM, tmp_path_factory.mktemp("stock_dp"), DATA_PARALLEL[:-2], _port(1990))
+    assert job.returncode == 0, job.tail()
+    return job.iterations()
+
+
+def _partitioned(tmp_path: Path, node: int, port: int) -> JobResult:
+    """Four machines of one rank each, data parallel; machine ``node``'s network is cut after iteration 2 while its
+    processes run on."""
+    with ExitStack() as stack:
+        return run_odyssey(MLM, tmp_path, DATA_PARALLEL, port, nodes=4,
+                           cut_off=CutOff(_namespace(stack), 2, node=node, power_loss=False))
+
+
+def _stepped_down(job: JobResult, tmp_path: Path, node: int, who: str) -> None:
+    """Machine ``node`` left by itself, saying why, having trained nothing after the cut (iteration 2)."""
+    from megatron_odyssey.runtime.agent import STEPPED_DOWN_EXIT
+
+    console = (tmp_path / f"console{node}.txt").read_text(errors="replace")
+    assert job.cut_off == STEPPED_DOWN_EXIT, (job.cut_off, console[-3000:])
+    assert f"stepping down: {who}" in console and "this machine is the one cut off" in console, console[-3000:]
+    rank_log = (tmp_path / f"logs{node}" / f"rank{node}.log").read_text(errors="replace")
+    assert not re.search(r"iteration\s+[3-5]/", rank_log), rank_log[-2000:]
+
+
+def test_machine_0_cut_off_but_running_steps_down_and_the_standby_trains_on(stock_dp: dict, tmp_path: Path) -> None:
+    """A partition, not a power loss: machine 0 (the agent and rank 0) is cut off after iteration 2 and runs on. Data
+    parallel, so rank 0 holds the whole model: before, its agent rerouted every micro-batch to rank 0 and trained
+    iterations 3-5 alone and exited 0, while the standby trained them with ranks 1-3, both writing the one report
+    (split brain). Now machine 0's agent, whose standby is silent and who holds 1 of the 4 ranks, steps down before
+    it starts a generation; the standby, with 3 of 4, takes over and the job trains as stock Megatron-LM."""
+    job = _partitioned(tmp_path, 0, _port(1980))
+    takeover = _trained_on_without_machine_0(job, stock_dp)
+    assert takeover["lost_as"] == "silent"
+    _stepped_down(job, tmp_path, 0, "this agent holds 1 of the job's 4 ranks ([0])")
+
+
+def test_the_standbys_machine_cut_off_withdraws_and_the_agent_trains_on(stock_dp: dict, tmp_path: Path) -> None:
+    """The other side: machine 1 (the standby and rank 1) is cut off after iteration 2 and runs on. Its standby finds
+    the agent silent and takes over, and rank 1, whose agent no longer answers, follows it; before, the standby then
+    rerouted to rank 1 and trained on alone (split brain). Now it holds 1 of the 4 ranks: it withdraws its takeover
+    and steps down, and the agent, with 3 of 4, drops rank 1 and trains as stock Megatron-LM, with no takeover."""
+    job = _partitioned(tmp_path, 1, _port(1940))
+    assert job.returncode == 0, job.tail()
+    report = job.report
+    assert report["takeovers"] == [] and [f["ranks"] for f in report["failures"]] == [[1]]
+    assert [s["step"] for s in report["steps"]] == list(range(ITERS)) and report["ok"] and not report["running"]
+    assert same_training(job.iterations(), stock_dp)
+    _stepped_down(job, tmp_path, 1, "the standby took over from a silent agent, but only 1 of the job's 4 ranks ([1])")
+    assert "and its machine is silent: it lost power, or this machine is cut off" in job.logs  # (the agent's word)
 
 
 def test_a_lost_machine_comes_back_and_joins(stock: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1746,3 +1812,4 @@ def test_a_tensor_parallel_node_is_lost_and_comes_back(tmp_path_factory: pytest.
     assert job.report["steps"][-1]["alive"] == 8
     assert job.global_batch_sizes() == {8}
     assert same_training(job.iterations(), stock_tp.iterations())
+

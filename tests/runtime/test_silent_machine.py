@@ -183,6 +183,7 @@ def test_the_standby_takes_over_from_a_silent_agent_and_the_other_machines_follo
         cut = time.monotonic()
         watching.join(UNACKED_S + 2.0 + SLACK_S)
         assert took_over and isinstance(took_over[0], dict) and took_over[0]["gen"] == 1, took_over
+        assert took_over[0]["lost_as"] == "silent"  # (so the takeover goes on only with half of the ranks: quorum)
         standby_store.set(TAKEOVER_KEY, "1")  # (what take_over says once it has the job)
         rank.kill()
         deadline = time.monotonic() + UNACKED_S + SLACK_S
@@ -230,4 +231,37 @@ def test_a_network_blip_longer_than_the_bound_costs_a_connection_not_the_launche
         assert not standby_store.check([EXIT_KEY.format(5)])  # (no takeover: nothing went to the standby)
     finally:
         rank.kill()
+        server.kill()
+
+
+def test_an_agent_whose_standby_goes_silent_needs_a_majority_from_then_on(silent: NetworkNamespace, tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture) -> None:
+    """The standby's store is in the silent machine: the agent cannot tell its power loss from its own machine being
+    cut off, so from then on it starts a generation only with more than half of the ranks of the generation the standby
+    last acknowledged (``runtime.quorum``); a standby whose machine refuses the connection instead is gone for good
+    (``test_agent_records``: no quorum)."""
+    from megatron_odyssey.runtime.agent import Agent
+    from megatron_odyssey.runtime.config import TrainConfig
+    from megatron_odyssey.runtime.control_plane import Replica
+    from megatron_odyssey.runtime.quorum import NoQuorum
+
+    server, address = _store_in(silent)
+    try:
+        cfg = TrainConfig(nproc=4, tp=1, pp=1, layers=4, hidden=32, heads=4, seq=16, global_batch=4, micro_batch=1,
+                          steps=4)
+        agent = Agent(cfg, None, tmp_path, procs={}, store=None)
+        agent.replica = Replica(address, connect_timeout_s=30)
+        agent._replicate_state()
+        assert agent.replicated == frozenset(range(4)) and agent.quorum is None  # (acknowledged: no quorum needed)
+        silent.cut()
+        t0 = time.monotonic()
+        assert not agent._to_standby(lambda r: r.step({"committed": 0}, {"step": 0}))
+        assert time.monotonic() - t0 < 3 * (UNACKED_S + SLACK_S)  # (three attempts, each within the bound)
+        assert agent.replica is None and agent.quorum is not None
+        assert agent.quorum.references == (frozenset(range(4)),)
+        assert "its machine is silent: it lost power, or this machine is cut off" in capsys.readouterr().err
+        agent.quorum.check({0, 1, 2})
+        with pytest.raises(NoQuorum, match=r"holds 2 of the job's 4 ranks"):  # (the tie is the standby's)
+            agent.quorum.check({0, 1})
+    finally:
         server.kill()
