@@ -40,6 +40,7 @@ from .runtime.errors import (DUMP_STACKS_KEY, STACKS_ASKED_KEY, STOPPED_EXIT, de
                              rank_log_traceback)
 from .runtime.joining import CONFIG_KEY, read_job_config  # (rank 0 publishes the config when train() starts)
 from .runtime.process_probe import RANK_PID_KEY, ProbeRequests, RemoteProcess
+from .runtime.sockets import MIN_UNACKED_S, SILENCE_ENV, UNACKED_S
 
 FINISHED_KEY = "odyssey/finished"  # the agent ran the job to its end (its exit code): node agents stop
 AWAITING_END_KEY = "odyssey/awaiting-end"  # machines whose ranks ended before the job ("node;" each) wait for it
@@ -216,6 +217,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--termination-grace", type=float, default=30.0, metavar="S",
                    help="on SIGTERM to this launcher, the ranks get SIGTERM (Megatron's --exit-signal-handler saves "
                         "and exits) and are killed if still running S seconds later (default 30, as torchrun)")
+    p.add_argument("--silence-timeout", type=float, default=None, metavar="S",
+                   help=f"a machine whose kernel acknowledges nothing for S seconds (lost power or network) is taken "
+                        f"as lost: every connection to it, the ranks' included, is aborted (default ${SILENCE_ENV}, "
+                        f"else {UNACKED_S:g}); raise it on a network whose blips last longer, or each blip costs a "
+                        f"recovery")
     p.add_argument("script", help="the training script, e.g. Megatron-LM's pretrain_gpt.py")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments (with --odyssey to enable recovery)")
     args = p.parse_args(argv)
@@ -226,6 +232,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--node-rank {args.node_rank} is outside 0..{args.nnodes - 1}")
     if not args.termination_grace > 0:
         p.error(f"--termination-grace must be a positive number of seconds, got {args.termination_grace}")
+    if args.silence_timeout is None:
+        said = os.environ.get(SILENCE_ENV, str(UNACKED_S))
+        try:
+            args.silence_timeout = float(said)
+        except ValueError:
+            p.error(f"{SILENCE_ENV}={said!r} (--silence-timeout) is not a number of seconds")
+    if not args.silence_timeout >= MIN_UNACKED_S:  # (NaN too)
+        p.error(f"--silence-timeout must be at least {MIN_UNACKED_S:g} seconds (one unanswered keepalive probe), "
+                f"got {args.silence_timeout}")
     for name in ("master_port", "odyssey_port", "standby_port"):
         port = getattr(args, name)
         if port is not None and not 1 <= port <= 65534:
@@ -610,6 +625,7 @@ def route_address(master_addr: str, port: int) -> str:
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ[SILENCE_ENV] = f"{args.silence_timeout:g}"  # (this launcher's store clients and its ranks')
     # this launcher's own store errors (a machine gone silent) on its terminal without C++ frames, as its ranks'
     os.environ.setdefault("TORCH_SHOW_CPP_STACKTRACES", "0")
     if args.join:

@@ -1326,7 +1326,8 @@ class Agent:
                 self.log_error(f"the standby agent's store stopped answering ({lost}): its process is gone; going "
                                f"on without a standby (losing this machine now ends the job)")
             else:
-                self.quorum = Quorum(tuple({self.replicated, *([members] if members is not None else [])}))
+                # (a standby that received no state cannot take over: Standby.watch)
+                self.quorum = Quorum(tuple(r for r in {self.replicated, members} if r))
                 self.log_error(f"the standby agent's store stopped answering ({lost}) and its machine is silent: it "
                                f"lost power, or this machine is cut off from the job; going on without a standby, and "
                                f"only with more than half of the job's {len(self.replicated)} ranks")

@@ -84,7 +84,7 @@ def parse_address(text: str) -> tuple[str, int]:
 
 
 def client(address: tuple[str, int], timeout_s: float) -> Any:
-    """A client of a job's store (the agent's or the standby's) whose requests fail within ``sockets.UNACKED_S``
+    """A client of a job's store (the agent's or the standby's) whose requests fail within ``sockets.silence_bound``
     once that machine is gone silent (lost power or network), instead of after Linux's 15 minutes of retransmits:
     every client of a control store is made here."""
     import torch.distributed as dist
@@ -440,7 +440,7 @@ class ControlPlane:
     def follow(self, store: Any) -> Followed | None:
         """After an error: None when ``store`` still answers (the error was not its connection's); else the store
         to go on with: the standby's once it has taken over, or the same agent's on a new connection (the last one
-        broke: a network blip outlasted ``sockets.UNACKED_S``, and a broken client is never used again). Raises
+        broke: a network blip outlasted ``sockets.silence_bound``, and a broken client is never used again). Raises
         ConnectionError when the agent stays lost and no standby takes over within ``wait_s``, and, without a
         standby, as soon as the agent's machine refuses the connection (its process is gone)."""
         if reachable(store):

@@ -5,7 +5,8 @@ to themselves, and the two things we must do to one act on the connection, whoev
 Why the bound: a machine that loses power or its network sends nothing more, not even the reset a killed process's
 kernel sends, so a store client's request to it waits for an answer while Linux retransmits (``tcp_retries2``: about
 15 minutes); a client waiting in ``get`` for a key sends nothing and waits for ever. With ``TCP_USER_TIMEOUT`` and
-keepalive probes, a connection whose peer acknowledges nothing for ``UNACKED_S`` is aborted by the kernel, so the
+keepalive probes, a connection whose peer acknowledges nothing for :func:`silence_bound` (10 s unless
+``odyssey-launch --silence-timeout`` says otherwise) is aborted by the kernel, so the
 request fails and its caller follows the standby (``control_plane``); a rank's gloo connections are bounded alike,
 so a collective with a rank on that machine fails and the rank recovers (nothing else could end it: the agent cannot
 kill a process on a machine it cannot reach). A live peer's kernel acknowledges within milliseconds however busy
@@ -16,8 +17,16 @@ import os
 import socket
 from collections.abc import Iterator
 
-UNACKED_S = 10.0  # a control store's machine that acknowledges nothing for this long is gone
+UNACKED_S = 10.0  # a control store's machine that acknowledges nothing for this long is gone (the default)
 KEEPALIVE_S = 2  # an idle connection is probed after this long, then this often (the probes go unanswered when gone)
+SILENCE_ENV = "ODYSSEY_SILENCE_TIMEOUT_S"  # odyssey-launch --silence-timeout, for the launcher and its ranks
+MIN_UNACKED_S = 3.0  # (at least one keepalive probe goes unanswered before a connection is aborted)
+
+
+def silence_bound() -> float:
+    """How long a peer may acknowledge nothing: ``odyssey-launch --silence-timeout`` (its processes' environment),
+    else :data:`UNACKED_S`."""
+    return float(os.environ.get(SILENCE_ENV, UNACKED_S))
 
 
 def tcp_connections() -> Iterator[socket.socket]:
@@ -43,12 +52,14 @@ def _plain(ip: str) -> str:
     return ip.removeprefix("::ffff:")  # an IPv4 peer of an IPv6 socket
 
 
-def bound_silence(peer: tuple[str, int] | None = None, unacked_s: float = UNACKED_S) -> int:
+def bound_silence(peer: tuple[str, int] | None = None, unacked_s: float | None = None) -> int:
     """Abort this process's connections to ``peer`` (host, port), or all of them (a rank's: its store's and its
-    gloo peers'), once their peer has acknowledged nothing for ``unacked_s``, idle ones included (keepalive); returns
-    how many were bounded. Nothing where the platform lacks ``TCP_USER_TIMEOUT`` (Linux has it)."""
+    gloo peers'), once their peer has acknowledged nothing for ``unacked_s`` (default :func:`silence_bound`), idle
+    ones included (keepalive); returns how many were bounded. Nothing where the platform lacks ``TCP_USER_TIMEOUT``
+    (Linux has it)."""
     if not hasattr(socket, "TCP_USER_TIMEOUT"):
         return 0
+    unacked_s = silence_bound() if unacked_s is None else unacked_s
     ips = None
     if peer is not None:
         try:

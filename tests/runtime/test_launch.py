@@ -17,28 +17,30 @@ from megatron_odyssey.testing.ports import job_port
 
 ENV_DUMP = """
 import json, os, sys
-keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "ODYSSEY_STORE"]
+keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "ODYSSEY_STORE",
+        "ODYSSEY_SILENCE_TIMEOUT_S"]
 open(sys.argv[1] + "/env" + os.environ["RANK"] + ".json", "w").write(json.dumps({k: os.environ[k] for k in keys}))
 sys.exit(int(sys.argv[2]) if os.environ["RANK"] == "1" else 0)
 """
 
 
-def _launch(tmp: Path, exit_code_of_rank1: int, port: int) -> subprocess.CompletedProcess:
+def _launch(tmp: Path, exit_code_of_rank1: int, port: int, *flags: str) -> subprocess.CompletedProcess:
     script = tmp / "job.py"
     script.write_text(ENV_DUMP)
     return subprocess.run([sys.executable, "-m", "megatron_odyssey.launch", "--nproc-per-node", "3",
-                           "--master-port", str(port), "--workdir", str(tmp / "logs"), str(script), str(tmp),
+                           "--master-port", str(port), "--workdir", str(tmp / "logs"), *flags, str(script), str(tmp),
                            str(exit_code_of_rank1)], capture_output=True, text=True, timeout=120)
 
 
 def test_ranks_get_torchruns_environment_and_a_plain_job_passes(tmp_path: Path) -> None:
     port = job_port(1900)
-    proc = _launch(tmp_path, 0, port)
+    proc = _launch(tmp_path, 0, port, "--silence-timeout", "25")
     assert proc.returncode == 0, proc.stderr
     envs = [json.loads((tmp_path / f"env{r}.json").read_text()) for r in range(3)]
     assert [e["RANK"] for e in envs] == ["0", "1", "2"] and {e["WORLD_SIZE"] for e in envs} == {"3"}
     assert {e["MASTER_PORT"] for e in envs} == {str(port)}
     assert {e["ODYSSEY_STORE"] for e in envs} == {f"127.0.0.1:{port + 1}"}  # the agent's store
+    assert {e["ODYSSEY_SILENCE_TIMEOUT_S"] for e in envs} == {"25"}  # (their connections' bound: runtime.sockets)
 
 
 def test_a_rank_that_dies_before_training_fails_the_job_with_its_log(tmp_path: Path) -> None:
@@ -127,10 +129,24 @@ def test_start_up_errors_of_every_failing_rank_reach_the_terminal(tmp_path: Path
 @pytest.mark.parametrize("argv, message", [
     (["--nproc-per-node", "0", "x.py"], "--nproc-per-node must be >= 1"),
     (["--nnodes", "2", "--node-rank", "2", "x.py"], "outside 0..1"),
+    (["--silence-timeout", "1", "x.py"], "--silence-timeout must be at least 3 seconds (one unanswered keepalive "
+                                         "probe), got 1.0"),
 ])
 def test_bad_arguments(argv: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit):
         parse(argv)
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("said, message", [("2", "--silence-timeout must be at least 3 seconds"),
+                                           ("ten", "ODYSSEY_SILENCE_TIMEOUT_S='ten' (--silence-timeout) is not a "
+                                                   "number of seconds")])
+def test_a_bad_silence_timeout_from_the_environment(said: str, message: str, capsys: pytest.CaptureFixture,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """``scripts/odyssey_launch.sh`` passes it through the environment: checked as the flag is."""
+    monkeypatch.setenv("ODYSSEY_SILENCE_TIMEOUT_S", said)
+    with pytest.raises(SystemExit):
+        parse(["--no-python", "x.py"])
     assert message in capsys.readouterr().err
 
 

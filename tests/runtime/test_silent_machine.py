@@ -83,6 +83,18 @@ def test_a_control_store_client_bounds_the_silence_of_every_connection_to_that_s
     assert plain.get("k") == b"v"  # the options change nothing while the peer answers
 
 
+def test_the_bound_is_the_launchers_silence_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``odyssey-launch --silence-timeout 25`` (its processes' environment): a network whose blips last longer than
+    10 s keeps its connections."""
+    from megatron_odyssey.runtime.sockets import SILENCE_ENV
+
+    monkeypatch.setenv(SILENCE_ENV, "25")
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    client(("127.0.0.1", server.port), 10)
+    bounds = _options(server.port)
+    assert bounds and set(bounds) == {(25000, 1)}, bounds
+
+
 def test_requests_to_a_machine_gone_silent_fail_within_the_bound(silent: NetworkNamespace) -> None:
     """A rank waiting for a commit (``get`` of a key not set yet: it sends nothing while it waits) and a node agent's
     poll (``check`` after the cut) both fail within the bound; a plain TCPStore client's ``check`` is still waiting
