@@ -622,6 +622,14 @@ def route_address(master_addr: str, port: int) -> str:
             return socket.gethostbyname(socket.gethostname())
 
 
+def _cut_off(args: argparse.Namespace, lost: ConnectionError) -> int:
+    """Neither the job's agent nor its standby answers this machine (it is cut off, or both are lost): it says so
+    and leaves, its ranks stopped (a traceback would hide the reason among the store's retries)."""
+    print(f"[odyssey launch node {args.node_rank}] {lost}: this machine leaves the job and stops its ranks",
+          file=sys.stderr, flush=True)
+    return 1
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -633,6 +641,8 @@ def main(argv: list[str] | None = None) -> None:
             code = join_running_job(args)
         except KeyboardInterrupt:
             code = 130
+        except ConnectionError as lost:  # (ControlPlane.follow: neither the agent nor a standby answers)
+            code = _cut_off(args, lost)
         sys.exit(code)
     local = start_ranks(args)
     termination = Termination(local, args.termination_grace)
@@ -641,6 +651,8 @@ def main(argv: list[str] | None = None) -> None:
         code = coordinate(args, local, termination) if args.node_rank == 0 else serve_node(args, local, termination)
     except KeyboardInterrupt:
         code = 130
+    except ConnectionError as lost:
+        code = _cut_off(args, lost)
     finally:
         for p in local.values():
             p.kill()

@@ -110,6 +110,25 @@ def knock(address: tuple[str, int], timeout_s: float = PROBE_TIMEOUT_S) -> str:
         return "silent"
 
 
+def client_if_there(address: tuple[str, int], timeout_s: float = PROBE_TIMEOUT_S) -> Any:
+    """:func:`client` when the machine at ``address`` accepts a connection now; else ConnectionError at once, saying
+    how it answered. For a store that may be gone: a store client would retry a refused or unreachable connection
+    for its whole timeout, logging several lines per try (thousands from a loop that waits minutes for it)."""
+    answer = knock(address)
+    if answer != "accepted":
+        raise NotThere(answer, f"{address[0]}:{address[1]} " + ("refuses the connection" if answer == "refused"
+                                                                else "does not answer"))
+    return client(address, timeout_s)
+
+
+class NotThere(ConnectionError):
+    """A store's machine did not accept a connection; ``answer``: how it answered (:func:`knock`)."""
+
+    def __init__(self, answer: str, message: str):
+        super().__init__(message)
+        self.answer = answer
+
+
 def listening(address: tuple[str, int], timeout_s: float = PROBE_TIMEOUT_S) -> bool:
     """Something accepts connections at ``address``: asked before making a store client, which retries a
     refused connection for its whole timeout (a gone store would cost that long to find out)."""
@@ -167,14 +186,11 @@ class Replica:
             except Exception as exc:  # noqa: BLE001 - a broken connection to the standby's store
                 first, last = first or exc, exc
                 time.sleep(0.2 * (attempt + 1))
-                try:
-                    # a standby that is gone refuses at once (a store client would retry that for its whole
-                    # timeout)
-                    answer = knock(self.address)
-                    if answer != "accepted":
-                        raise ConnectionError(f"{self.address[0]}:{self.address[1]} "
-                                              + ("refuses the connection" if answer == "refused" else "is silent"))
-                    self.store = client(self.address, REPLICA_RECONNECT_S)
+                try:  # (a standby that is gone refuses at once)
+                    self.store = client_if_there(self.address, REPLICA_RECONNECT_S)
+                    answer = "accepted"
+                except NotThere as gone:
+                    answer, last = gone.answer, gone
                 except Exception as again:  # noqa: BLE001
                     last = again
         raise ReplicaLost(f"{type(first).__name__}: {first}; last: {type(last).__name__}: {last}", answer)
@@ -271,7 +287,7 @@ class Standby:
     def _agent_answers(self) -> bool:
         try:
             if self._agent is None:
-                self._agent = client(self.agent_address, PROBE_TIMEOUT_S)
+                self._agent = client_if_there(self.agent_address)
             self._agent.check([TAKEOVER_KEY])
             return True
         except Exception:  # noqa: BLE001
@@ -394,7 +410,7 @@ class OrphanRank:
 def answering(address: tuple[str, int]) -> Any | None:
     """A new client of the store at ``address`` if it answers now, else None."""
     try:
-        fresh = client(address, PROBE_TIMEOUT_S)
+        fresh = client_if_there(address)
         return fresh if reachable(fresh) else None
     except Exception:  # noqa: BLE001 - not there (now)
         return None
@@ -431,7 +447,7 @@ class ControlPlane:
     def connect(self, timeout_s: float = PROBE_TIMEOUT_S) -> Any:
         """A client of the store the job's agent answers on now (for a rank's background threads)."""
         try:
-            return client(self.current, timeout_s)
+            return client_if_there(self.current, timeout_s)
         except Exception:
             if self._standby_took_over() is None:
                 raise
@@ -473,7 +489,7 @@ class ControlPlane:
         if self.standby is None:
             return None
         try:
-            standby = client(self.standby, PROBE_TIMEOUT_S)
+            standby = client_if_there(self.standby)
             if not standby.check([TAKEOVER_KEY]):
                 return None
         except Exception:  # noqa: BLE001 - the standby is not there either (yet)

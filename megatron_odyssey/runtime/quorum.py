@@ -20,8 +20,8 @@ The reference is the last generation written ahead to the standby; where that wr
 may or may not hold it, and the agent needs a majority of both (:attr:`Quorum.references`).
 
 The price: a job of two machines whose standby's machine loses power (silent, not refused) stops, restarting from
-its last checkpoint, since its agent cannot tell that loss from being cut off itself (``torch.distributed.elastic``
-and etcd have the same limit: two voters cannot out-vote each other).
+its last checkpoint, since its agent cannot tell that loss from being cut off itself (etcd, behind
+``torch.distributed.elastic``'s etcd rendezvous, has the same limit: of two voters, neither is a majority alone).
 """
 from __future__ import annotations
 

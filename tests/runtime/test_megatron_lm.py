@@ -1659,6 +1659,24 @@ def test_the_standbys_machine_cut_off_withdraws_and_the_agent_trains_on(stock_dp
     assert "and its machine is silent: it lost power, or this machine is cut off" in job.logs  # (the agent's word)
 
 
+def test_a_worker_machine_cut_off_leaves_and_the_job_trains_on(stock_dp: dict, tmp_path: Path) -> None:
+    """Machine 2 (rank 2 only) is cut off after iteration 2 and runs on. The agent drops rank 2 and trains as stock
+    Megatron-LM; nobody takes over (the standby still reaches the agent). Machine 2 reaches neither agent: its launcher
+    waits the control plane's 120 s for a takeover, then says so in one line and leaves with 1. Before, it left with
+    a traceback after about a thousand lines of the store client's connect retries (one client per poll)."""
+    job = _partitioned(tmp_path, 2, _port(1930))
+    assert job.returncode == 0, job.tail()
+    report = job.report
+    assert report["takeovers"] == [] and [f["ranks"] for f in report["failures"]] == [[2]]
+    assert [s["step"] for s in report["steps"]] == list(range(ITERS)) and report["ok"]
+    assert same_training(job.iterations(), stock_dp)
+    console = (tmp_path / "console2.txt").read_text(errors="replace")
+    assert job.cut_off == 1, console[-3000:]
+    assert ("did not take over within 120 s: this machine leaves the job and stops its ranks" in console
+            and "Traceback" not in console), console[-3000:]
+    assert console.count("socket.cpp") < 20, console.count("socket.cpp")
+
+
 def test_a_lost_machine_comes_back_and_joins(stock: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Four machines of one rank each; machine 3 is lost in iteration 2 (its launcher and rank killed) and the
     survivors reroute. A repaired machine 3 is started with ``odyssey-launch --join`` while the job trains: its
