@@ -464,11 +464,15 @@ class ControlPlane:
         deadline = time.monotonic() + self.wait_s
         if self.standby is None:  # the same agent again after a blip, or nobody
             while time.monotonic() < deadline:
-                fresh = answering(self.current)
-                if fresh is not None:
-                    return Followed(fresh, took_over=False)
-                if knock(self.current) == "refused":
-                    break
+                try:
+                    fresh = client_if_there(self.current)
+                    if reachable(fresh):
+                        return Followed(fresh, took_over=False)
+                except NotThere as gone:
+                    if gone.answer == "refused":  # (its process is gone: it will not answer again)
+                        break
+                except Exception:  # noqa: BLE001 - not there (now)
+                    pass
                 time.sleep(0.1)
             raise ConnectionError(f"the agent's store {self.current[0]}:{self.current[1]} is gone and this job has "
                                   f"no standby agent")
