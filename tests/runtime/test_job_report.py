@@ -16,7 +16,8 @@ def test_failures_and_takeovers_are_listed_as_the_report_reads_them(tmp_path) ->
     lost_launcher = FailureRecord(ranks=[], policy="resume", step=7, detection_s=2.1, recovery_s=3.0, generation=3,
                                   takeover={"reason": "the agent's process was lost"})
     lost_machine = FailureRecord(ranks=[0, 1], policy="reconfigure", step=9, detection_s=2.4, recovery_s=5.5,
-                                 started=1030.0, generation=4, takeover={"reason": "machine 0 stopped answering"})
+                                 started=1030.0, generation=4, takeover={"reason": "machine 0 stopped answering",
+                                                                         "lost_as": "silent"})
     records = [kill, unknown, lost_launcher, lost_machine]
 
     failures = failure_entries(records, job_started=1000.0)
@@ -26,9 +27,9 @@ def test_failures_and_takeovers_are_listed_as_the_report_reads_them(tmp_path) ->
     assert all(not hidden & set(f) for f in failures)
     assert failures[0]["phase"] == "backward" and failures[0]["recovery_s"] == 2.0
     assert takeover_entries(records) == [
-        {"step": 7, "generation": 3, "reason": "the agent's process was lost", "ranks_lost": [], "policy": "resume",
-         "detection_s": 2.1, "recovery_s": 3.0},
-        {"step": 9, "generation": 4, "reason": "machine 0 stopped answering", "ranks_lost": [0, 1],
+        {"step": 7, "generation": 3, "reason": "the agent's process was lost", "ranks_lost": [], "lost_as": "gone",
+         "policy": "resume", "detection_s": 2.1, "recovery_s": 3.0},  # (a record from before lost_as: its process)
+        {"step": 9, "generation": 4, "reason": "machine 0 stopped answering", "ranks_lost": [0, 1], "lost_as": "silent",
          "policy": "reconfigure", "detection_s": 2.4, "recovery_s": 5.5}]
 
     path = tmp_path / "report.json"
