@@ -1621,6 +1621,15 @@ def _partitioned(tmp_path: Path, node: int, port: int) -> JobResult:
                            cut_off=CutOff(_namespace(stack), 2, node=node, power_loss=False))
 
 
+def _the_agent_trained_on_without(job: JobResult, rank: int, stock: dict) -> None:
+    """No takeover: the agent dropped ``rank`` and every iteration equals stock's."""
+    assert job.returncode == 0, job.tail()
+    report = job.report
+    assert report["takeovers"] == [] and [f["ranks"] for f in report["failures"]] == [[rank]]
+    assert [s["step"] for s in report["steps"]] == list(range(ITERS)) and report["ok"] and not report["running"]
+    assert same_training(job.iterations(), stock)
+
+
 def _stepped_down(job: JobResult, tmp_path: Path, node: int, who: str) -> None:
     """Machine ``node`` left by itself, saying why, having trained nothing after the cut (iteration 2)."""
     from megatron_odyssey.runtime.agent import STEPPED_DOWN_EXIT
@@ -1650,11 +1659,7 @@ def test_the_standbys_machine_cut_off_withdraws_and_the_agent_trains_on(stock_dp
     rerouted to rank 1 and trained on alone (split brain). Now it holds 1 of the 4 ranks: it withdraws its takeover
     and steps down, and the agent, with 3 of 4, drops rank 1 and trains as stock Megatron-LM, with no takeover."""
     job = _partitioned(tmp_path, 1, _port(1940))
-    assert job.returncode == 0, job.tail()
-    report = job.report
-    assert report["takeovers"] == [] and [f["ranks"] for f in report["failures"]] == [[1]]
-    assert [s["step"] for s in report["steps"]] == list(range(ITERS)) and report["ok"] and not report["running"]
-    assert same_training(job.iterations(), stock_dp)
+    _the_agent_trained_on_without(job, 1, stock_dp)
     _stepped_down(job, tmp_path, 1, "the standby took over from a silent agent, but only 1 of the job's 4 ranks ([1])")
     assert "and its machine is silent: it lost power, or this machine is cut off" in job.logs  # (the agent's word)
 
@@ -1665,11 +1670,7 @@ def test_a_worker_machine_cut_off_leaves_and_the_job_trains_on(stock_dp: dict, t
     waits the control plane's 120 s for a takeover, then says so in one line and leaves with 1. Before, it left with
     a traceback after about a thousand lines of the store client's connect retries (one client per poll)."""
     job = _partitioned(tmp_path, 2, _port(1930))
-    assert job.returncode == 0, job.tail()
-    report = job.report
-    assert report["takeovers"] == [] and [f["ranks"] for f in report["failures"]] == [[2]]
-    assert [s["step"] for s in report["steps"]] == list(range(ITERS)) and report["ok"]
-    assert same_training(job.iterations(), stock_dp)
+    _the_agent_trained_on_without(job, 2, stock_dp)
     console = (tmp_path / "console2.txt").read_text(errors="replace")
     assert job.cut_off == 1, console[-3000:]
     assert ("did not take over within 120 s: this machine leaves the job and stops its ranks" in console
@@ -1830,4 +1831,3 @@ def test_a_tensor_parallel_node_is_lost_and_comes_back(tmp_path_factory: pytest.
     assert job.report["steps"][-1]["alive"] == 8
     assert job.global_batch_sizes() == {8}
     assert same_training(job.iterations(), stock_tp.iterations())
-
