@@ -245,6 +245,7 @@ class Standby:
         self.steps_path.parent.mkdir(parents=True, exist_ok=True)
         self.steps_path.write_text("")
         self._agent: Any = None
+        self.agent_answer = "accepted"  # how the agent's machine last answered a connection (knock)
 
     def watch(self) -> dict[str, Any] | int:
         """Until the agent ends the job (its exit code) or is lost (the state to take over with)."""
@@ -281,7 +282,7 @@ class Standby:
                         return 1
                     self.copy_steps()
                     # refused: its process is gone and its machine answers; silent: it may run on, cut off from us
-                    return self.snapshot(GONE if knock(self.agent_address) == "refused" else SILENT)
+                    return self.snapshot(GONE if self.agent_answer == "refused" else SILENT)
             time.sleep(self.poll_s)
 
     def _agent_answers(self) -> bool:
@@ -289,10 +290,14 @@ class Standby:
             if self._agent is None:
                 self._agent = client_if_there(self.agent_address)
             self._agent.check([TAKEOVER_KEY])
+            self.agent_answer = "accepted"
             return True
-        except Exception:  # noqa: BLE001
-            self._agent = None
-            return False
+        except NotThere as gone:  # (the knock says how: the takeover needs it, and knocking again costs up to 1 s)
+            self.agent_answer = gone.answer
+        except Exception:  # noqa: BLE001 - a broken connection: the next probe knocks
+            self.agent_answer = "silent"
+        self._agent = None
+        return False
 
     def _agent_process_alive(self) -> bool:
         """On one machine: whether the agent's process lives (its pid from its state, or, while it is still

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .quorum import GONE
+
 #: a record's bookkeeping, not the report's: clocks the report turns into durations, the takeover (listed apart)
 _INTERNAL = ("started", "generation", "sealed_at", "published_at", "joined_at", "takeover")
 
@@ -68,7 +70,7 @@ def failure_entries(failures: list[FailureRecord], job_started: float) -> list[d
 def takeover_entries(failures: list[FailureRecord]) -> list[dict[str, Any]]:
     """The report's ``"takeovers"``: the standby agent going on from a lost one, and what it cost."""
     return [{"step": f.step, "generation": f.generation, "reason": f.takeover["reason"], "ranks_lost": f.ranks,
-             "lost_as": f.takeover.get("lost_as", "gone"),  # (runtime.quorum: "silent" needed half of the ranks)
+             "lost_as": f.takeover.get("lost_as", GONE),  # (runtime.quorum: "silent" needed half of the ranks)
              "policy": f.policy, "detection_s": f.detection_s, "recovery_s": f.recovery_s}
             for f in failures if f.takeover]
 

@@ -1571,7 +1571,8 @@ def test_machine_0_is_lost_with_the_agent_and_a_rank(stock: dict, tmp_path: Path
     and the job trains as stock Megatron-LM."""
     job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--odyssey-inject-fault", "step=2,rank=0,phase=forward,kind=kill-machine"],
                       _port(60), nodes=4)
-    _trained_on_without_machine_0(job, stock)
+    takeover = _trained_on_without_machine_0(job, stock)
+    assert takeover["lost_as"] == "gone"  # (its machine refused the connection: no quorum is asked of the standby)
 
 
 def test_machine_0_loses_power_and_goes_silent(stock: dict, tmp_path: Path) -> None:
