@@ -12,7 +12,8 @@ heartbeats, fences hung ranks through their node agent, and coordinates recovery
 machine, machine 1 also runs the standby agent (:mod:`~megatron_odyssey.runtime.control_plane`) on
 ``--standby-port`` (default ``--odyssey-port`` + 1): the coordinator writes its state into it ahead of
 every commit, and when machine 0 (or only its launcher) is lost the standby takes the job over; the
-ranks and the other machines' node agents follow it.
+ranks and the other machines' node agents follow it. ``--witness-dir`` (a directory both machines 0 and 1 share)
+takes the tie of a partition that cuts the job in two halves, a two-machine job's included (``runtime.quorum``).
 
     odyssey-launch --nproc-per-node 8 [--nnodes 2 --node-rank 0 --master-addr HOST] pretrain_gpt.py ARGS
 
@@ -40,6 +41,7 @@ from .runtime.errors import (DUMP_STACKS_KEY, STACKS_ASKED_KEY, STOPPED_EXIT, de
                              rank_log_traceback)
 from .runtime.joining import CONFIG_KEY, read_job_config  # (rank 0 publishes the config when train() starts)
 from .runtime.process_probe import RANK_PID_KEY, ProbeRequests, RemoteProcess
+from .runtime.quorum import Witness, WitnessNotShared
 from .runtime.sockets import MIN_UNACKED_S, SILENCE_ENV, UNACKED_S
 
 FINISHED_KEY = "odyssey/finished"  # the agent ran the job to its end (its exit code): node agents stop
@@ -49,6 +51,9 @@ FINISH_WAIT_S = 5.0  # how long the agent's launcher keeps its store up for thos
 
 EXIT_KEY = "odyssey/exit/{}"  # node agents report a rank's exit code here
 EXITS_KEY = "odyssey/exits"  # ... and append "rank:code;" here: the coordinator reads every exit in one get
+WITNESS_ENV = "ODYSSEY_WITNESS_DIR"  # odyssey-launch --witness-dir, for scripts/odyssey_launch.sh
+WITNESS_KEY = "odyssey/witness"  # machine 0: the job's witness directory ("" for none)
+WITNESS_SEEN_KEY = "odyssey/witness-seen"  # machine 1: "" where the standby sees it, else why not
 STARTUP_GRACE_S = 3.0  # after a rank fails at start-up, how long the others get to fail too (and say why)
 
 
@@ -208,6 +213,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="machine 1's address as the others reach it (default: found from the route to --master-addr)")
     p.add_argument("--no-standby", action="store_true",
                    help="no standby agent on machine 1: losing machine 0 (or its launcher) then ends the job")
+    p.add_argument("--witness-dir", default=None, metavar="DIR",
+                   help=f"a directory on storage machines 0 and 1 share (e.g. the checkpoints' network file system): "
+                        f"where a partition cuts the job into two halves (two machines: one each), the side that "
+                        f"claims it first trains on; without one the standby's side does, and a two-machine job whose "
+                        f"machine 1 goes silent stops (default ${WITNESS_ENV}; machine 0's is the job's)")
     p.add_argument("--workdir", type=Path, default=Path("odyssey-run"), help="per-rank logs (default odyssey-run)")
     p.add_argument("--no-python", action="store_true", help="run the script as an executable (like torchrun)")
     p.add_argument("--join", default=None, metavar="HOST:PORT",
@@ -252,6 +262,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if args.standby_port is None:
         args.standby_port = args.odyssey_port + 1
     args.standby = args.nnodes > 1 and not args.no_standby
+    given, args.witness = args.witness_dir is not None, None
+    if not given:
+        args.witness_dir = os.environ.get(WITNESS_ENV) or None
+    if args.witness_dir is not None and not args.standby:
+        if given:
+            p.error("--witness-dir takes the tie between the agent and its standby: it needs --nnodes 2 or more, "
+                    "without --no-standby")
+        args.witness_dir = None  # (the script's environment, for any job)
+    if args.witness_dir is not None and args.node_rank == 0 and not Path(args.witness_dir).is_dir():
+        said = "--witness-dir" if given else f"{WITNESS_ENV} (--witness-dir)"
+        p.error(f"{said} {args.witness_dir} is not a directory")
     return args
 
 
@@ -293,10 +314,14 @@ def coordinate(args: argparse.Namespace, local: dict[int, LocalRank], terminatio
 
     store = dist.TCPStore("0.0.0.0", args.odyssey_port, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=300))
+    if args.standby:
+        store.set(WITNESS_KEY, str(args.witness.directory) if args.witness else "")
     world = args.nnodes * args.nproc_per_node
     exits = RemoteExits(store)
     procs: dict[int, Any] = {i: local.get(i) or RemoteRank(store, i, exits) for i in range(world)}
     while not store.check([CONFIG_KEY]):  # rank 0 publishes it when Megatron's train() starts
+        if _witness_refused(args, store, local):
+            return 1
         codes = {i: p.exitcode for i, p in procs.items()}
         if all(c == 0 for c in codes.values()):
             return 0  # a job without --odyssey: odyssey-launch was just its launcher
@@ -319,6 +344,7 @@ def coordinate(args: argparse.Namespace, local: dict[int, LocalRank], terminatio
     cfg = read_job_config(store)
     agent = Agent(cfg, None, args.workdir, procs=procs, store=store)
     agent.termination = termination
+    agent.witness = args.witness
     from .runtime.joining import ADDRESS_FILE
 
     (args.workdir / ADDRESS_FILE).write_text(f"{args.master_addr}:{args.odyssey_port}\n")  # for --join
@@ -329,9 +355,29 @@ def coordinate(args: argparse.Namespace, local: dict[int, LocalRank], terminatio
         # machine 1's launcher registers it at its start (the ranks wait for it too)
         agent.attach_replica(parse_address(wait_key(store, STANDBY_KEY, "the standby agent's address",
                                                     cfg.timeout_s).decode()))
+        if _witness_refused(args, store, local):  # (said before the address: read now)
+            return 1
     code = agent.supervise()
     finish_job(store, code)
+    if args.witness is not None:
+        args.witness.remove()
     return code
+
+
+def _witness_refused(args: argparse.Namespace, store: Any, local: dict[int, LocalRank]) -> bool:
+    """Machine 0: the standby's machine does not see the witness directory (``--witness-dir`` is not shared); the
+    job stops before it trains, saying so, rather than run with a witness only one side can claim."""
+    if args.witness is None or not store.check([WITNESS_SEEN_KEY]):
+        return False
+    why = store.get(WITNESS_SEEN_KEY).decode()
+    if not why:
+        return False
+    print(f"[odyssey launch] {why}; the job stops before it trains", file=sys.stderr, flush=True)
+    for p in local.values():
+        p.kill()
+    finish_job(store, 1)
+    args.witness.remove()
+    return True
 
 
 def finish_job(store: Any, code: int, wait_s: float = FINISH_WAIT_S) -> None:
@@ -515,8 +561,19 @@ def standby_node(args: argparse.Namespace, local: dict[int, LocalRank], agent_st
     from .runtime.agent import Agent, take_over
     from .runtime.config import TrainConfig
     from .runtime.control_plane import STANDBY_KEY, ControlPlane, Standby
+    from .runtime.generation import wait_key
 
     host = args.standby_addr or route_address(args.master_addr, args.odyssey_port)
+    witness = None
+    where = wait_key(agent_store, WITNESS_KEY, "the job's witness directory", 300).decode()
+    if where:  # (machine 0's --witness-dir is the job's; this machine must see the directory it made there)
+        try:
+            witness = Witness.join(where, f"standby on machine 1 ({host})")
+            agent_store.set(WITNESS_SEEN_KEY, "")
+        except WitnessNotShared as why:
+            agent_store.set(WITNESS_SEEN_KEY, str(why))
+            print(f"[odyssey standby, node 1] {why}", file=sys.stderr, flush=True)
+            return 1
     store = dist.TCPStore("0.0.0.0", args.standby_port, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=300))
     agent_store.set(STANDBY_KEY, f"{host}:{args.standby_port}")
@@ -549,9 +606,12 @@ def standby_node(args: argparse.Namespace, local: dict[int, LocalRank], agent_st
     store.set(CONFIG_KEY, cfg_text)  # the job trains: what the lost agent's store said to machines (node_agent)
     procs = ranks_taken_over(store, args.nnodes * args.nproc_per_node, args.nproc_per_node, local, result)
     agent = Agent(cfg, None, args.workdir, procs=procs, store=store)
+    agent.witness = witness
     code = take_over(agent, result, watcher, f"the agent on {args.master_addr} was lost; the standby on {host} "
                                              f"took over")
     finish_job(store, code)
+    if witness is not None:
+        witness.remove()
     stop.set()
     node.join(10)
     return code
@@ -644,6 +704,15 @@ def main(argv: list[str] | None = None) -> None:
         except ConnectionError as lost:  # (ControlPlane.follow: neither the agent nor a standby answers)
             code = _cut_off(args, lost)
         sys.exit(code)
+    if args.node_rank == 0 and args.witness_dir is not None:  # (before any rank starts)
+        import socket
+
+        try:
+            args.witness = Witness.create(args.witness_dir, f"agent on machine 0 ({socket.gethostname()})")
+        except OSError as exc:
+            print(f"[odyssey launch] --witness-dir {args.witness_dir}: cannot make the job's directory there ({exc})",
+                  file=sys.stderr)
+            sys.exit(1)
     local = start_ranks(args)
     termination = Termination(local, args.termination_grace)
     termination.install()

@@ -19,10 +19,11 @@
 #   ODYSSEY_JOIN    HOST:PORT of a running job's agent: this machine comes back and joins it
 #                   (machine 0's $ODYSSEY_WORKDIR/agent.address; NODE_RANK as at launch)
 #   ODYSSEY_SILENCE_TIMEOUT_S  a machine silent this long is lost (default 10; --silence-timeout)
+#   ODYSSEY_WITNESS_DIR  a directory machines 0 and 1 share: takes a partition's tie (--witness-dir)
 set -euo pipefail
 
 if [[ $# -lt 1 ]]; then
-  sed -n '2,21p' "$0" >&2
+  sed -n '2,22p' "$0" >&2
   exit 2
 fi
 

@@ -55,7 +55,7 @@ from ..planning.schedule import overlapped_nodes
 from ..planning.sharding import lost_units
 from .config import TrainConfig
 from .control_plane import TAKEOVER_KEY, Deposed, Replica, ReplicaLost, free_port
-from .quorum import GONE, SILENT, NoQuorum, Quorum, standby_check
+from .quorum import GONE, SILENT, NoQuorum, Quorum, Witness, standby_check
 from .plan_message import checkpoint_due, encode_plan_message
 from .liveness import COMM, WAITING, Beat
 from .process_probe import SilenceJudge
@@ -185,6 +185,7 @@ class Agent:
         self.replica: Replica | None = None  # the standby's copy of this agent's state (control_plane)
         self.replicated: frozenset[int] = frozenset()  # the ranks of the newest generation the standby acknowledged
         self.quorum: Quorum | None = None  # the standby was lost silently: whom a new generation needs (runtime.quorum)
+        self.witness: Witness | None = None  # odyssey-launch --witness-dir: who takes a tie of a partition
         self.published: dict[str, Any] | None = None  # this generation's plan message, as published
         self.takeover_at = 0.0  # this agent took over from a lost one (its ranks' heartbeats come back now)
         # the C4D-style diagnosis of the ranks' operation records, and what the planner does about it
@@ -1025,7 +1026,7 @@ class Agent:
         sealed_at, finished_all = sealed
         survivors = [i for i in self.members() if i not in self.dead]
         if takeover and takeover.get("lost_as") == SILENT:  # (a partition may have left the agent running)
-            standby_check(survivors, frozenset(self.members()))
+            standby_check(survivors, frozenset(self.members()), self.witness)
         if not survivors and finished_all:
             return self._ended_before(replan, gen_failed)
         held = [int(v) for v in self.store.multi_get([f"{self.key('recover')}/{i}" for i in survivors])]
@@ -1327,10 +1328,11 @@ class Agent:
                                f"on without a standby (losing this machine now ends the job)")
             else:
                 # (a standby that received no state cannot take over: Standby.watch)
-                self.quorum = Quorum(tuple(r for r in {self.replicated, members} if r))
+                self.quorum = Quorum(tuple(r for r in {self.replicated, members} if r), self.witness)
+                tie = " (or half, and the witness)" if self.witness is not None else ""
                 self.log_error(f"the standby agent's store stopped answering ({lost}) and its machine is silent: it "
                                f"lost power, or this machine is cut off from the job; going on without a standby, and "
-                               f"only with more than half of the job's {len(self.replicated)} ranks")
+                               f"only with more than half of the job's {len(self.replicated)} ranks{tie}")
             self.replica = None
             return False
 

@@ -22,11 +22,22 @@ may or may not hold it, and the agent needs a majority of both (:attr:`Quorum.re
 The price: a job of two machines whose standby's machine loses power (silent, not refused) stops, restarting from
 its last checkpoint, since its agent cannot tell that loss from being cut off itself (etcd, behind
 ``torch.distributed.elastic``'s etcd rendezvous, has the same limit: of two voters, neither is a majority alone).
+
+A **witness** lifts it (``odyssey-launch --witness-dir``, as a failover cluster's file-share witness does): a directory
+on storage both the agent's machine and the standby's reach, such as the checkpoints' shared file system. It breaks
+ties only, so a majority goes on as before: a side holding exactly half of the reference goes on where it claims the
+witness for that reference first (an exclusive create, atomic on local and network file systems), and steps down
+where the other side did or the storage does not answer. With one vote more than the ranks, more than half of the
+votes still cannot be on both sides. The job asks for a witness only once per silent loss (neither side has a standby
+afterwards), so a claim is named by the reference's ranks, under a directory of the job's own (:meth:`Witness.create`).
 """
 from __future__ import annotations
 
+import os
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 GONE = "gone"  # the peer's machine refused the connection: its process is gone, its machine answers
 SILENT = "silent"  # nothing answered: lost power, or a partition (one side or the other is cut off)
@@ -36,14 +47,89 @@ class NoQuorum(RuntimeError):
     """This side of a partition holds too few of the job's ranks to go on: it steps down."""
 
 
-def agent_may_go_on(ranks: Iterable[int], reference: frozenset[int]) -> bool:
-    """The agent's side: strictly more than half of ``reference``."""
-    return 2 * len(set(ranks) & reference) > len(reference)
+class WitnessNotShared(ValueError):
+    """The standby's machine does not see the witness directory the agent's machine made: it is not shared."""
 
 
-def standby_may_go_on(ranks: Iterable[int], reference: frozenset[int]) -> bool:
-    """The standby's side: at least half of ``reference`` (ties are the standby's)."""
-    return 2 * len(set(ranks) & reference) >= len(reference)
+@dataclass(frozen=True)
+class Witness:
+    """A job's directory on storage both sides of a partition may reach: whoever claims a reference there first
+    takes its tie (``holder`` says who, in the claim)."""
+
+    directory: Path
+    holder: str
+
+    @staticmethod
+    def create(root: str | Path, holder: str) -> "Witness":
+        """The agent's machine, at the job's start: a directory of this job's own under ``root``."""
+        directory = Path(root) / f"odyssey-witness-{uuid.uuid4().hex}"
+        directory.mkdir()
+        return Witness(directory, holder)
+
+    @staticmethod
+    def join(directory: str | Path, holder: str) -> "Witness":
+        """The standby's machine: the agent's directory, which it must see (WitnessNotShared, naming the flag)."""
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise WitnessNotShared(f"--witness-dir: the standby's machine does not see {directory}, which the agent's "
+                                   f"machine made: the witness must be a directory both machines share (the same "
+                                   f"path on a network file system, e.g. the checkpoints')")
+        return Witness(directory, holder)
+
+    def claim(self, reference: frozenset[int]) -> bool:
+        """Whether this side holds the witness for ``reference``: it claimed it now, or before. The claim is written
+        aside and linked into place, so it appears whole or not at all; storage that does not answer is a claim
+        lost (the other side may hold it)."""
+        name = self.directory / ("ranks-" + "_".join(map(str, sorted(reference))))
+        aside = self.directory / f".{name.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        try:
+            aside.write_text(self.holder)
+            try:
+                os.link(aside, name)
+                return True
+            except FileExistsError:
+                return name.read_text() == self.holder
+            finally:
+                aside.unlink(missing_ok=True)
+        except OSError:
+            return False
+
+    def remove(self) -> None:
+        """The job ended (whoever ran it to its end): its directory goes where it is empty; a claim stays, saying
+        which side of a partition trained on, for whoever looks into the job afterwards."""
+        try:
+            self.directory.rmdir()
+        except OSError:
+            pass
+
+    def holder_of(self, reference: frozenset[int]) -> str | None:
+        """Who claimed ``reference`` (None: nobody, or the storage does not answer)."""
+        try:
+            return (self.directory / ("ranks-" + "_".join(map(str, sorted(reference))))).read_text()
+        except OSError:
+            return None
+
+
+def agent_may_go_on(ranks: Iterable[int], reference: frozenset[int], witness: Witness | None = None) -> bool:
+    """The agent's side: strictly more than half of ``reference``, or exactly half and the witness."""
+    held = 2 * len(set(ranks) & reference)
+    return held > len(reference) or (held == len(reference) and witness is not None and witness.claim(reference))
+
+
+def standby_may_go_on(ranks: Iterable[int], reference: frozenset[int], witness: Witness | None = None) -> bool:
+    """The standby's side: more than half of ``reference``, or exactly half and (the job has one) the witness;
+    without a witness ties are the standby's."""
+    held = 2 * len(set(ranks) & reference)
+    return held > len(reference) or (held == len(reference) and (witness is None or witness.claim(reference)))
+
+
+def _tie_lost(witness: Witness | None, reference: frozenset[int]) -> str:
+    """Why a side holding exactly half did not go on, where the job has a witness."""
+    if witness is None:
+        return ""
+    other = witness.holder_of(reference)
+    return (f"; the witness in {witness.directory} was claimed first by the {other}" if other else
+            f"; the witness in {witness.directory} could not be claimed (the storage did not answer)")
 
 
 @dataclass(frozen=True)
@@ -51,24 +137,31 @@ class Quorum:
     """An agent that lost a silent standby: the ranks it must hold a majority of, in every generation it starts."""
 
     references: tuple[frozenset[int], ...]  # the last generation the standby acknowledged (and the one it may hold)
+    witness: Witness | None = None  # (odyssey-launch --witness-dir) who takes a tie
 
     def check(self, ranks: Iterable[int]) -> None:
         """NoQuorum, saying whom this agent still has, unless it may start a generation of ``ranks``."""
         ranks = set(ranks)
         for reference in self.references:
-            if not agent_may_go_on(ranks, reference):
+            if not agent_may_go_on(ranks, reference, self.witness):
                 held = sorted(ranks & reference)
+                tied = 2 * len(held) == len(reference)
+                tie = _tie_lost(self.witness, reference) if tied else ""
+                lift = ("; a tie is the standby's unless odyssey-launch --witness-dir names a directory both machines "
+                        "share, which goes to the side that claims it first: with one, a standby's machine that lost "
+                        "power does not stop the job" if tied and self.witness is None else "")
                 raise NoQuorum(f"this agent holds {len(held)} of the job's {len(reference)} ranks ({held}) and its "
-                               f"standby's machine is silent: this machine is the one cut off (the standby takes the "
-                               f"job over with the others, at least half of them), so it steps down rather than train "
-                               f"a second copy of the job")
+                               f"standby's machine is silent{tie}: this machine is the one cut off (the standby "
+                               f"takes the job over with the others, at least half of them), so it steps down rather "
+                               f"than train a second copy of the job{lift}")
 
 
-def standby_check(ranks: Iterable[int], reference: frozenset[int]) -> None:
+def standby_check(ranks: Iterable[int], reference: frozenset[int], witness: Witness | None = None) -> None:
     """NoQuorum unless a standby that took over from a silent agent may go on with ``ranks``."""
     ranks = set(ranks)
-    if not standby_may_go_on(ranks, reference):
+    if not standby_may_go_on(ranks, reference, witness):
         held = sorted(ranks & reference)
+        tie = _tie_lost(witness, reference) if 2 * len(held) == len(reference) else ""
         raise NoQuorum(f"the standby took over from a silent agent, but only {len(held)} of the job's "
-                       f"{len(reference)} ranks ({held}) came to it: this machine is the one cut off (the agent goes "
-                       f"on with the others), so the standby withdraws rather than train a second copy of the job")
+                       f"{len(reference)} ranks ({held}) came to it{tie}: this machine is the one cut off (the agent "
+                       f"goes on with the others), so the standby withdraws rather than train a second copy of the job")

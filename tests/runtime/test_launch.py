@@ -138,6 +138,66 @@ def test_bad_arguments(argv: list[str], message: str, capsys: pytest.CaptureFixt
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--nnodes", "2", "--witness-dir", "/nonexistent/w", "x.py"], "--witness-dir /nonexistent/w is not a directory"),
+    (["--witness-dir", ".", "x.py"], "--witness-dir takes the tie between the agent and its standby: it needs "
+                                     "--nnodes 2 or more, without --no-standby"),
+    (["--nnodes", "2", "--no-standby", "--witness-dir", ".", "x.py"], "it needs --nnodes 2 or more, without "
+                                                                      "--no-standby"),
+])
+def test_bad_witness_directories(argv: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        parse(["--no-python", *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_the_witness_directory_from_the_environment(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """``scripts/odyssey_launch.sh`` passes it through the environment for any job: a one-machine job ignores it,
+    machine 0 checks it, and the other machines take machine 0's (which machine 1 checks it sees, below)."""
+    monkeypatch.setenv("ODYSSEY_WITNESS_DIR", str(tmp_path))
+    assert parse(["--no-python", "x.py"]).witness_dir is None
+    assert parse(["--no-python", "--nnodes", "2", "x.py"]).witness_dir == str(tmp_path)
+    monkeypatch.setenv("ODYSSEY_WITNESS_DIR", "/nonexistent/w")
+    assert parse(["--no-python", "--nnodes", "2", "--node-rank", "1", "x.py"]).witness_dir == "/nonexistent/w"
+    with pytest.raises(SystemExit):
+        parse(["--no-python", "--nnodes", "2", "x.py"])
+    assert "ODYSSEY_WITNESS_DIR (--witness-dir) /nonexistent/w is not a directory" in capsys.readouterr().err
+
+
+def test_a_witness_directory_the_standbys_machine_does_not_see_stops_the_job_before_it_trains(tmp_path: Path) -> None:
+    """Machine 1 runs in a mount namespace where the witness directory is an empty file system of its own (storage
+    machine 0 does not share with it). A witness only one side can claim would let both sides of a tie go on, so
+    the standby refuses it and machine 0 stops the job, both saying why, within seconds."""
+    if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
+        pytest.skip("no mount namespace here (unshare -m needs root)")
+    witness = tmp_path / "witness"
+    witness.mkdir()
+    script = tmp_path / "job.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    port = job_port(1870)
+
+    def machine(node: int) -> list[str]:
+        return [sys.executable, "-m", "megatron_odyssey.launch", "--nnodes", "2", "--node-rank", str(node),
+                "--nproc-per-node", "1", "--master-port", str(port), "--witness-dir", str(witness), "--workdir",
+                str(tmp_path / f"logs{node}"), str(script)]
+
+    t0 = time.monotonic()
+    first = subprocess.Popen(machine(0), stderr=subprocess.PIPE, text=True)
+    second = subprocess.Popen(["unshare", "-m", "sh", "-c", f'mount -t tmpfs none "{witness}" && exec "$@"', "-",
+                               *machine(1)], stderr=subprocess.PIPE, text=True)
+    try:
+        said = [p.communicate(timeout=60)[1] for p in (first, second)]
+    finally:
+        for p in (first, second):
+            p.kill()
+    assert (first.returncode, second.returncode) == (1, 1), said
+    refusal = "--witness-dir: the standby's machine does not see " + str(witness / "odyssey-witness-")
+    assert refusal in said[0] and "the job stops before it trains" in said[0], said[0]
+    assert refusal in said[1], said[1]
+    assert time.monotonic() - t0 < 30
+
+
 @pytest.mark.parametrize("said, message", [("2", "--silence-timeout must be at least 3 seconds"),
                                            ("ten", "ODYSSEY_SILENCE_TIMEOUT_S='ten' (--silence-timeout) is not a "
                                                    "number of seconds")])

@@ -1622,24 +1622,27 @@ def _partitioned(tmp_path: Path, node: int, port: int) -> JobResult:
                            cut_off=CutOff(_namespace(stack), 2, node=node, power_loss=False))
 
 
-def _the_agent_trained_on_without(job: JobResult, rank: int, stock: dict) -> None:
-    """No takeover: the agent dropped ``rank`` and every iteration equals stock's."""
+def _the_agent_trained_on_without(job: JobResult, ranks: list[int], stock: dict) -> None:
+    """No takeover: the agent dropped ``ranks`` and every iteration equals stock's."""
     assert job.returncode == 0, job.tail()
     report = job.report
-    assert report["takeovers"] == [] and [f["ranks"] for f in report["failures"]] == [[rank]]
+    assert report["takeovers"] == [] and [f["ranks"] for f in report["failures"]] == [ranks], report["failures"]
     assert [s["step"] for s in report["steps"]] == list(range(ITERS)) and report["ok"] and not report["running"]
     assert same_training(job.iterations(), stock)
 
 
-def _stepped_down(job: JobResult, tmp_path: Path, node: int, who: str) -> None:
-    """Machine ``node`` left by itself, saying why, having trained nothing after the cut (iteration 2)."""
+def _stepped_down(job: JobResult, tmp_path: Path, node: int, who: str, ranks: tuple[int, ...] = (),
+                  code: int | None = None) -> None:
+    """Machine ``node`` (its ``ranks``; one machine a rank by default) left by itself with ``code`` (default: the
+    cut-off machine's), saying why, having trained nothing after the cut (iteration 2)."""
     from megatron_odyssey.runtime.agent import STEPPED_DOWN_EXIT
 
     console = (tmp_path / f"console{node}.txt").read_text(errors="replace")
-    assert job.cut_off == STEPPED_DOWN_EXIT, (job.cut_off, console[-3000:])
+    assert (job.cut_off if code is None else code) == STEPPED_DOWN_EXIT, (job.cut_off, code, console[-3000:])
     assert f"stepping down: {who}" in console and "this machine is the one cut off" in console, console[-3000:]
-    rank_log = (tmp_path / f"logs{node}" / f"rank{node}.log").read_text(errors="replace")
-    assert not re.search(r"iteration\s+[3-5]/", rank_log), rank_log[-2000:]
+    for rank in ranks or (node,):
+        rank_log = (tmp_path / f"logs{node}" / f"rank{rank}.log").read_text(errors="replace")
+        assert not re.search(r"iteration\s+[3-5]/", rank_log), rank_log[-2000:]
 
 
 def test_machine_0_cut_off_but_running_steps_down_and_the_standby_trains_on(stock_dp: dict, tmp_path: Path) -> None:
@@ -1660,7 +1663,7 @@ def test_the_standbys_machine_cut_off_withdraws_and_the_agent_trains_on(stock_dp
     rerouted to rank 1 and trained on alone (split brain). Now it holds 1 of the 4 ranks: it withdraws its takeover
     and steps down, and the agent, with 3 of 4, drops rank 1 and trains as stock Megatron-LM, with no takeover."""
     job = _partitioned(tmp_path, 1, _port(1940))
-    _the_agent_trained_on_without(job, 1, stock_dp)
+    _the_agent_trained_on_without(job, [1], stock_dp)
     _stepped_down(job, tmp_path, 1, "the standby took over from a silent agent, but only 1 of the job's 4 ranks ([1])")
     assert "and its machine is silent: it lost power, or this machine is cut off" in job.logs  # (the agent's word)
 
@@ -1671,12 +1674,76 @@ def test_a_worker_machine_cut_off_leaves_and_the_job_trains_on(stock_dp: dict, t
     waits the control plane's 120 s for a takeover, then says so in one line and leaves with 1. Before, it left with
     a traceback after about a thousand lines of the store client's connect retries (one client per poll)."""
     job = _partitioned(tmp_path, 2, _port(1930))
-    _the_agent_trained_on_without(job, 2, stock_dp)
+    _the_agent_trained_on_without(job, [2], stock_dp)
     console = (tmp_path / "console2.txt").read_text(errors="replace")
     assert job.cut_off == 1, console[-3000:]
     assert ("did not take over within 120 s: this machine leaves the job and stops its ranks" in console
             and "Traceback" not in console), console[-3000:]
     assert console.count("socket.cpp") < 20, console.count("socket.cpp")
+
+
+def _two_machines(tmp_path: Path, port: int, power_loss: bool, witness: bool) -> JobResult:
+    """Two machines of two ranks each, data parallel; machine 1's network is cut after iteration 2 (with
+    ``power_loss`` its processes are frozen too); ``witness``: with ``--witness-dir`` (a directory both reach)."""
+    flags: tuple[str, ...] = ()
+    if witness:
+        (tmp_path / "witness").mkdir()
+        flags = ("--witness-dir", str(tmp_path / "witness"))
+    with ExitStack() as stack:
+        return run_odyssey(MLM, tmp_path, DATA_PARALLEL, port, nodes=2, launcher_flags=flags,
+                           cut_off=CutOff(_namespace(stack), 2, node=1, power_loss=power_loss))
+
+
+def _witness_claim(tmp_path: Path) -> str:
+    """Who claimed the tie of the job's ranks 0-3 in its witness directory."""
+    (claim,) = (tmp_path / "witness").glob("odyssey-witness-*/ranks-0_1_2_3")
+    return claim.read_text()
+
+
+@pytest.mark.parametrize("witness", [True, False], ids=["witness", "no-witness"])
+def test_two_machines_second_loses_power(stock_dp: dict, tmp_path: Path, witness: bool) -> None:
+    """Two machines, machine 1 (the standby and ranks 2-3) loses power after iteration 2. The agent holds half of
+    the ranks and cannot tell the loss from being cut off itself (``runtime.quorum``). With ``--witness-dir`` it
+    claims the tie there, drops ranks 2-3 and trains as stock Megatron-LM; without, it steps down, saying why, and
+    the job stops (the price the witness lifts)."""
+    from megatron_odyssey.runtime.agent import STEPPED_DOWN_EXIT
+
+    job = _two_machines(tmp_path, _port(1700 + 10 * witness), power_loss=True, witness=witness)
+    if witness:
+        _the_agent_trained_on_without(job, [2, 3], stock_dp)
+        assert _witness_claim(tmp_path).startswith("agent on machine 0")
+        assert "only with more than half of the job's 4 ranks (or half, and the witness)" in job.logs
+    else:
+        assert job.returncode == STEPPED_DOWN_EXIT, job.tail()
+        assert "stepping down: this agent holds 2 of the job's 4 ranks ([0, 1]) and its standby's machine is " \
+               "silent: this machine is the one cut off" in job.logs, job.tail()
+        assert "a tie is the standby's unless odyssey-launch --witness-dir names a directory" in job.logs
+        assert not re.search(r"iteration\s+[3-5]/", job.logs) and job.report == {}
+
+
+def test_two_machines_cut_in_two_go_on_on_the_side_that_claimed_the_witness(stock_dp: dict, tmp_path: Path) -> None:
+    """A partition of a two-machine job: machine 1 is cut off after iteration 2 and runs on. Each side holds half of
+    the ranks: the agent (after dropping ranks 2-3) and the standby (after taking over with them) both claim the
+    witness, and only the first trains on; the other steps down, naming who claimed it. Either way every iteration
+    equals stock Megatron-LM's, and nothing trains on the other side after the cut."""
+    job = _two_machines(tmp_path, _port(1720), power_loss=False, witness=True)
+    claimed = _witness_claim(tmp_path)
+    if claimed.startswith("agent"):
+        _the_agent_trained_on_without(job, [2, 3], stock_dp)
+        _stepped_down(job, tmp_path, 1, "the standby took over from a silent agent, but only 2 of the job's 4 ranks "
+                      "([2, 3]) came to it; the witness in", ranks=(2, 3))
+        said = (tmp_path / "console1.txt").read_text(errors="replace")
+    else:
+        assert claimed.startswith("standby on machine 1"), claimed
+        assert job.cut_off == 0, job.tail()  # (machine 1, cut off from machine 0 only, ran the job to its end)
+        (takeover,) = job.report["takeovers"]
+        assert takeover["ranks_lost"] == [0, 1] and takeover["lost_as"] == "silent", takeover
+        assert [s["step"] for s in job.report["steps"]] == list(range(ITERS))
+        assert same_training(job.iterations(), stock_dp)
+        _stepped_down(job, tmp_path, 0, "this agent holds 2 of the job's 4 ranks ([0, 1]) and its standby's machine "
+                      "is silent; the witness in", ranks=(0, 1), code=job.returncode)
+        said = (tmp_path / "console0.txt").read_text(errors="replace")
+    assert f"was claimed first by the {claimed}" in said, said[-3000:]
 
 
 def test_a_lost_machine_comes_back_and_joins(stock: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
