@@ -359,8 +359,6 @@ def coordinate(args: argparse.Namespace, local: dict[int, LocalRank], terminatio
             return 1
     code = agent.supervise()
     finish_job(store, code)
-    if args.witness is not None:
-        args.witness.remove()
     return code
 
 
@@ -376,7 +374,6 @@ def _witness_refused(args: argparse.Namespace, store: Any, local: dict[int, Loca
     for p in local.values():
         p.kill()
     finish_job(store, 1)
-    args.witness.remove()
     return True
 
 
@@ -725,6 +722,8 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         for p in local.values():
             p.kill()
+        if args.witness is not None:  # (machine 0's: an empty one goes, a claim stays)
+            args.witness.remove()
     sys.exit(code)
 
 

@@ -80,7 +80,7 @@ class Witness:
         """Whether this side holds the witness for ``reference``: it claimed it now, or before. The claim is written
         aside and linked into place, so it appears whole or not at all; storage that does not answer is a claim
         lost (the other side may hold it)."""
-        name = self.directory / ("ranks-" + "_".join(map(str, sorted(reference))))
+        name = self._claim(reference)
         aside = self.directory / f".{name.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
         try:
             aside.write_text(self.holder)
@@ -105,9 +105,12 @@ class Witness:
     def holder_of(self, reference: frozenset[int]) -> str | None:
         """Who claimed ``reference`` (None: nobody, or the storage does not answer)."""
         try:
-            return (self.directory / ("ranks-" + "_".join(map(str, sorted(reference))))).read_text()
+            return self._claim(reference).read_text()
         except OSError:
             return None
+
+    def _claim(self, reference: frozenset[int]) -> Path:
+        return self.directory / ("ranks-" + "_".join(map(str, sorted(reference))))
 
 
 def agent_may_go_on(ranks: Iterable[int], reference: frozenset[int], witness: Witness | None = None) -> bool:

@@ -196,6 +196,7 @@ def test_a_witness_directory_the_standbys_machine_does_not_see_stops_the_job_bef
     assert refusal in said[0] and "the job stops before it trains" in said[0], said[0]
     assert refusal in said[1], said[1]
     assert time.monotonic() - t0 < 30
+    assert list(witness.iterdir()) == []  # (machine 0's job directory, empty, went with the job)
 
 
 @pytest.mark.parametrize("said, message", [("2", "--silence-timeout must be at least 3 seconds"),
