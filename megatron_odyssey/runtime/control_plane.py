@@ -414,11 +414,19 @@ class OrphanRank:
 # -- a rank's side ------------------------------------------------------------------------------------
 def answering(address: tuple[str, int]) -> Any | None:
     """A new client of the store at ``address`` if it answers now, else None."""
+    return ask(address)[0]
+
+
+def ask(address: tuple[str, int]) -> tuple[Any | None, str]:
+    """As :func:`answering`, with how the store's machine answered the knock (:func:`knock`; "accepted" where the
+    machine took the connection but the store did not answer)."""
     try:
         fresh = client_if_there(address)
-        return fresh if reachable(fresh) else None
+    except NotThere as gone:
+        return None, gone.answer
     except Exception:  # noqa: BLE001 - not there (now)
-        return None
+        return None, "accepted"
+    return (fresh if reachable(fresh) else None), "accepted"
 
 
 @dataclass
@@ -469,15 +477,11 @@ class ControlPlane:
         deadline = time.monotonic() + self.wait_s
         if self.standby is None:  # the same agent again after a blip, or nobody
             while time.monotonic() < deadline:
-                try:
-                    fresh = client_if_there(self.current)
-                    if reachable(fresh):
-                        return Followed(fresh, took_over=False)
-                except NotThere as gone:
-                    if gone.answer == "refused":  # (its process is gone: it will not answer again)
-                        break
-                except Exception:  # noqa: BLE001 - not there (now)
-                    pass
+                fresh, answer = ask(self.current)
+                if fresh is not None:
+                    return Followed(fresh, took_over=False)
+                if answer == "refused":  # (its process is gone: it will not answer again)
+                    break
                 time.sleep(0.1)
             raise ConnectionError(f"the agent's store {self.current[0]}:{self.current[1]} is gone and this job has "
                                   f"no standby agent")
