@@ -142,17 +142,20 @@ def test_the_agent_killed_during_a_recovery(reference, tmp_path):
 
 def test_without_a_standby_losing_the_agent_ends_the_job_and_its_ranks(tmp_path):
     """No standby: the job fails at once with the reason, and no rank is left waiting on a dead store. Timed from
-    step 0's commit (the agent dies in step 1), not from the start: a loaded host's start-up took 91 s once."""
+    the last record in the agent's step log, not from the start (a loaded host's start-up took 91 s once). The
+    agent dies in step 2: it writes step 0's record before it commits step 1, but a step's record comes after its
+    commit, so step 1's may be missing (a loaded host's ranks reached the kill first once; killed in step 1 then,
+    the log was empty)."""
     config = tmp_path / "run" / "config.json"
     with pytest.raises(TrainingFailed):
-        run(tmp_path, ["step=1,rank=2,phase=backward,kind=kill-agent"])
+        run(tmp_path, ["step=2,rank=2,phase=backward,kind=kill-agent"])
     deadline = time.monotonic() + 30
     while _processes_with(str(config)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _processes_with(str(config)), "ranks outlived their agent"
     steps = tmp_path / "report.steps.jsonl"  # the agent's step log, written as steps commit
-    assert [r["step"] for r in StepLog.read(steps)] == [0]
-    last_commit = steps.stat().st_mtime
+    assert [r["step"] for r in StepLog.read(steps)] in ([0], [0, 1])
+    last_commit = steps.stat().st_mtime  # (step 1's commit, or before it)
     store_timeout = json.loads(config.read_text())["timeout_s"]  # what a rank waiting on the dead store would wait
     assert time.time() - last_commit < store_timeout / 2
     logs = " ".join(p.read_text() for p in (tmp_path / "run").glob("rank*.log"))
