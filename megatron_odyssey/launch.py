@@ -36,7 +36,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from .runtime.control_plane import FENCE_KEY, LEAVING_KEY, free_port  # (no torch import: the launcher starts fast)
+from .runtime.control_plane import (FENCE_KEY, LEAVING_KEY, free_port,  # (no torch: the launcher starts fast)
+                                    judged_lost_after)
 from .runtime.errors import (DUMP_STACKS_KEY, STACKS_ASKED_KEY, STOPPED_EXIT, describe_exit, rank_log_stack,
                              rank_log_traceback)
 from .runtime.joining import CONFIG_KEY, read_job_config  # (rank 0 publishes the config when train() starts)
@@ -217,7 +218,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"a directory on storage machines 0 and 1 share (e.g. the checkpoints' network file system): "
                         f"where a partition cuts the job into two halves (two machines: one each), the side that "
                         f"claims it first trains on; without one the standby's side does, and a two-machine job whose "
-                        f"machine 1 goes silent stops (default ${WITNESS_ENV}; machine 0's is the job's)")
+                        f"machine 1 goes silent stops (default ${WITNESS_ENV}; machine 0's is the job's: another one "
+                        f"given on machine 1 is refused)")
     p.add_argument("--workdir", type=Path, default=Path("odyssey-run"), help="per-rank logs (default odyssey-run)")
     p.add_argument("--no-python", action="store_true", help="run the script as an executable (like torchrun)")
     p.add_argument("--join", default=None, metavar="HOST:PORT",
@@ -270,9 +272,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             p.error("--witness-dir takes the tie between the agent and its standby: it needs --nnodes 2 or more, "
                     "without --no-standby")
         args.witness_dir = None  # (the script's environment, for any job)
+    args.witness_said = "--witness-dir" if given else f"{WITNESS_ENV} (--witness-dir)"  # (for what names it)
     if args.witness_dir is not None and args.node_rank == 0 and not Path(args.witness_dir).is_dir():
-        said = "--witness-dir" if given else f"{WITNESS_ENV} (--witness-dir)"
-        p.error(f"{said} {args.witness_dir} is not a directory")
+        p.error(f"{args.witness_said} {args.witness_dir} is not a directory")
     return args
 
 
@@ -363,9 +365,10 @@ def coordinate(args: argparse.Namespace, local: dict[int, LocalRank], terminatio
 
 
 def _witness_refused(args: argparse.Namespace, store: Any, local: dict[int, LocalRank]) -> bool:
-    """Machine 0: the standby's machine does not see the witness directory (``--witness-dir`` is not shared); the
-    job stops before it trains, saying so, rather than run with a witness only one side can claim."""
-    if args.witness is None or not store.check([WITNESS_SEEN_KEY]):
+    """Machine 0: the standby's machine does not see the witness directory (``--witness-dir`` is not shared), or was
+    given another (:func:`standbys_witness`); the job stops before it trains, saying so, rather than run with a
+    witness only one side can claim, or one the user did not mean."""
+    if not args.standby or not store.check([WITNESS_SEEN_KEY]):
         return False
     why = store.get(WITNESS_SEEN_KEY).decode()
     if not why:
@@ -438,6 +441,13 @@ class StackRequests:
                     pass
 
 
+def learn_when_lost(control: Any, store: Any) -> None:
+    """Once training started (rank 0 published the job's config): when the job will have dropped this machine's
+    ranks, which bounds a wait for agents this machine cannot reach (``ControlPlane.lost_after_s``)."""
+    if control is not None and control.lost_after_s is None and store.check([CONFIG_KEY]):
+        control.lost_after_s = judged_lost_after(read_job_config(store).heartbeat_timeout_s)
+
+
 def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any, control: Any = None,
                stop: Any = None, termination: Termination | None = None) -> int:
     """Report this machine's rank exits and fence the ranks the agent asks to fence, until every rank has
@@ -468,6 +478,7 @@ def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any
                 break
             stacks.poll(store, reported)
             probes.poll(store)
+            learn_when_lost(control, store)
             for ident, p in local.items():
                 if ident not in reported and store.check([fence[ident]]):
                     p.kill()
@@ -548,6 +559,24 @@ def await_the_jobs_end(args: argparse.Namespace, local: dict[int, LocalRank], st
     return own
 
 
+def standbys_witness(args: argparse.Namespace, where: str, holder: str) -> Witness | None:
+    """Machine 1's side of the witness: the directory machine 0 made for the job (``where``, "" for none), which
+    this machine must see. Machine 0's --witness-dir is the job's; one given here too (or in the environment) must
+    name the same directory: a different one would leave the user believing the tie is claimed where it is not.
+    WitnessNotShared says which flag or variable is at odds, and machine 0 stops the job with it."""
+    mine = args.witness_dir
+    if mine is not None and not where:
+        raise WitnessNotShared(f"{args.witness_said} {mine} is given on machine 1 but not on machine 0, whose is the "
+                               f"job's: give the same directory to every machine")
+    if not where:
+        return None
+    witness = Witness.join(where, holder)
+    if mine is not None and os.path.realpath(Path(where).parent) != os.path.realpath(mine):
+        raise WitnessNotShared(f"{args.witness_said} {mine} on machine 1 is not machine 0's "
+                               f"({Path(where).parent}): give the same directory to every machine")
+    return witness
+
+
 def standby_node(args: argparse.Namespace, local: dict[int, LocalRank], agent_store: Any,
                  termination: Termination | None = None) -> int:
     """Machine 1: this machine's node agent (a thread), and the standby agent, which hosts its own store,
@@ -561,16 +590,15 @@ def standby_node(args: argparse.Namespace, local: dict[int, LocalRank], agent_st
     from .runtime.generation import wait_key
 
     host = args.standby_addr or route_address(args.master_addr, args.odyssey_port)
-    witness = None
     where = wait_key(agent_store, WITNESS_KEY, "the job's witness directory", 300).decode()
-    if where:  # (machine 0's --witness-dir is the job's; this machine must see the directory it made there)
-        try:
-            witness = Witness.join(where, f"standby on machine 1 ({host})")
+    try:
+        witness = standbys_witness(args, where, f"standby on machine 1 ({host})")
+        if where:
             agent_store.set(WITNESS_SEEN_KEY, "")
-        except WitnessNotShared as why:
-            agent_store.set(WITNESS_SEEN_KEY, str(why))
-            print(f"[odyssey standby, node 1] {why}", file=sys.stderr, flush=True)
-            return 1
+    except WitnessNotShared as why:
+        agent_store.set(WITNESS_SEEN_KEY, str(why))
+        print(f"[odyssey standby, node 1] {why}", file=sys.stderr, flush=True)
+        return 1
     store = dist.TCPStore("0.0.0.0", args.standby_port, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=300))
     agent_store.set(STANDBY_KEY, f"{host}:{args.standby_port}")
@@ -659,7 +687,7 @@ def join_running_job(args: argparse.Namespace) -> int:
                                        "standby": standby is not None})
     termination = Termination(local, args.termination_grace)
     termination.install()  # a joined machine is stopped like any other
-    control = ControlPlane(address, standby, -1, wait_s=120)
+    control = ControlPlane(address, standby, -1, wait_s=120, lost_after_s=judged_lost_after(cfg.heartbeat_timeout_s))
     try:
         return node_agent(args, local, store, control, termination=termination)
     finally:  # (ranks held as standbys to the end of the job leave with it)

@@ -266,9 +266,10 @@ class MegatronRank(GenerationRank):
         from .stock_trace import StockMessages  # ... and its messages (hooks.traced_p2p)
 
         self.stock_messages = StockMessages(self.node, cfg.pp, cfg.dp, self.stock_timer)
-        from ..runtime.control_plane import ControlPlane
+        from ..runtime.control_plane import ControlPlane, judged_lost_after
 
-        self.control = ControlPlane.from_env(self.store_addr, self.ident, store, cfg.timeout_s)
+        self.control = ControlPlane.from_env(self.store_addr, self.ident, store, cfg.timeout_s,
+                                             judged_lost_after(cfg.heartbeat_timeout_s))
         if self.control.standby is None:
             self.control = None
         if not joining:  # (a joining rank beats once it asks to join: its rank's earlier life may still be beating)

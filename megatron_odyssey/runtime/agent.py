@@ -117,10 +117,11 @@ def _rank_main(cfg_path: str, ident: int, port: int, log_path: str, echo: bool) 
     dump_stacks_on_signals(cfg.stack_dump_signal)  # into the log just opened
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=cfg.timeout_s))
     from ..standalone.trainer import run
-    from .control_plane import ControlPlane, parse_address
+    from .control_plane import ControlPlane, judged_lost_after, parse_address
 
     standby = cfg.extra.get("control", {}).get("standby")
-    control = ControlPlane(("127.0.0.1", port), parse_address(standby), ident, cfg.timeout_s) if standby else None
+    control = (ControlPlane(("127.0.0.1", port), parse_address(standby), ident, cfg.timeout_s,
+                            judged_lost_after(cfg.heartbeat_timeout_s)) if standby else None)
     run(cfg, ident, store, ("127.0.0.1", port), control)
 
 

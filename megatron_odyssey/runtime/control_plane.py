@@ -429,6 +429,16 @@ def ask(address: tuple[str, int]) -> tuple[Any | None, str]:
     return (fresh if reachable(fresh) else None), "accepted"
 
 
+def judged_lost_after(heartbeat_timeout_s: float) -> float:
+    """Seconds after which the job has dropped the ranks of a machine it does not hear from: every request to that
+    machine fails within the silence bound (``sockets``), and its ranks' heartbeats are missed for at most twice
+    their timeout (the agent's grace). The job's machines judge one another by these; a launcher or rank that has
+    reached neither agent for this long is not waited for (:meth:`ControlPlane.follow`)."""
+    from .sockets import silence_bound
+
+    return silence_bound() + 2 * heartbeat_timeout_s
+
+
 @dataclass
 class Followed:
     """Where to go on after a store error (:meth:`ControlPlane.follow`)."""
@@ -441,13 +451,15 @@ class ControlPlane:
     """Where a rank's agent is: its store, and the standby that takes over when it is lost."""
 
     def __init__(self, primary: tuple[str, int], standby: tuple[str, int] | None, ident: int,
-                 wait_s: float = 120.0):
+                 wait_s: float = 120.0, lost_after_s: float | None = None):
         self.current, self.standby, self.ident, self.wait_s = primary, standby, ident, wait_s
+        self.lost_after_s = lost_after_s  # the job has dropped a machine that heard nobody this long (judged_lost_after)
         self.moved = False  # the standby took over: fence keys are watched from now on
         self.lock = threading.Lock()
 
     @classmethod
-    def from_env(cls, primary: tuple[str, int], ident: int, store: Any, wait_s: float) -> "ControlPlane":
+    def from_env(cls, primary: tuple[str, int], ident: int, store: Any, wait_s: float,
+                 lost_after_s: float | None = None) -> "ControlPlane":
         """Launch mode: the standby (machine 1's launcher) registers its address in the agent's store
         while the ranks start; a job on more than one machine waits for it (``ODYSSEY_STANDBY=expected``)."""
         standby = None
@@ -455,7 +467,7 @@ class ControlPlane:
             from .generation import wait_key
 
             standby = parse_address(wait_key(store, STANDBY_KEY, "the standby agent's address", wait_s).decode())
-        return cls(primary, standby, ident, wait_s)
+        return cls(primary, standby, ident, wait_s, lost_after_s)
 
     def connect(self, timeout_s: float = PROBE_TIMEOUT_S) -> Any:
         """A client of the store the job's agent answers on now (for a rank's background threads)."""
@@ -470,8 +482,9 @@ class ControlPlane:
         """After an error: None when ``store`` still answers (the error was not its connection's); else the store
         to go on with: the standby's once it has taken over, or the same agent's on a new connection (the last one
         broke: a network blip outlasted ``sockets.silence_bound``, and a broken client is never used again). Raises
-        ConnectionError when the agent stays lost and no standby takes over within ``wait_s``, and, without a
-        standby, as soon as the agent's machine refuses the connection (its process is gone)."""
+        ConnectionError when the agent stays lost and no standby takes over within ``wait_s``; sooner where nobody
+        can answer again (:meth:`_give_up_on_both`); and, without a standby, as soon as the agent's machine refuses
+        the connection (its process is gone)."""
         if reachable(store):
             return None
         deadline = time.monotonic() + self.wait_s
@@ -485,34 +498,63 @@ class ControlPlane:
                 time.sleep(0.1)
             raise ConnectionError(f"the agent's store {self.current[0]}:{self.current[1]} is gone and this job has "
                                   f"no standby agent")
+        unanswered_since: float | None = None  # neither machine has accepted a connection since then
         while time.monotonic() < deadline:
             if self.current == self.standby and self.moved:  # a thread of ours moved already
                 return Followed(client(self.current, PROBE_TIMEOUT_S), took_over=True)
-            moved = self._standby_took_over()
+            moved, standby_answer = self._ask_the_standby()
             if moved is not None:
                 return Followed(moved, took_over=True)
-            fresh = answering(self.current)
+            fresh, agent_answer = ask(self.current)
             if fresh is not None:
                 return Followed(fresh, took_over=False)
+            if "accepted" in (agent_answer, standby_answer):
+                unanswered_since = None  # (the standby is up and may yet take over; or the agent's machine is up)
+            else:
+                unanswered_since = unanswered_since or time.monotonic()
+                self._give_up_on_both(agent_answer, standby_answer, time.monotonic() - unanswered_since)
             time.sleep(0.1)
         raise ConnectionError(f"the agent's store {self.current[0]}:{self.current[1]} is gone and the standby "
                               f"{self.standby[0]}:{self.standby[1]} did not take over within {self.wait_s:.0f} s")
 
+    def _give_up_on_both(self, agent_answer: str, standby_answer: str, unanswered_s: float) -> None:
+        """Raises ConnectionError once neither the agent's machine nor the standby's can answer again: both refuse
+        (their processes are gone), or neither has accepted a connection for ``lost_after_s``, by when the job has
+        dropped this machine's ranks (it is cut off, or both machines are lost). Until then a blip may end, and
+        the standby may take over; waiting out ``wait_s`` for machines this one cannot reach would only keep its
+        ranks waiting for nothing."""
+        both_gone = agent_answer == standby_answer == "refused"
+        if not both_gone and (self.lost_after_s is None or unanswered_s < self.lost_after_s):
+            return
+        agent, standby = (f"{host}:{port}" for host, port in (self.current, self.standby))
+        if both_gone:
+            raise ConnectionError(f"the agent's store {agent} and the standby's {standby} both refuse the connection "
+                                  f"(both processes are gone)")
+        raise ConnectionError(f"neither the agent's store {agent} nor the standby's {standby} has answered for "
+                              f"{unanswered_s:.0f} s, by when the job has dropped this machine's ranks (this machine "
+                              f"is cut off from both, or both machines are lost)")
+
     def _standby_took_over(self) -> Any | None:
+        return self._ask_the_standby()[0]
+
+    def _ask_the_standby(self) -> tuple[Any | None, str]:
+        """The standby's store once it has taken over (else None), and how its machine answered (:func:`knock`)."""
         if self.standby is None:
-            return None
+            return None, "refused"
         try:
             standby = client_if_there(self.standby)
             if not standby.check([TAKEOVER_KEY]):
-                return None
-        except Exception:  # noqa: BLE001 - the standby is not there either (yet)
-            return None
+                return None, "accepted"
+        except NotThere as gone:  # the standby is not there either (yet)
+            return None, gone.answer
+        except Exception:  # noqa: BLE001 - its machine accepted, its store did not answer (yet)
+            return None, "accepted"
         with self.lock:
             if self.current != self.standby:
                 print(f"[odyssey rank {self.ident}] the agent is lost; the standby agent at "
                       f"{self.standby[0]}:{self.standby[1]} took over", file=sys.stderr, flush=True)
             self.current, self.moved = self.standby, True
-        return standby
+        return standby, "accepted"
 
     def fenced(self, store: Any) -> bool:
         """After a takeover: the agent asked this rank (whose launcher may be gone) to leave."""

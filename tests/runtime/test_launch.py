@@ -199,6 +199,39 @@ def test_a_witness_directory_the_standbys_machine_does_not_see_stops_the_job_bef
     assert list(witness.iterdir()) == []  # (machine 0's job directory, empty, went with the job)
 
 
+@pytest.mark.parametrize("machine_0, machine_1", [("a", "b"), (None, "b")], ids=["another", "only-machine-1"])
+def test_a_witness_directory_machine_1_was_given_must_be_machine_0s(tmp_path: Path, machine_0: str | None,
+                                                                     machine_1: str) -> None:
+    """Machine 0's --witness-dir is the job's: machine 1 given another one (or one where machine 0 has none) would
+    have its user believe the tie is claimed there. Both machines say which and stop before the job trains."""
+    script = tmp_path / "job.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    port = job_port(1880 + 5 * (machine_0 is None))
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+
+    def machine(node: int, witness: str | None) -> list[str]:
+        return [sys.executable, "-m", "megatron_odyssey.launch", "--nnodes", "2", "--node-rank", str(node),
+                "--nproc-per-node", "1", "--master-port", str(port), "--workdir", str(tmp_path / f"logs{node}"),
+                *(["--witness-dir", str(tmp_path / witness)] if witness else []), str(script)]
+
+    t0 = time.monotonic()
+    launchers = [subprocess.Popen(machine(0, machine_0), stderr=subprocess.PIPE, text=True),
+                 subprocess.Popen(machine(1, machine_1), stderr=subprocess.PIPE, text=True)]
+    try:
+        said = [p.communicate(timeout=60)[1] for p in launchers]
+    finally:
+        for p in launchers:
+            p.kill()
+    assert [p.returncode for p in launchers] == [1, 1], said
+    refusal = (f"--witness-dir {tmp_path / 'b'} on machine 1 is not machine 0's ({tmp_path / 'a'})" if machine_0
+               else f"--witness-dir {tmp_path / 'b'} is given on machine 1 but not on machine 0")
+    assert refusal in said[0] and "the job stops before it trains" in said[0], said[0]
+    assert refusal in said[1], said[1]
+    assert time.monotonic() - t0 < 30
+    assert list((tmp_path / "a").iterdir()) == []  # (machine 0's job directory, empty, went with the job)
+
+
 @pytest.mark.parametrize("said, message", [("2", "--silence-timeout must be at least 3 seconds"),
                                            ("ten", "ODYSSEY_SILENCE_TIMEOUT_S='ten' (--silence-timeout) is not a "
                                                    "number of seconds")])

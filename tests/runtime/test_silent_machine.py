@@ -223,6 +223,64 @@ def test_the_standby_takes_over_from_a_silent_agent_and_the_other_machines_follo
         server.kill()
 
 
+def test_a_launcher_that_reaches_neither_agent_leaves_once_the_job_has_dropped_its_ranks(silent: NetworkNamespace,
+                                                                                        tmp_path: Path) -> None:
+    """This machine is cut off from both the agent's machine and the standby's (here both stores are in the silent
+    one): its launcher leaves with the reason once neither has answered for ``judged_lost_after`` (the silence bound
+    and twice the heartbeat timeout), by when the job has dropped its ranks. Before, it waited out the control
+    plane's 120 s for a takeover it could not have seen."""
+    from megatron_odyssey.launch import LocalRank
+    from megatron_odyssey.runtime.control_plane import judged_lost_after
+
+    agent_server, agent = _store_in(silent, 29911)
+    standby_server, standby = _store_in(silent, 29912)
+    rank = LocalRank(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                                      start_new_session=True))
+    lost_after = judged_lost_after(2.0)
+    assert lost_after == UNACKED_S + 4.0
+    try:
+        node, failed = _launcher(tmp_path, rank, agent, ControlPlane(agent, standby, -1, 120, lost_after))
+        time.sleep(1.0)
+        silent.cut()
+        cut = time.monotonic()
+        node.join(UNACKED_S + lost_after + SLACK_S)
+        took = time.monotonic() - cut
+        assert failed and isinstance(failed[0], ConnectionError), failed
+        assert (f"neither the agent's store {agent[0]}:{agent[1]} nor the standby's {standby[0]}:{standby[1]} has "
+                "answered for") in str(failed[0]) and "cut off from both" in str(failed[0]), failed[0]
+        assert lost_after <= took < UNACKED_S + lost_after + SLACK_S, took  # (not before, and not the 120 s)
+    finally:
+        rank.kill()
+        agent_server.kill()
+        standby_server.kill()
+
+
+def test_a_launcher_whose_agent_and_standby_are_both_gone_says_so_at_once(tmp_path: Path) -> None:
+    """Both stores' processes are gone (their machines refuse the connection): nobody can take the job over, so
+    the launcher leaves at once with the reason, without waiting for the job to drop its ranks."""
+    from megatron_odyssey.launch import LocalRank
+
+    servers = [subprocess.Popen([sys.executable, "-c", SERVE, "0"], stdout=subprocess.PIPE, start_new_session=True)
+               for _ in range(2)]
+    rank = LocalRank(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                                      start_new_session=True))
+    try:
+        agent, standby = (("127.0.0.1", int(server.stdout.readline().split()[1])) for server in servers)
+        node, failed = _launcher(tmp_path, rank, agent, ControlPlane(agent, standby, -1, 120, lost_after_s=600))
+        time.sleep(0.5)
+        for server in servers:
+            server.kill()
+        t0 = time.monotonic()
+        node.join(30)
+        assert failed and isinstance(failed[0], ConnectionError), failed
+        assert "both refuse the connection (both processes are gone)" in str(failed[0]), failed[0]
+        assert time.monotonic() - t0 < 15  # (neither the 600 s nor the 120 s)
+    finally:
+        rank.kill()
+        for server in servers:
+            server.kill()
+
+
 @pytest.mark.parametrize("standby", [True, False], ids=["standby", "no-standby"])
 def test_a_network_blip_longer_than_the_bound_costs_a_connection_not_the_launcher(silent: NetworkNamespace,
                                                                                      tmp_path: Path,
