@@ -290,6 +290,8 @@ def test_a_network_blip_longer_than_the_bound_costs_a_connection_not_the_launche
     and its rank's exit reaches that agent. Before, the launcher raised (its store answered, yet its own client was
     broken) and its machine left the job."""
     from megatron_odyssey.launch import EXIT_KEY, LocalRank
+    from megatron_odyssey.runtime.config import TrainConfig
+    from megatron_odyssey.runtime.control_plane import judged_lost_after
 
     server, agent = _store_in(silent)
     standby_store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
@@ -300,6 +302,8 @@ def test_a_network_blip_longer_than_the_bound_costs_a_connection_not_the_launche
         control = ControlPlane(agent, (silent.host_ip, standby_store.port) if standby else None, -1, wait_s=120)
         node, failed = _launcher(tmp_path, rank, agent, control, stop)
         time.sleep(1.0)
+        # (learnt from the job's config in the agent's store, a TrainConfig's defaults here: a 14 s blip is shorter)
+        assert control.lost_after_s == judged_lost_after(TrainConfig().heartbeat_timeout_s) == UNACKED_S + 10.0
         silent.cut()
         time.sleep(UNACKED_S + 4.0)  # (the launcher's poll fails meanwhile: its connection is aborted)
         silent.mend()
