@@ -735,8 +735,8 @@ def main(argv: list[str] | None = None) -> None:
         try:
             args.witness = Witness.create(args.witness_dir, f"agent on machine 0 ({socket.gethostname()})")
         except OSError as exc:
-            print(f"[odyssey launch] --witness-dir {args.witness_dir}: cannot make the job's directory there ({exc})",
-                  file=sys.stderr)
+            print(f"[odyssey launch] {args.witness_said} {args.witness_dir}: cannot make the job's directory there "
+                  f"({exc})", file=sys.stderr)
             sys.exit(1)
     local = start_ranks(args)
     termination = Termination(local, args.termination_grace)

@@ -165,6 +165,33 @@ def test_the_witness_directory_from_the_environment(tmp_path: Path, capsys: pyte
     assert "ODYSSEY_WITNESS_DIR (--witness-dir) /nonexistent/w is not a directory" in capsys.readouterr().err
 
 
+def _both_machines_refuse(tmp_path: Path, port: int, witness: tuple[Path | None, Path | None], refusal: str,
+                          machine_1_in: tuple[str, ...] = ()) -> None:
+    """Machines 0 and 1 of a two-machine job (a rank each) started with these --witness-dir (None: without;
+    ``machine_1_in``: what machine 1's launcher runs inside): both exit 1 within 30 s, each saying ``refusal``, and
+    machine 0 that the job stops before it trains."""
+    script = tmp_path / "job.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+
+    def machine(node: int) -> list[str]:
+        return [sys.executable, "-m", "megatron_odyssey.launch", "--nnodes", "2", "--node-rank", str(node),
+                "--nproc-per-node", "1", "--master-port", str(port), "--workdir", str(tmp_path / f"logs{node}"),
+                *(["--witness-dir", str(witness[node])] if witness[node] else []), str(script)]
+
+    t0 = time.monotonic()
+    launchers = [subprocess.Popen(machine(0), stderr=subprocess.PIPE, text=True),
+                 subprocess.Popen([*machine_1_in, *machine(1)], stderr=subprocess.PIPE, text=True)]
+    try:
+        said = [p.communicate(timeout=60)[1] for p in launchers]
+    finally:
+        for p in launchers:
+            p.kill()
+    assert [p.returncode for p in launchers] == [1, 1], said
+    assert refusal in said[0] and "the job stops before it trains" in said[0], said[0]
+    assert refusal in said[1], said[1]
+    assert time.monotonic() - t0 < 30
+
+
 def test_a_witness_directory_the_standbys_machine_does_not_see_stops_the_job_before_it_trains(tmp_path: Path) -> None:
     """Machine 1 runs in a mount namespace where the witness directory is an empty file system of its own (storage
     machine 0 does not share with it). A witness only one side can claim would let both sides of a tie go on, so
@@ -173,29 +200,9 @@ def test_a_witness_directory_the_standbys_machine_does_not_see_stops_the_job_bef
         pytest.skip("no mount namespace here (unshare -m needs root)")
     witness = tmp_path / "witness"
     witness.mkdir()
-    script = tmp_path / "job.py"
-    script.write_text("import time\ntime.sleep(60)\n")
-    port = job_port(1870)
-
-    def machine(node: int) -> list[str]:
-        return [sys.executable, "-m", "megatron_odyssey.launch", "--nnodes", "2", "--node-rank", str(node),
-                "--nproc-per-node", "1", "--master-port", str(port), "--witness-dir", str(witness), "--workdir",
-                str(tmp_path / f"logs{node}"), str(script)]
-
-    t0 = time.monotonic()
-    first = subprocess.Popen(machine(0), stderr=subprocess.PIPE, text=True)
-    second = subprocess.Popen(["unshare", "-m", "sh", "-c", f'mount -t tmpfs none "{witness}" && exec "$@"', "-",
-                               *machine(1)], stderr=subprocess.PIPE, text=True)
-    try:
-        said = [p.communicate(timeout=60)[1] for p in (first, second)]
-    finally:
-        for p in (first, second):
-            p.kill()
-    assert (first.returncode, second.returncode) == (1, 1), said
-    refusal = "--witness-dir: the standby's machine does not see " + str(witness / "odyssey-witness-")
-    assert refusal in said[0] and "the job stops before it trains" in said[0], said[0]
-    assert refusal in said[1], said[1]
-    assert time.monotonic() - t0 < 30
+    _both_machines_refuse(tmp_path, job_port(1870), (witness, witness),
+                          "--witness-dir: the standby's machine does not see " + str(witness / "odyssey-witness-"),
+                          ("unshare", "-m", "sh", "-c", f'mount -t tmpfs none "{witness}" && exec "$@"', "-"))
     assert list(witness.iterdir()) == []  # (machine 0's job directory, empty, went with the job)
 
 
@@ -204,31 +211,12 @@ def test_a_witness_directory_machine_1_was_given_must_be_machine_0s(tmp_path: Pa
                                                                      machine_1: str) -> None:
     """Machine 0's --witness-dir is the job's: machine 1 given another one (or one where machine 0 has none) would
     have its user believe the tie is claimed there. Both machines say which and stop before the job trains."""
-    script = tmp_path / "job.py"
-    script.write_text("import time\ntime.sleep(60)\n")
-    port = job_port(1880 + 5 * (machine_0 is None))
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
-
-    def machine(node: int, witness: str | None) -> list[str]:
-        return [sys.executable, "-m", "megatron_odyssey.launch", "--nnodes", "2", "--node-rank", str(node),
-                "--nproc-per-node", "1", "--master-port", str(port), "--workdir", str(tmp_path / f"logs{node}"),
-                *(["--witness-dir", str(tmp_path / witness)] if witness else []), str(script)]
-
-    t0 = time.monotonic()
-    launchers = [subprocess.Popen(machine(0, machine_0), stderr=subprocess.PIPE, text=True),
-                 subprocess.Popen(machine(1, machine_1), stderr=subprocess.PIPE, text=True)]
-    try:
-        said = [p.communicate(timeout=60)[1] for p in launchers]
-    finally:
-        for p in launchers:
-            p.kill()
-    assert [p.returncode for p in launchers] == [1, 1], said
     refusal = (f"--witness-dir {tmp_path / 'b'} on machine 1 is not machine 0's ({tmp_path / 'a'})" if machine_0
                else f"--witness-dir {tmp_path / 'b'} is given on machine 1 but not on machine 0")
-    assert refusal in said[0] and "the job stops before it trains" in said[0], said[0]
-    assert refusal in said[1], said[1]
-    assert time.monotonic() - t0 < 30
+    _both_machines_refuse(tmp_path, job_port(1880 + 5 * (machine_0 is None)),
+                          (machine_0 and tmp_path / machine_0, tmp_path / machine_1), refusal)
     assert list((tmp_path / "a").iterdir()) == []  # (machine 0's job directory, empty, went with the job)
 
 

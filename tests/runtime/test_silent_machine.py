@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from megatron_odyssey.launch import LocalRank
 from megatron_odyssey.runtime.control_plane import STATE_KEY, TAKEOVER_KEY, ControlPlane, Standby, client
 from megatron_odyssey.runtime.sockets import UNACKED_S, tcp_connections
 from megatron_odyssey.testing.network_namespace import NetworkNamespace, Unavailable, network_namespace
@@ -61,6 +62,11 @@ def _no_launcher_left_running() -> Iterator[None]:
     yield
     left = [t.name for t in threading.enumerate() if t.name.endswith("(launcher)")]
     assert not left, f"launcher thread(s) left running: {left}"
+
+
+def _idle_rank() -> LocalRank:
+    """A rank process for a launcher to watch: it only waits (the tests kill it, or their launcher does)."""
+    return LocalRank(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True))
 
 
 def _launcher(tmp: Path, rank, agent: tuple[str, int], control: ControlPlane,
@@ -155,11 +161,8 @@ def test_requests_to_a_machine_gone_silent_fail_within_the_bound(silent: Network
 def test_without_a_standby_a_launcher_whose_agent_is_gone_says_so_at_once(tmp_path: Path) -> None:
     """``--no-standby``: the agent's process is gone (its machine refuses the connection): the launcher does not wait
     for it to answer again, it stops with the reason."""
-    from megatron_odyssey.launch import LocalRank
-
     server = subprocess.Popen([sys.executable, "-c", SERVE, "0"], stdout=subprocess.PIPE, start_new_session=True)
-    rank = LocalRank(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
-                                      start_new_session=True))
+    rank = _idle_rank()
     try:
         said = server.stdout.readline().split()
         assert said[0] == b"up"
@@ -182,7 +185,7 @@ def test_the_standby_takes_over_from_a_silent_agent_and_the_other_machines_follo
     """The agent's machine goes silent: the standby judges the agent lost and returns its state to take over with,
     and another machine's launcher (its node agent, polling the agent's store) moves to the standby's store and
     reports its rank's exit there, each within the bound."""
-    from megatron_odyssey.launch import EXIT_KEY, LocalRank, node_agent
+    from megatron_odyssey.launch import EXIT_KEY, node_agent
 
     server, agent = _store_in(silent)
     standby_store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
@@ -190,8 +193,7 @@ def test_the_standby_takes_over_from_a_silent_agent_and_the_other_machines_follo
     standby_store.set(STATE_KEY, json.dumps({"gen": 1, "agent_pid": 1}))  # (the agent's replicated state)
     watcher = Standby(standby_store, agent, tmp_path / "standby.steps.jsonl", takeover_after_s=2.0,
                       log=lambda msg: None)
-    rank = LocalRank(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
-                                      start_new_session=True))
+    rank = _idle_rank()
     try:
         control = ControlPlane(agent, standby, -1, wait_s=120)
         args = argparse.Namespace(node_rank=2, workdir=tmp_path, join=None)
@@ -229,13 +231,11 @@ def test_a_launcher_that_reaches_neither_agent_leaves_once_the_job_has_dropped_i
     one): its launcher leaves with the reason once neither has answered for ``judged_lost_after`` (the silence bound
     and twice the heartbeat timeout), by when the job has dropped its ranks. Before, it waited out the control
     plane's 120 s for a takeover it could not have seen."""
-    from megatron_odyssey.launch import LocalRank
     from megatron_odyssey.runtime.control_plane import judged_lost_after
 
     agent_server, agent = _store_in(silent, 29911)
     standby_server, standby = _store_in(silent, 29912)
-    rank = LocalRank(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
-                                      start_new_session=True))
+    rank = _idle_rank()
     lost_after = judged_lost_after(2.0)
     assert lost_after == UNACKED_S + 4.0
     try:
@@ -258,12 +258,9 @@ def test_a_launcher_that_reaches_neither_agent_leaves_once_the_job_has_dropped_i
 def test_a_launcher_whose_agent_and_standby_are_both_gone_says_so_at_once(tmp_path: Path) -> None:
     """Both stores' processes are gone (their machines refuse the connection): nobody can take the job over, so
     the launcher leaves at once with the reason, without waiting for the job to drop its ranks."""
-    from megatron_odyssey.launch import LocalRank
-
     servers = [subprocess.Popen([sys.executable, "-c", SERVE, "0"], stdout=subprocess.PIPE, start_new_session=True)
                for _ in range(2)]
-    rank = LocalRank(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
-                                      start_new_session=True))
+    rank = _idle_rank()
     try:
         agent, standby = (("127.0.0.1", int(server.stdout.readline().split()[1])) for server in servers)
         node, failed = _launcher(tmp_path, rank, agent, ControlPlane(agent, standby, -1, 120, lost_after_s=600))
@@ -289,14 +286,13 @@ def test_a_network_blip_longer_than_the_bound_costs_a_connection_not_the_launche
     there is none: ``--no-standby``): the launcher's broken connection is replaced by a new one to the same agent,
     and its rank's exit reaches that agent. Before, the launcher raised (its store answered, yet its own client was
     broken) and its machine left the job."""
-    from megatron_odyssey.launch import EXIT_KEY, LocalRank
+    from megatron_odyssey.launch import EXIT_KEY
     from megatron_odyssey.runtime.config import TrainConfig
     from megatron_odyssey.runtime.control_plane import judged_lost_after
 
     server, agent = _store_in(silent)
     standby_store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    rank = LocalRank(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
-                                      start_new_session=True))
+    rank = _idle_rank()
     stop = threading.Event()
     try:
         control = ControlPlane(agent, (silent.host_ip, standby_store.port) if standby else None, -1, wait_s=120)
