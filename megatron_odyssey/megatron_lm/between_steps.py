@@ -12,7 +12,8 @@ from the state it began in, and says so on stderr:
   iteration as the job's steady state, not as ``train()``'s first);
 - but only when every survivor was in the call: a rank that lagged in it while the others had gone on to
   the next iteration (a collective that completed for some ranks before the failure reached them) does not
-  run it again, since its collectives would wait for them (its log line, if it is the logging rank, is lost);
+  run it again, since its collectives would wait for them (its log line, if it is the logging rank, is lost; a
+  failure nobody chose can land so, the planner's drop of a slow node does not: ``runtime.drop_gate``);
 - a save (``save_checkpoint_and_time`` and ``save_checkpoint``, also the final one): Megatron marks a
   checkpoint as the latest only after every rank finished writing it (rank 0, after the save's closing
   collective), so an interrupted save is never marked; the survivors write it again. Inside

@@ -40,6 +40,7 @@ from ..runtime.sockets import bound_silence
 from ..runtime.executor import PipelineExecutor
 from ..runtime.grad_sync import GradientSync, all_reduce_flat, params_by_unit, unit_of
 from ..runtime.device_profile import REPLICA_COPIES
+from ..runtime.drop_gate import parse_commit
 from .distributed_optimizer import (ShardedState, capture_pieces, deferred_param_sync, distributed_optimizers,
                                     reassemble, stage_holder_groups, unit_holder_groups)
 from .batch_ramp import BatchRamp, megatron_batch_ramp
@@ -686,6 +687,7 @@ class MegatronRank(GenerationRank):
         while True:
             failed = False
             try:
+                self.entering(step)  # (before the step's first message: a drop waits for it, drop_gate)
                 if self.stock:
                     result = self._stock_step(stock_step, forward_step_func, step)
                 else:
@@ -701,7 +703,7 @@ class MegatronRank(GenerationRank):
                 if self.committed == step and resume == step + 1:
                     # the step was committed and applied before the failure reached this rank (in one of
                     # Megatron's collectives after its optimizer step): report it, do not redo it
-                    loss = float(self.store.get(f"{keys(self.gen - 1)['commit']}/{step}"))
+                    loss, _ = parse_commit(self.store.get(f"{keys(self.gen - 1)['commit']}/{step}"))
                     self._finish_committed_stock_step()
                     return self._megatron_result(loss, not self.pending_overflow, self.pending_norm)
                 self._catch_up(resume, step)

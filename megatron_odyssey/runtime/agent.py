@@ -62,6 +62,7 @@ from .process_probe import SilenceJudge
 from .progress_judge import ProgressJudge, Stall
 from .rank_exits import RankExits
 from .diagnosis import DiagnosisOptions, judged_summary
+from .drop_gate import PendingDrop, commit_value
 from .slow_nodes import Action, DiagnosisRecord, SlowNodes
 from .joining import ADMIT_KEY, REJOIN_KEY, JoinRecord, JoinRequests, publish_job
 from .step_log import StepLog, resident_mb
@@ -205,6 +206,7 @@ class Agent:
         self.exits_at: dict[int, int] = {}  # launched joiners: how much of the exit log predates their request
         self.redo_between = True  # the last recovery's survivors were all in one call between iterations
         self.dropping: dict[int, DiagnosisRecord] = {}  # ranks fenced because the planner dropped their slow node
+        self.pending_drop: PendingDrop | None = None  # a drop decided, waiting for the others inside the next step
 
     # -- bookkeeping ----------------------------------------------------------------------------------
     def members(self) -> list[int]:
@@ -316,7 +318,7 @@ class Agent:
             if failed and self.started_gen:
                 # a step every member had declared ready is committed first: a staggered plan's ranks that updated
                 # it ahead of the commit keep it, and nobody redoes it
-                self.advance()
+                self.advance(failing=True)
             if failed:
                 reason = self.judge(failed)
                 if reason is None and self.recover(failed):
@@ -328,6 +330,8 @@ class Agent:
                 self.give_up(reason or self.stop_reason or "recovery failed")
                 self.write_report(ok=False)
                 return 1
+            if self._drop_when_due():
+                continue  # (its ranks' failure is met next pass)
             self.advance()
             self._poll_joins()
             if self.pending_action is not None:
@@ -338,6 +342,7 @@ class Agent:
                     return 1
                 continue
             if all(self.procs[i].exitcode is not None for i in self.members()):
+                self._drop_not_taken(f"every rank finished the job after step {self.next_step - 1}")
                 break
             time.sleep(0.005)
         for p in self.joiners.values():  # replacements never admitted (held as standbys to the end) leave with the job
@@ -555,6 +560,7 @@ class Agent:
         that a wrapper that relaunches on it (Megatron-LM's 16: resume to disambiguate) does."""
         first = next(iter(self.exits.leaving.values()))
         code, why = int(first["code"]), str(first.get("why") or "")
+        self._drop_not_taken(f"the training script ended the job with exit code {code} after step {self.next_step - 1}")
         self.log(f"rank(s) {sorted(self.exits.leaving)} left with exit code {code}: {why}; not a failure, nothing to "
                  f"recover; waiting for the other ranks to leave")
         deadline = time.time() + self.cfg.hard_timeout_s
@@ -622,9 +628,11 @@ class Agent:
             return now - self.started > max(60.0, 10 * self.cfg.heartbeat_timeout_s)  # never came up
         return now - beat.t > self.cfg.heartbeat_timeout_s
 
-    def advance(self) -> None:
+    def advance(self, failing: bool = False) -> None:
         """Start a new generation once every member joined; commit the next step once every member has
-        synchronised; track checkpoints."""
+        synchronised; track checkpoints. A drop waiting for the ranks inside that step is carried out instead of
+        the commit (they all wait inside it), unless a failure is being recovered from (``failing``: the step is
+        committed first)."""
         if not self.started_gen:
             if self.store.check([f"{self.key('join')}/{i}" for i in self.members()]):
                 self.store.set(self.key("go"), "1")
@@ -639,6 +647,9 @@ class Agent:
         members = self.members()
         count = f"{self.key('ready')}/{t}/count"  # each rank adds 1 after appending its share: one counter to poll
         if self.store.add(count, 0) < len(members) or self._awaiting_rejoiner():
+            return
+        if not failing and self.pending_drop is not None and t >= self.pending_drop.step and \
+                self._drop_when_due(every_rank_ready=True):
             return
         shares_key = f"{self.key('ready')}/{t}/shares"
         shares = ready_shares(self.store.get(shares_key))
@@ -673,7 +684,11 @@ class Agent:
             step_state = {"generation": self.gen, "committed": t, "loss": loss, "next_step": t + 1,
                           "latest_checkpoint": self._latest_checkpoint_if_any()}
             self._to_standby(lambda replica: replica.step(step_state, record))
-        self.store.set(f"{self.key('commit')}/{t}", repr(loss))  # ranks report the committed loss
+        # judged before the commit: a drop decided here waits for the ranks inside step t + 1, which the commit
+        # tells them (drop_gate)
+        self._diagnose(t, summaries)
+        drop = self.pending_action is not None and self.pending_action.what == "drop"
+        self.store.set(f"{self.key('commit')}/{t}", commit_value(loss, t + 1 if drop else None))  # (with its loss)
         # every rank has applied step t - 1 (it published ready/t): nobody waits on that commit any more
         self.store.delete_key(f"{self.key('commit')}/{t - 1}")
         record["store_keys"] = self.store.num_keys()  # after the commit: a round trip the ranks need not wait for
@@ -685,7 +700,6 @@ class Agent:
             self._adopt_device(json.loads(self.store.get(DEVICE_KEY)))
         if not self.warm:
             self.warm, self.progress.judged_from = True, now
-        self._diagnose(t, summaries)
         self._consider_joins(t)
         diagnoser = self.slow_nodes.diagnoser
         judged = {n: f for n, f in diagnoser.last_factors.items() if n not in diagnoser.last_idled} if summaries else {}
@@ -882,9 +896,10 @@ class Agent:
                 f"from iteration {self._batch_ramp().ramp_end + 1} on are recovered in-process")
 
     def _act(self, action: Action) -> bool:
-        """Drop: fence the slow node's ranks (detected and recovered from like any failure next pass).
-        Re-plan: abort the generation after the step just committed and start the rebalanced plan. Neither
-        inside a batch-size ramp (a plan cannot run it; a failure there stops the job anyway)."""
+        """Drop: fence the slow node's ranks once every other rank is inside the next step (``drop_gate``;
+        :meth:`_drop_when_due`), then recover as from any failure. Re-plan: abort the generation after the step just
+        committed and start the rebalanced plan. Neither inside a batch-size ramp (a plan cannot run it; a failure
+        there stops the job anyway)."""
         ramp = self._inside_ramp(self.next_step)
         if ramp is not None:
             if (action.what, tuple(action.ranks)) not in self.ramp_skipped:
@@ -893,15 +908,58 @@ class Agent:
             return True
         if action.what == "join" and any(self.procs[i].exitcode is not None for i in self.members()):
             return True  # a member left meanwhile: that failure is recovered first; the join is decided again
+        if action.what == "drop" and self.pending_drop is not None:  # (decided at a commit a failure forced)
+            self._not_taken(action, f"the drop of rank(s) {self.pending_drop.action.ranks} waits to be carried out "
+                                    f"(one at a time)")
+            return True
         if action.what == "drop":
-            for ident in action.ranks:
-                if ident not in self.dead and self.procs[ident].exitcode is None:
-                    self.dropping[ident] = action.record
-                    what = ("its compute is {:g}x slower" if action.record.kind == "slow" else
-                            "its messages arrive {:g}x later than others'").format(action.record.factor)
-                    self._fence(ident, f"is slow ({what}); the planner drops it")
+            self.pending_drop = PendingDrop(action, self.gen, self.next_step, time.time(), self.cfg.hard_timeout_s)
+            self.log(f"rank(s) {action.ranks} will be dropped once every other rank is inside step {self.next_step} "
+                     f"(at most {self.cfg.hard_timeout_s:g} s from now)")
             return True
         return self.recover(set(), replan=action)
+
+    def _drop_when_due(self, every_rank_ready: bool = False) -> bool:
+        """Carry out the pending drop if it is due (``PendingDrop.due``; ``every_rank_ready``: every member is ready
+        for a step at or after the one waited for, inside it). Returns whether its ranks were fenced. Not taken when
+        its ranks are gone already, or when the job is ending: a survivor left it with 0."""
+        drop = self.pending_drop
+        if drop is None:
+            return False
+        live = [i for i in self.members() if i not in self.dead and self.procs[i].exitcode is None]
+        ranks = [i for i in drop.action.ranks if i in live]
+        if not ranks:
+            self.pending_drop = None
+            return False
+        finished = [i for i in self.members() if self.procs[i].exitcode == 0 and i not in self.dead]
+        if finished:
+            self._drop_not_taken(f"rank(s) {finished} finished the job after step {self.next_step - 1} (the "
+                                 f"training script's own exit decision) before every other rank was inside step "
+                                 f"{drop.step}")
+            return False
+        now = time.time()
+        why = (f"every rank is ready for step {self.next_step}, inside it" if every_rank_ready else
+               drop.due(self.store, [i for i in live if i not in ranks], now))
+        if why is None:
+            return False
+        self.pending_drop = None
+        record = drop.action.record
+        record.fenced, record.drop_wait_s = drop.when(why, now), round(now - drop.decided, 3)
+        what = ("its compute is {:g}x slower" if record.kind == "slow" else
+                "its messages arrive {:g}x later than others'").format(record.factor)
+        self.log(f"dropping rank(s) {ranks}, {record.fenced}")
+        for ident in ranks:
+            self.dropping[ident] = record
+            self._fence(ident, f"is slow ({what}); the planner drops it")
+        return True
+
+    def _drop_not_taken(self, why: str) -> None:
+        """The job ends before the pending drop was carried out: the report says so."""
+        if self.pending_drop is None:
+            return
+        action, self.pending_drop = self.pending_drop.action, None
+        self._not_taken(action, why)
+        self.log(f"the drop of rank(s) {action.ranks} is not taken: {why}")
 
     def _ended_before(self, replan: Action | None, failed: set[int]) -> bool:
         """The ranks still in the job all finished it (left with 0) before this recovery could start: the training
@@ -1251,6 +1309,9 @@ class Agent:
         self.progress.new_generation(time.time())
         self.held = set()  # standbys are considered again on the new plan
         msg.setdefault("redo_between", self.redo_between)
+        if self.pending_drop is not None:  # its ranks say when they are inside the resume step (drop_gate)
+            msg["say_inside"] = int(msg["resume_step"])
+            self.pending_drop.rearm(self.gen, msg["say_inside"])
         msg.setdefault("save_on_entry", self._fragile(plan) and msg.get("policy") != "restart")
         rec.checkpoint_on_entry = bool(msg["save_on_entry"])
         self.published = msg

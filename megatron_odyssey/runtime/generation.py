@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from ..planning.plan import ExecutionPlan
 from .config import TrainConfig
+from .drop_gate import inside_key, parse_commit
 from .errors import ABORTED, exit_if_stopped, fail_locally, is_peer_failure, stop_now
 from .executor import PipelineExecutor
 from .grad_sync import GradientSync, params_by_unit
@@ -120,6 +121,9 @@ class GenerationRank(abc.ABC):
     tied_embeddings = False  # the output layer's weight is the word embeddings' (grad_sync, state.TIED_ALIASES)
     between_steps = False  # recovering from a failure met between two steps (Megatron-LM's loop: log, save)
     plan_message: dict | None = None  # the agent's message of the generation entered last
+    # (generation, step): the agent waits for this rank to be inside that step, or a later one, to carry out a
+    # drop (drop_gate); said once, at its first operation there
+    say_inside: tuple[int, int] | None = None
 
     # -- what a host provides ----------------------------------------------------------------------
     @abc.abstractmethod
@@ -167,7 +171,23 @@ class GenerationRank(abc.ABC):
         """An operation boundary of ``step`` (``phase`` as in ``--fail``): progress for the agent's hang
         detection, and where injected faults fire."""
         self.progress.mark(step, phase)
+        if self.say_inside is not None and phase != "recovery":
+            self.entering(step)
         self.injector(step, phase)
+
+    def entering(self, step: int) -> None:
+        """This rank is inside ``step``: tell the agent if it waits for that (``drop_gate``)."""
+        if self.say_inside is None or step < self.say_inside[1]:
+            return
+        gen, inside = self.say_inside
+        self.say_inside = None
+        if gen == self.gen:
+            self.store.set(inside_key(gen, inside, self.ident), str(step))
+
+    def _heed(self, gen: int, msg: dict) -> None:
+        """A plan message started while the agent waits to drop a slow node names the step to say."""
+        if msg.get("say_inside") is not None:
+            self.say_inside = (gen, int(msg["say_inside"]))
 
     def at_rest(self, step: int, phase: str) -> None:
         """A moment outside ``step``'s work (``save``, ``between``, Megatron's ``log``): not judged by progress
@@ -253,6 +273,7 @@ class GenerationRank(abc.ABC):
         holds no state yet, and the others recover without it."""
         self.committed = int(msg["resume_step"]) - 1
         self.plan_message = msg
+        self._heed(gen, msg)
         try:
             self.enter(gen, ExecutionPlan.from_dict(msg["plan"]), msg["policy"], [tuple(t) for t in msg["transfers"]],
                        msg.get("checkpoint_step"))
@@ -308,7 +329,10 @@ class GenerationRank(abc.ABC):
             self.trace.commit_wait_s = time.perf_counter() - t0
         if value == ABORTED:
             self._aborted(self.gen)
-        return float(value)
+        loss, inside = parse_commit(value)
+        if inside is not None:
+            self.say_inside = (self.gen, inside)
+        return loss
 
     def ready_and_update(self, step: int, loss_share: float, tokens: float | None = None) -> None:
         """*Ready* for ``step``, then its update: after the agent's commit (``_apply``), or, in a staggered plan,
@@ -403,6 +427,7 @@ class GenerationRank(abc.ABC):
                 self.teardown()
                 self.at(step, "recovery")
                 msg = self.plan_message = self._wait_plan(self.gen + 1)
+                self._heed(self.gen + 1, msg)
                 self._resolve_ahead(int(msg["resume_step"]))
                 self.enter(self.gen + 1, ExecutionPlan.from_dict(msg["plan"]), msg["policy"],
                            [tuple(t) for t in msg["transfers"]], msg.get("checkpoint_step"))

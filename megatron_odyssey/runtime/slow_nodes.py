@@ -1,7 +1,7 @@
 """The agent's handling of what the diagnosis finds: each finding becomes a report entry and, for a slow node
 or link, the planner's choice (``planning.slow.decide_slow``: carry on, rebalance, drop; readmit when it
-recovers). The agent executes the actions: it fences a dropped node's ranks (then recovers as from any
-failure) and re-plans at a step boundary for a rebalance. Hangs are named by the agent itself and only
+recovers). The agent executes the actions: it fences a dropped node's ranks once every other rank is inside the
+next step (``drop_gate``; then recovers as from any failure) and re-plans at a step boundary for a rebalance. Hangs are named by the agent itself and only
 recorded here."""
 from __future__ import annotations
 
@@ -36,6 +36,8 @@ class DiagnosisRecord:
     reason: str = ""  # why that action (the chosen option)
     wall_s: float | None = None  # when it was named, on the report's clock (seconds since the ranks started)
     replan: Any = None  # the agent's record of the re-plan this action started (its timings)
+    fenced: str = ""  # a drop: when its ranks were fenced, and why then (drop_gate)
+    drop_wait_s: float | None = None  # a drop: from the decision to the fence
 
     def to_json(self) -> dict[str, Any]:
         out = {k: v for k, v in vars(self).items() if k != "replan"}

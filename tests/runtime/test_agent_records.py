@@ -196,58 +196,116 @@ def test_a_re_plan_the_ranks_ended_the_job_before_is_not_taken(tmp_path, capsys)
         killed.kill()
 
 
-def test_a_slow_rank_dropped_as_the_others_ended_the_job_is_not_a_failure(tmp_path, capsys) -> None:
-    """A drop of slow rank 1 decided after step 2 of 6: the agent fences (SIGKILLs) it, and its death is recovered
-    from like a failure. But rank 0 had already left with 0, having said it finished (Megatron's own exit decision,
-    which ran world collectives rank 1 took part in): the kill came after the job's work was done. The job ends
-    with 0 and no failure; the diagnosis says the drop came after the end (before: "nobody is left to recover
-    with", exit 1)."""
+def _two_rank_agent(tmp_path, store, procs: dict, name: str):
+    """An agent over two stand-in ranks that both started, after step 2 of 6 was committed, with rank 0 done."""
+    from megatron_odyssey.launch import LocalRank
+    from megatron_odyssey.runtime.agent import Agent
+    from megatron_odyssey.runtime.config import TrainConfig
+    from megatron_odyssey.runtime.control_plane import DONE_KEY
+    from megatron_odyssey.runtime.errors import STARTED_KEY
+
+    cfg = TrainConfig(nproc=2, tp=1, pp=1, layers=4, hidden=32, heads=4, seq=16, global_batch=2, micro_batch=1,
+                      steps=6, heartbeat_timeout_s=5.0, report=str(tmp_path / f"{name}.json"))
+    agent = Agent(cfg, None, tmp_path / name, procs={i: LocalRank(p) for i, p in procs.items()}, store=store)
+    agent.next_step, agent.started_gen = 3, True  # step 2 committed
+    for ident in (0, 1):
+        store.set(STARTED_KEY.format(ident), "1")
+    store.set(DONE_KEY.format(0), "1")
+    return agent
+
+
+def _drop_of_rank_1():
+    from megatron_odyssey.runtime.slow_nodes import Action, DiagnosisRecord
+
+    record = DiagnosisRecord(2, [1], "slow", "compute 4x its peers'", "drop", factor=4.0,
+                             reason="drop: 1.0 s per step instead of 2.4 s")
+    return record, Action("drop", record, ranks=[1])
+
+
+def test_a_drop_the_job_ends_before_is_not_taken(tmp_path, capsys) -> None:
+    """A drop of slow rank 1 decided after step 2 of 6 waits for rank 0 inside step 3 (``drop_gate``). But rank 0
+    had already left with 0, having said it finished (Megatron's own exit decision): no step 3 will come. The drop
+    is not taken, rank 1 is not killed and leaves with 0 as the job's end makes it; the job ends with 0 and no
+    failure, and the diagnosis says why the drop was not taken."""
     import subprocess
     import sys
     from datetime import timedelta
 
     import torch.distributed as dist
 
-    from megatron_odyssey.launch import LocalRank
-    from megatron_odyssey.runtime.agent import Agent, free_port
-    from megatron_odyssey.runtime.config import TrainConfig
+    from megatron_odyssey.runtime.agent import free_port
     from megatron_odyssey.runtime.control_plane import DONE_KEY
-    from megatron_odyssey.runtime.errors import STARTED_KEY
-    from megatron_odyssey.runtime.slow_nodes import Action, DiagnosisRecord
     from megatron_odyssey.testing.processes import start_sleeper
 
     store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=10))
     finished = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
-    slow = start_sleeper()
+    slow = start_sleeper(2.0)  # (finishing the job's end, as the others did)
     try:
         assert finished.wait(timeout=30) == 0
-        cfg = TrainConfig(nproc=2, tp=1, pp=1, layers=4, hidden=32, heads=4, seq=16, global_batch=2, micro_batch=1,
-                          steps=6, heartbeat_timeout_s=5.0, report=str(tmp_path / "report.json"))
-        agent = Agent(cfg, None, tmp_path / "a", procs={0: LocalRank(finished), 1: LocalRank(slow)}, store=store)
-        agent.next_step, agent.started_gen = 3, True  # step 2 committed
-        for ident in (0, 1):
-            store.set(STARTED_KEY.format(ident), "1")
-        store.set(DONE_KEY.format(0), "1")
-        record = DiagnosisRecord(2, [1], "slow", "compute 4x its peers'", "drop", factor=4.0,
-                                 reason="drop: 1.0 s per step instead of 2.4 s")
+        agent = _two_rank_agent(tmp_path, store, {0: finished, 1: slow}, "a")
+        store.set(DONE_KEY.format(1), "1")
+        record, agent.pending_action = _drop_of_rank_1()
         agent.slow_nodes.records.append(record)
-        agent.pending_action = Action("drop", record, ranks=[1])
         assert agent.supervise() == 0, agent.stop_reason
-        assert slow.wait(timeout=30) == -9  # fenced
+        assert slow.wait(timeout=30) == 0  # not fenced
+        assert agent.failures == [] and not agent.stop_reason and agent.gen == 0
+        assert record.action == "none" and record.reason == (
+            "drop not taken: rank(s) [0] finished the job after step 2 (the training script's own exit decision) "
+            "before every other rank was inside step 3 (the planner's choice: drop: 1.0 s per step instead of "
+            "2.4 s)") and record.drop_wait_s is None
+        out = capsys.readouterr().out
+        assert "rank(s) [1] will be dropped once every other rank is inside step 3" in out
+        assert "the drop of rank(s) [1] is not taken: rank(s) [0] finished the job after step 2" in out
+        assert "SIGKILL" not in out and "nobody is left" not in out
+        report = json.loads((tmp_path / "a.json").read_text())
+        assert report["ok"] and report["failures"] == [], report["failures"]
+        assert [(d["action"], d["reason"]) for d in report["diagnoses"]] == [("none", record.reason)]
+    finally:
+        slow.kill()
+
+
+def test_a_slow_rank_dropped_as_the_others_ended_the_job_is_not_a_failure(tmp_path, capsys) -> None:
+    """A drop of slow rank 1 decided after step 2 of 6 whose wait for rank 0 inside step 3 is over (it never said it
+    entered step 3 within the bound): the agent fences (SIGKILLs) rank 1, and its death is recovered from like a
+    failure. But rank 0, finishing the job (Megatron's own exit decision, which ran world collectives rank 1 took
+    part in), then leaves with 0: the kill came after the job's work was done. The job ends with 0 and no failure;
+    the diagnosis says the drop came after the end (before: "nobody is left to recover with", exit 1)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from megatron_odyssey.runtime.agent import free_port
+    from megatron_odyssey.runtime.drop_gate import PendingDrop
+    from megatron_odyssey.testing.processes import start_sleeper
+
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=10))
+    finishing, slow = start_sleeper(3.0), start_sleeper()
+    try:
+        agent = _two_rank_agent(tmp_path, store, {0: finishing, 1: slow}, "b")
+        record, action = _drop_of_rank_1()
+        agent.slow_nodes.records.append(record)
+        agent.pending_drop = PendingDrop(action, gen=0, step=3, decided=time.time() - 40.0, bound_s=40.0)
+        assert agent.supervise() == 0, agent.stop_reason
+        assert slow.wait(timeout=30) == -9 and finishing.wait(timeout=30) == 0  # fenced; finished
         assert agent.failures == [] and not agent.stop_reason and agent.gen == 0
         assert record.action == "drop" and record.reason == (
             "drop taken after the job had ended: every other rank finished the job after step 2 (the planner's "
             "choice: drop: 1.0 s per step instead of 2.4 s)")
+        assert record.fenced.startswith("fenced 4") and record.fenced.endswith(
+            "s after the decision: rank(s) [0] did not reach step 3 within 40 s (the hard timeout): not waited for "
+            "longer") and record.drop_wait_s >= 40.0
         out = capsys.readouterr().out
         assert "rank 1 is slow (its compute is 4x slower); the planner drops it: fencing it (SIGKILL)" in out
         assert "rank(s) [1] were dropped as slow once every other rank had finished the job after step 2" in out
         assert "nobody is left" not in out
-        report = json.loads((tmp_path / "report.json").read_text())
+        report = json.loads((tmp_path / "b.json").read_text())
         assert report["ok"] and report["failures"] == [], report["failures"]
         assert [(d["action"], d["reason"]) for d in report["diagnoses"]] == [("drop", record.reason)]
     finally:
         slow.kill()
+        finishing.kill()
 
 
 def test_the_agent_goes_on_without_a_standby_whose_store_is_gone(tmp_path, capsys) -> None:

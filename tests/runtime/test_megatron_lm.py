@@ -500,26 +500,33 @@ def stock_slow(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[str,
     return its
 
 
-@pytest.mark.parametrize("action", ["auto", "rebalance"])
+@pytest.mark.parametrize("action", ["auto", "rebalance", "drop"])
 def test_a_slow_rank_is_named_in_megatrons_own_schedule(stock_slow: dict, tmp_path: Path, action: str) -> None:
     """Before any failure Megatron's own 1F1B runs the compute, and is timed there for the diagnosis: a rank
     4x slower from iteration 0 is named slow after the three iterations it is judged on (the first is the
     start-up's; a step later if it was left out of one), the planner's reaction is the one Eq. 8 scores best (or
-    the forced rebalance, which re-plans onto our executor with fewer micro-batches on its pipeline), and training
-    equals stock Megatron-LM's. Its receivers and its data-parallel peers are seen waiting for it (Megatron's
-    messages and gradient reduction are noted too)."""
+    the forced rebalance, which re-plans onto our executor with fewer micro-batches on its pipeline, or the forced
+    drop), and training equals stock Megatron-LM's, every iteration's log line included. Its receivers and its
+    data-parallel peers are seen waiting for it (Megatron's messages and gradient reduction are noted too). A drop
+    is carried out once every other rank is inside the next iteration (``drop_gate``): fenced at once, it had met
+    the logging rank still in the decision's training_log, which the others had left, and that iteration's line was
+    lost (seen once on Megatron-LM main)."""
     flags = [*tiny_gpt_flags_for(MLM, SLOW_ITERS), "--odyssey-heartbeat-timeout", "10"]
     job = run_odyssey(MLM, tmp_path, [*flags, "--odyssey-slow-action", action,
                                       "--odyssey-inject-fault", "step=0,rank=1,kind=slow,factor=4"],
-                      _port(720 + 10 * (action == "rebalance")))
+                      _port({"auto": 720, "rebalance": 730, "drop": 725}[action]))
     assert job.returncode == 0, job.tail()
     report = job.report
     slow = [d for d in report["diagnoses"] if d["kind"] == "slow"]
     assert slow and slow[0]["ranks"] == [1] and slow[0]["step"] <= 4 and slow[0]["factor"] >= 2, report["diagnoses"]
-    assert slow[0]["action"] == (_eq8_best(slow[0]) if action == "auto" else "rebalance"), slow[0]
+    assert slow[0]["action"] == (_eq8_best(slow[0]) if action == "auto" else action), slow[0]
     # C4D's evidence from Megatron's own messages and gradient reduction: who waited for it
     assert "its receivers waited" in slow[0]["evidence"] and "all-reduce peers waited" in slow[0]["evidence"]
     assert not report["failures"] or slow[0]["action"] == "drop"
+    if slow[0]["action"] == "drop":  # fenced with every other rank inside the next iteration (or ready for it)
+        assert re.search(rf"every (other )?rank is (inside|ready for) step {slow[0]['step'] + 1}", slow[0]["fenced"]), \
+            slow[0]
+        assert [f["ranks"] for f in report["failures"]] == [[1]] and report["failures"][0]["dropped"], report["failures"]
     if slow[0]["action"] == "rebalance":
         assert report["steps"][-1]["generation"] == 1 and report["steps"][-1]["alive"] == 4
     assert [s["step"] for s in report["steps"]] == list(range(SLOW_ITERS))
@@ -560,10 +567,13 @@ def test_an_action_decided_where_the_script_ends_the_job_does_not_fail_it(stock:
     - rebalance: the ranks leave before the re-plan begins: it is not taken, the report says why, and the job ends
       with 0 (before: "every node has failed", exit 1). Where the re-plan's abort reaches them inside the exit check
       first, they redo step 4 on the new plan and leave after it.
-    - drop (with --save: every rank saves on the signal): the slow rank is fenced. Where the kill lands before it
-      passed the exit check or the final save, the others recover from its failure there and run the check or the
-      save again without it; where it lands after the others had finished, the job was complete, and the report
-      says the drop came after the end (before: "nobody is left to recover with", exit 1).
+    - drop (with --save: every rank saves on the signal): the drop waits for the other ranks inside step 4
+      (``drop_gate``), which never comes: once one of them has left the job, it is not taken, the report says why,
+      and the slow rank leaves with the others. (Were its wait over first, past the hard timeout, the slow rank
+      would be fenced: where the kill lands before it passed the exit check or the final save, the others recover
+      from its failure there and run the check or the save again without it; where it lands after the others had
+      finished, the job was complete, and the report says the drop came after the end; before: "nobody is left to
+      recover with", exit 1.)
 
     Either way the job ends with 0 and every logged iteration equals stock's."""
     flags, said = SCRIPT_ENDS[end]
@@ -579,7 +589,10 @@ def test_an_action_decided_where_the_script_ends_the_job_does_not_fail_it(stock:
     steps = [s["step"] for s in job.report["steps"]]
     for d in job.report["diagnoses"]:
         assert (d["kind"], d["ranks"], d["step"]) == ("slow", [1], 3), d
-        if action == "drop":
+        if action == "drop" and d["action"] == "none":  # the others left before they were inside step 4
+            assert re.match(r"drop not taken: .*(finished|ended) the job", d["reason"]), d
+            assert job.report["failures"] == [] and "the drop of rank(s) [1] is not taken" in job.logs
+        elif action == "drop":
             assert d["action"] == "drop", d
             if not job.report["failures"]:  # the kill came after the others had finished
                 assert "drop taken after the job had ended: every other rank finished the job after step 3" in \
