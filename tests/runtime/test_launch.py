@@ -3,6 +3,8 @@ node agent's exit reports and fencing over the store (real processes, real TCPSt
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -218,6 +220,30 @@ def test_a_witness_directory_machine_1_was_given_must_be_machine_0s(tmp_path: Pa
     _both_machines_refuse(tmp_path, job_port(1880 + 5 * (machine_0 is None)),
                           (machine_0 and tmp_path / machine_0, tmp_path / machine_1), refusal)
     assert list((tmp_path / "a").iterdir()) == []  # (machine 0's job directory, empty, went with the job)
+
+
+@pytest.mark.parametrize("by", ["flag", "environment"])
+def test_a_witness_directory_the_job_cannot_write_in_stops_machine_0_before_any_rank_starts(tmp_path: Path,
+                                                                                             by: str) -> None:
+    """Machine 0 makes the job's own directory in the witness directory before any rank starts: where it cannot
+    (/sys, where not even root may make one), its launcher exits 1 at once, naming where the path came from and the
+    system's reason, and starts no rank."""
+    if not Path("/sys").is_dir():
+        pytest.skip("no /sys here")
+    script = tmp_path / "job.py"
+    script.write_text(f"open({str(tmp_path / 'started')!r}, 'w').close()\n")
+    given = ["--witness-dir", "/sys"] if by == "flag" else []
+    env = {**os.environ, **({"ODYSSEY_WITNESS_DIR": "/sys"} if by == "environment" else {})}
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "megatron_odyssey.launch", "--nnodes", "2", "--node-rank", "0",
+                           "--nproc-per-node", "1", "--master-port", str(job_port(1890 + 5 * (by == "environment"))),
+                           "--workdir", str(tmp_path / "logs"), *given, str(script)],
+                          capture_output=True, text=True, timeout=60, env=env)
+    said = "--witness-dir" if by == "flag" else "ODYSSEY_WITNESS_DIR (--witness-dir)"
+    assert done.returncode == 1, done.stderr
+    assert re.search(rf"{re.escape(said)} /sys: cannot make the job's directory there \(\[Errno \d+\] .+\)",
+                     done.stderr), done.stderr
+    assert time.monotonic() - t0 < 30 and not (tmp_path / "started").exists()
 
 
 @pytest.mark.parametrize("said, message", [("2", "--silence-timeout must be at least 3 seconds"),
