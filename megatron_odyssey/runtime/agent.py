@@ -922,19 +922,20 @@ class Agent:
     def _drop_when_due(self, every_rank_ready: bool = False) -> bool:
         """Carry out the pending drop if it is due (``PendingDrop.due``; ``every_rank_ready``: every member is ready
         for a step at or after the one waited for, inside it). Returns whether its ranks were fenced. Not taken when
-        its ranks are gone already, or when the job is ending: a survivor left it with 0."""
+        its ranks failed meanwhile, or when the job is ending: a rank left it with 0."""
         drop = self.pending_drop
         if drop is None:
             return False
-        live = [i for i in self.members() if i not in self.dead and self.procs[i].exitcode is None]
-        ranks = [i for i in drop.action.ranks if i in live]
-        if not ranks:
-            self.pending_drop = None
-            return False
         finished = [i for i in self.members() if self.procs[i].exitcode == 0 and i not in self.dead]
-        if finished:
+        if finished:  # (the slow ranks' own among them: they leave with the others)
             self._drop_not_taken(f"rank(s) {finished} finished the job after step {self.next_step - 1} (the "
                                  f"training script's own exit decision) before every other rank was inside step "
+                                 f"{drop.step}")
+            return False
+        live = [i for i in self.members() if i not in self.dead and self.procs[i].exitcode is None]
+        ranks = [i for i in drop.action.ranks if i in live]
+        if not ranks:  # they failed meanwhile: recovered from as any failure
+            self._drop_not_taken(f"rank(s) {drop.action.ranks} failed before every other rank was inside step "
                                  f"{drop.step}")
             return False
         now = time.time()
@@ -954,7 +955,7 @@ class Agent:
         return True
 
     def _drop_not_taken(self, why: str) -> None:
-        """The job ends before the pending drop was carried out: the report says so."""
+        """The job ends, or the slow ranks fail, before the pending drop was carried out: the report says so."""
         if self.pending_drop is None:
             return
         action, self.pending_drop = self.pending_drop.action, None

@@ -222,11 +222,13 @@ def _drop_of_rank_1():
     return record, Action("drop", record, ranks=[1])
 
 
-def test_a_drop_the_job_ends_before_is_not_taken(tmp_path, capsys) -> None:
-    """A drop of slow rank 1 decided after step 2 of 6 waits for rank 0 inside step 3 (``drop_gate``). But rank 0
-    had already left with 0, having said it finished (Megatron's own exit decision): no step 3 will come. The drop
-    is not taken, rank 1 is not killed and leaves with 0 as the job's end makes it; the job ends with 0 and no
-    failure, and the diagnosis says why the drop was not taken."""
+@pytest.mark.parametrize("first", [0, 1], ids=["a-survivor-left-first", "the-slow-rank-left-first"])
+def test_a_drop_the_job_ends_before_is_not_taken(tmp_path, capsys, first: int) -> None:
+    """A drop of slow rank 1 decided after step 2 of 6 waits for rank 0 inside step 3 (``drop_gate``). But one of
+    them had already left with 0, having said it finished (Megatron's own exit decision): no step 3 will come. The
+    drop is not taken, rank 1 is not killed and leaves with 0 as the job's end makes it; the job ends with 0 and no
+    failure, and the diagnosis says why the drop was not taken. (Where the slow rank left first, the drop was
+    forgotten without a word, and the report said it was taken.)"""
     import subprocess
     import sys
     from datetime import timedelta
@@ -240,29 +242,30 @@ def test_a_drop_the_job_ends_before_is_not_taken(tmp_path, capsys) -> None:
     store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=10))
     finished = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
-    slow = start_sleeper(2.0)  # (finishing the job's end, as the others did)
+    finishing = start_sleeper(2.0)  # (the other one, finishing the job's end)
     try:
         assert finished.wait(timeout=30) == 0
-        agent = _two_rank_agent(tmp_path, store, {0: finished, 1: slow}, "a")
+        procs = {first: finished, 1 - first: finishing}
+        agent = _two_rank_agent(tmp_path, store, procs, "a")
         store.set(DONE_KEY.format(1), "1")
         record, agent.pending_action = _drop_of_rank_1()
         agent.slow_nodes.records.append(record)
         assert agent.supervise() == 0, agent.stop_reason
-        assert slow.wait(timeout=30) == 0  # not fenced
+        assert procs[1].wait(timeout=30) == 0  # not fenced
         assert agent.failures == [] and not agent.stop_reason and agent.gen == 0
         assert record.action == "none" and record.reason == (
-            "drop not taken: rank(s) [0] finished the job after step 2 (the training script's own exit decision) "
-            "before every other rank was inside step 3 (the planner's choice: drop: 1.0 s per step instead of "
-            "2.4 s)") and record.drop_wait_s is None
+            f"drop not taken: rank(s) [{first}] finished the job after step 2 (the training script's own exit "
+            "decision) before every other rank was inside step 3 (the planner's choice: drop: 1.0 s per step instead "
+            "of 2.4 s)") and record.drop_wait_s is None
         out = capsys.readouterr().out
         assert "rank(s) [1] will be dropped once every other rank is inside step 3" in out
-        assert "the drop of rank(s) [1] is not taken: rank(s) [0] finished the job after step 2" in out
+        assert f"the drop of rank(s) [1] is not taken: rank(s) [{first}] finished the job after step 2" in out
         assert "SIGKILL" not in out and "nobody is left" not in out
         report = json.loads((tmp_path / "a.json").read_text())
         assert report["ok"] and report["failures"] == [], report["failures"]
         assert [(d["action"], d["reason"]) for d in report["diagnoses"]] == [("none", record.reason)]
     finally:
-        slow.kill()
+        finishing.kill()
 
 
 def test_a_slow_rank_dropped_as_the_others_ended_the_job_is_not_a_failure(tmp_path, capsys) -> None:
