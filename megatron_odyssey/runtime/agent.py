@@ -631,7 +631,7 @@ class Agent:
     def advance(self, failing: bool = False) -> None:
         """Start a new generation once every member joined; commit the next step once every member has
         synchronised; track checkpoints. A drop waiting for the ranks inside that step is carried out instead of
-        the commit (they all wait inside it), unless a failure is being recovered from (``failing``: the step is
+        the commit (its work is done everywhere), unless a failure is being recovered from (``failing``: the step is
         committed first)."""
         if not self.started_gen:
             if self.store.check([f"{self.key('join')}/{i}" for i in self.members()]):
@@ -921,7 +921,7 @@ class Agent:
 
     def _drop_when_due(self, every_rank_ready: bool = False) -> bool:
         """Carry out the pending drop if it is due (``PendingDrop.due``; ``every_rank_ready``: every member is ready
-        for a step at or after the one waited for, inside it). Returns whether its ranks were fenced. Not taken when
+        for a step at or after the one waited for: its work is done everywhere). Returns whether its ranks were fenced. Not taken when
         its ranks failed meanwhile, or when the job is ending: a rank left it with 0."""
         drop = self.pending_drop
         if drop is None:
@@ -939,7 +939,7 @@ class Agent:
                                  f"{drop.step}")
             return False
         now = time.time()
-        why = (f"every rank is ready for step {self.next_step}, inside it" if every_rank_ready else
+        why = (f"every rank is ready for step {self.next_step}" if every_rank_ready else
                drop.due(self.store, [i for i in live if i not in ranks], now))
         if why is None:
             return False

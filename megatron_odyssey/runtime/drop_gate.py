@@ -10,8 +10,9 @@ only once each survivor has said it entered the next step:
 - the commit that decided the drop carries that step (:func:`commit_value`), and so does the plan of any generation
   started while the drop waits (``say_inside`` in the plan message);
 - each rank, at its first operation of that step or a later one, sets its key (:func:`inside_key`);
-- every member ready for that step or a later one counts too: they wait inside it for its commit (the agent fences
-  before committing it);
+- every member ready for that step or a later one counts too: its work is done everywhere. The agent fences then,
+  instead of committing it; the recovery commits it first. (Ranks of a staggered plan may have gone on to the next
+  step's work by then; only hosts without collectives between steps run such plans: Megatron-LM's offers none);
 - a survivor that does not get there within ``bound_s`` (a checkpoint save longer than the bound) is not waited for
   longer: the drop is carried out then, and the survivors redo what it interrupted;
 - if the job ends first (a survivor left it with 0: the script's own exit), the drop is not taken.
