@@ -15,7 +15,8 @@ only once each survivor has said it entered the next step:
   step's work by then; only hosts without collectives between steps run such plans: Megatron-LM's offers none);
 - a survivor that does not get there within ``bound_s`` (a checkpoint save longer than the bound) is not waited for
   longer: the drop is carried out then, and the survivors redo what it interrupted;
-- if the job ends first (a survivor left it with 0: the script's own exit), the drop is not taken.
+- if the job ends first (a rank, the slow ones included, left it with 0: the script's own exit), or the slow ranks
+  fail meanwhile, the drop is not taken, and the report says why.
 """
 from __future__ import annotations
 
