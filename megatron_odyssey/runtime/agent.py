@@ -908,11 +908,11 @@ class Agent:
             return True
         if action.what == "join" and any(self.procs[i].exitcode is not None for i in self.members()):
             return True  # a member left meanwhile: that failure is recovered first; the join is decided again
-        if action.what == "drop" and self.pending_drop is not None:  # (decided at a commit a failure forced)
-            self._not_taken(action, f"the drop of rank(s) {self.pending_drop.action.ranks} waits to be carried out "
-                                    f"(one at a time)")
-            return True
         if action.what == "drop":
+            if self.pending_drop is not None:  # (decided at a commit a failure forced)
+                self._not_taken(action, f"the drop of rank(s) {self.pending_drop.action.ranks} waits to be carried "
+                                        f"out (one at a time)")
+                return True
             self.pending_drop = PendingDrop(action, self.gen, self.next_step, time.time(), self.cfg.hard_timeout_s)
             self.log(f"rank(s) {action.ranks} will be dropped once every other rank is inside step {self.next_step} "
                      f"(at most {self.cfg.hard_timeout_s:g} s from now)")
@@ -921,8 +921,8 @@ class Agent:
 
     def _drop_when_due(self, every_rank_ready: bool = False) -> bool:
         """Carry out the pending drop if it is due (``PendingDrop.due``; ``every_rank_ready``: every member is ready
-        for a step at or after the one waited for: its work is done everywhere). Returns whether its ranks were fenced. Not taken when
-        its ranks failed meanwhile, or when the job is ending: a rank left it with 0."""
+        for a step at or after the one waited for: its work is done everywhere). Returns whether its ranks were
+        fenced. Not taken when its ranks failed meanwhile, or when the job is ending: a rank left it with 0."""
         drop = self.pending_drop
         if drop is None:
             return False
@@ -1427,7 +1427,7 @@ class Agent:
         if self.gen > 0 and self.published is not None:
             self.store.set(g("plan"), encode_plan_message(self.published))
         if state.get("generation") == self.gen and "committed" in state:
-            self.store.set(f"{g('commit')}/{state['committed']}", repr(float(state["loss"])))
+            self.store.set(f"{g('commit')}/{state['committed']}", commit_value(float(state["loss"])))
         if state.get("started_any") or "committed" in state:  # every member had reached its first step
             for ident in self.members():
                 self.store.set(STARTED_KEY.format(ident), "1")

@@ -1,8 +1,8 @@
 """The agent's handling of what the diagnosis finds: each finding becomes a report entry and, for a slow node
 or link, the planner's choice (``planning.slow.decide_slow``: carry on, rebalance, drop; readmit when it
 recovers). The agent executes the actions: it fences a dropped node's ranks once every other rank is inside the
-next step (``drop_gate``; then recovers as from any failure) and re-plans at a step boundary for a rebalance. Hangs are named by the agent itself and only
-recorded here."""
+next step (``drop_gate``; then recovers as from any failure) and re-plans at a step boundary for a rebalance.
+Hangs are named by the agent itself and only recorded here."""
 from __future__ import annotations
 
 import json
