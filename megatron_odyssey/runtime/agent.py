@@ -195,8 +195,9 @@ class Agent:
         self.replans: list[FailureRecord] = []  # generations started to rebalance (not failures): their timings
         self.pending_action: Action | None = None  # what the diagnosis asks for, done between agent passes
         self.said_diagnoses = 0  # diagnoses already said on the terminal
-        # a standby's inheritance: the lost agent's diagnoses and joins, as report entries (restore)
-        self.restored_records: dict[str, list[dict[str, Any]]] = {"diagnoses": [], "joins": []}
+        # a standby's inheritance: the lost agent's diagnoses and joins, as report entries (restore; the entry of a
+        # drop it left waiting is a live record again)
+        self.restored_records: dict[str, list[Any]] = {"diagnoses": [], "joins": []}
         self.join_requests = JoinRequests()  # ranks that asked to join the running job (runtime.joining)
         self.joins: list[JoinRecord] = []
         self.join_polled = 0.0
@@ -677,18 +678,19 @@ class Agent:
         new_layout = self.state_plan is not self.plan
         self.state_plan = self.plan  # once committed, survivors hold their state in this generation's layout
         self.state_gen = self.gen
+        # judged before the commit: a drop decided here waits for the ranks inside step t + 1, which the commit
+        # tells them (drop_gate), and the standby knows of it first
+        self._diagnose(t, summaries)
+        armed = self._arm_drop(t + 1)
         if self.replica is not None:  # ahead of the commit: whatever a rank sees, the standby knows
             if first_of_generation:
                 self._replicate_state()
             # (the standby's copy of the record has no store_keys: they are counted after the commit)
             step_state = {"generation": self.gen, "committed": t, "loss": loss, "next_step": t + 1,
-                          "latest_checkpoint": self._latest_checkpoint_if_any()}
+                          "latest_checkpoint": self._latest_checkpoint_if_any(),
+                          "pending_drop": self._pending_drop_json()}
             self._to_standby(lambda replica: replica.step(step_state, record))
-        # judged before the commit: a drop decided here waits for the ranks inside step t + 1, which the commit
-        # tells them (drop_gate)
-        self._diagnose(t, summaries)
-        drop = self.pending_action is not None and self.pending_action.what == "drop"
-        self.store.set(f"{self.key('commit')}/{t}", commit_value(loss, t + 1 if drop else None))  # (with its loss)
+        self.store.set(f"{self.key('commit')}/{t}", commit_value(loss, t + 1 if armed else None))  # (with its loss)
         # every rank has applied step t - 1 (it published ready/t): nobody waits on that commit any more
         self.store.delete_key(f"{self.key('commit')}/{t - 1}")
         record["store_keys"] = self.store.num_keys()  # after the commit: a round trip the ranks need not wait for
@@ -896,28 +898,40 @@ class Agent:
                 f"from iteration {self._batch_ramp().ramp_end + 1} on are recovered in-process")
 
     def _act(self, action: Action) -> bool:
-        """Drop: fence the slow node's ranks once every other rank is inside the next step (``drop_gate``;
-        :meth:`_drop_when_due`), then recover as from any failure. Re-plan: abort the generation after the step just
-        committed and start the rebalanced plan. Neither inside a batch-size ramp (a plan cannot run it; a failure
-        there stops the job anyway)."""
-        ramp = self._inside_ramp(self.next_step)
-        if ramp is not None:
-            if (action.what, tuple(action.ranks)) not in self.ramp_skipped:
-                self.ramp_skipped.add((action.what, tuple(action.ranks)))
-                self.log(f"not acting on {action.what} of rank(s) {list(action.ranks)}: {ramp}")
+        """Re-plan (a rebalance, a join): abort the generation after the step just committed and start the new plan.
+        Not inside a batch-size ramp (a plan cannot run it; a failure there stops the job anyway). (A drop is armed
+        at the commit that decided it instead: :meth:`_arm_drop`.)"""
+        if self._held_by_a_ramp(action, self.next_step):
             return True
         if action.what == "join" and any(self.procs[i].exitcode is not None for i in self.members()):
             return True  # a member left meanwhile: that failure is recovered first; the join is decided again
-        if action.what == "drop":
-            if self.pending_drop is not None:  # (decided at a commit a failure forced)
-                self._not_taken(action, f"the drop of rank(s) {self.pending_drop.action.ranks} waits to be carried "
-                                        f"out (one at a time)")
-                return True
-            self.pending_drop = PendingDrop(action, self.gen, self.next_step, time.time(), self.cfg.hard_timeout_s)
-            self.log(f"rank(s) {action.ranks} will be dropped once every other rank is inside step {self.next_step} "
-                     f"(at most {self.cfg.hard_timeout_s:g} s from now)")
-            return True
         return self.recover(set(), replan=action)
+
+    def _held_by_a_ramp(self, action: Action, step: int) -> bool:
+        """``step`` is inside a batch-size ramp: the action is not taken (said once per action)."""
+        ramp = self._inside_ramp(step)
+        if ramp is not None and (action.what, tuple(action.ranks)) not in self.ramp_skipped:
+            self.ramp_skipped.add((action.what, tuple(action.ranks)))
+            self.log(f"not acting on {action.what} of rank(s) {list(action.ranks)}: {ramp}")
+        return ramp is not None
+
+    def _arm_drop(self, step: int) -> bool:
+        """A drop the diagnosis just decided waits for every other rank inside ``step`` (``drop_gate``); whether it
+        was armed (the commit then tells the ranks, after the standby knows of it)."""
+        action = self.pending_action
+        if action is None or action.what != "drop":
+            return False
+        self.pending_action = None
+        if self._held_by_a_ramp(action, step):
+            return False
+        if self.pending_drop is not None:  # (decided at a commit a failure forced)
+            self._not_taken(action, f"the drop of rank(s) {self.pending_drop.action.ranks} waits to be carried out "
+                                    f"(one at a time)")
+            return False
+        self.pending_drop = PendingDrop(action, self.gen, step, time.time(), self.cfg.hard_timeout_s)
+        self.log(f"rank(s) {action.ranks} will be dropped once every other rank is inside step {step} (at most "
+                 f"{self.cfg.hard_timeout_s:g} s from now)")
+        return True
 
     def _drop_when_due(self, every_rank_ready: bool = False) -> bool:
         """Carry out the pending drop if it is due (``PendingDrop.due``; ``every_rank_ready``: every member is ready
@@ -1010,6 +1024,13 @@ class Agent:
         cls._amend(action.record, f"{action.record.action} not taken: {why}")
         if action.what != "join":  # (a join's record keeps the planner's policy; its ranks leave with the job)
             action.record.action = "none"
+
+    def _close_superseded(self, now: float) -> None:
+        """Recoveries into this generation that a new one overtakes before its first commit (a failure, a drop, a
+        takeover meanwhile) end now, not never (their recovery_s stayed 0 s): the next record goes on from here."""
+        for rec in self.failures + self.replans:
+            if self.gen > 0 and rec.generation == self.gen and rec.recovery_s == 0.0 and rec.started:
+                rec.recovery_s, rec.superseded_by = now - rec.started, self.gen + 1
 
     def _close_failure_records(self, now: float) -> None:
         """The recoveries into this generation end with its first commit: their times are known now."""
@@ -1299,6 +1320,7 @@ class Agent:
 
     def _publish(self, rec: FailureRecord, plan: ExecutionPlan, msg: dict[str, Any], failure: bool = True) -> None:
         """Start the next generation: its state goes to the standby first, then its plan to the ranks."""
+        self._close_superseded(time.time())
         self.gen += 1
         rec.generation = self.gen
         (self.failures if failure else self.replans).append(rec)
@@ -1312,7 +1334,7 @@ class Agent:
         msg.setdefault("redo_between", self.redo_between)
         if self.pending_drop is not None:  # its ranks say when they are inside the resume step (drop_gate)
             msg["say_inside"] = int(msg["resume_step"])
-            self.pending_drop.rearm(self.gen, msg["say_inside"])
+            self.pending_drop.rearm(self.gen, msg["say_inside"], time.time())
         msg.setdefault("save_on_entry", self._fragile(plan) and msg.get("policy") != "restart")
         rec.checkpoint_on_entry = bool(msg["save_on_entry"])
         self.published = msg
@@ -1360,14 +1382,31 @@ class Agent:
                 "joined": {i: p.joined_pid for i, p in self.procs.items() if getattr(p, "joined_pid", None)},
                 "agent_pid": os.getpid(), "started_any": self.gen > 0 or self.warm,
                 "rejoin": self.rejoin,  # (--rejoin: which machines are back already, and which of them asked)
+                "pending_drop": self._pending_drop_json(),  # (a standby that takes over carries it out)
                 # the report's records so far (a standby's report goes on from them; a standby agent cannot
                 # admit the ranks waiting to join here: they leave with this agent's store)
                 **self._diagnoses_and_joins()}
 
     def _diagnoses_and_joins(self) -> dict[str, list[dict[str, Any]]]:
         """The report's ``"diagnoses"`` and ``"joins"``: a lost agent's (restored) first, then this agent's."""
-        return {"diagnoses": self.restored_records["diagnoses"] + [r.to_json() for r in self.slow_nodes.records],
+        return {"diagnoses": [r if isinstance(r, dict) else r.to_json() for r in self._diagnosis_entries()],
                 "joins": self.restored_records["joins"] + [j.to_json() for j in self.joins]}
+
+    def _diagnosis_entries(self) -> list[Any]:
+        """A lost agent's diagnoses (report entries, and the record of a drop it left waiting: restored), then this
+        agent's records."""
+        return self.restored_records["diagnoses"] + self.slow_nodes.records
+
+    def _pending_drop_json(self) -> dict[str, Any] | None:
+        """The drop waiting for the ranks (``drop_gate``), for the standby: the wait, its ranks, its report entry, and
+        that entry's place among the diagnoses (the standby's copy of the generation's state may not hold the entry
+        yet: the diagnosis came after it was written)."""
+        drop = self.pending_drop
+        if drop is None:
+            return None
+        index = next(i for i, r in enumerate(self._diagnosis_entries()) if r is drop.action.record)
+        return {**drop.to_json(), "ranks": list(drop.action.ranks), "record": drop.action.record.to_json(),
+                "record_index": index}
 
     def _replicate_state(self) -> None:
         snapshot, members = self.snapshot(), frozenset(self.members())
@@ -1414,7 +1453,22 @@ class Agent:
         self.published = state.get("published")
         self.warm = committed_here
         self.restored_records = {what: list(state.get(what, [])) for what in ("diagnoses", "joins")}
+        self.pending_drop = self._restored_drop(state.get("pending_drop"))
         self.rejoin = [dict(spec) for spec in state.get("rejoin", self.rejoin)]
+
+    def _restored_drop(self, spec: dict[str, Any] | None) -> PendingDrop | None:
+        """The drop the lost agent left waiting: its report entry becomes a live record again (in its place among the
+        restored diagnoses, or after them), which its fence or its fate amends. The takeover's generation tells the
+        ranks the step to say (``_publish``)."""
+        if spec is None:
+            return None
+        record = DiagnosisRecord.from_json(spec["record"])
+        entries, index = self.restored_records["diagnoses"], int(spec["record_index"])
+        if index < len(entries):
+            entries[index] = record
+        else:
+            entries.append(record)
+        return PendingDrop.from_json(spec, Action("drop", record, ranks=[int(i) for i in spec["ranks"]]), time.time())
 
     def take_over(self, state: dict[str, Any], reason: str) -> int:
         """Go on from a lost agent's replicated ``state``: end every wait its ranks may be in (their commit,

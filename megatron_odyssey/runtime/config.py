@@ -209,7 +209,7 @@ class TrainConfig:
                               layer_split=tuple(split) if split else None)
 
     def fail_specs(self):
-        from .faults import PHASES, FailSpec
+        from .faults import FailSpec
 
         return [FailSpec.parse(t) for t in self.fail]
 

@@ -16,7 +16,9 @@ only once each survivor has said it entered the next step:
 - a survivor that does not get there within ``bound_s`` (a checkpoint save longer than the bound) is not waited for
   longer: the drop is carried out then, and the survivors redo what it interrupted;
 - if the job ends first (a rank, the slow ones included, left it with 0: the script's own exit), or the slow ranks
-  fail meanwhile, the drop is not taken, and the report says why.
+  fail meanwhile, the drop is not taken, and the report says why;
+- a waiting drop is written ahead to the standby agent with the step's commit that decided it (and with every later
+  commit and generation), so a standby that takes over meanwhile carries it out (:meth:`PendingDrop.to_json`).
 """
 from __future__ import annotations
 
@@ -54,16 +56,22 @@ class PendingDrop:
     step: int
     decided: float  # when the drop was decided (time.time())
     bound_s: float
+    since: float = 0.0  # when the wait for this generation's ranks began (the bound counts from it)
 
-    def rearm(self, gen: int, step: int) -> None:
-        """A new generation started while the drop waited: its ranks are told ``step`` by its plan."""
-        self.gen, self.step = gen, step
+    def __post_init__(self) -> None:
+        self.since = self.since or self.decided
+
+    def rearm(self, gen: int, step: int, now: float) -> None:
+        """A new generation started while the drop waited (a recovery, a takeover): its ranks are told ``step`` by
+        its plan, and get the whole bound again (a recovery longer than the bound must not fence them at once,
+        between two steps)."""
+        self.gen, self.step, self.since = gen, step, now
 
     def due(self, store: Any, survivors: list[int], now: float) -> str | None:
         """Why the drop is carried out now, or None to wait."""
         if not survivors or store.check([inside_key(self.gen, self.step, i) for i in survivors]):
             return f"every other rank is inside step {self.step}"
-        if now - self.decided >= self.bound_s:
+        if now - self.since >= self.bound_s:
             missing = [i for i in survivors if not store.check([inside_key(self.gen, self.step, i)])]
             return (f"rank(s) {missing} did not reach step {self.step} within {self.bound_s:g} s (the hard timeout): "
                     f"not waited for longer")
@@ -72,3 +80,12 @@ class PendingDrop:
     def when(self, why: str, now: float) -> str:
         """The report's words for when the drop was carried out."""
         return f"fenced {now - self.decided:.2f} s after the decision: {why}"
+
+    def to_json(self) -> dict[str, Any]:
+        """The wait, for the standby agent (the action's ranks and report entry are the agent's to add)."""
+        return {"gen": self.gen, "step": self.step, "decided": self.decided, "bound_s": self.bound_s}
+
+    @classmethod
+    def from_json(cls, spec: dict[str, Any], action: Any, now: float) -> "PendingDrop":
+        """A standby's copy of the lost agent's wait; its bound starts again at ``now`` (the takeover)."""
+        return cls(action, int(spec["gen"]), int(spec["step"]), float(spec["decided"]), float(spec["bound_s"]), now)

@@ -50,9 +50,10 @@ from ..planning.errors import PlanningError
 #: checkpoint_and_decide_exit, whose --exit-signal-handler / --exit-duration-in-mins collectives span the world; end:
 #: after the last step: at the first guarded call train() makes once its loop has ended (--log-energy's closing lap, or,
 #: on an exit by --exit-interval & co, 0.18+'s barrier before sys.exit), else at pretrain's world barrier once train()
-#: has returned, before its final save and validation)
+#: has returned, before its final save and validation; inside: once the rank has told the agent it is inside the step
+#: a waiting drop of a slow node named (drop_gate), at that step: fires only while a drop waits)
 PHASES = ("forward", "backward", "weight-grad", "grad-sync", "optimizer", "data", "recovery", "log", "save", "between",
-          "eval", "exit", "end")
+          "eval", "exit", "end", "inside")
 KINDS = ("kill", "hang", "stall", "block", "slow", "slow-link", "error", "crash", "kill-agent", "kill-with-agent",
          "kill-machine", "exit", "kill-writer", "sigterm", "deadline")
 SUSTAINED = ("slow", "slow-link")  # kinds that take factor=F and last from their step on

@@ -183,6 +183,7 @@ class GenerationRank(abc.ABC):
         self.say_inside = None
         if gen == self.gen:
             self.store.set(inside_key(gen, inside, self.ident), str(step))
+            self.injector(step, "inside")
 
     def _heed(self, gen: int, msg: dict) -> None:
         """A plan message started while the agent waits to drop a slow node names the step to say."""

@@ -58,6 +58,9 @@ class FailureRecord:
     checkpoint_on_entry: bool = False  # the plan is fragile: its ranks checkpoint after its first step
     takeover: dict[str, Any] | None = None  # the standby took over from a lost agent (control_plane)
     dropped: str = ""  # the agent took these ranks out itself: why (a slow node the planner chose to drop)
+    # the generation whose recovery began before this one's first step (a failure, a drop, a takeover meanwhile):
+    # recovery_s then runs to that recovery's start, which its own record goes on from
+    superseded_by: int = 0
 
 
 def failure_entries(failures: list[FailureRecord], job_started: float) -> list[dict[str, Any]]:
@@ -71,7 +74,8 @@ def takeover_entries(failures: list[FailureRecord]) -> list[dict[str, Any]]:
     """The report's ``"takeovers"``: the standby agent going on from a lost one, and what it cost."""
     return [{"step": f.step, "generation": f.generation, "reason": f.takeover["reason"], "ranks_lost": f.ranks,
              "lost_as": f.takeover.get("lost_as", GONE),  # (runtime.quorum: "silent" needed half of the ranks)
-             "policy": f.policy, "detection_s": f.detection_s, "recovery_s": f.recovery_s}
+             "policy": f.policy, "detection_s": f.detection_s, "recovery_s": f.recovery_s,
+             "superseded_by": f.superseded_by}
             for f in failures if f.takeover]
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
 from ..planning.cluster import node_ranks
@@ -38,6 +38,12 @@ class DiagnosisRecord:
     replan: Any = None  # the agent's record of the re-plan this action started (its timings)
     fenced: str = ""  # a drop: when its ranks were fenced, and why then (drop_gate)
     drop_wait_s: float | None = None  # a drop: from the decision to the fence
+
+    @classmethod
+    def from_json(cls, entry: dict[str, Any]) -> "DiagnosisRecord":
+        """A report entry back as a record (a standby's copy of a drop that waits: not re-planned yet)."""
+        names = {f.name for f in fields(cls)} - {"replan"}
+        return cls(**{k: v for k, v in entry.items() if k in names})
 
     def to_json(self) -> dict[str, Any]:
         out = {k: v for k, v in vars(self).items() if k != "replan"}

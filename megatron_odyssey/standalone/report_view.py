@@ -87,6 +87,8 @@ def mtbf_note(report: dict[str, Any]) -> str | None:
             f"run as a real one weighs against hours of training (--mtbf-hours sets it).")
 
 
+SUPERSEDED_NOTE = ("*: cut short: another recovery began before this one's first step (a failure, a drop or a "
+                   "takeover meanwhile); its time runs to that one's start.")
 CACHE_NOTE = ("'cache': the plan cache had planned every single-node failure of the layout in the background "
               "before it happened.")
 
@@ -103,8 +105,11 @@ def print_summary(console, report: dict[str, Any], global_batch: int, wall_s: fl
                           for c in f["candidates"])
         decision = f"{f['decision_s'] * 1e3:.1f}" + (" (cache)" if f.get("cached") else "")
         table.add_row(str(f["step"]), str(f["ranks"]), f["phase"], f"[bold]{policy_name(f)}", f"{f['detection_s']:.3f}",
-                      decision, f"{f['transfer_s']:.3f}", f"{f['recovery_s']:.2f}", cands)
+                      decision, f"{f['transfer_s']:.3f}", f"{f['recovery_s']:.2f}" + ("*" if f.get("superseded_by")
+                                                                             else ""), cands)
     console.print(table)
+    if any(f.get("superseded_by") for f in report["failures"]):
+        console.print("  " + SUPERSEDED_NOTE)
     for f in report["failures"]:
         console.print("  " + explain_failure(f, global_batch))
     note = mtbf_note(report)

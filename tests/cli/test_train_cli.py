@@ -16,7 +16,7 @@ pytest.importorskip("megatron.core")
 
 from megatron_odyssey.runtime.config import TrainConfig  # noqa: E402
 from megatron_odyssey.standalone.launcher import TrainingFailed, launch  # noqa: E402
-from megatron_odyssey.standalone.report_view import explain_failure, plot_report  # noqa: E402
+from megatron_odyssey.standalone.report_view import explain_failure, plot_report, print_summary  # noqa: E402
 
 TINY = dict(nproc=2, pp=1, layers=2, hidden=32, heads=4, seq=16, global_batch=4, micro_batch=1, steps=2)
 
@@ -76,6 +76,21 @@ def test_each_decision_is_explained_in_eq8_terms() -> None:
     # 0.0035 h x 3600 / 1.8 s = 7 live devices; at the default MTBF the transition is negligible
     assert "(MTBF 0.0035 h / 7 devices; at 50,000 h reconfigure would win)" in line
     assert line.endswith("from the plan cache in 0.0 ms")
+
+
+def test_a_recovery_another_one_cut_short_is_marked_in_the_summary() -> None:
+    """A recovery that a drop (or a failure, a takeover) overtook before its first step ends where the next one
+    began; the table says so, with a note, instead of showing the time as a finished recovery's."""
+    from rich.console import Console
+
+    times = {"detection_s": 0.5, "transfer_s": 0.0}
+    cut = {**FAILURE, **times, "recovery_s": 1.25, "superseded_by": 3}
+    whole = {**FAILURE, **times, "ranks": [2], "step": 4, "recovery_s": 0.75, "superseded_by": 0}
+    console = Console(record=True, width=250)
+    print_summary(console, {"failures": [cut, whole], "steps": []}, global_batch=16, wall_s=10.0)
+    text = console.export_text()
+    assert "1.25*" in text and "0.75*" not in text and "0.75" in text
+    assert "*: cut short: another recovery began before this one's first step" in text
 
 
 def test_the_plot_puts_each_failure_where_it_happened(tmp_path: Path) -> None:

@@ -72,6 +72,42 @@ def test_a_standby_agent_inherits_the_reports_diagnoses_and_joins(tmp_path) -> N
     assert [(j["ranks"], j["policy"]) for j in again["joins"]] == [([1], "standby")]
 
 
+@pytest.mark.parametrize("written", ["with-the-generation", "with-the-commit"])
+def test_a_standby_agent_inherits_a_drop_left_waiting(tmp_path, written: str) -> None:
+    """The lost agent had decided to drop slow rank 3 and waited for the others inside step 5 (``drop_gate``). The
+    standby's state holds the wait (``with-the-commit``: only in the commit's write-ahead, the generation's state
+    being older than the diagnosis): the standby waits on, for the whole bound again from its takeover, and the
+    report's entry of that drop is the one its fate amends (not a second one)."""
+    from megatron_odyssey.runtime.agent import Agent
+    from megatron_odyssey.runtime.config import TrainConfig
+    from megatron_odyssey.runtime.drop_gate import PendingDrop
+    from megatron_odyssey.runtime.slow_nodes import Action, DiagnosisRecord
+
+    cfg = TrainConfig(nproc=4, tp=1, pp=2, layers=4, hidden=32, heads=4, seq=16, global_batch=4, micro_batch=1, steps=8,
+                      hard_timeout_s=30.0)
+    lost = Agent(cfg, None, tmp_path, procs={}, store=None)
+    lost.slow_nodes.records.append(DiagnosisRecord(2, [1], "slow", "compute 1.5x its twins'", "none", factor=1.5))
+    older_state = json.loads(json.dumps(lost.snapshot()))
+    drop = DiagnosisRecord(4, [3], "slow", "compute 4.0x its twins'", "drop", factor=4.0, reason="drop: faster")
+    lost.slow_nodes.records.append(drop)
+    decided = time.time() - 20.0  # 20 s of the 30 s bound spent before the agent was lost
+    lost.pending_drop = PendingDrop(Action("drop", drop, ranks=[3]), lost.gen, 5, decided, cfg.hard_timeout_s)
+    if written == "with-the-generation":
+        state = json.loads(json.dumps(lost.snapshot()))
+    else:  # Standby.snapshot: the newest commit's write-ahead merged into the older state
+        state = {**older_state, **json.loads(json.dumps({"pending_drop": lost._pending_drop_json()}))}
+    standby = Agent(cfg, None, tmp_path, procs={}, store=None)
+    standby.restore(state)
+    waiting = standby.pending_drop
+    assert (waiting.action.what, waiting.action.ranks, waiting.gen, waiting.step) == ("drop", [3], lost.gen, 5)
+    assert waiting.decided == pytest.approx(decided) and time.time() - waiting.since < 5.0  # the bound starts again
+    standby._not_taken(waiting.action, "a test's reason")  # its fate amends the inherited entry
+    entries = standby.snapshot()["diagnoses"]
+    assert [(d["step"], d["ranks"], d["action"]) for d in entries] == [(2, [1], "none"), (4, [3], "none")]
+    assert entries[1]["reason"] == "drop not taken: a test's reason (the planner's choice: drop: faster)"
+    assert standby.snapshot()["pending_drop"]["record_index"] == 1  # (and passed on again, should it be lost)
+
+
 def test_a_standby_agent_knows_which_machines_came_back_already(tmp_path, capsys) -> None:
     """``--rejoin 1@2``: machine 1 came back after step 2 and its rank was admitted; then the agent is lost. The
     standby's agent goes on from the same record: when rank 1 fails again it does not take the machine for coming
@@ -250,6 +286,7 @@ def test_a_drop_the_job_ends_before_is_not_taken(tmp_path, capsys, first: int) -
         store.set(DONE_KEY.format(1), "1")
         record, agent.pending_action = _drop_of_rank_1()
         agent.slow_nodes.records.append(record)
+        assert agent._arm_drop(3)  # (as the commit of step 2 does)
         assert agent.supervise() == 0, agent.stop_reason
         assert procs[1].wait(timeout=30) == 0  # not fenced
         assert agent.failures == [] and not agent.stop_reason and agent.gen == 0

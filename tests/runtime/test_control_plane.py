@@ -23,7 +23,7 @@ from megatron_odyssey.runtime.step_log import StepLog
 from megatron_odyssey.standalone.launcher import TrainingFailed, job_exit_code
 from megatron_odyssey.testing.processes import refusing_address
 
-from recovery_job import assert_exact, reference_run, run
+from recovery_job import assert_exact, failure_story, reference_run, run
 
 STANDBY = {"control": {}}
 
@@ -137,6 +137,32 @@ def test_the_agent_killed_during_a_recovery(reference, tmp_path):
     assert_exact(reference, params, report)
     assert [f["ranks"] for f in report["failures"]] == [[4]]
     assert len(report["takeovers"]) == 1
+    assert report["steps"][-1]["alive"] == 5
+
+
+def test_the_agent_killed_while_a_drop_waits_the_standby_carries_it_out(fault_free_reference, tmp_path):
+    """Forced drop of rank 3, slow from the start, named at step 3 or a little later. Rank 0 lags 2 s between steps
+    (as Megatron-LM's logging rank does), so the drop waits for it inside the next step (``drop_gate``). Meanwhile
+    the agent is killed: by rank 1, the moment it has said it is inside that step (``phase=inside``: it fires only
+    while a drop waits, so only one of these specs does). The standby knew of the drop before any rank did (the
+    commit's write-ahead): its generation tells the ranks the step again, and it fences rank 3 once every other rank
+    is inside it. Before, the takeover forgot the drop, and the slow rank stayed until it was judged again. Training
+    stays exact, and the drop's report entry is the one the lost agent made, saying when it was carried out."""
+    steps = 8
+    params, report = run(tmp_path, ["step=0,rank=3,kind=slow,factor=4",
+                                    *(f"step={s},rank=0,phase=between,kind=slow" for s in (3, 4, 5, 6)),
+                                    *(f"step={s},rank=1,phase=inside,kind=kill-agent" for s in (4, 5, 6, 7))],
+                         steps=steps, slow_action="drop", extra=STANDBY)
+    assert_exact(reference_run(fault_free_reference, steps=steps), params, report)
+    (drop,) = [d for d in report["diagnoses"] if d["action"] == "drop"]
+    assert drop["ranks"] == [3] and drop["step"] in (3, 4, 5, 6), failure_story(report)
+    takeover = _only_takeover(report)
+    assert takeover["ranks_lost"] == [] and takeover["step"] == drop["step"] + 1, takeover
+    # the drop's recovery began before the takeover's generation committed a step: the takeover's record ends there
+    assert takeover["superseded_by"] == takeover["generation"] + 1 and takeover["recovery_s"] > 0, takeover
+    assert drop["fenced"].endswith(f"every other rank is inside step {drop['step'] + 1}"), drop["fenced"]
+    (failure,) = report["failures"]
+    assert failure["ranks"] == [3] and failure["step"] == drop["step"] + 1 and failure["dropped"], failure_story(report)
     assert report["steps"][-1]["alive"] == 5
 
 

@@ -28,9 +28,10 @@ def test_failures_and_takeovers_are_listed_as_the_report_reads_them(tmp_path) ->
     assert failures[0]["phase"] == "backward" and failures[0]["recovery_s"] == 2.0
     assert takeover_entries(records) == [
         {"step": 7, "generation": 3, "reason": "the agent's process was lost", "ranks_lost": [], "lost_as": "gone",
-         "policy": "resume", "detection_s": 2.1, "recovery_s": 3.0},  # (a record from before lost_as: its process)
+         "policy": "resume", "detection_s": 2.1, "recovery_s": 3.0, "superseded_by": 0},
+        # (above: a record from before lost_as: its process)
         {"step": 9, "generation": 4, "reason": "machine 0 stopped answering", "ranks_lost": [0, 1], "lost_as": "silent",
-         "policy": "reconfigure", "detection_s": 2.4, "recovery_s": 5.5}]
+         "policy": "reconfigure", "detection_s": 2.4, "recovery_s": 5.5, "superseded_by": 0}]
 
     path = tmp_path / "report.json"
     write_report_file(path, {"ok": True, "failures": failures})
