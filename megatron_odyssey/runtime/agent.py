@@ -208,6 +208,8 @@ class Agent:
         self.redo_between = True  # the last recovery's survivors were all in one call between iterations
         self.dropping: dict[int, DiagnosisRecord] = {}  # ranks fenced because the planner dropped their slow node
         self.pending_drop: PendingDrop | None = None  # a drop decided, waiting for the others inside the next step
+        self.drop_on_standby = False  # the standby's copy names a drop (waiting, or being fenced)
+        self.fence_on_takeover: list[int] = []  # a standby's: the lost agent was fencing these dropped ranks
 
     # -- bookkeeping ----------------------------------------------------------------------------------
     def members(self) -> list[int]:
@@ -682,13 +684,14 @@ class Agent:
         # tells them (drop_gate), and the standby knows of it first
         self._diagnose(t, summaries)
         armed = self._arm_drop(t + 1)
+        if armed:
+            self._drop_to_standby()
         if self.replica is not None:  # ahead of the commit: whatever a rank sees, the standby knows
             if first_of_generation:
                 self._replicate_state()
             # (the standby's copy of the record has no store_keys: they are counted after the commit)
             step_state = {"generation": self.gen, "committed": t, "loss": loss, "next_step": t + 1,
-                          "latest_checkpoint": self._latest_checkpoint_if_any(),
-                          "pending_drop": self._pending_drop_json()}
+                          "latest_checkpoint": self._latest_checkpoint_if_any()}
             self._to_standby(lambda replica: replica.step(step_state, record))
         self.store.set(f"{self.key('commit')}/{t}", commit_value(loss, t + 1 if armed else None))  # (with its loss)
         # every rank has applied step t - 1 (it published ready/t): nobody waits on that commit any more
@@ -957,9 +960,10 @@ class Agent:
                drop.due(self.store, [i for i in live if i not in ranks], now))
         if why is None:
             return False
-        self.pending_drop = None
         record = drop.action.record
         record.fenced, record.drop_wait_s = drop.when(why, now), round(now - drop.decided, 3)
+        self._drop_to_standby(fencing=True)  # a standby taking over from here fences them too
+        self.pending_drop = None
         what = ("its compute is {:g}x slower" if record.kind == "slow" else
                 "its messages arrive {:g}x later than others'").format(record.factor)
         self.log(f"dropping rank(s) {ranks}, {record.fenced}")
@@ -974,6 +978,7 @@ class Agent:
             return
         action, self.pending_drop = self.pending_drop.action, None
         self._not_taken(action, why)
+        self._drop_to_standby()
         self.log(f"the drop of rank(s) {action.ranks} is not taken: {why}")
 
     def _ended_before(self, replan: Action | None, failed: set[int]) -> bool:
@@ -1340,6 +1345,8 @@ class Agent:
         self.published = msg
         if self.replica is not None:
             self._replicate_state()
+            if self.pending_drop is None and self.drop_on_standby:  # the drop's recovery: it is carried out
+                self._drop_to_standby()
         if self.quorum is not None:  # (the standby was lost silently: it may run the job with the others)
             self.quorum.check(self.members())
         self.store.set(self.key("plan"), encode_plan_message(msg))
@@ -1382,7 +1389,6 @@ class Agent:
                 "joined": {i: p.joined_pid for i, p in self.procs.items() if getattr(p, "joined_pid", None)},
                 "agent_pid": os.getpid(), "started_any": self.gen > 0 or self.warm,
                 "rejoin": self.rejoin,  # (--rejoin: which machines are back already, and which of them asked)
-                "pending_drop": self._pending_drop_json(),  # (a standby that takes over carries it out)
                 # the report's records so far (a standby's report goes on from them; a standby agent cannot
                 # admit the ranks waiting to join here: they leave with this agent's store)
                 **self._diagnoses_and_joins()}
@@ -1397,16 +1403,23 @@ class Agent:
         agent's records."""
         return self.restored_records["diagnoses"] + self.slow_nodes.records
 
-    def _pending_drop_json(self) -> dict[str, Any] | None:
+    def _pending_drop_json(self, fencing: bool = False) -> dict[str, Any] | None:
         """The drop waiting for the ranks (``drop_gate``), for the standby: the wait, its ranks, its report entry, and
         that entry's place among the diagnoses (the standby's copy of the generation's state may not hold the entry
-        yet: the diagnosis came after it was written)."""
+        yet: the diagnosis came after it was written); ``fencing``: its ranks are being fenced now."""
         drop = self.pending_drop
         if drop is None:
             return None
         index = next(i for i, r in enumerate(self._diagnosis_entries()) if r is drop.action.record)
         return {**drop.to_json(), "ranks": list(drop.action.ranks), "record": drop.action.record.to_json(),
-                "record_index": index}
+                "record_index": index, "fencing": fencing}
+
+    def _drop_to_standby(self, fencing: bool = False) -> None:
+        """Write the pending drop (or that there is none) ahead into the standby's store (``control_plane.DROP_KEY``)."""
+        if self.replica is not None:
+            spec = self._pending_drop_json(fencing)
+            if self._to_standby(lambda replica: replica.drop(spec)):
+                self.drop_on_standby = spec is not None
 
     def _replicate_state(self) -> None:
         snapshot, members = self.snapshot(), frozenset(self.members())
@@ -1459,7 +1472,8 @@ class Agent:
     def _restored_drop(self, spec: dict[str, Any] | None) -> PendingDrop | None:
         """The drop the lost agent left waiting: its report entry becomes a live record again (in its place among the
         restored diagnoses, or after them), which its fence or its fate amends. The takeover's generation tells the
-        ranks the step to say (``_publish``)."""
+        ranks the step to say (``_publish``). One the lost agent was fencing is not waited for again: its ranks are
+        fenced, and lost, in the takeover's own recovery (:meth:`take_over`)."""
         if spec is None:
             return None
         record = DiagnosisRecord.from_json(spec["record"])
@@ -1468,7 +1482,23 @@ class Agent:
             entries[index] = record
         else:
             entries.append(record)
-        return PendingDrop.from_json(spec, Action("drop", record, ranks=[int(i) for i in spec["ranks"]]), time.time())
+        action = Action("drop", record, ranks=[int(i) for i in spec["ranks"]])
+        if spec.get("fencing"):  # the others were inside the step already: its ranks are fenced at the takeover
+            self.fence_on_takeover = list(action.ranks)
+            for ident in action.ranks:
+                self.dropping[ident] = record
+            return None
+        return PendingDrop.from_json(spec, action, time.time())
+
+    def _fence_dropped_on_takeover(self) -> set[int]:
+        """The ranks of a drop the lost agent was fencing (:meth:`_restored_drop`): fenced here if it had not killed
+        them yet; lost in the takeover's recovery, which names the drop (``dropped``)."""
+        dropped = {i for i in self.fence_on_takeover if i not in self.dead}  # (not: lost in a generation it started)
+        for ident in sorted(dropped):
+            proc = self.procs.get(ident)
+            if proc is not None and proc.exitcode is None:
+                self._fence(ident, "was being dropped as slow by the lost agent")
+        return dropped
 
     def take_over(self, state: dict[str, Any], reason: str) -> int:
         """Go on from a lost agent's replicated ``state``: end every wait its ranks may be in (their commit,
@@ -1499,8 +1529,9 @@ class Agent:
         if lost_as != SILENT:  # (from a silent agent, the report is the standby's once it knows it holds the job)
             self.write_report(ok=True, final=False)
         info = {"reason": reason, "lost_agent_s": float(state.get("lost_agent_s", 0.0)), "lost_as": lost_as}
+        dropped = self._fence_dropped_on_takeover()
         try:
-            ok = self.recover(set(), takeover=info)
+            ok = self.recover(dropped, takeover=info)
         except NoQuorum as exc:
             self.step_down(str(exc))
         except Exception as exc:  # noqa: BLE001 - say why, and stop the ranks rather than leave them waiting

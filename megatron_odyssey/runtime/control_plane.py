@@ -57,6 +57,9 @@ FINISHED_KEY = "odyssey/replica/finished"  # in the standby's store: the agent e
 STATE_KEY = "odyssey/replica/state"  # the agent's state of this generation (written at each decision)
 AGENT_PID_KEY = "odyssey/replica/agent_pid"  # the agent's pid, said at once (before its slow start-up)
 STEP_KEY = "odyssey/replica/step"  # the agent's per-commit state (written ahead of every commit)
+# a drop of a slow node the agent decided and waits to carry out, or is fencing (runtime.drop_gate), or null: written
+# ahead of the commit that tells the ranks, and at every change (one key: newer than any state or step it joins)
+DROP_KEY = "odyssey/replica/drop"
 STEP_SLOT = "odyssey/replica/steps/{}"  # the committed steps' records by commit number, a ring the standby reads
 SLOTS = 256
 DONE_KEY = "odyssey/done/{}"  # a rank finished the job (set before it exits)
@@ -163,6 +166,11 @@ class Replica:
         self.seq += 1
         slot = STEP_SLOT.format(self.seq % SLOTS)
         self.store.multi_set([STEP_KEY, slot], [json.dumps({**step_state, "seq": self.seq}), json.dumps(record)])
+        self._round_trip()
+
+    def drop(self, spec: dict[str, Any] | None) -> None:
+        """The drop waiting or being fenced now (``Agent._pending_drop_json``), or None."""
+        self.store.set(DROP_KEY, json.dumps(spec))
         self._round_trip()
 
     def _round_trip(self) -> None:
@@ -339,6 +347,8 @@ class Standby:
         step = json.loads(self.store.get(STEP_KEY)) if self.store.check([STEP_KEY]) else {}
         if step.get("generation") == state.get("gen"):
             state.update(step)  # the newest commit of the newest generation
+        if self.store.check([DROP_KEY]):
+            state["pending_drop"] = json.loads(self.store.get(DROP_KEY))
         state["lost_agent_s"] = time.time() - self.last_contact
         state["lost_as"] = lost_as
         return state

@@ -72,12 +72,10 @@ def test_a_standby_agent_inherits_the_reports_diagnoses_and_joins(tmp_path) -> N
     assert [(j["ranks"], j["policy"]) for j in again["joins"]] == [([1], "standby")]
 
 
-@pytest.mark.parametrize("written", ["with-the-generation", "with-the-commit"])
-def test_a_standby_agent_inherits_a_drop_left_waiting(tmp_path, written: str) -> None:
-    """The lost agent had decided to drop slow rank 3 and waited for the others inside step 5 (``drop_gate``). The
-    standby's state holds the wait (``with-the-commit``: only in the commit's write-ahead, the generation's state
-    being older than the diagnosis): the standby waits on, for the whole bound again from its takeover, and the
-    report's entry of that drop is the one its fate amends (not a second one)."""
+def _lost_agent_with_a_drop(tmp_path, fencing: bool):
+    """An agent that had decided to drop slow rank 3 after an earlier diagnosis, and waited for the others inside step
+    5 (or was fencing it), 20 s of its 30 s bound spent: the standby's state of it (``Standby.snapshot``: the
+    generation's state, older than the diagnosis, with the drop's own key merged in)."""
     from megatron_odyssey.runtime.agent import Agent
     from megatron_odyssey.runtime.config import TrainConfig
     from megatron_odyssey.runtime.drop_gate import PendingDrop
@@ -87,25 +85,55 @@ def test_a_standby_agent_inherits_a_drop_left_waiting(tmp_path, written: str) ->
                       hard_timeout_s=30.0)
     lost = Agent(cfg, None, tmp_path, procs={}, store=None)
     lost.slow_nodes.records.append(DiagnosisRecord(2, [1], "slow", "compute 1.5x its twins'", "none", factor=1.5))
-    older_state = json.loads(json.dumps(lost.snapshot()))
+    state = json.loads(json.dumps(lost.snapshot()))
     drop = DiagnosisRecord(4, [3], "slow", "compute 4.0x its twins'", "drop", factor=4.0, reason="drop: faster")
     lost.slow_nodes.records.append(drop)
-    decided = time.time() - 20.0  # 20 s of the 30 s bound spent before the agent was lost
-    lost.pending_drop = PendingDrop(Action("drop", drop, ranks=[3]), lost.gen, 5, decided, cfg.hard_timeout_s)
-    if written == "with-the-generation":
-        state = json.loads(json.dumps(lost.snapshot()))
-    else:  # Standby.snapshot: the newest commit's write-ahead merged into the older state
-        state = {**older_state, **json.loads(json.dumps({"pending_drop": lost._pending_drop_json()}))}
+    lost.pending_drop = PendingDrop(Action("drop", drop, ranks=[3]), lost.gen, 5, time.time() - 20.0, 30.0)
+    state["pending_drop"] = json.loads(json.dumps(lost._pending_drop_json(fencing)))
+    return cfg, state, lost.pending_drop.decided
+
+
+def test_a_standby_agent_inherits_a_drop_left_waiting(tmp_path) -> None:
+    """The standby waits on for the others inside step 5, for the whole bound again from its takeover, and the
+    report's entry of that drop is the one its fate amends (not a second one)."""
+    from megatron_odyssey.runtime.agent import Agent
+
+    cfg, state, decided = _lost_agent_with_a_drop(tmp_path, fencing=False)
     standby = Agent(cfg, None, tmp_path, procs={}, store=None)
     standby.restore(state)
     waiting = standby.pending_drop
-    assert (waiting.action.what, waiting.action.ranks, waiting.gen, waiting.step) == ("drop", [3], lost.gen, 5)
+    assert (waiting.action.what, waiting.action.ranks, waiting.gen, waiting.step) == ("drop", [3], 0, 5)
     assert waiting.decided == pytest.approx(decided) and time.time() - waiting.since < 5.0  # the bound starts again
+    assert standby.fence_on_takeover == [] and standby.dropping == {}
     standby._not_taken(waiting.action, "a test's reason")  # its fate amends the inherited entry
     entries = standby.snapshot()["diagnoses"]
     assert [(d["step"], d["ranks"], d["action"]) for d in entries] == [(2, [1], "none"), (4, [3], "none")]
     assert entries[1]["reason"] == "drop not taken: a test's reason (the planner's choice: drop: faster)"
-    assert standby.snapshot()["pending_drop"]["record_index"] == 1  # (and passed on again, should it be lost)
+
+
+def test_a_standby_agent_fences_the_ranks_of_a_drop_the_lost_agent_was_fencing(tmp_path, capsys) -> None:
+    """The lost agent had found every other rank inside step 5 and was fencing rank 3 when it was lost (the drop's
+    key said so before the kill). The standby does not wait again: it fences rank 3 if it still lives, and its
+    takeover's recovery loses it as a drop. A rank already dead in the restored state is not lost twice."""
+    from megatron_odyssey.launch import LocalRank
+    from megatron_odyssey.runtime.agent import Agent
+    from megatron_odyssey.testing.processes import start_sleeper
+
+    cfg, state, _ = _lost_agent_with_a_drop(tmp_path, fencing=True)
+    slow = start_sleeper(60.0)
+    try:
+        standby = Agent(cfg, None, tmp_path, procs={3: LocalRank(slow)}, store=None)
+        standby.restore(state)
+        assert standby.pending_drop is None and standby.fence_on_takeover == [3]
+        record = standby.dropping[3]
+        assert record is standby.restored_records["diagnoses"][1] and record.ranks == [3]
+        assert standby._fence_dropped_on_takeover() == {3}
+        assert slow.wait(timeout=30) == -9
+        assert "rank 3 was being dropped as slow by the lost agent: fencing it (SIGKILL)" in capsys.readouterr().out
+        standby.dead.add(3)  # (as its recovery marks it)
+        assert standby._fence_dropped_on_takeover() == set()
+    finally:
+        slow.kill()
 
 
 def test_a_standby_agent_knows_which_machines_came_back_already(tmp_path, capsys) -> None:

@@ -234,6 +234,8 @@ def test_standby_copies_every_committed_step_and_takes_over_with_the_newest_stat
         replica.state({"gen": 1, "plan": {}, "next_step": 3})
         for t in range(3, 300):  # more steps than the ring holds: the standby copies as they come
             replica.step({"generation": 1, "committed": t, "loss": float(t), "next_step": t + 1}, {"step": t})
+            if t == 200:  # a drop decided at step 200's commit, newer than the generation's state
+                replica.drop({"gen": 1, "step": 201, "ranks": [3]})
             if t == 150:
                 standby = Standby(standby_store, ("127.0.0.1", agent_port), tmp_path / "steps.jsonl",
                                   takeover_after_s=0.5, poll_s=0.01)
@@ -249,6 +251,7 @@ def test_standby_copies_every_committed_step_and_takes_over_with_the_newest_stat
     steps = [json.loads(line)["step"] for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
     assert steps == list(range(3, 300))  # each once, in order, though the ring holds 256
     assert state["lost_agent_s"] >= 0.5  # it waited the grace before taking over
+    assert state["pending_drop"] == {"gen": 1, "step": 201, "ranks": [3]}  # (control_plane.DROP_KEY)
 
 
 def test_a_finished_job_is_not_taken_over_and_a_deposed_agent_learns_it(tmp_path, nobody):

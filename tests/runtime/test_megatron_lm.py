@@ -533,6 +533,31 @@ def test_a_slow_rank_is_named_in_megatrons_own_schedule(stock_slow: dict, tmp_pa
     assert same_training(job.iterations(), stock_slow)
 
 
+def test_a_drop_survives_the_loss_of_the_agent(stock_slow: dict, tmp_path: Path) -> None:
+    """Two machines; rank 1, 4x slow from the start, is to be dropped (forced) once every other rank is inside the
+    next iteration (``drop_gate``). Rank 0 SIGKILLs machine 0's launcher (the agent) the moment it has said it is
+    inside that iteration (``phase=inside``: fires only while a drop waits, so only one of these specs does). The
+    standby on machine 1 knew of the drop before any rank did: it takes over and carries the drop out, either
+    waiting for the ranks again or, where the agent had begun fencing, fencing rank 1 in its own recovery. Either
+    way rank 1 is lost once, as a drop, and the job trains as stock Megatron-LM (before, the takeover forgot the
+    drop and the slow rank stayed)."""
+    flags = [*tiny_gpt_flags_for(MLM, SLOW_ITERS), "--odyssey-heartbeat-timeout", "10", "--odyssey-slow-action", "drop",
+             "--odyssey-inject-fault", "step=0,rank=1,kind=slow,factor=4"]
+    for step in (2, 3, 4, 5):
+        flags += ["--odyssey-inject-fault", f"step={step},rank=0,phase=inside,kind=kill-agent"]
+    job = run_odyssey(MLM, tmp_path, flags, _port(735), nodes=2)
+    assert job.returncode == 0, job.tail()
+    report = job.report
+    (drop,) = [d for d in report["diagnoses"] if d["action"] == "drop"]
+    assert drop["ranks"] == [1] and drop["step"] <= 4 and drop["fenced"], report["diagnoses"]
+    (takeover,) = report["takeovers"]
+    assert takeover["step"] == drop["step"] + 1, takeover
+    (failure,) = report["failures"]  # (the takeover's own, where it fenced rank 1)
+    assert failure["ranks"] == [1] and failure["dropped"], report["failures"]
+    assert [s["step"] for s in report["steps"]] == list(range(SLOW_ITERS))
+    assert same_training(job.iterations(), stock_slow)
+
+
 def test_a_re_plan_decided_where_exit_interval_ends_the_job_is_not_taken(stock: dict, tmp_path: Path) -> None:
     """--exit-interval 4 ends the job after iteration 4 (step 3). A rank 4x slower from the start is named there,
     after the three steps it is judged on: no step is left to rebalance, so the action is not taken (the report
