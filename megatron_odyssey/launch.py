@@ -589,6 +589,8 @@ def standby_node(args: argparse.Namespace, local: dict[int, LocalRank], agent_st
     from .runtime.control_plane import STANDBY_KEY, ControlPlane, Standby
     from .runtime.generation import wait_key
 
+    from .runtime.sockets import route_address
+
     host = args.standby_addr or route_address(args.master_addr, args.odyssey_port)
     where = wait_key(agent_store, WITNESS_KEY, "the job's witness directory", 300).decode()
     try:
@@ -693,18 +695,6 @@ def join_running_job(args: argparse.Namespace) -> int:
     finally:  # (ranks held as standbys to the end of the job leave with it)
         for p in local.values():
             p.kill()
-
-
-def route_address(master_addr: str, port: int) -> str:
-    """This machine's address on the route to machine 0 (what the other machines can reach it at)."""
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((master_addr, port))  # no packet is sent: it only picks the route
-            return s.getsockname()[0]
-        except OSError:
-            return socket.gethostbyname(socket.gethostname())
 
 
 def _cut_off(args: argparse.Namespace, lost: ConnectionError) -> int:

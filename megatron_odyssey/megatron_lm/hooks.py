@@ -151,6 +151,21 @@ def grad_norm_fp32(original: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def rerun_check_waits_on_peers(original: Callable[..., Any]) -> Callable[..., Any]:
+    """megatron's ``RerunStateMachine.should_run_forward_backward``, marked as communication: after each
+    forward-backward it all-reduces over the world whether to run it again, so a rank there waits on every peer.
+    Counted as its own work, a stage-0 rank waiting there for two data-parallel peers of the last stage that no
+    longer reached each other (their gradient all-reduce stopped) was fenced instead of one of them."""
+    from ..runtime.liveness import communicating
+
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with communicating():
+            return original(*args, **kwargs)
+
+    return wrapper
+
+
 def loss_reduction_as_communication(out: Any, reduced_per_micro_batch: bool) -> Any:
     """A forward step's ``(output, loss function)``, the loss function's call marked as communication where the
     release's ``pretrain_gpt.py`` all-reduces each micro-batch's loss over the data-parallel group in it

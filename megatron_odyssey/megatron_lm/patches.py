@@ -179,6 +179,10 @@ PATCHES: tuple[Patch, ...] = (
     Patch(f"{_C}.optimizer.optimizer:get_grad_norm_fp32", hooks.grad_norm_fp32,
           "the stock norm all-reduces over the uniform model-parallel group, after the commit; Odyssey "
           "computes it over the plan before the commit and the optimizer reuses it"),
+    Patch(f"{_C}.rerun_state_machine:RerunStateMachine.should_run_forward_backward", hooks.rerun_check_waits_on_peers,
+          "train_step's rerun check after the forward-backward all-reduces over the world (0.15+: _reduce_any; to "
+          "0.14 inline): marked as communication, so a rank waiting there on peers still in their gradient reduction "
+          "is not taken for the one stopped in its own work (behaviour unchanged)"),
     Patch(f"{_C}.optimizer.optimizer:count_zeros_fp32", hooks.zeros_counted_before_commit,
           "core_r0.12.0's ChainedOptimizer.step counts zeros (an all-reduce) even without --log-num-zeros-in-grad, "
           "after the commit; inside Odyssey's committed steps it returns the count made before the commit"),

@@ -55,12 +55,12 @@ from .interleaved import InterleavedCapture, chunk_layer_start, reshuffle_transf
 from .plan_norms import plan_grad_norm, plan_params_norm, plan_zero_count, unit_owners
 from .views import TIED_NAMES, MegatronStageRunner, OptimizerStateView, megatron_global_names
 from ..runtime.errors import (GIVEUP_KEY, STARTED_KEY, dump_stacks_on_signals, fail_locally, giveup_reason,
-                              is_peer_failure, stop_now)
+                              is_failure_abort, is_peer_failure, stop_now)
 from ..runtime.generation import GenerationRank, keys, node_stage
 from ..runtime.liveness import Heartbeat, Progress, StoreThread, communicating, track
 from ..runtime.transport import P2P
 from ..runtime.state import TIED_ALIASES
-from ..runtime.world import RankMap, abort_all_groups, plan_process_groups
+from ..runtime.world import RankMap, abort_all_groups, plan_process_groups, shut_connections
 
 STORE_ENV = "ODYSSEY_STORE"  # HOST:PORT of the agent's store, set by the launcher
 WORKDIR_ENV = "ODYSSEY_WORKDIR"
@@ -74,6 +74,9 @@ class AbortWatcher(StoreThread):
     """Aborts this rank's groups as soon as the agent aborts the generation. A rank blocked inside a
     collective never polls the store, and NCCL/HCCL do not see a dead peer's closed connection the way
     gloo does (they would wait for the watchdog timeout); aborting from here unblocks the op at once.
+    Gloo's groups close nothing when aborted: for an abort because ranks failed, this rank's connections are
+    shut too (``world.shut_connections``, as its teardown does), since a failed rank the agent could not reach to
+    kill (cut off from the agent's machine, not from this one) may live on and hold a collective open with it.
     When the agent gives up on the job (or stays unreachable), it ends the process at once: nothing will
     come. A store hiccup is retried (``StoreThread``), not taken for the end of the job."""
 
@@ -93,12 +96,15 @@ class AbortWatcher(StoreThread):
         if store.check([GIVEUP_KEY]):
             stop_now(self.runtime.ident, f"the agent stopped the job: {giveup_reason(store) or 'no reason given'}")
         if aborted:
+            failed = is_failure_abort(store.get(f"odyssey/gen{gen}/abort"))
             with self.runtime.gen_lock:
                 if self.runtime.gen == gen:
                     try:
                         abort_all_groups()
                     except Exception:  # the main thread is tearing the same groups down
                         pass
+                    if failed and self.runtime.backend == "gloo":
+                        shut_connections({self.runtime.store_addr[1]})
             self.handled = gen
 
     def lost(self, exc: BaseException) -> None:

@@ -62,13 +62,15 @@ from .process_probe import SilenceJudge
 from .progress_judge import ProgressJudge, Stall
 from .rank_exits import RankExits
 from .diagnosis import DiagnosisOptions, judged_summary
+from . import reachability
 from .drop_gate import PendingDrop, commit_value
 from .slow_nodes import Action, DiagnosisRecord, SlowNodes
 from .joining import ADMIT_KEY, REJOIN_KEY, JoinRecord, JoinRequests, publish_job
 from .step_log import StepLog, resident_mb
 from .step_loss import committed_loss, ready_shares
 from .job_report import FailureRecord, failure_entries, host_summary, takeover_entries, write_report_file
-from .errors import (ABORTED, DUMP_STACKS_KEY, GIVEUP_KEY, STACKS_ASKED_KEY, STARTED_KEY, STOP_LINE, ErrorRecord, describe_exit,
+from .errors import (ABORTED, DUMP_STACKS_KEY, GIVEUP_KEY, STACKS_ASKED_KEY, STARTED_KEY, STOP_LINE, ErrorRecord,
+                     describe_exit, failure_abort,
                      dump_stacks_on_signals, indented, rank_log_stack, rank_log_traceback, read_error)
 
 
@@ -208,6 +210,8 @@ class Agent:
         self.redo_between = True  # the last recovery's survivors were all in one call between iterations
         self.dropping: dict[int, DiagnosisRecord] = {}  # ranks fenced because the planner dropped their slow node
         self.pending_drop: PendingDrop | None = None  # a drop decided, waiting for the others inside the next step
+        self.reach_round = 0  # rounds of runtime.reachability asked so far
+        self.reach_asked: set[tuple[int, tuple[int, ...]]] = set()  # (generation, waiting ranks) a round was asked for
         self.drop_on_standby = False  # the standby's copy names a drop (waiting, or being fenced)
         self.fence_on_takeover: list[int] = []  # a standby's: the lost agent was fencing these dropped ranks
 
@@ -408,6 +412,11 @@ class Agent:
             elif code is None and (heard := self._heard_at(ident)) is not None:
                 self.silence.look(ident, self.procs[ident], now - heard)
         stall = None if done or self._being_stopped() else self._stalled(now)
+        if stall is not None and stall.together and stall.rank not in out:  # (a guess: who reaches whom, first)
+            cut = self._partitioned(f"ranks {sorted([stall.rank, *stall.waiting])} stopped inside a collective "
+                                    f"together, waiting in communication")
+            if cut:
+                return out | cut
         if stall is not None and stall.rank not in out:
             beat = self.beats[stall.rank]
             # C4D: a communication hang when peers wait in a communication it never joined (or it stopped inside
@@ -441,6 +450,13 @@ class Agent:
             waiting = [i for i in waiting if self.store.check([f"{self.key('recover')}/{i}"])]
         if not waiting:
             return set()
+        # a rank that cannot reach another any more took its silence for a failure, and so may the other (asked once
+        # for each set of waiting ranks)
+        if (self.gen, tuple(waiting)) not in self.reach_asked:
+            self.reach_asked.add((self.gen, tuple(waiting)))
+            cut = self._partitioned(f"ranks {waiting} wait for a recovery that no failure called for")
+            if cut:
+                return cut
         # (nor one waiting on this agent: it is in no collective)
         left = [i for i in live if i not in waiting and not (i in self.beats and self.beats[i].state == WAITING)]
         if not left:
@@ -457,6 +473,41 @@ class Agent:
             self.slow_nodes.hang(self.next_step, [ident], "comm-hang", f"rank {ident} {why}")
             self._fence(ident, why, stacks=False)
         return set(left)
+
+    def _partitioned(self, seen: str) -> set[int]:
+        """Where ranks stopped together (``seen``), ask every live rank which peers it reaches
+        (``runtime.reachability``); if some no longer reach each other, fence every rank outside the largest set that
+        all do, and return them (empty: every rank reaches every other, or too few answered to tell)."""
+        reach = self._reach_round([i for i in self.members() if i not in self.dead])
+        if len(reach) < 2 or reachability.complete(reach):
+            return set()
+        keep = reachability.kept(reach)
+        cut = sorted(i for i in reach if i not in keep)
+        self.log(f"{seen}; asked who reaches whom: ranks {keep} all reach each other, and {cut} do not reach all of "
+                 f"them (a network partition that is not transitive): keeping the {len(keep)}")
+        for ident in cut:
+            unreached = sorted(k for k in keep if k not in reach[ident] or ident not in reach[k])
+            why = f"is cut off from ranks {unreached} (no connection both ways), which all reach each other: a network " \
+                  f"partition"
+            self.slow_nodes.hang(self.next_step, [ident], "comm-hang", f"rank {ident} {why}")
+            self._fence(ident, why)
+        return set(cut)
+
+    def _reach_round(self, ranks: list[int]) -> dict[int, set[int]]:
+        """One round of ``reachability``: each rank's reached peers, from those that answered in time (their heartbeat
+        thread answers, whatever the main thread is stuck in). Only ranks that said where they listen are asked."""
+        ranks = [i for i in ranks if self.store.check([reachability.ADDRESS_KEY.format(i)])]
+        if len(ranks) < 2:
+            return {}
+        self.reach_round += 1
+        round_id = f"{os.getpid()}-{self.reach_round}"  # (a standby's rounds are not a lost agent's)
+        keys = [reachability.ANSWER_KEY.format(round_id, i) for i in ranks]
+        self.store.set(reachability.ASK_KEY, json.dumps({"round": round_id, "ranks": ranks}))
+        rounds = 1 + len(ranks) // reachability.PROBE_THREADS
+        deadline = time.time() + rounds * reachability.PROBE_TIMEOUT_S + 3 * self.cfg.heartbeat_interval_s + 2.0
+        while time.time() < deadline and not self.store.check(keys):
+            time.sleep(0.05)
+        return {i: set(json.loads(self.store.get(k))) for i, k in zip(ranks, keys) if self.store.check([k])}
 
     def _stamp_diagnoses(self) -> None:
         """When each new diagnosis was made, on the report's clock."""
@@ -1089,7 +1140,7 @@ class Agent:
         detected = time.time()
         gen_failed = set(failed)
         why = (takeover["reason"] if takeover else f"re-plan: {replan.record.action} ({replan.record.reason})"
-               if replan else f"ranks {sorted(failed)} failed")
+               if replan else failure_abort(failed))
         self.store.set(self.key("abort"), why)
         self._wake_waiters()
         self.progress.aborted(time.time())
@@ -1623,11 +1674,14 @@ class Agent:
         return decision.chosen
 
     def _phase_of(self, ranks: set[int], step: int) -> str:
+        """The phase a fault was injected in; else, for a failure nobody injected (every one on a real cluster), the
+        one the rank's last heartbeat named, within a heartbeat interval of where it stopped."""
         for r in ranks:
             for (rank, s), phase in self.phases.items():
                 if rank == r and s <= step:
                     return phase
-        return "unknown"
+        heard = [self.beats[r] for r in sorted(ranks) if r in self.beats and self.beats[r].phase]
+        return f"{heard[0].phase} (its last heartbeat)" if heard else "unknown"
 
     # -- end ------------------------------------------------------------------------------------------
     def step_down(self, why: str) -> None:

@@ -34,6 +34,7 @@ import sysconfig
 import time
 import traceback
 from dataclasses import asdict, dataclass
+from collections.abc import Iterable
 from typing import Any, Callable
 
 #: What the agent writes into a commit or go key a rank may be waiting on when it aborts the generation
@@ -169,6 +170,19 @@ def _abort_groups() -> None:
     from .world import abort_all_groups
 
     abort_all_groups()
+
+
+def failure_abort(failed: Iterable[int]) -> str:
+    """The abort value of a generation that ranks failed in (``Agent.recover``; a re-plan's and a takeover's say
+    something else)."""
+    return f"ranks {sorted(failed)} failed"
+
+
+def is_failure_abort(value: bytes | str) -> bool:
+    """An abort for failed ranks: their collectives are over, and a rank blocked in one with them must leave it, even
+    where the failed rank lives on, unreachable (``megatron_lm.rank.AbortWatcher``)."""
+    text = value.decode(errors="replace") if isinstance(value, bytes) else value
+    return text.startswith("ranks [") and text.endswith("] failed")
 
 
 def giveup_reason(store: Any) -> str | None:

@@ -233,10 +233,14 @@ class Heartbeat(StoreThread):
         self.key, self.progress, self.control = f"odyssey/hb/{ident}", progress or Progress(), control
         self.last_beat: float | None = None  # time.monotonic() of the last beat sent
         self.writers = SaveWriters()
+        from .reachability import Prober
+
+        self.prober = Prober(ident, host, port)  # which peers this rank reaches, when the agent asks
 
     def tick(self, store: Any) -> None:
         store.set(self.key, self.progress.beat(self.progress.state == IDLE and in_collective()))
         self.writers.check(self.progress, store, self.rank)
+        self.prober.tick(store)
         now = time.monotonic()
         late = now - self.last_beat - self.interval_s if self.last_beat is not None else 0.0
         self.last_beat = now

@@ -27,6 +27,7 @@ class Stall:
     bound: str
     waiting: list[int]
     since: float  # when it last made progress: where the failure's detection time starts
+    together: bool = False  # nobody stopped in its own work: they all wait in communication (on each other)
 
 
 @dataclass
@@ -88,19 +89,27 @@ class ProgressJudge:
         if finishing(first, now):  # (its heartbeat thread still beats while its teardown waits)
             return None
         beat = beats[first]
+        waiting = sorted(i for i in stopped if i != first and beats[i].state == COMM)
+        # nobody stopped in its own work: they all wait in communication, on each other (a hang inside the
+        # collective, or a network path between them that carries nothing: a partition that is not transitive)
+        stuck_together = beat.state == COMM and bool(waiting)
+        together = (f"; ranks {waiting} wait in communication too, stopped since later: a hang inside the collective "
+                    f"or a path between them that carries nothing (the first to stop is fenced; if the others still "
+                    f"cannot reach each other, the next stop fences another)") if stuck_together else ""
         if (first, beat.count) not in self.named:
             self.named.add((first, beat.count))
-            waiting = sorted(i for i in stopped if i != first and beats[i].state == COMM)
             self.say(f"rank {first} has made no progress for {idle[first]:.1f} s inside step {beat.step} (last "
                      f"operation: {beat.phase}, {beat.state})"
-                     + (f"; ranks {waiting} wait on it in communication" if waiting else "")
+                     + (together or (f"; ranks {waiting} wait on it in communication" if waiting else ""))
                      + f"; its stacks are dumped to its log; fenced after --hard-timeout {self.hard_timeout_s:g} s")
             self.dump_stacks(first)
         if idle[first] < self.hard_timeout_s:
             return None
         return Stall(first, f"made no progress for {idle[first]:.1f} s inside step {beat.step} (last operation: "
-                            f"{beat.phase}) while its heartbeat went on", f"--hard-timeout {self.hard_timeout_s:g} s",
-                     sorted(i for i in live if i != first and beats[i].state == COMM), beat.since)
+                            f"{beat.phase}) while its heartbeat went on"
+                            + (f", as did ranks {waiting}, waiting in communication too" if stuck_together else ""),
+                     f"--hard-timeout {self.hard_timeout_s:g} s",
+                     sorted(i for i in live if i != first and beats[i].state == COMM), beat.since, stuck_together)
 
     def _behind_the_others(self, live: list[int], beats: dict[int, Beat], now: float,
                            finishing: Callable[[int, float], bool]) -> Stall | None:

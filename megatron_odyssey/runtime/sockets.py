@@ -48,6 +48,17 @@ def tcp_connections() -> Iterator[socket.socket]:
             sock.detach()  # the descriptor stays open
 
 
+def route_address(host: str, port: int) -> str:
+    """This machine's address on the route to ``host`` (what the machines there can reach it at; a UDP socket's
+    connect sends no packet, it only picks the route)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, port))
+            return s.getsockname()[0]
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
+
+
 def _plain(ip: str) -> str:
     return ip.removeprefix("::ffff:")  # an IPv4 peer of an IPv6 socket
 

@@ -60,6 +60,7 @@ class JobResult:
     logs: str
     report: dict[str, Any] = field(default_factory=dict)
     cut_off: int | None = None  # run_odyssey(cut_off=CutOff(..., power_loss=False)): that machine's own exit code
+    codes: list[int] = field(default_factory=list)  # run_odyssey: each launcher's exit code (the cut-off one's aside)
 
     def tail(self, chars: int = 4000) -> str:
         """The end of the terminal for a failed test's message, without Python's warnings (on core_r0.12.0 a
@@ -282,17 +283,32 @@ class CutOff:
     power_loss: bool = True
 
 
+@dataclass(frozen=True)
+class Partition:
+    """Machines of a :func:`run_odyssey` job behind a router (``testing.network_namespace.RoutedMachines``): machine
+    (node rank) ``n`` runs in ``routed.machines[place[n]]``, the others on this host (machine 0 among them: every
+    machine reaches it there). Once the last machine logged ``iteration``, the network between the machines
+    ``between`` is cut, while each still reaches every other machine (a partition that is not transitive; a machine
+    on this host stands for all of them there)."""
+
+    routed: Any
+    place: dict[int, int]
+    iteration: int
+    between: tuple[int, int]
+
+
 def run_odyssey(megatron_lm: str | Path, work: Path, flags: list[str], port: int, nproc: int = 4,
                 nodes: int = 1, gpu: bool = False, join: tuple[int, ...] = (),
                 sigterm_after_iteration: int | None = None, shared: str = "",
                 refusal_expected: bool = False, launcher_flags: tuple[str, ...] = (),
-                cut_off: CutOff | None = None) -> JobResult:
+                cut_off: CutOff | None = None, partition: Partition | None = None) -> JobResult:
     """``odyssey-launch`` on ``nodes`` launchers (each standing for a machine) with ``--odyssey``; ``join``:
     machines (by node rank) that come back, each a launcher with ``--join``, started once the job trains
     (it then sets itself up; when it asks to join is the job's ``--odyssey-rejoin``); ``sigterm_after_iteration``:
     SIGTERM to every launcher once Megatron logged that iteration (a scheduler stopping the job); ``shared``: as
     :func:`job_env`; ``launcher_flags``: more of odyssey-launch's own; ``cut_off``: a machine that goes silent
-    (:class:`CutOff`); the job's code is then the other machines'. A test that saves where stock cannot is skipped,
+    (:class:`CutOff`); the job's code is then the other machines'; ``partition``: two machines that stop reaching
+    each other (:class:`Partition`). A test that saves where stock cannot is skipped,
     unless it expects that refusal."""
     if not refusal_expected:
         skip_where_stock_cannot_save(megatron_lm, flags)
@@ -309,6 +325,10 @@ def run_odyssey(megatron_lm: str | Path, work: Path, flags: list[str], port: int
     space = cut_off.space if cut_off is not None else None
     if space is not None:  # (machine 0's address, as every machine reaches it)
         launch += ["--master-addr", space.ip if cut_off.node == 0 else space.host_ip]
+    routed = partition.routed if partition is not None else None
+    if routed is not None:
+        assert 0 not in partition.place, "machine 0 runs on this host, which every routed machine reaches"
+        launch += ["--master-addr", routed.machines[0].host_ip]
 
     def start(argv: list[str], console: Path, node: int | None = None) -> subprocess.Popen:
         consoles.append(console)
@@ -317,6 +337,10 @@ def run_odyssey(megatron_lm: str | Path, work: Path, flags: list[str], port: int
             inside = node == cut_off.node
             env["GLOO_SOCKET_IFNAME"] = space.link if inside else space.host_link
             argv = ["ip", "netns", "exec", space.name, *argv] if inside else argv
+        if routed is not None:
+            machine = routed.machines[partition.place[node]] if node in partition.place else None
+            env["GLOO_SOCKET_IFNAME"] = machine.link if machine else routed.machines[0].host_link
+            argv = ["ip", "netns", "exec", machine.name, *argv] if machine else argv
         with console.open("w") as out:
             return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -336,6 +360,9 @@ def run_odyssey(megatron_lm: str | Path, work: Path, flags: list[str], port: int
             for pid in space.pids() if cut_off.power_loss else []:
                 os.kill(pid, signal.SIGSTOP)
         lost = procs.pop(cut_off.node)
+    if routed is not None and _until_logged(consoles[nodes - 1], partition.iteration,
+                                            lambda: all(p.poll() is None for p in procs), deadline):
+        routed.cut(*(partition.place.get(n) for n in partition.between))
     if sigterm_after_iteration is not None and _until_logged(consoles[0], sigterm_after_iteration,
                                                              lambda: procs[0].poll() is None, deadline):
         for p in procs:
@@ -368,7 +395,7 @@ def run_odyssey(megatron_lm: str | Path, work: Path, flags: list[str], port: int
         logs += "\n[run_odyssey] the job did not end in 900 s: killed\n"
     return JobResult(124 if timed_out else max(p.returncode for p in procs), wall, logs,
                      json.loads(report.read_text()) if report.exists() else {},
-                     cut_off=cut_off_code)
+                     cut_off=cut_off_code, codes=[p.returncode for p in procs])
 
 
 def tensorboard_scalars(log_dir: str | Path) -> dict[str, dict[int, float]]:

@@ -3,6 +3,10 @@ one by a veth pair. Taking the pair's link down makes every process in it silent
 or its network is: no reset, no FIN, the packets are dropped (a SIGKILLed process's kernel closes its connections,
 so its peers learn at once; ``faults.kind=kill-machine`` is that kinder loss).
 
+:func:`routed_machines`: several such machines behind a router (a namespace of its own that forwards), so that
+the network between two of them can be cut while each still reaches the others (a partition that is not
+transitive, as a failed switch port between two racks makes): :meth:`RoutedMachines.cut`.
+
 Needs root and iproute2's ``ip`` (CI's machine has both); :class:`Unavailable` says why not otherwise."""
 from __future__ import annotations
 
@@ -82,3 +86,84 @@ def network_namespace() -> Iterator[NetworkNamespace]:
                 pass
         subprocess.run(["ip", "link", "del", host_link], capture_output=True)
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+@dataclass(frozen=True)
+class RoutedMachines:
+    """Machines (network namespaces) behind one router namespace, which this namespace (the host, where the tests'
+    other machines run) reaches too. Each machine is a :class:`NetworkNamespace` whose ``host_link`` and ``host_ip``
+    are this namespace's link and address towards the router (as the machines reach us)."""
+
+    router: str
+    machines: tuple[NetworkNamespace, ...]
+    subnets: tuple[str, ...]  # the host's /30 first, then each machine's
+
+    def cut(self, a: int | None, b: int | None) -> None:
+        """From now on nothing between machine ``a`` and machine ``b`` (None: the host) gets through, either way;
+        each still reaches every other. The router drops the packets silently, as a failed link does."""
+        for src, dst in ((a, b), (b, a)):
+            _ip("netns", "exec", self.router, "ip", "rule", "add", "from", self._subnet(src), "to", self._subnet(dst),
+                "blackhole")
+
+    def _subnet(self, machine: int | None) -> str:
+        return self.subnets[0 if machine is None else machine + 1]
+
+    def pids(self) -> list[int]:
+        return [p for m in self.machines for p in m.pids()]
+
+
+@contextmanager
+def routed_machines(count: int) -> Iterator[RoutedMachines]:
+    """``count`` machines behind a router, each on a /30 of its own (from the pid, so parallel test workers do not
+    meet; 10.100-199.x.0/24 holds up to 63); their processes are SIGKILLed and everything removed on the way out."""
+    if os.geteuid() != 0:
+        raise Unavailable("needs root (network namespaces)")
+    if shutil.which("ip") is None:
+        raise Unavailable("needs iproute2's `ip`")
+    pid = os.getpid()
+    net = f"10.{100 + (pid >> 8) % 100}.{pid & 0xff}"
+    subnets = tuple(f"{net}.{4 * k}/30" for k in range(count + 1))
+    router, host_link, router_host = f"or{pid}", f"oh{pid}", f"ot{pid}"
+    host_ip, router_ip = f"{net}.1", f"{net}.2"
+    names = [f"om{k}x{pid}" for k in range(count)]
+    made: list[str] = []
+    try:
+        for name in (router, *names):
+            _ip("netns", "add", name)
+            made.append(name)
+            _ip("netns", "exec", name, "ip", "link", "set", "lo", "up")
+        _ip("link", "add", host_link, "type", "veth", "peer", "name", router_host)
+        _ip("link", "set", router_host, "netns", router)
+        _ip("addr", "add", f"{host_ip}/30", "dev", host_link)
+        _ip("link", "set", host_link, "up")
+        _ip("netns", "exec", router, "ip", "addr", "add", f"{router_ip}/30", "dev", router_host)
+        _ip("netns", "exec", router, "ip", "link", "set", router_host, "up")
+        _ip("route", "add", f"{net}.0/24", "via", router_ip)  # (our own /30 is more specific: stays direct)
+        done = subprocess.run(["ip", "netns", "exec", router, "sh", "-c", "echo 1 > /proc/sys/net/ipv4/ip_forward"],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise Unavailable(f"the router namespace cannot forward: {done.stderr.strip()}")
+        machines = []
+        for k, name in enumerate(names, start=1):
+            gateway, ip, link, port = f"{net}.{4 * k + 1}", f"{net}.{4 * k + 2}", f"om{k}l{pid}", f"or{k}p{pid}"
+            _ip("link", "add", port, "type", "veth", "peer", "name", link)
+            _ip("link", "set", port, "netns", router)
+            _ip("link", "set", link, "netns", name)
+            _ip("netns", "exec", router, "ip", "addr", "add", f"{gateway}/30", "dev", port)
+            _ip("netns", "exec", router, "ip", "link", "set", port, "up")
+            _ip("netns", "exec", name, "ip", "addr", "add", f"{ip}/30", "dev", link)
+            _ip("netns", "exec", name, "ip", "link", "set", link, "up")
+            _ip("netns", "exec", name, "ip", "route", "add", "default", "via", gateway)
+            machines.append(NetworkNamespace(name, link, ip, host_link, host_ip))
+        yield RoutedMachines(router, tuple(machines), subnets)
+    finally:
+        for name in made:
+            for p in NetworkNamespace(name, "", "", "", "").pids():
+                try:
+                    os.kill(p, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        subprocess.run(["ip", "route", "del", f"{net}.0/24"], capture_output=True)
+        subprocess.run(["ip", "link", "del", host_link], capture_output=True)
+        for name in made:  # (a namespace's links go with it)
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)

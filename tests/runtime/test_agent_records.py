@@ -376,6 +376,60 @@ def test_a_slow_rank_dropped_as_the_others_ended_the_job_is_not_a_failure(tmp_pa
         finishing.kill()
 
 
+def test_ranks_that_no_longer_reach_one_of_them_keep_the_largest_set_that_all_do(tmp_path, capsys) -> None:
+    """Four stand-in ranks, each with its heartbeat's prober (``runtime.reachability``) ticking in a thread; nobody can
+    open a connection to rank 3 any more (its listener is gone), though it reaches the others. Where they stopped
+    together, the agent asks who reaches whom, keeps ranks 0-2, which all reach each other, and fences rank 3 (its
+    process is killed) with why; where every rank reaches every other it fences nobody and the old rule stands."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from megatron_odyssey.launch import LocalRank
+    from megatron_odyssey.runtime.agent import Agent, free_port
+    from megatron_odyssey.runtime.config import TrainConfig
+    from megatron_odyssey.runtime.reachability import Prober
+    from megatron_odyssey.testing.processes import start_sleeper
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    ranks = [start_sleeper(120.0) for _ in range(4)]
+    stop = threading.Event()
+    probers = [Prober(i, "127.0.0.1", port) for i in range(4)]
+
+    def beat(prober: Prober) -> None:  # as its heartbeat thread: its own store client, a tick a beat
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+        while not stop.is_set():
+            prober.tick(client)
+            stop.wait(0.1)
+
+    threads = [threading.Thread(target=beat, args=(p,), daemon=True) for p in probers]
+    try:
+        for t in threads:
+            t.start()
+        cfg = TrainConfig(nproc=4, tp=1, pp=2, layers=4, hidden=32, heads=4, seq=16, global_batch=4, micro_batch=1,
+                          steps=6, heartbeat_interval_s=0.2, report=str(tmp_path / "r.json"))
+        agent = Agent(cfg, None, tmp_path, procs={i: LocalRank(p) for i, p in enumerate(ranks)}, store=store)
+        time.sleep(0.5)  # (each prober said its address)
+        assert agent._partitioned("a test's ranks stopped together") == set()  # all reach all: nobody fenced
+        probers[3].listener.close()  # nobody reaches rank 3 now
+        assert agent._partitioned("ranks [2, 3] stopped inside a collective together") == {3}
+        assert ranks[3].wait(timeout=30) == -9 and all(p.poll() is None for p in ranks[:3])
+        out = capsys.readouterr().out
+        assert ("ranks [2, 3] stopped inside a collective together; asked who reaches whom: ranks [0, 1, 2] all reach "
+                "each other, and [3] do not reach all of them (a network partition that is not transitive): keeping "
+                "the 3") in out
+        assert ("rank 3 is cut off from ranks [0, 1, 2] (no connection both ways), which all reach each other: a network "
+                "partition: fencing it") in out
+        (hang,) = agent.slow_nodes.records
+        assert (hang.kind, hang.ranks) == ("comm-hang", [3])
+    finally:
+        stop.set()
+        for p in ranks:
+            p.kill()
+
+
 def test_the_agent_goes_on_without_a_standby_whose_store_is_gone(tmp_path, capsys) -> None:
     """The write-ahead to the standby's store reconnects on an error; when the standby's machine is gone
     the agent says so on the terminal and goes on without it (losing its own machine now ends the job), it

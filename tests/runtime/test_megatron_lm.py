@@ -1641,6 +1641,77 @@ def _namespace(stack: ExitStack) -> NetworkNamespace:
         pytest.skip(f"no second machine here: {why}")
 
 
+def _routed(stack: ExitStack, count: int):
+    """``count`` machines behind a router (``testing.network_namespace.routed_machines``) for the test's
+    ``ExitStack``; skipped only where they cannot be made."""
+    from megatron_odyssey.testing.network_namespace import Unavailable, routed_machines
+
+    try:
+        return stack.enter_context(routed_machines(count))
+    except Unavailable as why:
+        pytest.skip(f"no routed machines here: {why}")
+
+
+@pytest.mark.parametrize("noticed_by", ["progress", "silence"])
+def test_two_machines_that_stop_reaching_each_other(stock: dict, tmp_path: Path, noticed_by: str) -> None:
+    """Four machines of one rank each; machines 2 and 3 (the second pipeline stage's two data-parallel replicas) stop
+    reaching each other after iteration 2, while each still reaches machines 0 and 1 (the agent, the standby): a
+    partition that is not transitive, as a failed link between two racks makes. Their gradient all-reduce stops
+    inside the collective; machines 0 and 1 wait on them in Megatron's rerun check, a world all-reduce (marked as
+    communication: counted as their own work, rank 0 was fenced, then rank 1, and the job lost its first stage).
+
+    ``progress``: the connections' silence bound (``--silence-timeout``) is above the hard timeout, so every rank is
+    found stopped in communication, together. ``silence``: the defaults' order (the bound, 10 s, below the hard
+    timeout): the two ranks' connection times out, each takes the other's silence for a failure, and every rank ends
+    up waiting for a recovery no failure called for (before, the job stopped there, to restart from a checkpoint).
+    Either way the agent asks every rank whom it reaches (``runtime.reachability``), keeps machines 0, 1 and 2,
+    which all reach each other, fences rank 3, and the job trains on as stock Megatron-LM, without a takeover."""
+    from megatron_odyssey.testing.megatron_lm_job import Partition
+
+    timeouts = ["--odyssey-soft-timeout", "5", "--odyssey-hard-timeout", "10" if noticed_by == "progress" else "40"]
+    with ExitStack() as stack:
+        routed = _routed(stack, 2)
+        job = run_odyssey(MLM, tmp_path, [*ODYSSEY, *timeouts], _port({"progress": 745, "silence": 765}[noticed_by]),
+                          nodes=4, launcher_flags=("--silence-timeout", "60") if noticed_by == "progress" else (),
+                          partition=Partition(routed, {2: 0, 3: 1}, 2, (2, 3)))
+    assert job.returncode == 0, job.tail()
+    report = job.report
+    assert "asked who reaches whom: ranks [0, 1, 2] all reach each other, and [3] do not reach all of them" in job.logs
+    (failure,) = report["failures"]
+    assert failure["ranks"] == [3] and failure["step"] == 2 and report["takeovers"] == [], report["failures"]
+    assert "is cut off from ranks [2] (no connection both ways), which all reach each other" in failure["ended"]["3"], \
+        failure
+    (hang,) = [d for d in report["diagnoses"] if d["kind"] == "comm-hang"]
+    assert hang["ranks"] == [3] and "a network partition" in hang["evidence"], hang
+    assert [s["step"] for s in report["steps"]] == list(range(ITERS)) and report["steps"][-1]["alive"] == 3
+    assert same_training(job.iterations(), stock)
+
+
+def test_the_agents_machine_and_another_stop_reaching_each_other(stock: dict, tmp_path: Path) -> None:
+    """Four machines of one rank each; machine 3 stops reaching machine 0 (the agent's) after iteration 2, while both
+    still reach machines 1 (the standby's) and 2. The agent hears no more heartbeats from rank 3 and fences it, but
+    cannot reach its machine to kill it: rank 3 lives on and holds open the collectives it shares with ranks 1 and 2,
+    which it still reaches. The abort for its failure shuts every gloo connection of the survivors (before, only
+    their groups were aborted, which closes nothing in gloo: ranks 1 and 2 stayed in a collective with rank 3, were
+    fenced at the hard timeout, and the job lost its second stage). The three machines that reach each other train on
+    as stock Megatron-LM; machine 3 leaves by itself, saying why, with 1."""
+    from megatron_odyssey.testing.megatron_lm_job import Partition
+
+    with ExitStack() as stack:
+        routed = _routed(stack, 3)
+        job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--odyssey-soft-timeout", "5", "--odyssey-hard-timeout", "10"],
+                          _port(755), nodes=4, partition=Partition(routed, {1: 0, 2: 1, 3: 2}, 2, (0, 3)))
+    report = job.report
+    assert job.codes[:3] == [0, 0, 0] and report["ok"] and not report["running"], job.tail()
+    (failure,) = report["failures"]
+    assert failure["ranks"] == [3] and report["takeovers"] == [], report["failures"]
+    assert failure["ended"]["3"].startswith("was fenced (SIGKILL): missed heartbeats"), failure
+    assert [s["step"] for s in report["steps"]] == list(range(ITERS)) and report["steps"][-1]["alive"] == 3
+    assert same_training(job.iterations(), stock)
+    assert job.codes[3] == 1 and "this machine leaves the job and stops its ranks" in \
+        (tmp_path / "console3.txt").read_text(errors="replace")
+
+
 #: data parallel only: every machine holds the whole model, so a machine cut off could train on alone
 DATA_PARALLEL = [*tiny_gpt_flags_for(MLM, ITERS), "--odyssey-heartbeat-timeout", "10"] if CHECKOUT else []
 if DATA_PARALLEL:

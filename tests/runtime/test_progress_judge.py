@@ -108,6 +108,25 @@ def test_a_rank_stopped_in_its_own_work_is_fenced_with_the_time_it_stopped() -> 
     assert judged.look(beats, now, finishing=(1,)) is None and judged.words() == ""
 
 
+def test_ranks_that_all_wait_in_communication_on_each_other_are_named_as_such() -> None:
+    """Ranks 2 and 3 stopped inside the same collective, both waiting in communication, nobody in its own work (a
+    link between their machines that carries nothing, or a hang inside the collective itself), while ranks 0 and 1
+    wait on the agent for the commit: the first to stop (rank 2) is fenced at the hard timeout, and the words say
+    that the others wait too rather than that they wait on it."""
+    judged, now = Judged(soft_s=5.0, hard_s=10.0), time.time()
+    beats = {i: Beat(now, 10, WAITING, 2, "commit", now - 12, 0) for i in (0, 1)}
+    beats[2] = Beat(now, 9, COMM, 2, "grad-sync", now - 11, 0, True)
+    beats[3] = Beat(now, 9, COMM, 2, "grad-sync", now - 10.5, 0, True)
+    stall = judged.look(beats, now)
+    assert stall is not None and stall.rank == 2 and stall.waiting == [3]
+    assert stall.why == ("made no progress for 11.0 s inside step 2 (last operation: grad-sync) while its heartbeat "
+                         "went on, as did ranks [3], waiting in communication too")
+    words = judged.words()
+    assert ("rank 2 has made no progress for 11.0 s inside step 2 (last operation: grad-sync, comm); ranks [3] wait in "
+            "communication too, stopped since later: a hang inside the collective or a path between them that carries "
+            "nothing") in words and "wait on it" not in words
+
+
 def test_a_generations_first_step_is_judged_only_after_the_first_step_timeout() -> None:
     """A generation's first step connects, allocates and compiles: until it has run --first-step-timeout nobody is
     judged by progress (and judging restarts from then), after it a rank stopped in its own work is fenced as in

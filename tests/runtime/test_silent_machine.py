@@ -24,7 +24,8 @@ import torch.distributed as dist
 from megatron_odyssey.launch import LocalRank
 from megatron_odyssey.runtime.control_plane import STATE_KEY, TAKEOVER_KEY, ControlPlane, Standby, client
 from megatron_odyssey.runtime.sockets import UNACKED_S, tcp_connections
-from megatron_odyssey.testing.network_namespace import NetworkNamespace, Unavailable, network_namespace
+from megatron_odyssey.testing.network_namespace import (NetworkNamespace, RoutedMachines, Unavailable,
+                                                        network_namespace, routed_machines)
 
 SERVE = ("import sys, time, torch.distributed as d; s = d.TCPStore('0.0.0.0', int(sys.argv[1]), is_master=True, "
          "wait_for_workers=False); s.set('odyssey/config', '{}'); print('up', s.port, flush=True); time.sleep(600)")
@@ -391,3 +392,40 @@ def test_a_store_that_may_be_gone_is_asked_without_the_store_clients_retries(sil
         assert "socket.cpp" not in capfd.readouterr().err  # (c10d's connect retries: none were made)
     finally:
         server.kill()
+
+
+LISTEN = ("import socket, sys; s = socket.create_server(('0.0.0.0', int(sys.argv[1]))); print('up', flush=True); "
+          "[s.accept()[0].close() for _ in iter(int, 1)]")
+CONNECT = ("import socket, sys\ntry:\n    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=2).close(); "
+           "print('reached')\nexcept OSError as e:\n    print(type(e).__name__)")
+
+
+@pytest.fixture
+def routed() -> RoutedMachines:
+    try:
+        with routed_machines(3) as machines:
+            yield machines
+    except Unavailable as why:
+        pytest.skip(f"no routed machines here: {why}")
+
+
+def test_a_cut_between_two_routed_machines_leaves_every_other_path_open(routed: RoutedMachines) -> None:
+    """The harness of a partition that is not transitive (``testing.network_namespace.routed_machines``): after the
+    cut between machines 0 and 1, a connection between them times out (silent: no refusal), and each still reaches
+    machine 2 and this host, which reaches both."""
+    machines, port = routed, 29913
+    for m in machines.machines:  # a listener on each machine
+        server = m.popen([sys.executable, "-c", LISTEN, str(port)], stdout=subprocess.PIPE, start_new_session=True)
+        assert server.stdout.readline().strip() == b"up"
+
+    def reach(src: NetworkNamespace | None, dst: str) -> str:
+        argv = [sys.executable, "-c", CONNECT, dst, str(port)]
+        run = src.popen(argv, stdout=subprocess.PIPE) if src else subprocess.Popen(argv, stdout=subprocess.PIPE)
+        return run.communicate(timeout=30)[0].decode().strip()
+
+    m0, m1, m2 = machines.machines
+    assert reach(m0, m1.ip) == reach(None, m1.ip) == "reached"
+    machines.cut(0, 1)
+    assert reach(m0, m1.ip) == reach(m1, m0.ip) == "TimeoutError"  # silent, both ways
+    assert reach(m0, m2.ip) == reach(m1, m2.ip) == reach(None, m0.ip) == reach(None, m1.ip) == "reached"
+    assert reach(m0, m0.host_ip) == "ConnectionRefusedError"  # this host answers (nothing listens there)

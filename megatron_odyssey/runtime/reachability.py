@@ -1,0 +1,129 @@
+"""Which ranks still reach each other, asked when ranks stop together and nothing tells which one is at fault.
+
+A network can fail between two machines while each still reaches the others (a failed link or switch port between
+two racks: a partition that is not transitive). Their ranks then stop inside a collective together, each waiting in
+communication on the other (``progress_judge``: the first to stop is only a guess), or each takes the other's
+silence for a failure and waits for a recovery that no failure called for (``Agent._left_waiting``: before, the job
+stopped). Either way the agent asks every live rank which of its peers it can open a connection to, and keeps the
+largest set of ranks that all reach each other (a maximum clique of the graph of mutual reach, networkx); the rest
+are fenced and recovered from as failures. Where every rank reaches every other, the rounds' old rules stand.
+
+The ranks' side: each listens on a port of its own, at the address it reaches the agent's store from (said in the
+store, :data:`ADDRESS_KEY`); its heartbeat thread, which runs while the main thread is stuck in a collective,
+answers a round (:class:`Prober`). A probe is a TCP connection opened and closed: it tests the path between the two
+machines' addresses, not a device fabric (NCCL over InfiniBand takes another path), and costs each rank one
+connection per peer per round, made in parallel (:data:`PROBE_THREADS`) with a bound of :data:`PROBE_TIMEOUT_S`.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from .sockets import route_address
+
+ADDRESS_KEY = "odyssey/reach_at/{}"  # rank -> "ip:port" of its listener
+ASK_KEY = "odyssey/reach/ask"  # JSON {"round": id, "ranks": [...]}: each of those ranks probes the others
+ANSWER_KEY = "odyssey/reach/{}/{}"  # (round, rank) -> JSON list of the ranks it reached
+PROBE_TIMEOUT_S = 2.0
+PROBE_THREADS = 32
+
+
+class Listener(threading.Thread):
+    """Accepts probes (and closes them at once) for as long as the process lives."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True, name="odyssey-reach-listener")
+        self.sock = socket.create_server(("0.0.0.0", 0))
+        self.port = self.sock.getsockname()[1]
+
+    def run(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+                conn.close()
+            except OSError:
+                return
+
+    def close(self) -> None:
+        """Stop listening (a shutdown first: a close alone leaves the socket listening while accept waits on it)."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+def probe(addresses: dict[int, str], timeout_s: float = PROBE_TIMEOUT_S) -> list[int]:
+    """The ranks of ``addresses`` (rank -> "ip:port") a connection could be opened to within ``timeout_s``."""
+    def reaches(item: tuple[int, str]) -> int | None:
+        rank, address = item
+        host, _, port = address.rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=timeout_s).close()
+            return rank
+        except (OSError, ValueError):  # (refused, timed out, unroutable; a malformed address)
+            return None
+
+    if not addresses:
+        return []
+    with ThreadPoolExecutor(min(PROBE_THREADS, len(addresses))) as pool:
+        return sorted(r for r in pool.map(reaches, sorted(addresses.items())) if r is not None)
+
+
+class Prober:
+    """A rank's side, driven by its heartbeat thread: says its listener's address to each store it beats to, and
+    answers each round the agent asks for. The probes run in a thread of their own (the beats go on meanwhile); the
+    heartbeat thread writes the answer at its next beat (a store client is not shared between threads)."""
+
+    def __init__(self, ident: int, store_host: str, store_port: int):
+        self.ident = ident
+        self.listener = Listener()
+        self.listener.start()
+        self.address = f"{route_address(store_host, store_port)}:{self.listener.port}"
+        self.said_to: Any = None
+        self.answered: Any = None  # the last round answered
+        self.running: tuple[str, threading.Thread, list[list[int]]] | None = None
+
+    def tick(self, store: Any) -> None:
+        if store is not self.said_to:  # (a new connection: the standby's store after a takeover)
+            store.set(ADDRESS_KEY.format(self.ident), self.address)
+            self.said_to = store
+        if self.running is not None and not self.running[1].is_alive():
+            key, _, result = self.running
+            store.set(key, json.dumps(result[0] if result else []))
+            self.running = None
+        if self.running is not None or not store.check([ASK_KEY]):
+            return
+        ask = json.loads(store.get(ASK_KEY))
+        if ask["round"] == self.answered or self.ident not in ask["ranks"]:
+            return
+        self.answered = ask["round"]
+        peers = [r for r in ask["ranks"] if r != self.ident]
+        said = [ADDRESS_KEY.format(r) for r in peers]
+        known = [r for r, key in zip(peers, said) if store.check([key])]
+        addresses = dict(zip(known, (v.decode() for v in store.multi_get([ADDRESS_KEY.format(r) for r in known]))))
+        result: list[list[int]] = []
+        thread = threading.Thread(target=lambda: result.append(probe(addresses)), daemon=True,
+                                  name="odyssey-reach-probe")
+        thread.start()
+        self.running = (ANSWER_KEY.format(ask["round"], self.ident), thread, result)
+
+
+def kept(reach: dict[int, set[int]]) -> list[int]:
+    """The largest set of ranks that all reach each other both ways (ties: the one with the lowest ranks), from each
+    answering rank's reached peers; ranks that did not answer are left out."""
+    import networkx as nx
+
+    graph = nx.Graph()
+    graph.add_nodes_from(reach)
+    graph.add_edges_from((a, b) for a, peers in reach.items() for b in peers if b in reach and a in reach[b])
+    cliques = [sorted(c) for c in nx.find_cliques(graph)]
+    return min(cliques, key=lambda c: (-len(c), c)) if cliques else []
+
+
+def complete(reach: dict[int, set[int]]) -> bool:
+    """Every answering rank reaches every other both ways."""
+    return all(b in reach[a] for a in reach for b in reach if a != b)

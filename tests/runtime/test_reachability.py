@@ -1,0 +1,72 @@
+"""Who reaches whom (``runtime.reachability``): the ranks' probes over real sockets and a real store, and the set the
+agent keeps, checked against an exhaustive search on small graphs."""
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import socket
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from megatron_odyssey.runtime.agent import free_port
+from megatron_odyssey.runtime.reachability import ADDRESS_KEY, ANSWER_KEY, ASK_KEY, Prober, complete, kept, probe
+from megatron_odyssey.runtime.sockets import route_address
+
+
+def _exhaustive(reach: dict[int, set[int]]) -> list[int]:
+    """The largest set whose members all reach each other both ways; ties: the lowest ranks (sorted lists compare)."""
+    ranks = sorted(reach)
+    for size in range(len(ranks), 0, -1):
+        found = [list(c) for c in itertools.combinations(ranks, size)
+                 if all(b in reach[a] and a in reach[b] for a, b in itertools.combinations(c, 2))]
+        if found:
+            return min(found)
+    return []
+
+
+def test_the_kept_ranks_are_the_largest_set_that_all_reach_each_other() -> None:
+    # machines 2 and 3 no longer reach each other; each reaches 0 and 1: keep the lowest of the two largest sets
+    cut = {0: {1, 2, 3}, 1: {0, 2, 3}, 2: {0, 1}, 3: {0, 1}}
+    assert kept(cut) == [0, 1, 2] and not complete(cut)
+    # a reach one way only is no reach (a probe that got through, its answer that could not)
+    assert kept({0: {1, 2}, 1: {0, 2}, 2: {0}}) == [0, 1]
+    assert complete({0: {1}, 1: {0}}) and kept({0: {1}, 1: {0}}) == [0, 1]
+    rng = random.Random(7)
+    for _ in range(300):  # against every subset, on random graphs of up to 7 ranks
+        n = rng.randint(1, 7)
+        reach = {a: {b for b in range(n) if b != a and rng.random() < 0.75} for a in range(n)}
+        assert kept(reach) == _exhaustive(reach), reach
+
+
+def test_each_rank_probes_its_peers_and_answers_the_agents_round() -> None:
+    """Three ranks' probers on one real store, and a fourth rank whose address refuses (its process is gone): each of
+    the three answers that it reaches the other two, not the fourth; a rank asked nothing answers nothing."""
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    probers = [Prober(i, "127.0.0.1", port) for i in range(3)]
+    gone = socket.create_server(("127.0.0.1", 0))
+    store.set(ADDRESS_KEY.format(3), f"127.0.0.1:{gone.getsockname()[1]}")
+    gone.close()  # (nothing listens there now: refused)
+    for p in probers:
+        p.tick(store)  # says its address
+    assert route_address("127.0.0.1", port) == "127.0.0.1"
+    store.set(ASK_KEY, json.dumps({"round": 1, "ranks": [0, 1, 3]}))  # rank 2 is not asked this round
+    keys = [ANSWER_KEY.format(1, i) for i in (0, 1)]
+    for _ in range(200):
+        for p in probers:
+            p.tick(store)
+        if store.check(keys):
+            break
+        time.sleep(0.05)
+    assert [json.loads(store.get(k)) for k in keys] == [[1], [0]]  # each reaches the other, not rank 3
+    assert not store.check([ANSWER_KEY.format(1, 2)])
+    assert probe({2: probers[2].address, 3: "127.0.0.1:9"}, 1.0) == [2]  # (port 9: nothing listens)
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:notaport", "127.0.0.1:0"])
+def test_an_address_that_cannot_be_probed_is_not_reached(address: str) -> None:
+    assert probe({5: address}, 0.5) == []
