@@ -870,3 +870,40 @@ def plan_norms_worker(rank: int, world: int, store_file: str, out: str) -> None:
         torch.save(everyone, out)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def abort_shuts_gloo_worker(rank: int, port: int, out) -> None:
+    """Three gloo ranks: 0 and 1 wait in an all-reduce that rank 2, alive, never enters (as a failed rank the agent
+    could not reach to kill). Ranks 0 and 1 run Megatron's abort watcher over a stand-in of the rank's state; the
+    test sets the aborts. Results go to ``out`` as (rank, what happened, seconds after the failure abort)."""
+    import threading
+    import time
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from megatron_odyssey.megatron_lm.rank import AbortWatcher
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", store=dist.PrefixStore("world", store), rank=rank, world_size=3,
+                            timeout=timedelta(seconds=120))
+    if rank == 2:
+        store.wait(["done"])
+        return
+    runtime = SimpleNamespace(gen=0, gen_lock=threading.Lock(), backend="gloo", store_addr=("127.0.0.1", port),
+                              ident=rank)
+    AbortWatcher(runtime, "127.0.0.1", port).start()
+
+    def next_generation() -> None:  # (the test's word: the generation the failure abort is for; a client of its own)
+        dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120)).wait(["generation 1"])
+        runtime.gen = 1
+
+    threading.Thread(target=next_generation, daemon=True).start()
+    store.set(f"entered/{rank}", "1")
+    try:
+        dist.all_reduce(torch.ones(4))
+        out.put((rank, "returned", None))
+    except Exception as exc:  # noqa: BLE001 - what the shut connections raise
+        failed_at = float(store.get("failure abort at"))
+        out.put((rank, type(exc).__name__, time.time() - failed_at))
