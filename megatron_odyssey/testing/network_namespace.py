@@ -54,6 +54,22 @@ def _ip(*argv: str) -> None:
         raise Unavailable(f"`ip {' '.join(argv)}` failed: {done.stderr.strip()}")
 
 
+def _in(space: str | None, *argv: str) -> tuple[str, ...]:
+    """``ip`` arguments run in ``space`` (None: this namespace)."""
+    return ("netns", "exec", space, "ip", *argv) if space else argv
+
+
+def _joined(a: str | None, a_link: str, a_ip: str, b: str, b_link: str, b_ip: str) -> None:
+    """A veth pair between namespace ``a`` (None: this one) and ``b``, each end addressed in one /30 and up."""
+    _ip("link", "add", a_link, "type", "veth", "peer", "name", b_link)
+    if a:
+        _ip("link", "set", a_link, "netns", a)
+    _ip("link", "set", b_link, "netns", b)
+    for space, link, ip in ((a, a_link, a_ip), (b, b_link, b_ip)):
+        _ip(*_in(space, "addr", "add", f"{ip}/30", "dev", link))
+        _ip(*_in(space, "link", "set", link, "up"))
+
+
 @contextmanager
 def network_namespace() -> Iterator[NetworkNamespace]:
     """A namespace of its own per process (names and a /30 subnet from the pid, so parallel test workers do not
@@ -69,12 +85,7 @@ def network_namespace() -> Iterator[NetworkNamespace]:
     host_ip, ip = ".".join(map(str, base[:3] + [base[3] + 1])), ".".join(map(str, base[:3] + [base[3] + 2]))
     _ip("netns", "add", name)
     try:
-        _ip("link", "add", host_link, "type", "veth", "peer", "name", link)
-        _ip("link", "set", link, "netns", name)
-        _ip("addr", "add", f"{host_ip}/30", "dev", host_link)
-        _ip("link", "set", host_link, "up")
-        _ip("netns", "exec", name, "ip", "addr", "add", f"{ip}/30", "dev", link)
-        _ip("netns", "exec", name, "ip", "link", "set", link, "up")
+        _joined(None, host_link, host_ip, name, link, ip)
         _ip("netns", "exec", name, "ip", "link", "set", "lo", "up")
         yield NetworkNamespace(name, link, ip, host_link, host_ip)
     finally:
@@ -132,12 +143,7 @@ def routed_machines(count: int) -> Iterator[RoutedMachines]:
             _ip("netns", "add", name)
             made.append(name)
             _ip("netns", "exec", name, "ip", "link", "set", "lo", "up")
-        _ip("link", "add", host_link, "type", "veth", "peer", "name", router_host)
-        _ip("link", "set", router_host, "netns", router)
-        _ip("addr", "add", f"{host_ip}/30", "dev", host_link)
-        _ip("link", "set", host_link, "up")
-        _ip("netns", "exec", router, "ip", "addr", "add", f"{router_ip}/30", "dev", router_host)
-        _ip("netns", "exec", router, "ip", "link", "set", router_host, "up")
+        _joined(None, host_link, host_ip, router, router_host, router_ip)
         _ip("route", "add", f"{net}.0/24", "via", router_ip)  # (our own /30 is more specific: stays direct)
         done = subprocess.run(["ip", "netns", "exec", router, "sh", "-c", "echo 1 > /proc/sys/net/ipv4/ip_forward"],
                               capture_output=True, text=True)
@@ -146,13 +152,7 @@ def routed_machines(count: int) -> Iterator[RoutedMachines]:
         machines = []
         for k, name in enumerate(names, start=1):
             gateway, ip, link, port = f"{net}.{4 * k + 1}", f"{net}.{4 * k + 2}", f"om{k}l{pid}", f"or{k}p{pid}"
-            _ip("link", "add", port, "type", "veth", "peer", "name", link)
-            _ip("link", "set", port, "netns", router)
-            _ip("link", "set", link, "netns", name)
-            _ip("netns", "exec", router, "ip", "addr", "add", f"{gateway}/30", "dev", port)
-            _ip("netns", "exec", router, "ip", "link", "set", port, "up")
-            _ip("netns", "exec", name, "ip", "addr", "add", f"{ip}/30", "dev", link)
-            _ip("netns", "exec", name, "ip", "link", "set", link, "up")
+            _joined(router, port, gateway, name, link, ip)
             _ip("netns", "exec", name, "ip", "route", "add", "default", "via", gateway)
             machines.append(NetworkNamespace(name, link, ip, host_link, host_ip))
         yield RoutedMachines(router, tuple(machines), subnets)
