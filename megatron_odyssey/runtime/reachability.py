@@ -17,6 +17,7 @@ connection per peer per round, made in parallel (:data:`PROBE_THREADS`) with a b
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +39,9 @@ class Listener(threading.Thread):
         super().__init__(daemon=True, name="odyssey-reach-listener")
         self.sock = socket.create_server(("0.0.0.0", 0))
         self.port = self.sock.getsockname()[1]
+        # a forked child (Megatron's data-loader workers) must not keep it listening: a fenced rank would still seem
+        # reachable while a child of it lingers
+        os.register_at_fork(after_in_child=self.sock.close)
 
     def run(self) -> None:
         while True:
