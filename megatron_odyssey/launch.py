@@ -32,7 +32,6 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -310,12 +309,10 @@ def start_ranks(args: argparse.Namespace, joining: dict[str, Any] | None = None)
 
 def coordinate(args: argparse.Namespace, local: dict[int, LocalRank], termination: Termination | None = None) -> int:
     """Machine 0: host the store, wait for the job's description from rank 0, supervise."""
-    import torch.distributed as dist
-
     from .runtime.agent import Agent
+    from .runtime.control_plane import serve
 
-    store = dist.TCPStore("0.0.0.0", args.odyssey_port, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=300))
+    store = serve("0.0.0.0", args.odyssey_port, 300)
     if args.standby:
         store.set(WITNESS_KEY, str(args.witness.directory) if args.witness else "")
     world = args.nnodes * args.nproc_per_node
@@ -582,11 +579,9 @@ def standby_node(args: argparse.Namespace, local: dict[int, LocalRank], agent_st
     """Machine 1: this machine's node agent (a thread), and the standby agent, which hosts its own store,
     registers it with the agent, keeps the agent's replicated state, and takes the job over when machine 0
     is lost (the ranks of machine 0 are then seen only by their heartbeats: ``OrphanRank``)."""
-    import torch.distributed as dist
-
     from .runtime.agent import Agent, take_over
     from .runtime.config import TrainConfig
-    from .runtime.control_plane import STANDBY_KEY, ControlPlane, Standby
+    from .runtime.control_plane import STANDBY_KEY, ControlPlane, Standby, serve
     from .runtime.generation import wait_key
 
     from .runtime.sockets import route_address
@@ -601,8 +596,7 @@ def standby_node(args: argparse.Namespace, local: dict[int, LocalRank], agent_st
         agent_store.set(WITNESS_SEEN_KEY, str(why))
         print(f"[odyssey standby, node 1] {why}", file=sys.stderr, flush=True)
         return 1
-    store = dist.TCPStore("0.0.0.0", args.standby_port, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=300))
+    store = serve("0.0.0.0", args.standby_port, 300)
     agent_store.set(STANDBY_KEY, f"{host}:{args.standby_port}")
     control = ControlPlane((args.master_addr, args.odyssey_port), (host, args.standby_port), -1, wait_s=120)
     codes: list[int] = []

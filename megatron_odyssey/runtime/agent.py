@@ -54,7 +54,7 @@ from ..planning.planner import Candidate, Decision, Planner, PlannerOptions
 from ..planning.schedule import overlapped_nodes
 from ..planning.sharding import lost_units
 from .config import TrainConfig
-from .control_plane import TAKEOVER_KEY, Deposed, Replica, ReplicaLost, free_port
+from .control_plane import TAKEOVER_KEY, Deposed, Replica, ReplicaLost, free_port, serve
 from .quorum import GONE, SILENT, NoQuorum, Quorum, Witness, standby_check
 from .plan_message import checkpoint_due, encode_plan_message
 from .liveness import COMM, WAITING, Beat
@@ -87,7 +87,9 @@ def rank_start_method(cfg: TrainConfig) -> str:
 DEVICE_KEY = "odyssey/device_info"  # rank 0's measured device (odyssey train), JSON
 DEPOSED_EXIT = 3  # an agent the standby took over from leaves with this code
 STEPPED_DOWN_EXIT = 4  # an agent or standby on the smaller side of a partition leaves with this code (runtime.quorum)
-TAKEOVER_RECONNECT_S = 5.0  # after a takeover, how long a rank's heartbeat may take to reach the new agent
+# after a takeover, how long a rank's heartbeat may take to reach the new agent: its new store client costs a reverse
+# lookup of the address in c10d, where one dropped DNS packet costs the resolver's 5 s (control_plane.serve)
+TAKEOVER_RECONNECT_S = 10.0
 
 
 def preload(sleep_mode: bool) -> None:
@@ -251,8 +253,6 @@ class Agent:
         return self.supervise()
 
     def _fork_ranks(self) -> None:
-        import torch.distributed as dist
-
         method = rank_start_method(self.cfg)
         if method == "fork":
             # Fork while this process has a single thread: a child of a multi-threaded parent can
@@ -271,8 +271,7 @@ class Agent:
                                   self.echo and ident == 0))
             p.start()
             self.procs[ident] = p
-        self.store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=self.cfg.timeout_s))
+        self.store = serve("127.0.0.1", port, self.cfg.timeout_s)
         self.exits.store = self.store
         self.port = port
         publish_job(self.store, Path(self.cfg_path).read_text(), self.workdir, port)  # for ranks that join later
@@ -1762,15 +1761,12 @@ def run_agent(cfg_path: Path, workdir: Path, echo_rank0: bool = True) -> int:
 def run_standby(cfg_path: Path, workdir: Path) -> int:
     """``odyssey train --standby-agent``: a second agent process on this machine, with its own store, that
     takes over the job (and the ranks the first one forked) when the first one's process is lost."""
-    import torch.distributed as dist
-
     from .control_plane import PidRank, Standby, parse_address
 
     cfg = TrainConfig.load(cfg_path)
     control = cfg.extra["control"]
     host, port = parse_address(control["standby"])
-    store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=cfg.timeout_s))
+    store = serve(host, port, cfg.timeout_s)
     report = Path(cfg.report) if cfg.report else workdir / "report.json"
     watcher = Standby(store, parse_address(control["primary"]), report.with_suffix(".standby.steps.jsonl"),
                       takeover_after_s=float(control.get("takeover_after_s", 2.0)), same_machine=True)

@@ -99,6 +99,37 @@ def client(address: tuple[str, int], timeout_s: float) -> Any:
     return store
 
 
+def serve(host: str, port: int, timeout_s: float) -> Any:
+    """The server of a job's store (the agent's or the standby's), listening on ``host`` (an IPv4 address; "0.0.0.0":
+    every interface) at ``port``: every control store is served from here.
+
+    Why not ``TCPStore(is_master=True)`` alone: c10d then listens on a dual-stack IPv6 socket, so every peer arrives
+    as ``::ffff:a.b.c.d``, and the store's one server thread names each new connection with ``getnameinfo``, which
+    finds no such address in /etc/hosts and asks DNS. One dropped DNS packet stops that thread for the resolver's
+    5 s, and every rank's heartbeat and commit with it (measured: 200 new clients, one 5.01 s stall of a live
+    client's operations; none with an IPv4 socket). On an IPv4 socket peers arrive as ``a.b.c.d``, which /etc/hosts
+    answers for this machine's own ranks. An IPv6 ``host`` keeps c10d's own socket."""
+    import socket
+
+    import torch.distributed as dist
+
+    kw = dict(is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+    if ":" in host:
+        return dist.TCPStore(host, port, **kw)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as c10d's own: a restarted agent's port)
+        listener.bind((host, port))
+        listener.listen(socket.SOMAXCONN)
+    except OSError as exc:
+        listener.close()
+        import errno
+
+        raise OSError(exc.errno, f"the store cannot listen on {host}:{port}: "
+                                 f"{errno.errorcode.get(exc.errno or 0, 'error')} ({exc.strerror})") from exc
+    return dist.TCPStore(host, port, master_listen_fd=listener.detach(), **kw)  # (the store owns and closes it)
+
+
 def knock(address: tuple[str, int], timeout_s: float = PROBE_TIMEOUT_S) -> str:
     """How the machine at ``address`` answers a connection: "accepted"; "refused" (nothing listens there: its process
     is gone); or "silent" (no answer within ``timeout_s``, or another error: a machine gone silent gives none)."""
@@ -484,9 +515,10 @@ class ControlPlane:
         try:
             return client_if_there(self.current, timeout_s)
         except Exception:
-            if self._standby_took_over() is None:
+            moved = self._standby_took_over()  # (a client of the standby's store already: each new one costs a
+            if moved is None:                  # reverse lookup in c10d, seconds where DNS drops it; see serve)
                 raise
-            return client(self.current, timeout_s)
+            return moved
 
     def follow(self, store: Any) -> Followed | None:
         """After an error: None when ``store`` still answers (the error was not its connection's); else the store

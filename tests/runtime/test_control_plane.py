@@ -221,6 +221,49 @@ def nobody():
         yield address
 
 
+def _listening_families(port: int) -> set[str]:
+    """The socket tables (/proc/net/tcp for IPv4, tcp6 for IPv6) holding a listener on ``port``."""
+    found = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:  # (0A: LISTEN)
+                found.add(table)
+    return found
+
+
+def test_a_control_store_listens_on_ipv4_so_its_server_names_peers_without_dns():
+    """c10d's own listener is a dual-stack IPv6 socket: each peer arrives as ::ffff:a.b.c.d, which /etc/hosts never
+    names, so the store's one server thread asked DNS for every new connection and froze every client for the
+    resolver's 5 s when a packet was dropped (the takeover flake). ``serve`` listens on IPv4: a peer on this machine
+    is 127.0.0.1, which /etc/hosts names. The c10d default is checked too, so the test says if a torch release
+    changes it."""
+    from megatron_odyssey.runtime.control_plane import client, serve
+
+    port = free_port()
+    store = serve("127.0.0.1", port, 10)
+    assert _listening_families(port) == {"tcp"}
+    peer = client(("127.0.0.1", port), 5)
+    peer.set("k", "v")
+    assert store.get("k") == b"v"
+    default_port = free_port()
+    default = _master(default_port)
+    assert _listening_families(default_port) == {"tcp6"}, "c10d's own listener changed: see control_plane.serve"
+    del default
+
+
+def test_a_control_store_whose_port_is_taken_says_which_and_why():
+    import socket
+
+    from megatron_odyssey.runtime.control_plane import serve
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+        with pytest.raises(OSError, match=f"the store cannot listen on 127.0.0.1:{port}: EADDRINUSE"):
+            serve("127.0.0.1", port, 10)
+
+
 def _master(port: int):
     return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
 
