@@ -310,9 +310,9 @@ def start_ranks(args: argparse.Namespace, joining: dict[str, Any] | None = None)
 def coordinate(args: argparse.Namespace, local: dict[int, LocalRank], termination: Termination | None = None) -> int:
     """Machine 0: host the store, wait for the job's description from rank 0, supervise."""
     from .runtime.agent import Agent
-    from .runtime.control_plane import serve
+    from .runtime.control_plane import every_interface, serve
 
-    store = serve("0.0.0.0", args.odyssey_port, 300)
+    store = serve(every_interface(args.master_addr), args.odyssey_port, 300)
     if args.standby:
         store.set(WITNESS_KEY, str(args.witness.directory) if args.witness else "")
     world = args.nnodes * args.nproc_per_node
@@ -454,6 +454,8 @@ def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any
     fence = {ident: incarnation_fence_key(ident, p.pid) if getattr(args, "join", None) else FENCE_KEY.format(ident)
              for ident, p in local.items()}
     stacks = StackRequests(local)
+    if control is not None:  # (cut off from the agent's machine only: the standby's store says when they are fenced)
+        control.fences = dict(fence)
 
     def say_pids(to: Any) -> None:
         """The pids of the ranks launched with the job, for the agent's asks about them (a joining machine's ranks
@@ -581,7 +583,7 @@ def standby_node(args: argparse.Namespace, local: dict[int, LocalRank], agent_st
     is lost (the ranks of machine 0 are then seen only by their heartbeats: ``OrphanRank``)."""
     from .runtime.agent import Agent, take_over
     from .runtime.config import TrainConfig
-    from .runtime.control_plane import STANDBY_KEY, ControlPlane, Standby, serve
+    from .runtime.control_plane import STANDBY_KEY, ControlPlane, Standby, every_interface, serve
     from .runtime.generation import wait_key
 
     from .runtime.sockets import route_address
@@ -596,7 +598,7 @@ def standby_node(args: argparse.Namespace, local: dict[int, LocalRank], agent_st
         agent_store.set(WITNESS_SEEN_KEY, str(why))
         print(f"[odyssey standby, node 1] {why}", file=sys.stderr, flush=True)
         return 1
-    store = serve("0.0.0.0", args.standby_port, 300)
+    store = serve(every_interface(host), args.standby_port, 300)
     agent_store.set(STANDBY_KEY, f"{host}:{args.standby_port}")
     control = ControlPlane((args.master_addr, args.odyssey_port), (host, args.standby_port), -1, wait_s=120)
     codes: list[int] = []

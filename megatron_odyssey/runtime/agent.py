@@ -522,6 +522,9 @@ class Agent:
         if stacks:
             self.store.set(STACKS_ASKED_KEY.format(ident), why)
         self.procs[ident].kill()
+        key = getattr(self.procs[ident], "fence_key", None)  # (a rank on another machine: its node agent kills it)
+        if key is not None:  # said to the standby too: a machine that reaches only it learns there that it was dropped
+            self._to_standby(lambda replica: replica.fence(key, f"was fenced: {why}"))
         self.procs[ident].join(5)
         self.fenced.add(ident)
         self.silence.forget(ident)  # (whatever way it was fenced: its silence is over)

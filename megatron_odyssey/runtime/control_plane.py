@@ -130,6 +130,12 @@ def serve(host: str, port: int, timeout_s: float) -> Any:
     return dist.TCPStore(host, port, master_listen_fd=listener.detach(), **kw)  # (the store owns and closes it)
 
 
+def every_interface(address: str) -> str:
+    """Where a store that peers reach at ``address`` listens: every interface of its family ("::" for an IPv6
+    address, which :func:`serve` leaves to c10d's own listener; a host name is taken for an IPv4 one)."""
+    return "::" if ":" in address else "0.0.0.0"
+
+
 def knock(address: tuple[str, int], timeout_s: float = PROBE_TIMEOUT_S) -> str:
     """How the machine at ``address`` answers a connection: "accepted"; "refused" (nothing listens there: its process
     is gone); or "silent" (no answer within ``timeout_s``, or another error: a machine gone silent gives none)."""
@@ -153,6 +159,11 @@ def client_if_there(address: tuple[str, int], timeout_s: float = PROBE_TIMEOUT_S
         raise NotThere(answer, f"{address[0]}:{address[1]} " + ("refuses the connection" if answer == "refused"
                                                                 else "does not answer"))
     return client(address, timeout_s)
+
+
+class Dropped(ConnectionError):
+    """The agent does not answer this machine, but the standby's store says that the job dropped every rank of it:
+    it is cut off from the agent's machine only, and waiting for it would only keep its ranks for nothing."""
 
 
 class NotThere(ConnectionError):
@@ -202,6 +213,12 @@ class Replica:
     def drop(self, spec: dict[str, Any] | None) -> None:
         """The drop waiting or being fenced now (``Agent._pending_drop_json``), or None."""
         self.store.set(DROP_KEY, json.dumps(spec))
+        self._round_trip()
+
+    def fence(self, key: str, why: str) -> None:
+        """A rank on another machine was fenced (``key``: the fence key its node agent watches): said here too, for a
+        machine cut off from the agent's only, whose node agent reaches this store alone (``ControlPlane.fences``)."""
+        self.store.set(key, why)
         self._round_trip()
 
     def _round_trip(self) -> None:
@@ -497,6 +514,9 @@ class ControlPlane:
         self.lost_after_s = lost_after_s  # the job has dropped a machine that heard nobody this long (judged_lost_after)
         self.moved = False  # the standby took over: fence keys are watched from now on
         self.lock = threading.Lock()
+        #: a machine's node agent: its ranks' fence keys. The agent says each fence in the standby's store too
+        #: (``Replica.fence``), so a machine that reaches only the standby learns there that the job dropped it
+        self.fences: dict[int, str] = {}
 
     @classmethod
     def from_env(cls, primary: tuple[str, int], ident: int, store: Any, wait_s: float,
@@ -586,9 +606,12 @@ class ControlPlane:
         try:
             standby = client_if_there(self.standby)
             if not standby.check([TAKEOVER_KEY]):
+                self._dropped(standby)
                 return None, "accepted"
         except NotThere as gone:  # the standby is not there either (yet)
             return None, gone.answer
+        except Dropped:
+            raise
         except Exception:  # noqa: BLE001 - its machine accepted, its store did not answer (yet)
             return None, "accepted"
         with self.lock:
@@ -597,6 +620,18 @@ class ControlPlane:
                       f"{self.standby[0]}:{self.standby[1]} took over", file=sys.stderr, flush=True)
             self.current, self.moved = self.standby, True
         return standby, "accepted"
+
+    def _dropped(self, standby: Any) -> None:
+        """Raises :class:`Dropped` where the agent fenced every rank of this machine (said in the standby's store)."""
+        keys = list(self.fences.values())
+        if not keys or not standby.check(keys):
+            return
+        first = min(self.fences)
+        why = standby.get(self.fences[first]).decode(errors="replace")
+        raise Dropped(f"the agent's store {self.current[0]}:{self.current[1]} does not answer this machine, and the "
+                      f"standby's store {self.standby[0]}:{self.standby[1]} says that the agent fenced its ranks "
+                      f"{sorted(self.fences)} (rank {first} {why}): this machine is cut off from the "
+                      f"agent's, and the job goes on without it")
 
     def fenced(self, store: Any) -> bool:
         """After a takeover: the agent asked this rank (whose launcher may be gone) to leave."""

@@ -232,6 +232,7 @@ class Heartbeat(StoreThread):
         super().__init__(host, port, ident, interval_s, **kw)
         self.key, self.progress, self.control = f"odyssey/hb/{ident}", progress or Progress(), control
         self.last_beat: float | None = None  # time.monotonic() of the last beat sent
+        self.retries_at_beat = 0  # store errors before it
         self.writers = SaveWriters()
         from .reachability import Prober
 
@@ -242,8 +243,10 @@ class Heartbeat(StoreThread):
         self.writers.check(self.progress, store, self.rank)
         self.prober.tick(store)
         now = time.monotonic()
-        late = now - self.last_beat - self.interval_s if self.last_beat is not None else 0.0
-        self.last_beat = now
+        # (a beat after a store error is late by the time it took to reach a store again, said already)
+        late = now - self.last_beat - self.interval_s if self.last_beat is not None and \
+            self.retries == self.retries_at_beat else 0.0
+        self.last_beat, self.retries_at_beat = now, self.retries
         if late > max(1.0, 5 * self.interval_s):  # (the agent may have taken the silence for a hang: say why)
             self.say(f"this beat is {late:.1f} s late: the process got no CPU time, its main thread held the GIL, or "
                      f"the store answered slowly (the main thread is now at {main_thread_place()})")

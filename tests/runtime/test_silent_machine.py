@@ -22,7 +22,7 @@ import pytest
 import torch.distributed as dist
 
 from megatron_odyssey.launch import LocalRank
-from megatron_odyssey.runtime.control_plane import STATE_KEY, TAKEOVER_KEY, ControlPlane, Standby, client
+from megatron_odyssey.runtime.control_plane import STATE_KEY, TAKEOVER_KEY, ControlPlane, Standby, client, free_port
 from megatron_odyssey.runtime.sockets import UNACKED_S, tcp_connections
 from megatron_odyssey.testing.network_namespace import (NetworkNamespace, RoutedMachines, Unavailable,
                                                         network_namespace, routed_machines)
@@ -254,6 +254,40 @@ def test_a_launcher_that_reaches_neither_agent_leaves_once_the_job_has_dropped_i
         rank.kill()
         agent_server.kill()
         standby_server.kill()
+
+
+def test_a_launcher_cut_off_from_the_agent_only_leaves_once_the_standby_says_its_ranks_were_fenced(
+        silent: NetworkNamespace, tmp_path: Path) -> None:
+    """This machine stops reaching the agent's machine (here the agent's store is in the silent one) but still reaches
+    the standby's, which does not take over (it reaches the agent). The agent fences this machine's rank and says so
+    in the standby's store too (``Replica.fence``): the launcher, which reaches only the standby, learns there that
+    the job dropped its ranks and leaves with that reason. Before, the standby's answers kept it waiting for a
+    takeover that would never come, up to the control plane's 120 s, then it left saying it was cut off from both."""
+    from megatron_odyssey.runtime.control_plane import FENCE_KEY, Dropped, Replica, serve
+
+    server, agent = _store_in(silent)
+    port = free_port()
+    standby_store = serve("0.0.0.0", port, 30)
+    standby = (silent.host_ip, port)  # (as the agent's machine reaches it: this machine does too)
+    rank = _idle_rank()
+    try:
+        node, failed = _launcher(tmp_path, rank, agent, ControlPlane(agent, standby, -1, 120, lost_after_s=600))
+        time.sleep(1.0)
+        silent.cut()
+        node.join(UNACKED_S + SLACK_S)  # its connection to the agent broke: it follows, the standby answering
+        assert node.is_alive() and not failed, failed  # (no fence said yet: a takeover may still come)
+        Replica(("127.0.0.1", port)).fence(FENCE_KEY.format(5), "was fenced: missed heartbeats for 10.0 s")
+        fenced = time.monotonic()
+        node.join(10)
+        assert failed and isinstance(failed[0], Dropped), failed
+        assert (f"the agent's store {agent[0]}:{agent[1]} does not answer this machine, and the standby's store "
+                f"{standby[0]}:{standby[1]} says that the agent fenced its ranks [5] (rank 5 was fenced: missed "
+                f"heartbeats for 10.0 s): this machine is cut off from the agent's") in str(failed[0]), failed[0]
+        assert time.monotonic() - fenced < 5  # (not the 120 s, nor the 600 s)
+        assert not standby_store.check([TAKEOVER_KEY])
+    finally:
+        rank.kill()
+        server.kill()
 
 
 def test_a_launcher_whose_agent_and_standby_are_both_gone_says_so_at_once(tmp_path: Path) -> None:
