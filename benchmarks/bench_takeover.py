@@ -36,7 +36,7 @@ NOTE = ("On one machine (`odyssey train --standby-agent`) the standby sees the a
         "until the agent's store has not answered for 2 s. *kill-agent* loses no rank: every rank moves its store "
         "client to the standby, the step in flight is redone, and the same layout is rebuilt on new groups. "
         "*kill-with-agent* also loses rank 0, found dead by its exit (on one machine) or its silent heartbeat (across "
-        "machines: `--odyssey-heartbeat-timeout` + 5 s). Each run's parameters and losses equal a fault-free run's "
+        "machines: `--odyssey-heartbeat-timeout` + 10 s). Each run's parameters and losses equal a fault-free run's "
         "(tests/runtime/test_control_plane.py); the write-ahead costs one store round trip per step, lost in the "
         "noise here.")
 MODEL = dict(nproc=6, pp=2, layers=6, hidden=32, heads=4, seq=16, global_batch=12, micro_batch=1, seed=11)

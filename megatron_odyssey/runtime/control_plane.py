@@ -514,6 +514,7 @@ class ControlPlane:
         self.lost_after_s = lost_after_s  # the job has dropped a machine that heard nobody this long (judged_lost_after)
         self.moved = False  # the standby took over: fence keys are watched from now on
         self.lock = threading.Lock()
+        self.asking = threading.local()  # each thread's client of the standby's store while it asks (not shared)
         #: a machine's node agent: its ranks' fence keys. The agent says each fence in the standby's store too
         #: (``Replica.fence``), so a machine that reaches only the standby learns there that the job dropped it
         self.fences: dict[int, str] = {}
@@ -603,8 +604,12 @@ class ControlPlane:
         """The standby's store once it has taken over (else None), and how its machine answered (:func:`knock`)."""
         if self.standby is None:
             return None, "refused"
+        # one client per thread while it asks (every 0.1 s until the takeover): a new client per ask costs a reverse
+        # lookup in c10d, and many of them a DNS packet dropped, 5 s of this thread (see serve)
+        standby = getattr(self.asking, "standby", None)
         try:
-            standby = client_if_there(self.standby)
+            if standby is None:
+                standby = self.asking.standby = client_if_there(self.standby)
             if not standby.check([TAKEOVER_KEY]):
                 self._dropped(standby)
                 return None, "accepted"
@@ -613,7 +618,9 @@ class ControlPlane:
         except Dropped:
             raise
         except Exception:  # noqa: BLE001 - its machine accepted, its store did not answer (yet)
+            self.asking.standby = None
             return None, "accepted"
+        self.asking.standby = None  # (it is the caller's store now)
         with self.lock:
             if self.current != self.standby:
                 print(f"[odyssey rank {self.ident}] the agent is lost; the standby agent at "
