@@ -70,6 +70,25 @@ def _joined(a: str | None, a_link: str, a_ip: str, b: str, b_link: str, b_ip: st
         _ip(*_in(space, "link", "set", link, "up"))
 
 
+def _name_addresses(spaces: list[str], addresses: list[str]) -> None:
+    """Each namespace's own /etc/hosts (``ip netns exec`` mounts /etc/netns/NAME/hosts over it) names every address
+    of the lab, IPv4-mapped too (c10d's sockets are IPv6), and the loopback: a store names each connection's peer
+    (``getnameinfo``), and DNS, which is not reachable from inside, would cost 5 s a name, in the store's one server
+    thread too, where a real machine's DNS answers at once."""
+    lines = ["127.0.0.1 localhost", "::1 localhost", "::ffff:127.0.0.1 localhost"]
+    for k, address in enumerate(addresses):
+        lines += [f"{address} odyssey-lab-{k}", f"::ffff:{address} odyssey-lab-{k}"]
+    for space in spaces:
+        os.makedirs(f"/etc/netns/{space}", exist_ok=True)
+        with open(f"/etc/netns/{space}/hosts", "w") as hosts:
+            hosts.write("\n".join(lines) + "\n")
+
+
+def _unname(spaces: list[str]) -> None:
+    for space in spaces:
+        shutil.rmtree(f"/etc/netns/{space}", ignore_errors=True)
+
+
 @contextmanager
 def network_namespace() -> Iterator[NetworkNamespace]:
     """A namespace of its own per process (names and a /30 subnet from the pid, so parallel test workers do not
@@ -87,8 +106,10 @@ def network_namespace() -> Iterator[NetworkNamespace]:
     try:
         _joined(None, host_link, host_ip, name, link, ip)
         _ip("netns", "exec", name, "ip", "link", "set", "lo", "up")
+        _name_addresses([name], [host_ip, ip])
         yield NetworkNamespace(name, link, ip, host_link, host_ip)
     finally:
+        _unname([name])
         space = NetworkNamespace(name, link, ip, host_link, host_ip)
         for p in space.pids():
             try:
@@ -155,8 +176,10 @@ def routed_machines(count: int) -> Iterator[RoutedMachines]:
             _joined(router, port, gateway, name, link, ip)
             _ip("netns", "exec", name, "ip", "route", "add", "default", "via", gateway)
             machines.append(NetworkNamespace(name, link, ip, host_link, host_ip))
+        _name_addresses(made, [host_ip, router_ip, *(f"{net}.{4 * k + j}" for k in range(1, count + 1) for j in (1, 2))])
         yield RoutedMachines(router, tuple(machines), subnets)
     finally:
+        _unname(made)
         for name in made:
             for p in NetworkNamespace(name, "", "", "", "").pids():
                 try:

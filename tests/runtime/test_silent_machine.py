@@ -463,3 +463,23 @@ def test_a_cut_between_two_routed_machines_leaves_every_other_path_open(routed: 
     assert reach(m0, m1.ip) == reach(m1, m0.ip) == "TimeoutError"  # silent, both ways
     assert reach(m0, m2.ip) == reach(m1, m2.ip) == reach(None, m0.ip) == reach(None, m1.ip) == "reached"
     assert reach(m0, m0.host_ip) == "ConnectionRefusedError"  # this host answers (nothing listens there)
+
+
+NAME = ("import socket, sys, time\n"
+        "for address in sys.argv[1:]:\n"
+        "    t = time.monotonic()\n"
+        "    name = socket.getnameinfo((address, 1, 0, 0) if ':' in address else (address, 1), 0)[0]\n"
+        "    print(address, name, round(time.monotonic() - t, 3))\n")
+
+
+def test_a_routed_machine_names_every_lab_address_without_dns(routed: RoutedMachines) -> None:
+    """Inside the lab's machines DNS cannot be reached, and each reverse lookup cost 5 s: every store connection made
+    there (c10d names each peer, in the server's one thread too) waited for it. Each machine's own /etc/hosts names
+    the lab's addresses, IPv4-mapped ones too, and the loopback."""
+    m0, m1, _ = routed.machines
+    addresses = [m1.ip, f"::ffff:{m1.ip}", m0.host_ip, "127.0.0.1", "::ffff:127.0.0.1"]
+    said = m0.popen([sys.executable, "-c", NAME, *addresses], stdout=subprocess.PIPE).communicate(timeout=60)[0]
+    rows = [line.split() for line in said.decode().splitlines()]
+    assert [r[0] for r in rows] == addresses
+    assert all(r[1].startswith("odyssey-lab-") or r[1] == "localhost" for r in rows), rows
+    assert max(float(r[2]) for r in rows) < 1.0, rows
