@@ -75,7 +75,8 @@ def _name_addresses(spaces: list[str], addresses: list[str]) -> None:
     of the lab, IPv4-mapped too (c10d's sockets are IPv6), and the loopback: a store names each connection's peer
     (``getnameinfo``), and DNS, which is not reachable from inside, would cost 5 s a name, in the store's one server
     thread too, where a real machine's DNS answers at once."""
-    lines = ["127.0.0.1 localhost", "::1 localhost", "::ffff:127.0.0.1 localhost"]
+    lines = ["127.0.0.1 localhost", "::1 localhost", "::ffff:127.0.0.1 localhost",
+             "0.0.0.0 odyssey-lab-any"]  # (a store listening on every interface names it too; glibc names "::" itself)
     for k, address in enumerate(addresses):
         lines += [f"{address} odyssey-lab-{k}", f"::ffff:{address} odyssey-lab-{k}"]
     for space in spaces:

@@ -477,7 +477,7 @@ def test_a_routed_machine_names_every_lab_address_without_dns(routed: RoutedMach
     there (c10d names each peer, in the server's one thread too) waited for it. Each machine's own /etc/hosts names
     the lab's addresses, IPv4-mapped ones too, and the loopback."""
     m0, m1, _ = routed.machines
-    addresses = [m1.ip, f"::ffff:{m1.ip}", m0.host_ip, "127.0.0.1", "::ffff:127.0.0.1"]
+    addresses = [m1.ip, f"::ffff:{m1.ip}", m0.host_ip, "127.0.0.1", "::ffff:127.0.0.1", "0.0.0.0"]
     said = m0.popen([sys.executable, "-c", NAME, *addresses], stdout=subprocess.PIPE).communicate(timeout=60)[0]
     rows = [line.split() for line in said.decode().splitlines()]
     assert [r[0] for r in rows] == addresses
