@@ -214,6 +214,10 @@ class Agent:
         self.pending_drop: PendingDrop | None = None  # a drop decided, waiting for the others inside the next step
         self.reach_round = 0  # rounds of runtime.reachability asked so far
         self.reach_asked: set[tuple[int, tuple[int, ...]]] = set()  # (generation, waiting ranks) a round was asked for
+        # the members every other member has waited for to join this generation, and since when (_not_joining)
+        self.joining_late: tuple[int, tuple[int, ...], float] | None = None
+        self.joining_named: set[tuple[int, int]] = set()  # (generation, rank) named at the soft timeout
+        self.joining_looked = 0.0
         self.drop_on_standby = False  # the standby's copy names a drop (waiting, or being fenced)
         self.fence_on_takeover: list[int] = []  # a standby's: the lost agent was fencing these dropped ranks
 
@@ -426,8 +430,49 @@ class Agent:
             self.silent_since[stall.rank] = stall.since
             self._fence(stall.rank, f"{stall.why} ({stall.bound})", stacks=True)
             out.add(stall.rank)
+        if not out and not done:
+            out |= self._not_joining(now)
         if supervising and not out and not done:
             out |= self._left_waiting(now)
+        return out
+
+    def _not_joining(self, now: float) -> set[int]:
+        """Members that have not joined a new generation that every other member has joined, and that have made no
+        progress for ``--hard-timeout`` since (named with their stacks at the soft one): fenced, and the job recovers
+        without them. The others wait for them alone; the judge of steps does not see a rank inside a recovery, and
+        the generation's first step is judged only after ``--first-step-timeout``, long after each waiting rank
+        would have given up on the generation's start and failed as if on an error of its own (seen on
+        core_r0.14.0: a rank that said "recovering" and never joined, with overlapped gradient reduction)."""
+        if self.started_gen or self.gen == 0 or self.store is None:
+            self.joining_late = None
+            return set()
+        if now - self.joining_looked < self.cfg.heartbeat_interval_s / 2:  # (a store check per member: not every loop)
+            return set()
+        self.joining_looked = now
+        live = [i for i in self.members() if i not in self.dead]
+        missing = tuple(i for i in live if not self.store.check([f"{self.key('join')}/{i}"]))
+        if not missing or len(missing) == len(live):
+            self.joining_late = None
+            return set()
+        if self.joining_late is None or self.joining_late[:2] != (self.gen, missing):
+            self.joining_late = (self.gen, missing, now)
+        since = self.joining_late[2]
+        out = set()
+        for ident in missing:
+            beat = self.beats.get(ident)
+            stopped = now - max(beat.since if beat is not None else since, since)
+            at = f" (last operation: {beat.phase or '-'} of step {beat.step}, {beat.state})" if beat else ""
+            why = (f"has not joined generation {self.gen}, which every other member has joined, and has made no "
+                   f"progress for {stopped:.1f} s{at}")
+            if stopped >= self.cfg.soft_timeout_s and (self.gen, ident) not in self.joining_named:
+                self.joining_named.add((self.gen, ident))
+                self.log(f"rank {ident} {why}; its stacks are dumped to its log; fenced after --hard-timeout "
+                         f"{self.cfg.hard_timeout_s:g} s")
+                self._dump_stacks(ident)
+            if stopped >= self.cfg.hard_timeout_s:
+                self.slow_nodes.hang(self.next_step, [ident], "hang", f"rank {ident} {why}")
+                self._fence(ident, f"{why} (--hard-timeout {self.cfg.hard_timeout_s:g} s)", stacks=True)
+                out.add(ident)
         return out
 
     def _left_waiting(self, now: float) -> set[int]:

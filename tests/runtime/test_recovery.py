@@ -3,9 +3,11 @@ fault-free run (issue 5 acceptance). Every case trains 6 ranks (PP=2 x DP=3, or 
 and compares the saved parameters with an independent single-process reference."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
-from recovery_job import assert_exact, reference_run, run
+from recovery_job import assert_exact, failure_story, reference_run, run
 
 
 @pytest.fixture
@@ -92,6 +94,25 @@ def test_second_failure_during_recovery(reference, tmp_path):
     assert_exact(reference, params, report)
     assert sorted(r for f in report["failures"] for r in f["ranks"]) == [1, 5]
     assert report["steps"][-1]["alive"] == 4
+
+
+def test_a_rank_stuck_in_its_recovery_is_fenced_once_every_other_has_joined(reference, tmp_path):
+    """Rank 1 registers for the recovery from rank 5's death, then stops for good, its heartbeat beating on (its main
+    thread blocks; seen on Megatron-LM core_r0.14.0 as a rank that said "recovering" and never joined). Every other
+    member joins the next generation and waits for it to start. Before, nothing judged a rank inside a recovery: the
+    others waited out their own wait for the start (--timeout), each then failed with "generation 1 never started"
+    as if on an error of its own, and the job stopped as on a deterministic error. Now the agent names rank 1 at the
+    soft timeout, fences it at the hard one, and the job recovers without it, exactly."""
+    started = time.monotonic()
+    params, report = run(tmp_path, ["step=1,rank=5,phase=backward,kind=kill", "step=1,rank=1,phase=recovery,kind=block"],
+                         soft_timeout_s=3.0, hard_timeout_s=6.0)
+    assert_exact(reference, params, report)
+    assert sorted(r for f in report["failures"] for r in f["ranks"]) == [1, 5], failure_story(report)
+    (stuck,) = [d for d in report["diagnoses"] if d["ranks"] == [1]]
+    assert stuck["kind"] == "hang" and "has not joined generation 1, which every other member has joined" in \
+        stuck["evidence"], stuck
+    assert report["steps"][-1]["alive"] == 4
+    assert time.monotonic() - started < 100  # (not the ranks' 120 s wait for the start)
 
 
 def test_death_of_global_rank_0(reference, tmp_path):
