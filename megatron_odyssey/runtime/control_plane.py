@@ -107,8 +107,9 @@ def serve(host: str, port: int, timeout_s: float) -> Any:
     as ``::ffff:a.b.c.d``, and the store's one server thread names each new connection with ``getnameinfo``, which
     finds no such address in /etc/hosts and asks DNS. One dropped DNS packet stops that thread for the resolver's
     5 s, and every rank's heartbeat and commit with it (``benchmarks/bench_store_stalls.py``: while 500 new clients
-    connected, a live client's operations stopped 9 times for 5.01 s; none with an IPv4 socket). On an IPv4 socket peers arrive as ``a.b.c.d``, which /etc/hosts
-    answers for this machine's own ranks. An IPv6 ``host`` keeps c10d's own socket."""
+    connected, a live client's operations stopped 9 times for 5.01 s; none with an IPv4 socket). On an IPv4 socket
+    peers arrive as ``a.b.c.d``, which /etc/hosts answers for this machine's own ranks. An IPv6 ``host`` keeps c10d's
+    own socket."""
     import errno
     import socket
 

@@ -171,13 +171,14 @@ def routed_machines(count: int) -> Iterator[RoutedMachines]:
                               capture_output=True, text=True)
         if done.returncode != 0:
             raise Unavailable(f"the router namespace cannot forward: {done.stderr.strip()}")
-        machines = []
+        machines, addresses = [], [host_ip, router_ip]
         for k, name in enumerate(names, start=1):
             gateway, ip, link, port = f"{net}.{4 * k + 1}", f"{net}.{4 * k + 2}", f"om{k}l{pid}", f"or{k}p{pid}"
             _joined(router, port, gateway, name, link, ip)
             _ip("netns", "exec", name, "ip", "route", "add", "default", "via", gateway)
             machines.append(NetworkNamespace(name, link, ip, host_link, host_ip))
-        _name_addresses(made, [host_ip, router_ip, *(f"{net}.{4 * k + j}" for k in range(1, count + 1) for j in (1, 2))])
+            addresses += [gateway, ip]
+        _name_addresses(made, addresses)
         yield RoutedMachines(router, tuple(machines), subnets)
     finally:
         _unname(made)
