@@ -460,7 +460,7 @@ class Agent:
         out = set()
         for ident in missing:
             beat = self.beats.get(ident)
-            stopped = now - max(beat.since if beat is not None else since, since)
+            stopped = now - (since if beat is None else max(beat.since, since))
             at = f" (last operation: {beat.phase or '-'} of step {beat.step}, {beat.state})" if beat else ""
             why = (f"has not joined generation {self.gen}, which every other member has joined, and has made no "
                    f"progress for {stopped:.1f} s{at}")

@@ -104,8 +104,8 @@ def test_a_rank_stuck_in_its_recovery_is_fenced_once_every_other_has_joined(refe
     as if on an error of its own, and the job stopped as on a deterministic error. Now the agent names rank 1 at the
     soft timeout, fences it at the hard one, and the job recovers without it, exactly."""
     started = time.monotonic()
-    params, report = run(tmp_path, ["step=1,rank=5,phase=backward,kind=kill", "step=1,rank=1,phase=recovery,kind=block"],
-                         soft_timeout_s=3.0, hard_timeout_s=6.0)
+    fail = ["step=1,rank=5,phase=backward,kind=kill", "step=1,rank=1,phase=recovery,kind=block"]
+    params, report = run(tmp_path, fail, soft_timeout_s=3.0, hard_timeout_s=6.0)
     assert_exact(reference, params, report)
     assert sorted(r for f in report["failures"] for r in f["ranks"]) == [1, 5], failure_story(report)
     (stuck,) = [d for d in report["diagnoses"] if d["ranks"] == [1]]
