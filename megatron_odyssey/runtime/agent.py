@@ -519,39 +519,50 @@ class Agent:
         return set(left)
 
     def _partitioned(self, seen: str) -> set[int]:
-        """Where ranks stopped together (``seen``), ask every live rank which peers it reaches
-        (``runtime.reachability``); if some no longer reach each other, fence every rank outside the largest set that
-        all do, and return them (empty: every rank reaches every other, or too few answered to tell)."""
-        reach = self._reach_round([i for i in self.members() if i not in self.dead])
+        """Where ranks stopped together (``seen``), ask which machines each live rank's machine reaches
+        (``runtime.reachability``); if some no longer reach each other, fence every rank outside the largest set of
+        machines that all do, and return them (empty: every machine reaches every other, or too few answered)."""
+        members, reach = self._reach_round([i for i in self.members() if i not in self.dead])
         if len(reach) < 2 or reachability.complete(reach):
             return set()
-        keep = reachability.kept(reach)
-        cut = sorted(i for i in reach if i not in keep)
+        kept_machines = reachability.kept(reach, members)
+        keep = sorted(r for m in kept_machines for r in members[m])
+        cut = sorted(r for m in reach if m not in kept_machines for r in members[m])
         self.log(f"{seen}; asked who reaches whom: ranks {keep} all reach each other, and {cut} do not reach all of "
                  f"them (a network partition that is not transitive): keeping the {len(keep)}")
-        for ident in cut:
-            unreached = sorted(k for k in keep if k not in reach[ident] or ident not in reach[k])
-            why = f"is cut off from ranks {unreached} (no connection both ways), which all reach each other: a network " \
-                  f"partition"
-            self.slow_nodes.hang(self.next_step, [ident], "comm-hang", f"rank {ident} {why}")
-            self._fence(ident, why)
+        for machine in (m for m in sorted(reach) if m not in kept_machines):
+            unreached = sorted(r for k in kept_machines if k not in reach[machine] or machine not in reach[k]
+                               for r in members[k])
+            for ident in members[machine]:
+                why = f"is cut off from ranks {unreached} (no connection both ways), which all reach each other: a " \
+                      f"network partition"
+                self.slow_nodes.hang(self.next_step, [ident], "comm-hang", f"rank {ident} {why}")
+                self._fence(ident, why)
         return set(cut)
 
-    def _reach_round(self, ranks: list[int]) -> dict[int, set[int]]:
-        """One round of ``reachability``: each rank's reached peers, from those that answered in time (their heartbeat
-        thread answers, whatever the main thread is stuck in). Only ranks that said where they listen are asked."""
+    def _reach_round(self, ranks: list[int]) -> tuple[dict[int, list[int]], dict[int, set[int]]]:
+        """One round of ``reachability``: the machines of ``ranks`` (a machine's first rank -> its ranks) and each
+        machine's reached machines, from those that answered in time. One rank per machine is asked, its first
+        whose heartbeat is fresh (that thread answers, whatever the main thread is stuck in); only ranks that said
+        where they listen count."""
         ranks = [i for i in ranks if self.store.check([reachability.ADDRESS_KEY.format(i)])]
-        if len(ranks) < 2:
-            return {}
+        addresses = dict(zip(ranks, (v.decode() for v in self.store.multi_get(
+            [reachability.ADDRESS_KEY.format(i) for i in ranks])))) if ranks else {}
+        members = reachability.machines(addresses)
+        if len(members) < 2:
+            return members, {}
+        now = time.time()
+        voice = {next((i for i in group if not self._stale(i, now)), group[0]): m for m, group in members.items()}
         self.reach_round += 1
         round_id = f"{os.getpid()}-{self.reach_round}"  # (a standby's rounds are not a lost agent's)
-        keys = [reachability.ANSWER_KEY.format(round_id, i) for i in ranks]
-        self.store.set(reachability.ASK_KEY, json.dumps({"round": round_id, "ranks": ranks}))
-        rounds = 1 + len(ranks) // reachability.PROBE_THREADS
+        keys = {i: reachability.ANSWER_KEY.format(round_id, i) for i in voice}
+        self.store.set(reachability.ASK_KEY, json.dumps({"round": round_id, "ranks": sorted(voice)}))
+        rounds = 1 + len(voice) // reachability.PROBE_THREADS
         deadline = time.time() + rounds * reachability.PROBE_TIMEOUT_S + 3 * self.cfg.heartbeat_interval_s + 2.0
-        while time.time() < deadline and not self.store.check(keys):
+        while time.time() < deadline and not self.store.check(list(keys.values())):
             time.sleep(0.05)
-        return {i: set(json.loads(self.store.get(k))) for i, k in zip(ranks, keys) if self.store.check([k])}
+        return members, {voice[i]: {voice[r] for r in json.loads(self.store.get(k)) if r in voice}
+                         for i, k in keys.items() if self.store.check([k])}
 
     def _stamp_diagnoses(self) -> None:
         """When each new diagnosis was made, on the report's clock."""

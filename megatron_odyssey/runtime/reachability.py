@@ -4,15 +4,21 @@ A network can fail between two machines while each still reaches the others (a f
 two racks: a partition that is not transitive). Their ranks then stop inside a collective together, each waiting in
 communication on the other (``progress_judge``: the first to stop is only a guess), or each takes the other's
 silence for a failure and waits for a recovery that no failure called for (``Agent._left_waiting``: before, the job
-stopped). Either way the agent asks every live rank which of its peers it can open a connection to, and keeps the
-largest set of ranks that all reach each other (a maximum clique of the graph of mutual reach, networkx); the rest
-are fenced and recovered from as failures. Where every rank reaches every other, the rounds' old rules stand.
+stopped). Either way the agent asks which machines reach each other, and keeps the largest set of ranks whose
+machines all reach each other (a maximum clique of the graph of mutual reach, networkx, each machine weighed by its
+ranks); the rest are fenced and recovered from as failures. Where every machine reaches every other, the rounds' old
+rules stand.
 
-The ranks' side: each listens on a port of its own, at the address it reaches the agent's store from (said in the
-store, :data:`ADDRESS_KEY`); its heartbeat thread, which runs while the main thread is stuck in a collective,
-answers a round (:class:`Prober`). A probe is a TCP connection opened and closed: it tests the path between the two
-machines' addresses, not a device fabric (NCCL over InfiniBand takes another path), and costs each rank one
-connection per peer per round, made in parallel (:data:`PROBE_THREADS`) with a bound of :data:`PROBE_TIMEOUT_S`.
+Machines, not ranks: the ranks of one machine share its network path, so one rank per machine probes one address
+per other machine: M x (M - 1) connections a round instead of N x (N - 1) for N ranks on M machines, and a round in a
+partition waits out a probe's timeout for each unreached machine, not for each of its ranks (``PROBE_THREADS`` at
+once). A machine is the address its ranks reach the agent's store from (said in the store, :data:`ADDRESS_KEY`, with
+the port of each rank's listener). A connection that is accepted or refused reached the machine (its kernel answered:
+the path works; a refused one only says that the rank listening there is gone, which the agent finds by other means);
+one that times out or finds no route did not. The ranks' side: each listens on a port of its own; its heartbeat
+thread, which runs while the main thread is stuck in a collective, answers a round (:class:`Prober`). A probe is a
+TCP connection opened and closed: it tests the path between the two machines' addresses, not a device fabric (NCCL
+over InfiniBand takes another path), with a bound of :data:`PROBE_TIMEOUT_S`.
 """
 from __future__ import annotations
 
@@ -61,14 +67,17 @@ class Listener(threading.Thread):
 
 
 def probe(addresses: dict[int, str], timeout_s: float = PROBE_TIMEOUT_S) -> list[int]:
-    """The ranks of ``addresses`` (rank -> "ip:port") a connection could be opened to within ``timeout_s``."""
+    """The machines of ``addresses`` (a machine's first rank -> "ip:port") whose kernel answered a connection within
+    ``timeout_s``: it accepted, or refused it (nothing listens on that port now, but the path works)."""
     def reaches(item: tuple[int, str]) -> int | None:
         rank, address = item
         host, _, port = address.rpartition(":")
         try:
             socket.create_connection((host, int(port)), timeout=timeout_s).close()
             return rank
-        except (OSError, ValueError):  # (refused, timed out, unroutable; a malformed address)
+        except ConnectionRefusedError:
+            return rank
+        except (OSError, ValueError):  # (timed out, unroutable; a malformed address)
             return None
 
     if not addresses:
@@ -79,7 +88,8 @@ def probe(addresses: dict[int, str], timeout_s: float = PROBE_TIMEOUT_S) -> list
 
 class Prober:
     """A rank's side, driven by its heartbeat thread: says its listener's address to each store it beats to, and
-    answers each round the agent asks for. The probes run in a thread of their own (the beats go on meanwhile); the
+    answers each round the agent asks it for (for its machine: the peers it probes are one rank of each other machine,
+    and ``probe`` counts a refusal as reached). The probes run in a thread of their own (the beats go on meanwhile); the
     heartbeat thread writes the answer at its next beat (a store client is not shared between threads)."""
 
     def __init__(self, ident: int, store_host: str, store_port: int):
@@ -116,18 +126,33 @@ class Prober:
         self.running = (ANSWER_KEY.format(ask["round"], self.ident), thread, result)
 
 
-def kept(reach: dict[int, set[int]]) -> list[int]:
-    """The largest set of ranks that all reach each other both ways (ties: the one with the lowest ranks), from each
-    answering rank's reached peers; ranks that did not answer are left out."""
+def machines(addresses: dict[int, str]) -> dict[int, list[int]]:
+    """The ranks of ``addresses`` (rank -> "ip:port" of its listener) by machine: its first rank -> its ranks. A
+    machine is an address its ranks reach the agent from."""
+    by_host: dict[str, list[int]] = {}
+    for rank in sorted(addresses):
+        by_host.setdefault(addresses[rank].rpartition(":")[0], []).append(rank)
+    return {ranks[0]: ranks for ranks in by_host.values()}
+
+
+def kept(reach: dict[int, set[int]], members: dict[int, list[int]] | None = None) -> list[int]:
+    """The largest set of machines that all reach each other both ways, from each answering machine's reached peers
+    (machines that did not answer are left out). ``members``: each machine's ranks (default: a machine is one rank);
+    the largest set has the most ranks, ties go to the one with the lowest ranks."""
     import networkx as nx
 
+    members = members or {m: [m] for m in reach}
     graph = nx.Graph()
     graph.add_nodes_from(reach)
     graph.add_edges_from((a, b) for a, peers in reach.items() for b in peers if b in reach and a in reach[b])
+
+    def ranks(clique: list[int]) -> list[int]:
+        return sorted(r for m in clique for r in members[m])
+
     cliques = [sorted(c) for c in nx.find_cliques(graph)]
-    return min(cliques, key=lambda c: (-len(c), c)) if cliques else []
+    return min(cliques, key=lambda c: (-len(ranks(c)), ranks(c))) if cliques else []
 
 
 def complete(reach: dict[int, set[int]]) -> bool:
-    """Every answering rank reaches every other both ways."""
+    """Every answering machine reaches every other both ways."""
     return all(b in reach[a] for a in reach for b in reach if a != b)

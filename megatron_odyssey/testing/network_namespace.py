@@ -7,7 +7,8 @@ so its peers learn at once; ``faults.kind=kill-machine`` is that kinder loss).
 the network between two of them can be cut while each still reaches the others (a partition that is not
 transitive, as a failed switch port between two racks makes): :meth:`RoutedMachines.cut`.
 
-Needs root and iproute2's ``ip`` (CI's machine has both); :class:`Unavailable` says why not otherwise."""
+Needs root and iproute2's ``ip`` (CI's machine has both); :class:`Unavailable` says why not otherwise.
+:func:`silent_address` needs neither: one address on the loopback that answers no connection."""
 from __future__ import annotations
 
 import os
@@ -17,6 +18,30 @@ import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+
+@contextmanager
+def silent_address(host: str = "127.0.0.1") -> Iterator[str]:
+    """An "ip:port" on this machine whose connections time out, as to a machine gone silent (a firewall that
+    rejects would refuse them instead, and a refusal is an answer): a listener that accepts nothing, whose queue of
+    one is filled, so Linux drops every further SYN. Needs no root; any 127.x.y.z is this machine's loopback."""
+    import socket
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind((host, 0))
+    listener.listen(0)
+    address = listener.getsockname()
+    fillers = []
+    try:
+        for _ in range(2):  # (the queue of one, and one SYN that waits for room)
+            filler = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            filler.setblocking(False)
+            filler.connect_ex(address)
+            fillers.append(filler)
+        yield f"{address[0]}:{address[1]}"
+    finally:
+        for sock in (*fillers, listener):
+            sock.close()
 
 
 class Unavailable(RuntimeError):

@@ -376,11 +376,13 @@ def test_a_slow_rank_dropped_as_the_others_ended_the_job_is_not_a_failure(tmp_pa
         finishing.kill()
 
 
-def test_ranks_that_no_longer_reach_one_of_them_keep_the_largest_set_that_all_do(tmp_path, capsys) -> None:
-    """Four stand-in ranks, each with its heartbeat's prober (``runtime.reachability``) ticking in a thread; nobody can
-    open a connection to rank 3 any more (its listener is gone), though it reaches the others. Where they stopped
-    together, the agent asks who reaches whom, keeps ranks 0-2, which all reach each other, and fences rank 3 (its
-    process is killed) with why; where every rank reaches every other it fences nobody and the old rule stands."""
+def test_machines_that_no_longer_reach_one_of_them_keep_the_largest_set_that_all_do(tmp_path, capsys) -> None:
+    """Five stand-in ranks on three machines (addresses on the loopback: ranks 0 and 1 at 127.0.0.1, rank 2 at
+    127.0.0.2, ranks 3 and 4 at 127.0.0.3), each with its heartbeat's prober (``runtime.reachability``) ticking in a
+    thread. Where they stopped together, the agent asks one rank per machine who reaches whom. Every machine reaching
+    every other, it fences nobody and the old rule stands; once nobody can open a connection to machine 127.0.0.3
+    any more (its address answers nothing), though its ranks reach the others, it keeps ranks 0-2, whose machines all
+    reach each other, and fences ranks 3 and 4 (their processes are killed) with why."""
     import threading
     from datetime import timedelta
 
@@ -389,14 +391,17 @@ def test_ranks_that_no_longer_reach_one_of_them_keep_the_largest_set_that_all_do
     from megatron_odyssey.launch import LocalRank
     from megatron_odyssey.runtime.agent import Agent, free_port
     from megatron_odyssey.runtime.config import TrainConfig
-    from megatron_odyssey.runtime.reachability import Prober
+    from megatron_odyssey.runtime.reachability import ASK_KEY, Prober
+    from megatron_odyssey.testing.network_namespace import silent_address
     from megatron_odyssey.testing.processes import start_sleeper
 
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-    ranks = [start_sleeper(120.0) for _ in range(4)]
+    ranks = [start_sleeper(120.0) for _ in range(5)]
     stop = threading.Event()
-    probers = [Prober(i, "127.0.0.1", port) for i in range(4)]
+    probers = [Prober(i, "127.0.0.1", port) for i in range(5)]
+    for prober, machine in zip(probers, (1, 1, 2, 3, 3)):
+        prober.address = f"127.0.0.{machine}:{prober.listener.port}"  # (its listener takes every local address)
 
     def beat(prober: Prober) -> None:  # as its heartbeat thread: its own store client, a tick a beat
         client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
@@ -408,22 +413,27 @@ def test_ranks_that_no_longer_reach_one_of_them_keep_the_largest_set_that_all_do
     try:
         for t in threads:
             t.start()
-        cfg = TrainConfig(nproc=4, tp=1, pp=2, layers=4, hidden=32, heads=4, seq=16, global_batch=4, micro_batch=1,
+        cfg = TrainConfig(nproc=5, tp=1, pp=1, layers=4, hidden=32, heads=4, seq=16, global_batch=5, micro_batch=1,
                           steps=6, heartbeat_interval_s=0.2, report=str(tmp_path / "r.json"))
         agent = Agent(cfg, None, tmp_path, procs={i: LocalRank(p) for i, p in enumerate(ranks)}, store=store)
         time.sleep(0.5)  # (each prober said its address)
         assert agent._partitioned("a test's ranks stopped together") == set()  # all reach all: nobody fenced
-        probers[3].listener.close()  # nobody reaches rank 3 now
-        assert agent._partitioned("ranks [2, 3] stopped inside a collective together") == {3}
-        assert ranks[3].wait(timeout=30) == -9 and all(p.poll() is None for p in ranks[:3])
+        assert json.loads(store.get(ASK_KEY))["ranks"] == [0, 2, 3]  # (one rank per machine)
+        with silent_address("127.0.0.3") as silent:
+            for prober in probers[3:]:  # nobody reaches machine 127.0.0.3 now
+                prober.address, prober.said_to = silent, None
+            time.sleep(0.5)
+            assert agent._partitioned("ranks [2, 3] stopped inside a collective together") == {3, 4}
+        assert ranks[3].wait(timeout=30) == -9 and ranks[4].wait(timeout=30) == -9
+        assert all(p.poll() is None for p in ranks[:3])
         out = capsys.readouterr().out
         assert ("ranks [2, 3] stopped inside a collective together; asked who reaches whom: ranks [0, 1, 2] all reach "
-                "each other, and [3] do not reach all of them (a network partition that is not transitive): keeping "
-                "the 3") in out
-        assert ("rank 3 is cut off from ranks [0, 1, 2] (no connection both ways), which all reach each other: a network "
-                "partition: fencing it") in out
-        (hang,) = agent.slow_nodes.records
-        assert (hang.kind, hang.ranks) == ("comm-hang", [3])
+                "each other, and [3, 4] do not reach all of them (a network partition that is not transitive): "
+                "keeping the 3") in out
+        for ident in (3, 4):
+            assert (f"rank {ident} is cut off from ranks [0, 1, 2] (no connection both ways), which all reach each "
+                    f"other: a network partition: fencing it") in out
+        assert [(hang.kind, hang.ranks) for hang in agent.slow_nodes.records] == [("comm-hang", [3]), ("comm-hang", [4])]
     finally:
         stop.set()
         for p in ranks:

@@ -1664,11 +1664,15 @@ def test_two_machines_that_stop_reaching_each_other(stock: dict, tmp_path: Path,
     found stopped in communication, together. ``silence``: the defaults' order (the bound, 10 s, below the hard
     timeout): the two ranks' connection times out, each takes the other's silence for a failure, and every rank ends
     up waiting for a recovery no failure called for (before, the job stopped there, to restart from a checkpoint).
-    Either way the agent asks every rank whom it reaches (``runtime.reachability``), keeps machines 0, 1 and 2,
-    which all reach each other, fences rank 3, and the job trains on as stock Megatron-LM, without a takeover."""
+    Either way the agent asks a rank of each machine which machines it reaches (``runtime.reachability``), keeps
+    machines 0, 1 and 2, which all reach each other, fences rank 3, and the job trains on as stock Megatron-LM,
+    without a takeover. Rank 3 sleeps 2 s into iteration 3, so the cut, made once iteration 2 is logged, comes
+    before that iteration's gradient all-reduce however late the harness makes it (an iteration takes 0.2 s: on a
+    loaded host the cut once came an iteration later)."""
     from megatron_odyssey.testing.megatron_lm_job import Partition
 
-    timeouts = ["--odyssey-soft-timeout", "5", "--odyssey-hard-timeout", "10" if noticed_by == "progress" else "40"]
+    timeouts = ["--odyssey-soft-timeout", "5", "--odyssey-hard-timeout", "10" if noticed_by == "progress" else "40",
+                "--odyssey-inject-fault", "step=2,rank=3,phase=forward,kind=slow"]
     with ExitStack() as stack:
         routed = _routed(stack, 2)
         job = run_odyssey(MLM, tmp_path, [*ODYSSEY, *timeouts], _port({"progress": 745, "silence": 765}[noticed_by]),

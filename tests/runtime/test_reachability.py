@@ -1,5 +1,5 @@
 """Who reaches whom (``runtime.reachability``): the ranks' probes over real sockets and a real store, and the set the
-agent keeps, checked against an exhaustive search on small graphs."""
+agent keeps, checked against an exhaustive search on small graphs, of ranks and of machines."""
 from __future__ import annotations
 
 import itertools
@@ -13,8 +13,10 @@ import pytest
 import torch.distributed as dist
 
 from megatron_odyssey.runtime.agent import free_port
-from megatron_odyssey.runtime.reachability import ADDRESS_KEY, ANSWER_KEY, ASK_KEY, Prober, complete, kept, probe
+from megatron_odyssey.runtime.reachability import (ADDRESS_KEY, ANSWER_KEY, ASK_KEY, Prober, complete, kept, machines,
+                                                   probe)
 from megatron_odyssey.runtime.sockets import route_address
+from megatron_odyssey.testing.network_namespace import silent_address
 
 
 def _exhaustive(reach: dict[int, set[int]]) -> list[int]:
@@ -42,31 +44,64 @@ def test_the_kept_ranks_are_the_largest_set_that_all_reach_each_other() -> None:
         assert kept(reach) == _exhaustive(reach), reach
 
 
+def test_the_kept_machines_hold_the_largest_set_of_ranks_that_all_reach_each_other() -> None:
+    """Machines of several ranks each, weighed by their ranks: the kept machines' ranks equal an exhaustive search on
+    the graph of ranks, in which a machine's ranks reach each other and a rank reaches what its machine reaches."""
+    # two machines of one rank each reach everything; machine 2 (four ranks) and machine 6 (one) no longer reach
+    # each other: the four are kept, though the machines kept are as many either way
+    members = {0: [0], 1: [1], 2: [2, 3, 4, 5], 6: [6]}
+    reach = {0: {1, 2, 6}, 1: {0, 2, 6}, 2: {0, 1}, 6: {0, 1}}
+    assert kept(reach, members) == [0, 1, 2] and kept(reach) == [0, 1, 2]
+    assert kept({0: {1, 2}, 1: {0}, 2: {0}}, {0: [0, 1], 1: [2, 3], 2: [4]}) == [0, 1]  # (ties: the lowest ranks)
+    # three machines of one rank that all reach each other, against two that hold five ranks: the five
+    reach = {0: {1, 2, 3}, 1: {0, 2}, 2: {0, 1}, 3: {0}}
+    assert kept(reach, {0: [0], 1: [1], 2: [2], 3: [3, 4, 5, 6]}) == [0, 3] and kept(reach) == [0, 1, 2]
+    rng = random.Random(11)
+    for _ in range(300):  # against every subset of ranks, on random machines of up to 3 ranks
+        sizes = [rng.randint(1, 3) for _ in range(rng.randint(1, 5))]
+        firsts = list(itertools.accumulate([0, *sizes[:-1]]))
+        members = {f: list(range(f, f + n)) for f, n in zip(firsts, sizes)}
+        reach = {a: {b for b in members if b != a and rng.random() < 0.7} for a in members}
+        by_rank = {r: {q for b in reach[m] for q in members[b]} | set(members[m]) - {r}
+                   for m in members for r in members[m]}
+        assert sorted(r for m in kept(reach, members) for r in members[m]) == _exhaustive(by_rank), (members, reach)
+
+
+def test_ranks_are_grouped_into_machines_by_the_address_they_reach_the_agent_from() -> None:
+    assert machines({3: "10.0.0.2:4001", 0: "10.0.0.1:4000", 1: "10.0.0.1:4002", 2: "10.0.0.2:4003"}) == \
+        {0: [0, 1], 2: [2, 3]}
+    assert machines({}) == {}
+
+
 def test_each_rank_probes_its_peers_and_answers_the_agents_round() -> None:
-    """Three ranks' probers on one real store, and a fourth rank whose address refuses (its process is gone): each of
-    the three answers that it reaches the other two, not the fourth; a rank asked nothing answers nothing."""
+    """Three ranks' probers on one real store; a fourth rank at an address that answers nothing (its machine gone
+    silent), a fifth at one that refuses (its process is gone, its machine's kernel answers): each of the first two
+    answers that it reaches the other, not the fourth, and the fifth (the path to its machine works); a rank asked
+    nothing answers nothing."""
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     probers = [Prober(i, "127.0.0.1", port) for i in range(3)]
     gone = socket.create_server(("127.0.0.1", 0))
-    store.set(ADDRESS_KEY.format(3), f"127.0.0.1:{gone.getsockname()[1]}")
+    store.set(ADDRESS_KEY.format(4), f"127.0.0.1:{gone.getsockname()[1]}")
     gone.close()  # (nothing listens there now: refused)
-    for p in probers:
-        p.tick(store)  # says its address
-    assert route_address("127.0.0.1", port) == "127.0.0.1"
-    store.set(ASK_KEY, json.dumps({"round": 1, "ranks": [0, 1, 3]}))  # rank 2 is not asked this round
-    keys = [ANSWER_KEY.format(1, i) for i in (0, 1)]
-    for _ in range(200):
+    with silent_address("127.0.0.3") as silent:
+        store.set(ADDRESS_KEY.format(3), silent)
         for p in probers:
-            p.tick(store)
-        if store.check(keys):
-            break
-        time.sleep(0.05)
-    assert [json.loads(store.get(k)) for k in keys] == [[1], [0]]  # each reaches the other, not rank 3
-    assert not store.check([ANSWER_KEY.format(1, 2)])
-    assert probe({2: probers[2].address, 3: "127.0.0.1:9"}, 1.0) == [2]  # (port 9: nothing listens)
+            p.tick(store)  # says its address
+        assert route_address("127.0.0.1", port) == "127.0.0.1"
+        store.set(ASK_KEY, json.dumps({"round": 1, "ranks": [0, 1, 3, 4]}))  # rank 2 is not asked this round
+        keys = [ANSWER_KEY.format(1, i) for i in (0, 1)]
+        for _ in range(200):
+            for p in probers:
+                p.tick(store)
+            if store.check(keys):
+                break
+            time.sleep(0.05)
+        assert [json.loads(store.get(k)) for k in keys] == [[1, 4], [0, 4]]  # not rank 3's machine
+        assert not store.check([ANSWER_KEY.format(1, 2)])
+        assert probe({2: probers[2].address, 3: silent, 4: "127.0.0.1:9"}, 1.0) == [2, 4]  # (port 9: refused)
 
 
-@pytest.mark.parametrize("address", ["127.0.0.1:notaport", "127.0.0.1:0"])
+@pytest.mark.parametrize("address", ["127.0.0.1:notaport", "no-port"])
 def test_an_address_that_cannot_be_probed_is_not_reached(address: str) -> None:
     assert probe({5: address}, 0.5) == []
