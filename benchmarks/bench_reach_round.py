@@ -9,7 +9,9 @@ Each job is MACHINESxRANKS:SILENT: that many machines of that many ranks each, o
 though their ranks still reach the others. Every rank runs its real ``Prober`` ticking in a heartbeat thread of its
 own on a real store; the agent's side writes the ask and waits for every answer, as ``Agent._reach_round`` does.
 Printed per job and way of asking: the round's median wall time, the connections opened, and the ranks that the
-answers cut (both ways must cut the same ranks).
+answers cut (both ways must cut the same ranks). Every rank's probes run on this one machine, so the time of a round
+in which every rank is asked is mostly this machine's CPU; on a cluster each machine probes from its own, and what
+stays is the wait for unreached peers: a probe's timeout per ``PROBE_THREADS`` of them, ranks before, machines now.
 """
 from __future__ import annotations
 
@@ -137,7 +139,8 @@ def main() -> None:
             xs = [i + (k - 0.5) * width for i in range(len(jobs))]
             left.bar(xs, [by_job[j][way]["median_s"] for j in jobs], width, label=label)
             right.bar(xs, [by_job[j][way]["connections"] for j in jobs], width, label=label)
-        for ax, title in ((left, "median time of a round (s)"), (right, "connections opened per round")):
+        for ax, title in ((left, "median time of a round (s): every rank's probes on this one machine"),
+                          (right, "connections opened per round")):
             ax.set_xticks(range(len(jobs)), [f"{j}\n({by_job[j]['ranks']['ranks']} ranks)" for j in jobs])
             ax.set_xlabel("machines x ranks per machine : machines gone silent")
             ax.set_title(title, fontsize=10)
