@@ -38,6 +38,7 @@ import multiprocessing as mp
 import os
 import statistics
 import sys
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -564,6 +565,32 @@ class Agent:
         return members, {voice[i]: {voice[r] for r in json.loads(self.store.get(k)) if r in voice}
                          for i, k in keys.items() if self.store.check([k])}
 
+    def _check_names(self, lookup: Callable[[str], Any] | None = None, wait: bool = False) -> None:
+        """Says on the terminal, once, where naming a rank's machine by its address is slow: this store's one thread
+        does it for every new connection (c10d; ``control_plane.serve``), so every rank waits for it at start-up, and
+        again at each reconnection and takeover. Timed in a thread of its own (a slow lookup stops the thread that
+        makes it); ``lookup``, ``wait``: for tests."""
+        keys = [reachability.ADDRESS_KEY.format(i) for i in self.members()]
+        said = [k for k in keys if self.store.check([k])]
+        hosts = sorted({v.decode().rpartition(":")[0] for v in self.store.multi_get(said)} if said else set())
+        hosts = [h for h in hosts if h and not h.startswith("127.")]  # (the loopback is named by /etc/hosts)
+
+        def check() -> None:
+            from .control_plane import slow_name
+
+            slow = slow_name(hosts, lookup=lookup)
+            if slow is not None:
+                self.log_error(f"naming machine {slow[0]} by its address (a reverse DNS lookup) took {slow[1]:.1f} s "
+                               f"on this machine: the job's store names each new connection's peer so, in its one "
+                               f"thread, and every rank waits meanwhile (at start-up, and at each reconnection and "
+                               f"takeover). List the job's machines in /etc/hosts on the agent's and the standby's "
+                               f"machines, or mend their DNS")
+
+        thread = threading.Thread(target=check, daemon=True, name="odyssey-name-check")
+        thread.start()
+        if wait:
+            thread.join()
+
     def _stamp_diagnoses(self) -> None:
         """When each new diagnosis was made, on the report's clock."""
         for rec in self.slow_nodes.records:
@@ -749,6 +776,8 @@ class Agent:
             if self.store.check([f"{self.key('join')}/{i}" for i in self.members()]):
                 self.store.set(self.key("go"), "1")
                 self.started_gen = True
+                if self.gen == 0:
+                    self._check_names()
                 for rec in self.failures:
                     if rec.generation == self.gen and not rec.joined_at:
                         rec.joined_at = time.time()

@@ -130,6 +130,30 @@ def serve(host: str, port: int, timeout_s: float) -> Any:
     return dist.TCPStore(host, port, master_listen_fd=listener.detach(), **kw)  # (the store owns and closes it)
 
 
+SLOW_NAME_S = 1.0  # a reverse lookup this slow stalls a control store visibly (see serve)
+
+
+def slow_name(hosts: list[str], limit_s: float = SLOW_NAME_S,
+              lookup: Callable[[str], Any] | None = None) -> tuple[str, float] | None:
+    """The first of ``hosts`` (addresses) whose reverse lookup took longer than ``limit_s``, and how long; None where
+    every one was quick. c10d's store names each new connection's peer this way, in its one server thread (see
+    :func:`serve`), so a lookup that slow stops every client of the store for that long. ``lookup``: what to time
+    (default ``socket.getnameinfo``, as c10d does)."""
+    import socket
+
+    lookup = lookup or (lambda host: socket.getnameinfo((host, 0), 0))
+    for host in hosts:
+        start = time.monotonic()
+        try:
+            lookup(host)
+        except OSError:  # (no name: it took as long to find out)
+            pass
+        took = time.monotonic() - start
+        if took > limit_s:
+            return host, took
+    return None
+
+
 def every_interface(address: str) -> str:
     """Where a store that peers reach at ``address`` listens: every interface of its family ("::" for an IPv6
     address, which :func:`serve` leaves to c10d's own listener; a host name is taken for an IPv4 one)."""

@@ -440,6 +440,48 @@ def test_machines_that_no_longer_reach_one_of_them_keep_the_largest_set_that_all
             p.kill()
 
 
+def test_a_machine_whose_name_is_slow_to_look_up_is_said_on_the_terminal(tmp_path, capsys) -> None:
+    """The store's one thread names each new connection's peer by a reverse DNS lookup (c10d): where that is slow
+    for a rank's machine, the agent says so once, with the remedy. Timed with a lookup that takes 1.2 s for one
+    address (a dropped DNS packet costs 5 s); the loopback is not looked up."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from megatron_odyssey.launch import LocalRank
+    from megatron_odyssey.runtime.agent import Agent, free_port
+    from megatron_odyssey.runtime.config import TrainConfig
+    from megatron_odyssey.runtime.reachability import ADDRESS_KEY
+    from megatron_odyssey.testing.processes import start_sleeper
+
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=10))
+    ranks = [start_sleeper(60.0) for _ in range(3)]
+    looked_up: list[str] = []
+
+    def lookup(host: str) -> None:
+        looked_up.append(host)
+        time.sleep(1.2 if host == "10.0.0.8" else 0.0)
+
+    try:
+        cfg = TrainConfig(nproc=3, tp=1, pp=1, layers=4, hidden=32, heads=4, seq=16, global_batch=3, micro_batch=1,
+                          steps=6, report=str(tmp_path / "r.json"))
+        agent = Agent(cfg, None, tmp_path, procs={i: LocalRank(p) for i, p in enumerate(ranks)}, store=store)
+        for ident, address in enumerate(("10.0.0.7:4100", "127.0.0.1:4101", "10.0.0.8:4102")):
+            store.set(ADDRESS_KEY.format(ident), address)
+        agent._check_names(lookup=lookup, wait=True)
+        assert looked_up == ["10.0.0.7", "10.0.0.8"]
+        err = capsys.readouterr().err
+        assert re.search(r"naming machine 10\.0\.0\.8 by its address \(a reverse DNS lookup\) took 1\.\d s on this "
+                         r"machine: the job's store names each new connection's peer so, in its one thread, and every "
+                         r"rank waits meanwhile .* List the job's machines in /etc/hosts", err), err
+        agent._check_names(lookup=lambda host: None, wait=True)  # every name quick: nothing said
+        assert "naming machine" not in capsys.readouterr().err
+    finally:
+        for p in ranks:
+            p.kill()
+
+
 def test_the_agent_goes_on_without_a_standby_whose_store_is_gone(tmp_path, capsys) -> None:
     """The write-ahead to the standby's store reconnects on an error; when the standby's machine is gone
     the agent says so on the terminal and goes on without it (losing its own machine now ends the job), it

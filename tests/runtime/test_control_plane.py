@@ -264,6 +264,22 @@ def test_a_control_store_whose_port_is_taken_says_which_and_why():
             serve("127.0.0.1", port, 10)
 
 
+def test_slow_name_times_the_reverse_lookup_c10d_makes():
+    """The real lookup of the loopback is quick (/etc/hosts names it); every lookup is slower than no time at all; a
+    lookup that fails is timed as well (it took as long to find out)."""
+    from megatron_odyssey.runtime.control_plane import slow_name
+
+    assert slow_name(["127.0.0.1"]) is None
+    host, took = slow_name(["127.0.0.1"], limit_s=0.0)
+    assert host == "127.0.0.1" and 0.0 < took < 1.0
+
+    def failing(host: str) -> None:
+        time.sleep(0.2)
+        raise OSError("no name")
+
+    assert slow_name(["10.0.0.1", "10.0.0.2"], limit_s=0.1, lookup=failing)[0] == "10.0.0.1"
+
+
 def _master(port: int):
     return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
 
