@@ -456,6 +456,7 @@ def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any
     stacks = StackRequests(local)
     if control is not None:  # (cut off from the agent's machine only: the standby's store says when they are fenced)
         control.fences = dict(fence)
+        control.ready()
 
     def say_pids(to: Any) -> None:
         """The pids of the ranks launched with the job, for the agent's asks about them (a joining machine's ranks

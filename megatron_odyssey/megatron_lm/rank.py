@@ -84,10 +84,7 @@ class AbortWatcher(StoreThread):
 
     def __init__(self, runtime: "MegatronRank", host: str, port: int, interval_s: float = 0.05, control: Any = None,
                  **kw: Any):
-        if control is not None:  # a standby agent may take over: reconnect to whoever is in charge
-            kw.setdefault("connect", control.connect)
-            kw.setdefault("grace_s", control.wait_s)
-        super().__init__(host, port, runtime.ident, interval_s, **kw)
+        super().__init__(host, port, runtime.ident, interval_s, control=control, **kw)  # (follows a takeover)
         self.runtime, self.handled = runtime, -1
 
     def tick(self, store: Any) -> None:
@@ -279,6 +276,8 @@ class MegatronRank(GenerationRank):
                                              judged_lost_after(cfg.heartbeat_timeout_s))
         if self.control.standby is None:
             self.control = None
+        else:
+            self.control.ready()  # (this main thread's client of the standby's store, for a takeover)
         if not joining:  # (a joining rank beats once it asks to join: its rank's earlier life may still be beating)
             self._start_heartbeat()
         AbortWatcher(self, host, int(port), control=self.control).start()

@@ -128,6 +128,8 @@ def _rank_main(cfg_path: str, ident: int, port: int, log_path: str, echo: bool) 
     standby = cfg.extra.get("control", {}).get("standby")
     control = (ControlPlane(("127.0.0.1", port), parse_address(standby), ident, cfg.timeout_s,
                             judged_lost_after(cfg.heartbeat_timeout_s)) if standby else None)
+    if control is not None:
+        control.ready()  # (this main thread's client of the standby's store, for a takeover)
     run(cfg, ident, store, ("127.0.0.1", port), control)
 
 

@@ -555,13 +555,30 @@ class ControlPlane:
             standby = parse_address(wait_key(store, STANDBY_KEY, "the standby agent's address", wait_s).decode())
         return cls(primary, standby, ident, wait_s, lost_after_s)
 
+    def ready(self) -> None:
+        """Connects the calling thread to the standby's store now, at start-up (each thread that may follow a
+        takeover calls it): a takeover then opens no connection from it. Each new connection costs the standby's one
+        store thread a reverse lookup of its peer (see :func:`serve`), and at a takeover every thread of every rank
+        would connect at once, on the job's way back. Nothing where the standby does not answer now (it is asked
+        afresh when needed)."""
+        if self.standby is None or getattr(self.asking, "standby", None) is not None:
+            return
+        try:
+            self.asking.standby = client_if_there(self.standby)
+        except Exception:  # noqa: BLE001 - not there now
+            pass
+
     def connect(self, timeout_s: float = PROBE_TIMEOUT_S) -> Any:
-        """A client of the store the job's agent answers on now (for a rank's background threads)."""
+        """A client of the store the job's agent answers on now (for a rank's background threads); after a takeover,
+        the thread's own client of the standby's store where it holds one (:meth:`ready`)."""
+        moved = self._standby_took_over() if self.moved else None
+        if moved is not None:
+            return moved
         try:
             return client_if_there(self.current, timeout_s)
         except Exception:
-            moved = self._standby_took_over()  # (a client of the standby's store already: each new one costs a
-            if moved is None:                  # reverse lookup in c10d, seconds where DNS drops it; see serve)
+            moved = self._standby_took_over()
+            if moved is None:
                 raise
             return moved
 
@@ -588,7 +605,8 @@ class ControlPlane:
         unanswered_since: float | None = None  # neither machine has accepted a connection since then
         while time.monotonic() < deadline:
             if self.current == self.standby and self.moved:  # a thread of ours moved already
-                return Followed(client(self.current, PROBE_TIMEOUT_S), took_over=True)
+                held = self._standby_took_over()  # (this thread's own client of it, if it holds one)
+                return Followed(held or client(self.current, PROBE_TIMEOUT_S), took_over=True)
             moved, standby_answer = self._ask_the_standby()
             if moved is not None:
                 return Followed(moved, took_over=True)
@@ -628,22 +646,27 @@ class ControlPlane:
         """The standby's store once it has taken over (else None), and how its machine answered (:func:`knock`)."""
         if self.standby is None:
             return None, "refused"
-        # one client per thread while it asks (every 0.1 s until the takeover): a new client per ask costs a reverse
-        # lookup in c10d, and many of them a DNS packet dropped, 5 s of this thread (see serve)
-        standby = getattr(self.asking, "standby", None)
-        try:
-            if standby is None:
-                standby = self.asking.standby = client_if_there(self.standby)
-            if not standby.check([TAKEOVER_KEY]):
-                self._dropped(standby)
-                return None, "accepted"
-        except NotThere as gone:  # the standby is not there either (yet)
-            return None, gone.answer
-        except Dropped:
-            raise
-        except Exception:  # noqa: BLE001 - its machine accepted, its store did not answer (yet)
-            self.asking.standby = None
-            return None, "accepted"
+        # one client per thread, held from start-up (ready) or while it asks (every 0.1 s until the takeover): a new
+        # client per ask costs a reverse lookup in c10d, and many of them a DNS packet dropped, 5 s of this thread
+        # (see serve). A held client that broke meanwhile is replaced at once
+        attempts = ("held", "new") if getattr(self.asking, "standby", None) is not None else ("new",)
+        for attempt in attempts:
+            try:
+                if attempt == "new":
+                    self.asking.standby = client_if_there(self.standby)
+                standby = self.asking.standby
+                if not standby.check([TAKEOVER_KEY]):
+                    self._dropped(standby)
+                    return None, "accepted"
+                break
+            except NotThere as gone:  # the standby is not there either (yet)
+                return None, gone.answer
+            except Dropped:
+                raise
+            except Exception:  # noqa: BLE001 - its machine accepted, its store did not answer (yet); or held broke
+                self.asking.standby = None
+                if attempt == "new":
+                    return None, "accepted"
         self.asking.standby = None  # (it is the caller's store now)
         with self.lock:
             if self.current != self.standby:

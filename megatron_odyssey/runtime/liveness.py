@@ -155,14 +155,18 @@ def _switched(usual: str, meanwhile: str) -> Iterator[None]:
 class StoreThread(threading.Thread):
     """A daemon thread doing one small store operation every ``interval_s`` (:meth:`tick`) over its own
     client. A store error is retried with a fresh client and said once on stderr (and when the store
-    answers again); a store unreachable for ``grace_s`` calls :meth:`lost` and ends the thread."""
+    answers again); a store unreachable for ``grace_s`` calls :meth:`lost` and ends the thread. With a standby
+    agent (``control``, a ``control_plane.ControlPlane``) it reconnects to whichever agent is in charge, for up to
+    the control plane's wait, and holds a client of the standby's store from its start (``ControlPlane.ready``)."""
 
     what = "store thread"
 
     def __init__(self, host: str, port: int, ident: int, interval_s: float, grace_s: float = 10.0,
-                 connect: Callable[[], Any] | None = None):
+                 connect: Callable[[], Any] | None = None, control: Any = None):
         super().__init__(daemon=True, name=f"odyssey-{self.what.replace(' ', '-')}")
-        self.rank, self.interval_s, self.grace_s = ident, interval_s, grace_s
+        if control is not None:
+            connect, grace_s = connect or control.connect, control.wait_s
+        self.rank, self.interval_s, self.grace_s, self.control = ident, interval_s, grace_s, control
         self._connect = connect or (lambda: _client(host, port, grace_s))
         self.store: Any = None
         self.stopped = threading.Event()
@@ -186,6 +190,8 @@ class StoreThread(threading.Thread):
             self.join(5)
 
     def run(self) -> None:
+        if self.control is not None:
+            self.control.ready()
         failing_since: float | None = None
         while not self.stopped.is_set():
             try:
@@ -226,11 +232,8 @@ class Heartbeat(StoreThread):
 
     def __init__(self, host: str, port: int, ident: int, interval_s: float, progress: Progress | None = None,
                  control: Any = None, **kw: Any):
-        if control is not None:
-            kw.setdefault("connect", control.connect)
-            kw.setdefault("grace_s", control.wait_s)
-        super().__init__(host, port, ident, interval_s, **kw)
-        self.key, self.progress, self.control = f"odyssey/hb/{ident}", progress or Progress(), control
+        super().__init__(host, port, ident, interval_s, control=control, **kw)
+        self.key, self.progress = f"odyssey/hb/{ident}", progress or Progress()
         self.last_beat: float | None = None  # time.monotonic() of the last beat sent
         self.retries_at_beat = 0  # store errors before it
         self.writers = SaveWriters()

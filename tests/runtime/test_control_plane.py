@@ -313,6 +313,57 @@ def test_standby_copies_every_committed_step_and_takes_over_with_the_newest_stat
     assert state["pending_drop"] == {"gen": 1, "step": 201, "ranks": [3]}  # (control_plane.DROP_KEY)
 
 
+def _connections_to(port: int) -> int:
+    """Connections this machine holds established to ``port`` (their clients' ends, from /proc/net/tcp and tcp6:
+    a store client's socket is an IPv6 one)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[2].rsplit(":", 1)[1], 16) == port and fields[3] == "01":  # remote port; ESTABLISHED
+                count += 1
+    return count
+
+
+def test_a_thread_ready_for_a_takeover_follows_it_without_a_new_connection():
+    """``ControlPlane.ready``: a thread's client of the standby's store, made at its start, is the store it goes on
+    with after the takeover (no connection is opened then: each costs the standby's one store thread a reverse
+    lookup, for every thread of every rank at once). One that broke meanwhile is replaced by a new one."""
+    import socket
+
+    from megatron_odyssey.runtime.control_plane import ControlPlane, client, serve
+    from megatron_odyssey.runtime.sockets import tcp_connections
+
+    agent_port, standby_port = free_port(), free_port()
+    agent_store = _store_server(agent_port)
+    standby_store = serve("127.0.0.1", standby_port, 10)
+    try:
+        lost = client(("127.0.0.1", agent_port), 5)
+        control = ControlPlane(("127.0.0.1", agent_port), ("127.0.0.1", standby_port), 7, wait_s=10)
+        before = _connections_to(standby_port)  # (the server's own client of itself)
+        control.ready()
+        held = control.asking.standby
+        assert held is not None and _connections_to(standby_port) == before + 1
+        agent_store.kill()
+        agent_store.wait()
+        standby_store.set(TAKEOVER_KEY, json.dumps({"generation": 1, "reason": "test"}))
+        moved = control.follow(lost)
+        assert moved.took_over and moved.store is held and control.current == ("127.0.0.1", standby_port)
+        assert _connections_to(standby_port) == before + 1  # (none opened by the takeover)
+
+        again = ControlPlane(("127.0.0.1", agent_port), ("127.0.0.1", standby_port), 8, wait_s=10)
+        again.ready()
+        broken = again.asking.standby
+        for sock in tcp_connections():  # every client's connection to the standby's store breaks, as in a blip
+            if sock.getpeername()[1] == standby_port:
+                sock.shutdown(socket.SHUT_RDWR)
+        followed = again.follow(lost)
+        assert followed.took_over and followed.store is not broken
+        assert followed.store.check([TAKEOVER_KEY])
+    finally:
+        agent_store.kill()
+
+
 def test_a_finished_job_is_not_taken_over_and_a_deposed_agent_learns_it(tmp_path, nobody):
     port = free_port()
     store = _master(port)
