@@ -67,8 +67,9 @@ class Listener(threading.Thread):
 
 
 def probe(addresses: dict[int, str], timeout_s: float = PROBE_TIMEOUT_S) -> list[int]:
-    """The machines of ``addresses`` (a machine's first rank -> "ip:port") whose kernel answered a connection within
-    ``timeout_s``: it accepted, or refused it (nothing listens on that port now, but the path works)."""
+    """The machines of ``addresses`` (the rank asked for each machine -> its "ip:port") whose kernel answered a
+    connection within ``timeout_s``: it accepted, or refused it (nothing listens on that port now, but the path
+    works)."""
     def reaches(item: tuple[int, str]) -> int | None:
         rank, address = item
         host, _, port = address.rpartition(":")
