@@ -725,6 +725,15 @@ def main(argv: list[str] | None = None) -> None:
             print(f"[odyssey launch] {args.witness_said} {args.witness_dir}: cannot make the job's directory there "
                   f"({exc})", file=sys.stderr)
             sys.exit(1)
+    if args.node_rank == 0 or (args.standby and args.node_rank == 1):  # (this machine serves a control store)
+        from .runtime.control_plane import TooFewFiles, check_open_files
+
+        try:
+            check_open_files(args.nnodes * args.nproc_per_node, args.nnodes, args.nproc_per_node,
+                             "the agent's" if args.node_rank == 0 else "the standby agent's")
+        except TooFewFiles as exc:
+            print(f"[odyssey launch node {args.node_rank}] {exc}", file=sys.stderr)
+            sys.exit(1)
     local = start_ranks(args)
     termination = Termination(local, args.termination_grace)
     termination.install()

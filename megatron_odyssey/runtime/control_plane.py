@@ -115,6 +115,9 @@ def serve(host: str, port: int, timeout_s: float) -> Any:
 
     import torch.distributed as dist
 
+    from .sockets import open_files_allowed
+
+    open_files_allowed()  # (a descriptor per client connection: see store_files_needed)
     kw = dict(is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
     if ":" in host:
         return dist.TCPStore(host, port, **kw)
@@ -128,6 +131,39 @@ def serve(host: str, port: int, timeout_s: float) -> Any:
         raise OSError(exc.errno, f"the store cannot listen on {host}:{port}: "
                                  f"{errno.errorcode.get(exc.errno or 0, 'error')} ({exc.strerror})") from exc
     return dist.TCPStore(host, port, master_listen_fd=listener.detach(), **kw)  # (the store owns and closes it)
+
+
+#: connections a rank holds to a control store: its main thread's, its heartbeat's and its abort watcher's clients
+STORE_CLIENTS_PER_RANK = 3
+STORE_CLIENTS_PER_MACHINE = 2  # its launcher's (and, on the standby's machine, its node agent's)
+OWN_FILES = 64  # the serving process's own: its libraries, pipes, logs
+
+
+class TooFewFiles(OSError):
+    """A machine that serves a control store may not open a descriptor for each connection it will hold."""
+
+
+def store_files_needed(ranks: int, machines: int, local_ranks: int) -> int:
+    """Descriptors the process serving a control store (the agent's or the standby's) needs: one per client
+    connection of every rank and machine, a log per rank it starts, and its own."""
+    return STORE_CLIENTS_PER_RANK * ranks + STORE_CLIENTS_PER_MACHINE * machines + local_ranks + OWN_FILES
+
+
+def check_open_files(ranks: int, machines: int, local_ranks: int, role: str) -> None:
+    """Raises :class:`TooFewFiles` where this process may not open what serving ``role``'s store needs, even with
+    its soft limit raised to the hard one (``sockets.open_files_allowed``): the store would reset the connections
+    past it, and those ranks fail to start with "Connection reset by peer", far from the cause."""
+    from .sockets import open_files_allowed
+
+    allowed, needed = open_files_allowed(), store_files_needed(ranks, machines, local_ranks)
+    if allowed < needed:
+        raise TooFewFiles(f"this machine serves {role} store to {ranks} ranks on {machines} machines: about {needed} "
+                          f"open files ({STORE_CLIENTS_PER_RANK} connections per rank, {STORE_CLIENTS_PER_MACHINE} per "
+                          f"machine, a log per rank started here, {OWN_FILES} of its own), but its processes may open "
+                          f"at most {allowed} (the hard limit: ulimit -Hn). Raise it for the job (ulimit -n "
+                          f"{max(65536, needed)} in the job's script, a container's --ulimit nofile=65536, or "
+                          f"/etc/security/limits.conf); else the store resets the connections past it and those ranks "
+                          f"fail to start")
 
 
 SLOW_NAME_S = 1.0  # a reverse lookup this slow stalls a control store visibly (see serve)

@@ -59,6 +59,29 @@ def route_address(host: str, port: int) -> str:
             return socket.gethostbyname(socket.gethostname())
 
 
+def open_files_allowed() -> int:
+    """Raises this process's soft limit of open files to its hard limit (children started afterwards inherit it) and
+    returns the limit. A control store holds a descriptor for each client's connection, a few per rank: past the
+    soft limit (commonly 1024) its server resets new connections, and their ranks fail to start with "Connection
+    reset by peer" (a store whose process may open 64 files served 50 clients)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    cap = hard
+    if hard == resource.RLIM_INFINITY:  # (Linux caps it at fs.nr_open)
+        try:
+            cap = int(open("/proc/sys/fs/nr_open").read())
+        except (OSError, ValueError):
+            cap = 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < cap:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (cap, hard))
+            soft = cap
+        except (ValueError, OSError):
+            pass
+    return cap if soft == resource.RLIM_INFINITY else soft
+
+
 def _plain(ip: str) -> str:
     return ip.removeprefix("::ffff:")  # an IPv4 peer of an IPv6 socket
 

@@ -313,6 +313,31 @@ def test_standby_copies_every_committed_step_and_takes_over_with_the_newest_stat
     assert state["pending_drop"] == {"gen": 1, "step": 201, "ranks": [3]}  # (control_plane.DROP_KEY)
 
 
+def test_a_control_store_serves_more_clients_than_its_process_could_open_files_at_start():
+    """A store served from a process whose soft limit of open files is 64 (its hard limit higher) serves 100 clients:
+    ``serve`` raises the soft limit to the hard one (``sockets.open_files_allowed``). Without, the 51st client was
+    reset ("Connection reset by peer"), as a rank past the usual 1024 would be at start-up."""
+    from megatron_odyssey.runtime.control_plane import client
+
+    port = free_port()
+    code = ("import resource, time\n"
+            "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))\n"
+            "from megatron_odyssey.runtime.control_plane import serve\n"
+            f"store = serve('127.0.0.1', {port}, 30)\n"
+            "print('up', resource.getrlimit(resource.RLIMIT_NOFILE)[0] == hard, flush=True)\n"
+            "time.sleep(120)\n")
+    server = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().split() == ["up", "True"]
+        clients = [client(("127.0.0.1", port), 10) for _ in range(100)]
+        for i, c in enumerate(clients):
+            c.set(f"k{i}", str(i))
+        assert clients[0].get("k99") == b"99"
+    finally:
+        server.kill()
+
+
 def _connections_to(port: int) -> int:
     """Connections this machine holds established to ``port`` (their clients' ends, from /proc/net/tcp and tcp6:
     a store client's socket is an IPv6 one)."""

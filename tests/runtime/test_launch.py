@@ -51,6 +51,29 @@ def test_a_rank_that_dies_before_training_fails_the_job_with_its_log(tmp_path: P
     assert "rank(s) [1] exited [3] before training started" in proc.stderr
 
 
+def test_a_machine_that_may_not_open_enough_files_for_the_store_is_refused_before_any_rank_starts(
+        tmp_path: Path) -> None:
+    """Machine 0 serves the agent's store: three connections per rank. A launcher whose processes may open at most 100
+    files (hard limit) cannot serve 40 ranks: it says so, with the numbers and the remedy, and starts no rank (before,
+    the store reset the connections past its limit and those ranks failed to start, "Connection reset by peer")."""
+    import resource
+
+    def at_most_100_files() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (100, 100))
+
+    script = tmp_path / "job.py"
+    script.write_text(ENV_DUMP)
+    proc = subprocess.run([sys.executable, "-m", "megatron_odyssey.launch", "--nproc-per-node", "40", "--master-port",
+                           str(job_port(1945)), "--workdir", str(tmp_path / "logs"), str(script), str(tmp_path), "0"],
+                          capture_output=True, text=True, timeout=120, preexec_fn=at_most_100_files)
+    assert proc.returncode == 1, proc.stderr
+    assert re.search(r"\[odyssey launch node 0\] this machine serves the agent's store to 40 ranks on 1 machines: about "
+                     r"226 open files \(3 connections per rank, 2 per machine, a log per rank started here, 64 of its "
+                     r"own\), but its processes may open at most 100 \(the hard limit: ulimit -Hn\)\. Raise it for "
+                     r"the job \(ulimit -n 65536", proc.stderr), proc.stderr
+    assert not list(tmp_path.glob("env*.json"))  # (no rank started)
+
+
 WAIT_FOR_SIGTERM = """
 import os, signal, sys, time
 rank, out, mode = os.environ["RANK"], sys.argv[1], sys.argv[2]
