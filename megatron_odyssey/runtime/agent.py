@@ -548,10 +548,7 @@ class Agent:
         machine's reached machines, from those that answered in time. One rank per machine is asked, its first
         whose heartbeat is fresh (that thread answers, whatever the main thread is stuck in); only ranks that said
         where they listen count."""
-        ranks = [i for i in ranks if self.store.check([reachability.ADDRESS_KEY.format(i)])]
-        addresses = dict(zip(ranks, (v.decode() for v in self.store.multi_get(
-            [reachability.ADDRESS_KEY.format(i) for i in ranks])))) if ranks else {}
-        members = reachability.machines(addresses)
+        members = reachability.machines(self._said_addresses(ranks))
         if len(members) < 2:
             return members, {}
         now = time.time()
@@ -567,14 +564,19 @@ class Agent:
         return members, {voice[i]: {voice[r] for r in json.loads(self.store.get(k)) if r in voice}
                          for i, k in keys.items() if self.store.check([k])}
 
+    def _said_addresses(self, ranks: list[int]) -> dict[int, str]:
+        """Where each of ``ranks`` that said so listens for reachability probes ("ip:port", ``reachability.Prober``):
+        its machine's address on the route to this store."""
+        said = [i for i in ranks if self.store.check([reachability.ADDRESS_KEY.format(i)])]
+        values = self.store.multi_get([reachability.ADDRESS_KEY.format(i) for i in said]) if said else []
+        return {i: v.decode() for i, v in zip(said, values)}
+
     def _check_names(self, lookup: Callable[[str], Any] | None = None, wait: bool = False) -> None:
         """Says on the terminal, once, where naming a rank's machine by its address is slow: this store's one thread
         does it for every new connection (c10d; ``control_plane.serve``), so every rank waits for it at start-up, and
         again at each reconnection and takeover. Timed in a thread of its own (a slow lookup stops the thread that
         makes it); ``lookup``, ``wait``: for tests."""
-        keys = [reachability.ADDRESS_KEY.format(i) for i in self.members()]
-        said = [k for k in keys if self.store.check([k])]
-        hosts = sorted({v.decode().rpartition(":")[0] for v in self.store.multi_get(said)} if said else set())
+        hosts = sorted({a.rpartition(":")[0] for a in self._said_addresses(self.members()).values()})
         hosts = [h for h in hosts if h and not h.startswith("127.")]  # (the loopback is named by /etc/hosts)
 
         def check() -> None:
