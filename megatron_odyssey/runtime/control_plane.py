@@ -607,9 +607,9 @@ class ControlPlane:
     def connect(self, timeout_s: float = PROBE_TIMEOUT_S) -> Any:
         """A client of the store the job's agent answers on now (for a rank's background threads); after a takeover,
         the thread's own client of the standby's store where it holds one (:meth:`ready`)."""
-        moved = self._standby_took_over() if self.moved else None
-        if moved is not None:
-            return moved
+        if self.moved:  # (the standby's store is the current one: asked once, held client first, else a new one)
+            held = self._standby_took_over()
+            return held if held is not None else client_if_there(self.current, timeout_s)  # (raises: how it answered)
         try:
             return client_if_there(self.current, timeout_s)
         except Exception:
