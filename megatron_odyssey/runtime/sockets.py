@@ -70,7 +70,8 @@ def open_files_allowed() -> int:
     cap = hard
     if hard == resource.RLIM_INFINITY:  # (Linux caps it at fs.nr_open)
         try:
-            cap = int(open("/proc/sys/fs/nr_open").read())
+            with open("/proc/sys/fs/nr_open") as nr_open:
+                cap = int(nr_open.read())
         except (OSError, ValueError):
             cap = 1 << 20
     if soft != resource.RLIM_INFINITY and soft < cap:
