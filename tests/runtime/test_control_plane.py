@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -221,15 +222,19 @@ def nobody():
         yield address
 
 
-def _listening_families(port: int) -> set[str]:
-    """The socket tables (/proc/net/tcp for IPv4, tcp6 for IPv6) holding a listener on ``port``."""
-    found = set()
+def _sockets(state: str) -> Iterator[tuple[str, int, int]]:
+    """(table, local port, remote port) of this machine's TCP sockets in ``state`` ("0A": LISTEN, "01":
+    ESTABLISHED), from /proc/net/tcp (IPv4) and tcp6 (IPv6)."""
     for table in ("tcp", "tcp6"):
         for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
-            local, state = line.split()[1], line.split()[3]
-            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:  # (0A: LISTEN)
-                found.add(table)
-    return found
+            fields = line.split()
+            if fields[3] == state:
+                yield table, int(fields[1].rsplit(":", 1)[1], 16), int(fields[2].rsplit(":", 1)[1], 16)
+
+
+def _listening_families(port: int) -> set[str]:
+    """The socket tables (tcp for IPv4, tcp6 for IPv6) holding a listener on ``port``."""
+    return {table for table, local, _ in _sockets("0A") if local == port}
 
 
 def test_a_control_store_listens_on_ipv4_so_its_server_names_peers_without_dns():
@@ -339,15 +344,9 @@ def test_a_control_store_serves_more_clients_than_its_process_could_open_files_a
 
 
 def _connections_to(port: int) -> int:
-    """Connections this machine holds established to ``port`` (their clients' ends, from /proc/net/tcp and tcp6:
-    a store client's socket is an IPv6 one)."""
-    count = 0
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if int(fields[2].rsplit(":", 1)[1], 16) == port and fields[3] == "01":  # remote port; ESTABLISHED
-                count += 1
-    return count
+    """Connections this machine holds established to ``port`` (their clients' ends; a store client's socket is an
+    IPv6 one)."""
+    return sum(remote == port for _, _, remote in _sockets("01"))
 
 
 def test_a_thread_ready_for_a_takeover_follows_it_without_a_new_connection():
