@@ -67,15 +67,19 @@ def run_job(machines: int, per_machine: int, silent: int, rounds: int) -> list[d
         for t in threads:
             t.start()
         time.sleep(1.0)
-        members = reachability.machines({p.ident: p.address for p in probers})
-        asked_by = {"ranks": list(range(n)), "machines": sorted(members)}
-        for way, asked in asked_by.items():
+        address = {p.ident: p.address for p in probers}
+        members = reachability.machines(address)
+        asked_by = {"ranks": {i: [i] for i in range(n)}, "machines": members}  # (who speaks for which ranks)
+        for way, groups in asked_by.items():
+            asked = sorted(groups)
+            listeners = [[i, [address[r] for r in groups[i]]] for i in asked]
             times, cut = [], None
             for r in range(rounds):
                 round_id = f"{way}-{r}"
                 keys = [reachability.ANSWER_KEY.format(round_id, i) for i in asked]
                 t0 = time.monotonic()
-                store.set(reachability.ASK_KEY, json.dumps({"round": round_id, "ranks": asked}))
+                store.set(reachability.ASK_KEY, json.dumps({"round": round_id, "ranks": asked,
+                                                                "machines": listeners}))
                 while not store.check(keys):
                     time.sleep(0.01)
                 times.append(time.monotonic() - t0)

@@ -546,9 +546,10 @@ class Agent:
     def _reach_round(self, ranks: list[int]) -> tuple[dict[int, list[int]], dict[int, set[int]]]:
         """One round of ``reachability``: the machines of ``ranks`` (a machine's first rank -> its ranks) and each
         machine's reached machines, from those that answered in time. One rank per machine is asked, its first
-        whose heartbeat is fresh (that thread answers, whatever the main thread is stuck in); only ranks that said
-        where they listen count."""
-        members = reachability.machines(self._said_addresses(ranks))
+        whose heartbeat is fresh (that thread answers, whatever the main thread is stuck in), and it is probed first
+        (the machine's other ranks' listeners where it refuses); only ranks that said where they listen count."""
+        said = self._said_addresses(ranks)
+        members = reachability.machines(said)
         if len(members) < 2:
             return members, {}
         now = time.time()
@@ -556,7 +557,8 @@ class Agent:
         self.reach_round += 1
         round_id = f"{os.getpid()}-{self.reach_round}"  # (a standby's rounds are not a lost agent's)
         keys = {i: reachability.ANSWER_KEY.format(round_id, i) for i in voice}
-        self.store.set(reachability.ASK_KEY, json.dumps({"round": round_id, "ranks": sorted(voice)}))
+        asked = [[i, [said[r] for r in sorted(members[m], key=lambda r: r != i)]] for i, m in sorted(voice.items())]
+        self.store.set(reachability.ASK_KEY, json.dumps({"round": round_id, "ranks": sorted(voice), "machines": asked}))
         rounds = 1 + len(voice) // reachability.PROBE_THREADS
         deadline = time.time() + rounds * reachability.PROBE_TIMEOUT_S + 3 * self.cfg.heartbeat_interval_s + 2.0
         while time.time() < deadline and not self.store.check(list(keys.values())):

@@ -13,12 +13,15 @@ Machines, not ranks: the ranks of one machine share its network path, so one ran
 per other machine: M x (M - 1) connections a round instead of N x (N - 1) for N ranks on M machines, and a round in a
 partition waits out a probe's timeout for each unreached machine, not for each of its ranks (``PROBE_THREADS`` at
 once). A machine is the address its ranks reach the agent's store from (said in the store, :data:`ADDRESS_KEY`, with
-the port of each rank's listener). A connection that is accepted or refused reached the machine (its kernel answered:
-the path works; a refused one only says that the rank listening there is gone, which the agent finds by other means);
-one that times out or finds no route did not. The ranks' side: each listens on a port of its own; its heartbeat
-thread, which runs while the main thread is stuck in a collective, answers a round (:class:`Prober`). A probe is a
-TCP connection opened and closed: it tests the path between the two machines' addresses, not a device fabric (NCCL
-over InfiniBand takes another path), with a bound of :data:`PROBE_TIMEOUT_S`.
+the port of each rank's listener). A connection that is accepted reached the machine; one that times out or finds no
+route did not. A refused one is no proof either way: the rank listening there may be gone while its machine's path
+works, or a firewall between the two machines may reject (reset) what it does not let through. So where the rank
+probed refuses, the machine's other ranks' listeners are tried in turn, and the machine counts as reached only when
+one of them accepts (a machine whose every rank is gone does not answer the round, and so is neither kept nor cut by
+it). The ranks' side: each listens on a port of its own; its heartbeat thread, which runs while the main thread is
+stuck in a collective, answers a round (:class:`Prober`). A probe is a TCP connection opened and closed: it tests the
+path between the two machines' addresses, not a device fabric (NCCL over InfiniBand takes another path), with a bound
+of :data:`PROBE_TIMEOUT_S`.
 """
 from __future__ import annotations
 
@@ -32,7 +35,8 @@ from typing import Any
 from .sockets import route_address
 
 ADDRESS_KEY = "odyssey/reach_at/{}"  # rank -> "ip:port" of its listener
-ASK_KEY = "odyssey/reach/ask"  # JSON {"round": id, "ranks": [...]}: each of those ranks probes the others
+ASK_KEY = "odyssey/reach/ask"  # JSON {"round": id, "ranks": [...], "machines": [[rank, [address, ...]], ...]}: each
+# of those ranks probes the others' machines (each through its ranks' listeners, the asked rank's first)
 ANSWER_KEY = "odyssey/reach/{}/{}"  # (round, rank) -> JSON list of the ranks it reached
 PROBE_TIMEOUT_S = 2.0
 PROBE_THREADS = 32
@@ -66,31 +70,33 @@ class Listener(threading.Thread):
         self.sock.close()
 
 
-def probe(addresses: dict[int, str], timeout_s: float = PROBE_TIMEOUT_S) -> list[int]:
-    """The machines of ``addresses`` (the rank asked for each machine -> its "ip:port") whose kernel answered a
-    connection within ``timeout_s``: it accepted, or refused it (nothing listens on that port now, but the path
-    works)."""
-    def reaches(item: tuple[int, str]) -> int | None:
-        rank, address = item
-        host, _, port = address.rpartition(":")
-        try:
-            socket.create_connection((host, int(port)), timeout=timeout_s).close()
-            return rank
-        except ConnectionRefusedError:
-            return rank
-        except (OSError, ValueError):  # (timed out, unroutable; a malformed address)
-            return None
+def probe(machines: dict[int, list[str]], timeout_s: float = PROBE_TIMEOUT_S) -> list[int]:
+    """The machines of ``machines`` (the rank asked for each machine -> the "ip:port" of its ranks' listeners, that
+    rank's first) that accepted a connection within ``timeout_s``. A refusal tries the machine's next listener (that
+    rank may be gone, or a firewall rejects); a timeout or no route ends the machine's probe (its path fails)."""
+    def reaches(item: tuple[int, list[str]]) -> int | None:
+        machine, addresses = item
+        for address in addresses:
+            host, _, port = address.rpartition(":")
+            try:
+                socket.create_connection((host, int(port)), timeout=timeout_s).close()
+                return machine
+            except ConnectionRefusedError:
+                continue
+            except (OSError, ValueError):  # (timed out, unroutable; a malformed address)
+                return None
+        return None
 
-    if not addresses:
+    if not machines:
         return []
-    with ThreadPoolExecutor(min(PROBE_THREADS, len(addresses))) as pool:
-        return sorted(r for r in pool.map(reaches, sorted(addresses.items())) if r is not None)
+    with ThreadPoolExecutor(min(PROBE_THREADS, len(machines))) as pool:
+        return sorted(m for m in pool.map(reaches, sorted(machines.items())) if m is not None)
 
 
 class Prober:
     """A rank's side, driven by its heartbeat thread: says its listener's address to each store it beats to, and
-    answers each round the agent asks it for (for its machine: the peers it probes are one rank of each other machine,
-    and ``probe`` counts a refusal as reached). The probes run in a thread of their own (the beats go on meanwhile); the
+    answers each round the agent asks it for (for its machine: it probes each other machine, through the listeners
+    of that machine's ranks, ``probe``). The probes run in a thread of their own (the beats go on meanwhile); the
     heartbeat thread writes the answer at its next beat (a store client is not shared between threads)."""
 
     def __init__(self, ident: int, store_host: str, store_port: int):
@@ -116,12 +122,9 @@ class Prober:
         if ask["round"] == self.answered or self.ident not in ask["ranks"]:
             return
         self.answered = ask["round"]
-        peers = [r for r in ask["ranks"] if r != self.ident]
-        said = [ADDRESS_KEY.format(r) for r in peers]
-        known = [r for r, key in zip(peers, said) if store.check([key])]
-        addresses = dict(zip(known, (v.decode() for v in store.multi_get([ADDRESS_KEY.format(r) for r in known]))))
+        targets = {machine: addresses for machine, addresses in ask["machines"] if machine != self.ident}
         result: list[list[int]] = []
-        thread = threading.Thread(target=lambda: result.append(probe(addresses)), daemon=True,
+        thread = threading.Thread(target=lambda: result.append(probe(targets)), daemon=True,
                                   name="odyssey-reach-probe")
         thread.start()
         self.running = (ANSWER_KEY.format(ask["round"], self.ident), thread, result)

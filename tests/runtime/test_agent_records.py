@@ -376,13 +376,26 @@ def test_a_slow_rank_dropped_as_the_others_ended_the_job_is_not_a_failure(tmp_pa
         finishing.kill()
 
 
-def test_machines_that_no_longer_reach_one_of_them_keep_the_largest_set_that_all_do(tmp_path, capsys) -> None:
+def _refused_address(host: str) -> str:
+    """An "ip:port" at ``host`` whose connections are refused now (nothing listens there)."""
+    import socket
+
+    gone = socket.create_server((host, 0))
+    address = f"{host}:{gone.getsockname()[1]}"
+    gone.close()
+    return address
+
+
+@pytest.mark.parametrize("cut", ["silent", "rejecting"])
+def test_machines_that_no_longer_reach_one_of_them_keep_the_largest_set_that_all_do(tmp_path, capsys, cut) -> None:
     """Five stand-in ranks on three machines (addresses on the loopback: ranks 0 and 1 at 127.0.0.1, rank 2 at
     127.0.0.2, ranks 3 and 4 at 127.0.0.3), each with its heartbeat's prober (``runtime.reachability``) ticking in a
     thread. Where they stopped together, the agent asks one rank per machine who reaches whom. Every machine reaching
     every other, it fences nobody and the old rule stands; once nobody can open a connection to machine 127.0.0.3
-    any more (its address answers nothing), though its ranks reach the others, it keeps ranks 0-2, whose machines all
-    reach each other, and fences ranks 3 and 4 (their processes are killed) with why."""
+    any more, though its ranks reach the others, it keeps ranks 0-2, whose machines all reach each other, and fences
+    ranks 3 and 4 (their processes are killed) with why. The cut: a ``silent`` machine answers nothing (a failed
+    link drops the packets); a ``rejecting`` one refuses every connection to its ranks' ports (a firewall's reset),
+    though its ranks live and listen: a refusal from the rank asked is not taken for reach."""
     import threading
     from datetime import timedelta
 
@@ -418,10 +431,13 @@ def test_machines_that_no_longer_reach_one_of_them_keep_the_largest_set_that_all
         agent = Agent(cfg, None, tmp_path, procs={i: LocalRank(p) for i, p in enumerate(ranks)}, store=store)
         time.sleep(0.5)  # (each prober said its address)
         assert agent._partitioned("a test's ranks stopped together") == set()  # all reach all: nobody fenced
-        assert json.loads(store.get(ASK_KEY))["ranks"] == [0, 2, 3]  # (one rank per machine)
+        ask = json.loads(store.get(ASK_KEY))
+        assert ask["ranks"] == [0, 2, 3]  # (one rank per machine, each probed through its machine's listeners)
+        assert ask["machines"] == [[0, [probers[0].address, probers[1].address]], [2, [probers[2].address]],
+                                   [3, [probers[3].address, probers[4].address]]]
         with silent_address("127.0.0.3") as silent:
             for prober in probers[3:]:  # nobody reaches machine 127.0.0.3 now
-                prober.address, prober.said_to = silent, None
+                prober.address, prober.said_to = silent if cut == "silent" else _refused_address("127.0.0.3"), None
             time.sleep(0.5)
             assert agent._partitioned("ranks [2, 3] stopped inside a collective together") == {3, 4}
         assert ranks[3].wait(timeout=30) == -9 and ranks[4].wait(timeout=30) == -9

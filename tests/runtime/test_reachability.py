@@ -73,35 +73,45 @@ def test_ranks_are_grouped_into_machines_by_the_address_they_reach_the_agent_fro
     assert machines({}) == {}
 
 
+def _refused_address(host: str = "127.0.0.1") -> str:
+    """An "ip:port" whose connections are refused now (nothing listens there), as a gone rank's port, or any port
+    behind a firewall that rejects, answers."""
+    gone = socket.create_server((host, 0))
+    address = f"{host}:{gone.getsockname()[1]}"
+    gone.close()
+    return address
+
+
 def test_each_rank_probes_its_peers_and_answers_the_agents_round() -> None:
-    """Three ranks' probers on one real store; a fourth rank at an address that answers nothing (its machine gone
-    silent), a fifth at one that refuses (its process is gone, its machine's kernel answers): each of the first two
-    answers that it reaches the other, not the fourth, and the fifth (the path to its machine works); a rank asked
-    nothing answers nothing."""
+    """Three ranks' probers on one real store, each its own machine; a fourth machine that answers nothing (gone
+    silent); a fifth whose first rank is gone (refused) while its second listens; a sixth whose every listener
+    refuses (a firewall that rejects what it does not let through): each of the first two answers that it reaches
+    the other and the fifth (through its second rank), not the fourth nor the sixth; a rank asked nothing answers
+    nothing."""
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     probers = [Prober(i, "127.0.0.1", port) for i in range(3)]
-    gone = socket.create_server(("127.0.0.1", 0))
-    store.set(ADDRESS_KEY.format(4), f"127.0.0.1:{gone.getsockname()[1]}")
-    gone.close()  # (nothing listens there now: refused)
     with silent_address("127.0.0.3") as silent:
-        store.set(ADDRESS_KEY.format(3), silent)
         for p in probers:
             p.tick(store)  # says its address
         assert route_address("127.0.0.1", port) == "127.0.0.1"
-        store.set(ASK_KEY, json.dumps({"round": 1, "ranks": [0, 1, 3, 4]}))  # rank 2 is not asked this round
-        keys = [ANSWER_KEY.format(1, i) for i in (0, 1)]
+        assert store.get(ADDRESS_KEY.format(0)).decode() == probers[0].address
+        listeners = [[0, [probers[0].address]], [1, [probers[1].address]], [3, [silent]],
+                     [4, [_refused_address(), probers[2].address]], [6, [_refused_address(), _refused_address()]]]
+        store.set(ASK_KEY, json.dumps({"round": 1, "ranks": [0, 1, 3, 4, 6], "machines": listeners}))
+        keys = [ANSWER_KEY.format(1, i) for i in (0, 1)]  # (rank 2 is not asked this round)
         for _ in range(200):
             for p in probers:
                 p.tick(store)
             if store.check(keys):
                 break
             time.sleep(0.05)
-        assert [json.loads(store.get(k)) for k in keys] == [[1, 4], [0, 4]]  # not rank 3's machine
+        assert [json.loads(store.get(k)) for k in keys] == [[1, 4], [0, 4]]
         assert not store.check([ANSWER_KEY.format(1, 2)])
-        assert probe({2: probers[2].address, 3: silent, 4: "127.0.0.1:9"}, 1.0) == [2, 4]  # (port 9: refused)
+        assert probe({2: [probers[2].address], 3: [silent, probers[0].address], 4: ["127.0.0.1:9"]}, 1.0) == [2]
+        # (a timeout ends a machine's probe: its path fails, whatever listens behind it; port 9 refuses)
 
 
 @pytest.mark.parametrize("address", ["127.0.0.1:notaport", "no-port"])
 def test_an_address_that_cannot_be_probed_is_not_reached(address: str) -> None:
-    assert probe({5: address}, 0.5) == []
+    assert probe({5: [address]}, 0.5) == [] and probe({5: []}, 0.5) == []
