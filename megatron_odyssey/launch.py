@@ -609,7 +609,8 @@ def standby_node(args: argparse.Namespace, local: dict[int, LocalRank], agent_st
                             name="odyssey-node-agent", daemon=True)
     node.start()
     watcher = Standby(store, (args.master_addr, args.odyssey_port), args.workdir / "standby.steps.jsonl",
-                      log=lambda msg: print(f"[odyssey standby, node 1] {msg}", file=sys.stderr, flush=True))
+                      log=lambda msg: print(f"[odyssey standby, node 1] {msg}", file=sys.stderr, flush=True),
+                      ranks=args.nnodes * args.nproc_per_node)
     cfg_text = None
     while cfg_text is None:  # the job's config, while the agent is there to give it
         try:

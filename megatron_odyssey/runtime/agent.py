@@ -574,26 +574,13 @@ class Agent:
         return {i: v.decode() for i, v in zip(said, values)}
 
     def _check_names(self, lookup: Callable[[str], Any] | None = None, wait: bool = False) -> None:
-        """Says on the terminal, once, where naming a rank's machine by its address is slow: this store's one thread
-        does it for every new connection (c10d; ``control_plane.serve``), so every rank waits for it at start-up, and
-        again at each reconnection and takeover. Timed in a thread of its own (a slow lookup stops the thread that
-        makes it); ``lookup``, ``wait``: for tests."""
-        hosts = sorted({a.rpartition(":")[0] for a in self._said_addresses(self.members()).values()})
-        hosts = [h for h in hosts if h and not h.startswith("127.")]  # (the loopback is named by /etc/hosts)
+        """Says on the terminal, once, where naming a rank's machine by its address is slow
+        (``control_plane.say_slow_names``): this store names every new connection's peer so, at start-up, and again at
+        each reconnection and takeover. ``lookup``, ``wait``: for tests."""
+        from .control_plane import named_hosts, say_slow_names
 
-        def check() -> None:
-            from .control_plane import slow_name
-
-            slow = slow_name(hosts, lookup=lookup)
-            if slow is not None:
-                self.log_error(f"naming machine {slow[0]} by its address (a reverse DNS lookup) took {slow[1]:.1f} s "
-                               f"on this machine: the job's store names each new connection's peer so, in its one "
-                               f"thread, and every rank waits meanwhile (at start-up, and at each reconnection and "
-                               f"takeover). List the job's machines in /etc/hosts on the agent's and the standby's "
-                               f"machines, or mend their DNS")
-
-        thread = threading.Thread(target=check, daemon=True, name="odyssey-name-check")
-        thread.start()
+        thread = say_slow_names(named_hosts(list(self._said_addresses(self.members()).values())), self.log_error,
+                                lookup)
         if wait:
             thread.join()
 

@@ -167,6 +167,7 @@ def check_open_files(ranks: int, machines: int, local_ranks: int, role: str) -> 
 
 
 SLOW_NAME_S = 1.0  # a reverse lookup this slow stalls a control store visibly (see serve)
+NAMES_WAIT_S = 120.0  # a standby names the ranks' machines once all said where they listen, or this long on
 
 
 def slow_name(hosts: list[str], limit_s: float = SLOW_NAME_S,
@@ -188,6 +189,31 @@ def slow_name(hosts: list[str], limit_s: float = SLOW_NAME_S,
         if took > limit_s:
             return host, took
     return None
+
+
+def named_hosts(addresses: list[str]) -> list[str]:
+    """The machines a store here names, from the ranks' "ip:port" (``reachability.ADDRESS_KEY``): each address once,
+    the loopback left out (/etc/hosts names it)."""
+    hosts = {a.rpartition(":")[0] for a in addresses}
+    return sorted(h for h in hosts if h and not h.startswith("127."))
+
+
+def say_slow_names(hosts: list[str], say: Callable[[str], None],
+                   lookup: Callable[[str], Any] | None = None) -> threading.Thread:
+    """Times naming ``hosts`` (:func:`slow_name`) in a thread of its own (a slow lookup stops the thread that makes
+    it), and ``say``s the first slow one, once, with the remedy: the store here names each new connection's peer so,
+    in its one thread (:func:`serve`), and every rank waits meanwhile. The thread, started."""
+    def check() -> None:
+        slow = slow_name(hosts, lookup=lookup)
+        if slow is not None:
+            say(f"naming machine {slow[0]} by its address (a reverse DNS lookup) took {slow[1]:.1f} s on this "
+                f"machine: the job's store names each new connection's peer so, in its one thread, and every rank "
+                f"waits meanwhile (at start-up, and at each reconnection and takeover). List the job's machines in "
+                f"/etc/hosts on the agent's and the standby's machines, or mend their DNS")
+
+    thread = threading.Thread(target=check, daemon=True, name="odyssey-name-check")
+    thread.start()
+    return thread
 
 
 def every_interface(address: str) -> str:
@@ -352,6 +378,9 @@ class Standby:
     same_machine: bool = False
     announce_s: float = ANNOUNCE_S
     log: Callable[[str], None] = lambda msg: print(f"[odyssey standby] {msg}", flush=True)
+    ranks: int = 0  # the job's ranks, whose machines this standby times naming (0: none; on the agent's machine the
+    # agent does, for both)
+    name_lookup: Callable[[str], Any] | None = None  # (tests: what say_slow_names times)
     seen: int = -1  # the newest commit (its number) whose record was copied
     lost_since: float | None = None
     last_contact: float = field(default_factory=time.time)
@@ -362,6 +391,7 @@ class Standby:
         self.steps_path.write_text("")
         self._agent: Any = None
         self.agent_answer = "accepted"  # how the agent's machine last answered a connection (knock)
+        self.names_asked = 0.0  # when the agent's store was last asked where the ranks listen (None: names checked)
 
     def watch(self) -> dict[str, Any] | int:
         """Until the agent ends the job (its exit code) or is lost (the state to take over with)."""
@@ -377,6 +407,7 @@ class Standby:
             if self._agent_answers():
                 self.lost_since = None
                 self.last_contact = time.time()
+                self._check_names()
             else:
                 now = time.time()
                 if self.lost_since is None:
@@ -414,6 +445,28 @@ class Standby:
             self.agent_answer = "silent"
         self._agent = None
         return False
+
+    def _check_names(self) -> None:
+        """Once, when every rank said in the agent's store where it listens (or ``NAMES_WAIT_S`` on, those that did):
+        times naming their machines on this machine (:func:`say_slow_names`). This standby's store names them too, at
+        their connections (each rank holds its clients from the start, ``ControlPlane.ready``) and at a takeover,
+        and this machine's resolver is not the agent's. Asked at most once a second."""
+        from .reachability import ADDRESS_KEY
+
+        if not self.ranks or self.names_asked is None or time.time() - self.names_asked < 1.0:
+            return
+        self.names_asked = time.time()
+        keys = [ADDRESS_KEY.format(i) for i in range(self.ranks)]
+        try:
+            if not self._agent.check(keys):
+                if time.time() - self.started < NAMES_WAIT_S:
+                    return
+                keys = [k for k in keys if self._agent.check([k])]
+            addresses = [v.decode() for v in self._agent.multi_get(keys)] if keys else []
+        except Exception:  # noqa: BLE001 - a broken connection: the next probe knocks, and this is asked again
+            return
+        self.names_asked = None
+        say_slow_names(named_hosts(addresses), self.log, self.name_lookup)
 
     def _agent_process_alive(self) -> bool:
         """On one machine: whether the agent's process lives (its pid from its state, or, while it is still

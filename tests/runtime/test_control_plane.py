@@ -285,6 +285,45 @@ def test_slow_name_times_the_reverse_lookup_c10d_makes():
     assert slow_name(["10.0.0.1", "10.0.0.2"], limit_s=0.1, lookup=failing)[0] == "10.0.0.1"
 
 
+@pytest.mark.parametrize("said", ["every rank", "one rank never"])
+def test_a_standby_on_another_machine_times_naming_the_ranks_machines_there(tmp_path, monkeypatch, said):
+    """The standby's store names the ranks' machines on its own machine (its resolver is not the agent's): once the
+    ranks said in the agent's store where they listen, the standby times one reverse lookup per machine and says the
+    first slow one, once, with the remedy (here: a lookup that takes 1.2 s for 10.0.0.8; the loopback is not looked
+    up). Where a rank never says, it names the machines of those that did once ``NAMES_WAIT_S`` passed."""
+    from megatron_odyssey.runtime import control_plane
+    from megatron_odyssey.runtime.reachability import ADDRESS_KEY
+
+    monkeypatch.setattr(control_plane, "NAMES_WAIT_S", 1.0)
+    agent_port = free_port()
+    agent_store = _master(agent_port)
+    looked_up: list[str] = []
+    said_lines: list[str] = []
+
+    def lookup(host: str) -> None:
+        looked_up.append(host)
+        time.sleep(1.2 if host == "10.0.0.8" else 0.0)
+
+    standby = Standby(_master(free_port()), ("127.0.0.1", agent_port), tmp_path / "steps.jsonl", poll_s=0.01,
+                      log=said_lines.append, ranks=4, name_lookup=lookup)
+    addresses = ["10.0.0.7:4100", "127.0.0.1:4101", "10.0.0.8:4102", "10.0.0.8:4103"]
+    for ident, address in enumerate(addresses if said == "every rank" else addresses[:3]):
+        agent_store.set(ADDRESS_KEY.format(ident), address)
+    watching = threading.Thread(target=standby.watch, daemon=True)
+    watching.start()
+    deadline = time.time() + 30
+    while not any("naming machine" in line for line in said_lines) and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.5)  # (time to look up again, were it to)
+    standby.store.set(FINISHED_KEY, "0")
+    watching.join(10)
+    assert not watching.is_alive()
+    assert looked_up == ["10.0.0.7", "10.0.0.8"]
+    (line,) = [line for line in said_lines if "naming machine" in line]
+    assert line.startswith("naming machine 10.0.0.8 by its address (a reverse DNS lookup) took 1.") and \
+        "List the job's machines in /etc/hosts on the agent's and the standby's machines" in line, line
+
+
 def _master(port: int):
     return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
 
