@@ -91,6 +91,7 @@ STEPPED_DOWN_EXIT = 4  # an agent or standby on the smaller side of a partition 
 # after a takeover, how long a rank's heartbeat may take to reach the new agent: its new store client costs a reverse
 # lookup of the address in c10d, where one dropped DNS packet costs the resolver's 5 s (control_plane.serve)
 TAKEOVER_RECONNECT_S = 10.0
+REACH_ASKS = 2  # a reachability round asks a machine through this many of its ranks at most, one after the other
 
 
 def preload(sleep_mode: bool) -> None:
@@ -547,24 +548,35 @@ class Agent:
         """One round of ``reachability``: the machines of ``ranks`` (a machine's first rank -> its ranks) and each
         machine's reached machines, from those that answered in time. One rank per machine is asked, its first
         whose heartbeat is fresh (that thread answers, whatever the main thread is stuck in), and it is probed first
-        (the machine's other ranks' listeners where it refuses); only ranks that said where they listen count."""
+        (the machine's other ranks' listeners where it refuses). A machine whose rank asked did not answer is asked
+        once more, through its next rank, alone (the others' answers stand). Only ranks that said where they listen
+        count."""
         said = self._said_addresses(ranks)
         members = reachability.machines(said)
         if len(members) < 2:
             return members, {}
         now = time.time()
-        voice = {next((i for i in group if not self._stale(i, now)), group[0]): m for m, group in members.items()}
-        self.reach_round += 1
-        round_id = f"{os.getpid()}-{self.reach_round}"  # (a standby's rounds are not a lost agent's)
-        keys = {i: reachability.ANSWER_KEY.format(round_id, i) for i in voice}
-        asked = [[i, [said[r] for r in sorted(members[m], key=lambda r: r != i)]] for i, m in sorted(voice.items())]
-        self.store.set(reachability.ASK_KEY, json.dumps({"round": round_id, "ranks": sorted(voice), "machines": asked}))
-        rounds = 1 + len(voice) // reachability.PROBE_THREADS
-        deadline = time.time() + rounds * reachability.PROBE_TIMEOUT_S + 3 * self.cfg.heartbeat_interval_s + 2.0
-        while time.time() < deadline and not self.store.check(list(keys.values())):
-            time.sleep(0.05)
-        return members, {voice[i]: {voice[r] for r in json.loads(self.store.get(k)) if r in voice}
-                         for i, k in keys.items() if self.store.check([k])}
+        speakers = {m: sorted(group, key=lambda i: self._stale(i, now)) for m, group in members.items()}
+        reach: dict[int, set[int]] = {}
+        for attempt in range(REACH_ASKS):
+            voice = {speakers[m][attempt]: m for m in members if m not in reach and attempt < len(speakers[m])}
+            if not voice:
+                break
+            self.reach_round += 1
+            round_id = f"{os.getpid()}-{self.reach_round}"  # (a standby's rounds are not a lost agent's)
+            first = {m: i for i, m in voice.items()}
+            listeners = [[m, [said[r] for r in sorted(group, key=lambda r: r != first.get(m))]]
+                         for m, group in sorted(members.items())]
+            self.store.set(reachability.ASK_KEY, json.dumps({"round": round_id, "ranks": sorted(voice),
+                                                             "machines": listeners}))
+            keys = {i: reachability.ANSWER_KEY.format(round_id, i) for i in voice}
+            rounds = 1 + len(members) // reachability.PROBE_THREADS
+            deadline = time.time() + rounds * reachability.PROBE_TIMEOUT_S + 3 * self.cfg.heartbeat_interval_s + 2.0
+            while time.time() < deadline and not self.store.check(list(keys.values())):
+                time.sleep(0.05)
+            reach.update({voice[i]: {m for m in json.loads(self.store.get(k)) if m in members}
+                          for i, k in keys.items() if self.store.check([k])})
+        return members, reach
 
     def _said_addresses(self, ranks: list[int]) -> dict[int, str]:
         """Where each of ``ranks`` that said so listens for reachability probes ("ip:port", ``reachability.Prober``):

@@ -18,7 +18,8 @@ route did not. A refused one is no proof either way: the rank listening there ma
 works, or a firewall between the two machines may reject (reset) what it does not let through. So where the rank
 probed refuses, the machine's other ranks' listeners are tried in turn, and the machine counts as reached only when
 one of them accepts (a machine whose every rank is gone does not answer the round, and so is neither kept nor cut by
-it). The ranks' side: each listens on a port of its own; its heartbeat thread, which runs while the main thread is
+it). A machine whose rank asked does not answer is asked again through its next rank (``Agent._reach_round``).
+The ranks' side: each listens on a port of its own; its heartbeat thread, which runs while the main thread is
 stuck in a collective, answers a round (:class:`Prober`). A probe is a TCP connection opened and closed: it tests the
 path between the two machines' addresses, not a device fabric (NCCL over InfiniBand takes another path), with a bound
 of :data:`PROBE_TIMEOUT_S`.
@@ -35,9 +36,9 @@ from typing import Any
 from .sockets import route_address
 
 ADDRESS_KEY = "odyssey/reach_at/{}"  # rank -> "ip:port" of its listener
-ASK_KEY = "odyssey/reach/ask"  # JSON {"round": id, "ranks": [...], "machines": [[rank, [address, ...]], ...]}: each
-# of those ranks probes the others' machines (each through its ranks' listeners, the asked rank's first)
-ANSWER_KEY = "odyssey/reach/{}/{}"  # (round, rank) -> JSON list of the ranks it reached
+ASK_KEY = "odyssey/reach/ask"  # JSON {"round": id, "ranks": [...], "machines": [[machine, [address, ...]], ...]}:
+# each of those ranks probes the machines but its own (each through its ranks' listeners, in that order)
+ANSWER_KEY = "odyssey/reach/{}/{}"  # (round, rank) -> JSON list of the machines it reached
 PROBE_TIMEOUT_S = 2.0
 PROBE_THREADS = 32
 
@@ -122,7 +123,7 @@ class Prober:
         if ask["round"] == self.answered or self.ident not in ask["ranks"]:
             return
         self.answered = ask["round"]
-        targets = {machine: addresses for machine, addresses in ask["machines"] if machine != self.ident}
+        targets = {machine: addresses for machine, addresses in ask["machines"] if self.address not in addresses}
         result: list[list[int]] = []
         thread = threading.Thread(target=lambda: result.append(probe(targets)), daemon=True,
                                   name="odyssey-reach-probe")

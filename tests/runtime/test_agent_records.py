@@ -386,7 +386,7 @@ def _refused_address(host: str) -> str:
     return address
 
 
-@pytest.mark.parametrize("cut", ["silent", "rejecting"])
+@pytest.mark.parametrize("cut", ["silent", "rejecting", "silent, its first rank mute"])
 def test_machines_that_no_longer_reach_one_of_them_keep_the_largest_set_that_all_do(tmp_path, capsys, cut) -> None:
     """Five stand-in ranks on three machines (addresses on the loopback: ranks 0 and 1 at 127.0.0.1, rank 2 at
     127.0.0.2, ranks 3 and 4 at 127.0.0.3), each with its heartbeat's prober (``runtime.reachability``) ticking in a
@@ -395,7 +395,9 @@ def test_machines_that_no_longer_reach_one_of_them_keep_the_largest_set_that_all
     any more, though its ranks reach the others, it keeps ranks 0-2, whose machines all reach each other, and fences
     ranks 3 and 4 (their processes are killed) with why. The cut: a ``silent`` machine answers nothing (a failed
     link drops the packets); a ``rejecting`` one refuses every connection to its ranks' ports (a firewall's reset),
-    though its ranks live and listen: a refusal from the rank asked is not taken for reach."""
+    though its ranks live and listen: a refusal from the rank asked is not taken for reach. Where the rank asked for
+    machine 127.0.0.3 (rank 3) does not answer (``mute``: its heartbeat thread stops ticking), the machine is asked
+    once more through rank 4, alone."""
     import threading
     from datetime import timedelta
 
@@ -412,6 +414,7 @@ def test_machines_that_no_longer_reach_one_of_them_keep_the_largest_set_that_all
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     ranks = [start_sleeper(120.0) for _ in range(5)]
     stop = threading.Event()
+    mute: set[int] = set()
     probers = [Prober(i, "127.0.0.1", port) for i in range(5)]
     for prober, machine in zip(probers, (1, 1, 2, 3, 3)):
         prober.address = f"127.0.0.{machine}:{prober.listener.port}"  # (its listener takes every local address)
@@ -419,7 +422,8 @@ def test_machines_that_no_longer_reach_one_of_them_keep_the_largest_set_that_all
     def beat(prober: Prober) -> None:  # as its heartbeat thread: its own store client, a tick a beat
         client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
         while not stop.is_set():
-            prober.tick(client)
+            if prober.ident not in mute:
+                prober.tick(client)
             stop.wait(0.1)
 
     threads = [threading.Thread(target=beat, args=(p,), daemon=True) for p in probers]
@@ -437,9 +441,12 @@ def test_machines_that_no_longer_reach_one_of_them_keep_the_largest_set_that_all
                                    [3, [probers[3].address, probers[4].address]]]
         with silent_address("127.0.0.3") as silent:
             for prober in probers[3:]:  # nobody reaches machine 127.0.0.3 now
-                prober.address, prober.said_to = silent if cut == "silent" else _refused_address("127.0.0.3"), None
+                prober.address, prober.said_to = _refused_address("127.0.0.3") if cut == "rejecting" else silent, None
             time.sleep(0.5)
+            if "mute" in cut:
+                mute.add(3)
             assert agent._partitioned("ranks [2, 3] stopped inside a collective together") == {3, 4}
+            assert json.loads(store.get(ASK_KEY))["ranks"] == ([4] if "mute" in cut else [0, 2, 3])
         assert ranks[3].wait(timeout=30) == -9 and ranks[4].wait(timeout=30) == -9
         assert all(p.poll() is None for p in ranks[:3])
         out = capsys.readouterr().out
