@@ -6,7 +6,12 @@ case, without this rule, both agents recover with the ranks they still reach, an
 of the model both train on: two copies of one job, each writing checkpoints and the report.
 
 The rule, after an agent and its standby lost each other silently (a machine that refuses the connection has lost
-the process, not the network: its agent can never come back, and no rule is needed):
+the process, not the network: its agent can never come back, and no rule is needed. This assumes that a cut drops
+packets, as a failed link, switch port or cloud security group does: a firewall between the two machines that
+*rejects* them, with a reset as a closed port answers, would be taken for a lost process on both sides. Here, unlike
+in a reachability round (``runtime.reachability``, where the rank probed is known to live because it answered),
+nothing tells the two apart: our every process on a machine being gone looks the same, and that is how a preempted
+spot machine goes, which must not cost a two-machine job its run):
 
 - the agent starts a new generation only with **more than half** of the ranks of the generation its standby last
   received (the reference); otherwise it steps down;
