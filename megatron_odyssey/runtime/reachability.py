@@ -72,8 +72,8 @@ class Listener(threading.Thread):
 
 
 def probe(machines: dict[int, list[str]], timeout_s: float = PROBE_TIMEOUT_S) -> list[int]:
-    """The machines of ``machines`` (the rank asked for each machine -> the "ip:port" of its ranks' listeners, that
-    rank's first) that accepted a connection within ``timeout_s``. A refusal tries the machine's next listener (that
+    """The machines of ``machines`` (a machine -> the "ip:port" of its ranks' listeners, in the order to try them)
+    that accepted a connection within ``timeout_s``. A refusal tries the machine's next listener (that
     rank may be gone, or a firewall rejects); a timeout or no route ends the machine's probe (its path fails)."""
     def reaches(item: tuple[int, list[str]]) -> int | None:
         machine, addresses = item
