@@ -22,7 +22,8 @@ setup(
         # psutil: megatron-core's torch_dist checkpoint writers need it (without it a save hangs on 0.13-0.16, the
         # pinned wheel's line, and fails on 0.17+)
         "runtime": ["torch==2.13.0", "megatron-core==0.16.1", "psutil"],
-        "test": ["pytest", "pytest-xdist", "filelock"],
+        # dnspython: testing.slow_dns, a late name server (benchmarks/bench_store_names.py and its test)
+        "test": ["pytest", "pytest-xdist", "filelock", "dnspython"],
     },
     entry_points={"console_scripts": ["odyssey=megatron_odyssey.cli:main",
                                      "odyssey-launch=megatron_odyssey.launch:main"]},

@@ -592,7 +592,7 @@ class Agent:
         from .control_plane import named_hosts, say_slow_names
 
         thread = say_slow_names(named_hosts(list(self._said_addresses(self.members()).values())), self.log_error,
-                                lookup)
+                                len(self.members()), lookup)
         if wait:
             thread.join()
 

@@ -1,0 +1,60 @@
+"""A control store names each new connection's peer on its own machine before it serves it (c10d's server thread;
+``runtime.control_plane.serve``): where that machine's resolver is slow, every new connection waits for it, and where
+/etc/hosts names the peer's machine, the resolver is never asked. The premise of the agent's and the standby's
+slow-name line and its remedy (``control_plane.say_slow_names``), and of ``benchmarks/bench_store_names.py``. Two
+machines behind a router (network namespaces: root and iproute2), a real store, a real name server that answers late
+(``testing.slow_dns``)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from megatron_odyssey.runtime.control_plane import free_port
+from megatron_odyssey.testing.network_namespace import Unavailable, routed_machines
+from megatron_odyssey.testing.slow_dns import reverse_name, slow_names
+
+DELAY_S = 0.4
+SERVER = ("import sys, time; from megatron_odyssey.runtime.control_plane import serve; "
+          "s = serve('0.0.0.0', int(sys.argv[1]), 60); print('up', flush=True); time.sleep(600)")
+CLIENTS = ("import json, sys, time; from megatron_odyssey.runtime.control_plane import client\n"
+           "took = []\n"
+           "for _ in range(4):\n"
+           "    t = time.monotonic(); c = client((sys.argv[1], int(sys.argv[2])), 60); c.check(['x'])\n"
+           "    took.append(time.monotonic() - t)\n"
+           "print(json.dumps(took))")
+
+
+@pytest.fixture(scope="module")
+def machines():
+    try:
+        with routed_machines(2) as lab:
+            yield lab
+    except Unavailable as why:
+        pytest.skip(f"no second machine here: {why}")
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["resolver", "etc-hosts"])
+def test_a_store_serves_a_new_connection_once_its_machine_named_the_peer(machines, named):
+    store_machine, ranks_machine = machines.machines
+    port = free_port()
+    with slow_names(store_machine, DELAY_S, (ranks_machine.ip,) if named else ()) as names:
+        server = store_machine.popen([sys.executable, "-c", SERVER, str(port)], stdout=subprocess.PIPE, text=True)
+        try:
+            assert server.stdout.readline().strip() == "up"
+            done = subprocess.run(["ip", "netns", "exec", ranks_machine.name, sys.executable, "-c", CLIENTS,
+                                   store_machine.ip, str(port)], capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, done.stderr[-2000:]
+            took = json.loads(done.stdout)
+        finally:
+            server.kill()
+            server.wait()
+        asked = names.stop()
+    peer = reverse_name(ranks_machine.ip)
+    if named:
+        assert peer not in asked, asked
+    else:  # each new client waited for its own lookup (an answer that says "no name" is not kept either)
+        assert asked.count(peer) >= 4, asked
+        assert all(t >= DELAY_S for t in took), took
