@@ -5,7 +5,8 @@ for measuring what a control store's reverse lookups cost (``benchmarks/bench_st
 
 Answers each query with NXDOMAIN ("no such name") ``--delay-ms`` after it came, each in a timer of its own (a real
 resolver answers queries side by side); prints "up" once it listens, and, on SIGTERM, the names it answered about
-(a JSON list, in order: "2.4.100.10.in-addr.arpa." is a reverse lookup of 10.100.4.2). UDP on port 53 of ``--at``; needs dnspython (the ``bench`` extra).
+(a JSON list, in order: "2.4.100.10.in-addr.arpa." is a reverse lookup of 10.100.4.2). UDP on port 53 of ``--at``;
+needs dnspython (the ``test`` extra).
 """
 from __future__ import annotations
 
