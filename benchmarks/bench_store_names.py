@@ -25,35 +25,24 @@ import time
 from pathlib import Path
 
 CLIENTS = r"""
-import json, sys, threading, time
+import json, sys, time
+from concurrent.futures import ThreadPoolExecutor
 from megatron_odyssey.runtime.control_plane import client
-address, count = (sys.argv[1], int(sys.argv[2])), int(sys.argv[3])
-live = client(address, 60)
-waits, connects, done = [], [], threading.Event()
-start = time.monotonic()
-def ping():
-    while not done.is_set():
-        t = time.monotonic()
-        live.check(["x"])
-        waits.append((t - start, time.monotonic() - t))
-        time.sleep(0.005)
-pinger = threading.Thread(target=ping)
-pinger.start()
+from megatron_odyssey.testing.store_pinger import Pinger
+address, count, parallel = (sys.argv[1], int(sys.argv[2])), int(sys.argv[3]), int(sys.argv[4])
+pinger, connects = Pinger(client(address, 60)).start(), []
 time.sleep(0.5)
 def connect(_):
     t = time.monotonic()
     fresh = client(address, 60)
     connects.append(time.monotonic() - t)
     return fresh
-from concurrent.futures import ThreadPoolExecutor
-t = time.monotonic()
-with ThreadPoolExecutor(int(sys.argv[4])) as pool:
+burst_from = pinger.since_start()
+with ThreadPoolExecutor(parallel) as pool:
     held = list(pool.map(connect, range(count)))  # (held: ranks keep theirs)
-burst, burst_from = time.monotonic() - t, t - start
+burst = pinger.since_start() - burst_from
 time.sleep(0.5)
-done.set()
-pinger.join()
-print(json.dumps({"waits": waits, "connects": connects, "burst": burst, "burst_from": burst_from}))
+print(json.dumps({"waits": pinger.stop(), "connects": connects, "burst": burst, "burst_from": burst_from}))
 """
 
 SERVER = r"""

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -24,24 +23,12 @@ def measure(kind: str, clients: int) -> dict:
     from datetime import timedelta
 
     from megatron_odyssey.runtime.control_plane import client, free_port, serve
+    from megatron_odyssey.testing.store_pinger import Pinger
 
     port = free_port()
     server = (serve("127.0.0.1", port, 30) if kind == "serve" else
               dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)))
-    live = client(("127.0.0.1", port), 30)
-    waits: list[tuple[float, float]] = []
-    done = threading.Event()
-    start = time.monotonic()
-
-    def ping() -> None:
-        while not done.is_set():
-            t = time.monotonic()
-            live.check(["x"])
-            waits.append((t - start, time.monotonic() - t))
-            time.sleep(0.005)
-
-    pinger = threading.Thread(target=ping)
-    pinger.start()
+    pinger = Pinger(client(("127.0.0.1", port), 30)).start()
     from tqdm import tqdm
 
     connects = []
@@ -54,9 +41,8 @@ def measure(kind: str, clients: int) -> dict:
             pass
         connects.append(time.monotonic() - t)
         time.sleep(0.02)
-    done.set()
-    pinger.join()
-    del live, server
+    waits = pinger.stop()
+    del pinger, server
     only = [w for _, w in waits]
     return {"kind": kind, "waits": waits, "median_ms": 1e3 * statistics.median(only), "worst_s": max(only),
             "stalls": sum(w > 1.0 for w in only), "slow_connects": sum(c > 1.0 for c in connects)}
