@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from .runtime.control_plane import (FENCE_KEY, LEAVING_KEY, free_port,  # (no torch: the launcher starts fast)
-                                    judged_lost_after)
+                                    incarnation_fence_key, judged_lost_after)
 from .runtime.errors import (DUMP_STACKS_KEY, STACKS_ASKED_KEY, STOPPED_EXIT, describe_exit, rank_log_stack,
                              rank_log_traceback)
 from .runtime.joining import CONFIG_KEY, read_job_config  # (rank 0 publishes the config when train() starts)
@@ -165,12 +165,6 @@ class RemoteExits:
                         rank, code = item.split(":")
                         self.codes[int(rank)] = int(code)
         return self.codes.get(ident)
-
-
-def incarnation_fence_key(ident: int, pid: int) -> str:
-    """The fence key of a rank that joined the running job: its own, not its rank's earlier life's (which the
-    agent may set, late, while the replacement is already up)."""
-    return FENCE_KEY.format(f"{ident}.{pid}")
 
 
 class RemoteRank:

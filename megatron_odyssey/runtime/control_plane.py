@@ -615,6 +615,12 @@ def judged_lost_after(heartbeat_timeout_s: float) -> float:
     return silence_bound() + 2 * heartbeat_timeout_s
 
 
+def incarnation_fence_key(ident: int, pid: int) -> str:
+    """The fence key of a rank that joined the running job: its own, not its rank's earlier life's (which the
+    agent may set, late, while the replacement is already up, and writes into the standby's store too)."""
+    return FENCE_KEY.format(f"{ident}.{pid}")
+
+
 @dataclass
 class Followed:
     """Where to go on after a store error (:meth:`ControlPlane.follow`)."""
@@ -627,8 +633,11 @@ class ControlPlane:
     """Where a rank's agent is: its store, and the standby that takes over when it is lost."""
 
     def __init__(self, primary: tuple[str, int], standby: tuple[str, int] | None, ident: int,
-                 wait_s: float = 120.0, lost_after_s: float | None = None):
+                 wait_s: float = 120.0, lost_after_s: float | None = None, fence_key: str | None = None):
         self.current, self.standby, self.ident, self.wait_s = primary, standby, ident, wait_s
+        #: the key whose setting tells this rank to leave after a takeover: its rank's, or, for a rank that joined the
+        #: running job, its own process's (:func:`incarnation_fence_key`: its rank's earlier life may have been fenced)
+        self.fence_key = fence_key or FENCE_KEY.format(ident)
         self.lost_after_s = lost_after_s  # the job has dropped a machine that heard nobody this long (judged_lost_after)
         self.moved = False  # the standby took over: fence keys are watched from now on
         self.lock = threading.Lock()
@@ -639,7 +648,7 @@ class ControlPlane:
 
     @classmethod
     def from_env(cls, primary: tuple[str, int], ident: int, store: Any, wait_s: float,
-                 lost_after_s: float | None = None) -> "ControlPlane":
+                 lost_after_s: float | None = None, fence_key: str | None = None) -> "ControlPlane":
         """Launch mode: the standby (machine 1's launcher) registers its address in the agent's store
         while the ranks start; a job on more than one machine waits for it (``ODYSSEY_STANDBY=expected``)."""
         standby = None
@@ -647,7 +656,7 @@ class ControlPlane:
             from .generation import wait_key
 
             standby = parse_address(wait_key(store, STANDBY_KEY, "the standby agent's address", wait_s).decode())
-        return cls(primary, standby, ident, wait_s, lost_after_s)
+        return cls(primary, standby, ident, wait_s, lost_after_s, fence_key)
 
     def ready(self) -> None:
         """Connects the calling thread to the standby's store now, at start-up (each thread that may follow a
@@ -783,4 +792,4 @@ class ControlPlane:
 
     def fenced(self, store: Any) -> bool:
         """After a takeover: the agent asked this rank (whose launcher may be gone) to leave."""
-        return self.moved and store.check([FENCE_KEY.format(self.ident)])
+        return self.moved and store.check([self.fence_key])
