@@ -646,7 +646,7 @@ def ranks_taken_over(store: Any, world: int, nproc_per_node: int, local: dict[in
 
     exits = RemoteExits(store)
     joined = {int(i): int(pid) for i, pid in state.get("joined", {}).items()}
-    return {i: local.get(i) or (OrphanRank(store, i) if i < nproc_per_node else
+    return {i: local.get(i) or (OrphanRank(store, i, joined_pid=joined.get(i)) if i < nproc_per_node else
                                 RemoteRank(store, i, exits, joined_pid=joined.get(i)))
             for i in range(world)}
 

@@ -567,11 +567,12 @@ class PidRank:
 class OrphanRank:
     """A rank on the lost machine whose launcher is gone with it: nobody reports its exit and nobody can
     kill it. The agent finds it dead by its heartbeat; asked to fence it, it sets the rank's fence key,
-    which the rank's heartbeat thread obeys (:meth:`ControlPlane.fenced`). A rank that finished the job
-    says so (``DONE_KEY``) before it exits."""
+    which the rank's heartbeat thread obeys (:meth:`ControlPlane.fenced`; ``joined_pid``: a rank that joined the
+    running job obeys its own process's key). A rank that finished the job says so (``DONE_KEY``) before it exits."""
 
-    def __init__(self, store: Any, ident: int):
+    def __init__(self, store: Any, ident: int, joined_pid: int | None = None):
         self.store, self.ident, self.code = store, ident, None
+        self.fence_key = FENCE_KEY.format(ident) if joined_pid is None else incarnation_fence_key(ident, joined_pid)
 
     @property
     def exitcode(self) -> int | None:
@@ -580,7 +581,7 @@ class OrphanRank:
         return self.code
 
     def kill(self) -> None:
-        self.store.set(FENCE_KEY.format(self.ident), "1")
+        self.store.set(self.fence_key, "1")
         self.code = -9  # given up on: whatever it does now, it is not in the next generation
 
     def join(self, timeout: float | None = None) -> None:

@@ -393,6 +393,10 @@ def test_after_a_takeover_a_joined_rank_is_asked_about_and_fenced_as_the_process
         assert isinstance(procs[0], OrphanRank) and procs[1] is here[1]
         assert procs[3].joined_pid is None and procs[3].fence_key == FENCE_KEY.format(3)
         assert procs[2].joined_pid == joiner.pid and procs[2].fence_key == incarnation_fence_key(2, joiner.pid)
+        # had it joined on machine 0 (three ranks a machine), orphaned with it, its fence would be its own key too
+        orphaned = ranks_taken_over(standby_store, 4, 3, {}, state)
+        assert isinstance(orphaned[2], OrphanRank) and orphaned[2].fence_key == incarnation_fence_key(2, joiner.pid)
+        assert orphaned[0].fence_key == FENCE_KEY.format(0)
         rank2 = procs[2]
         deadline = time.monotonic() + 20
         while (found := rank2.process_probe.sample()) is None and time.monotonic() < deadline:
