@@ -35,8 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .runtime.control_plane import (FENCE_KEY, LEAVING_KEY, free_port,  # (no torch: the launcher starts fast)
-                                    incarnation_fence_key, judged_lost_after)
+from .runtime.control_plane import (LEAVING_KEY, free_port,  # (no torch: the launcher starts fast)
+                                    judged_lost_after, rank_fence_key)
 from .runtime.errors import (DUMP_STACKS_KEY, STACKS_ASKED_KEY, STOPPED_EXIT, describe_exit, rank_log_stack,
                              rank_log_traceback)
 from .runtime.joining import CONFIG_KEY, read_job_config  # (rank 0 publishes the config when train() starts)
@@ -176,7 +176,7 @@ class RemoteRank:
     def __init__(self, store: Any, ident: int, exits: RemoteExits | None = None, joined_pid: int | None = None):
         self.store, self.ident, self.exits = store, ident, exits or RemoteExits(store, every_s=0.0)
         self.joined_pid = joined_pid
-        self.fence_key = FENCE_KEY.format(ident) if joined_pid is None else incarnation_fence_key(ident, joined_pid)
+        self.fence_key = rank_fence_key(ident, joined_pid)
         self.process_probe = RemoteProcess(store, ident, pid=joined_pid)  # its process, as its node agent samples it
 
     @property
@@ -445,7 +445,7 @@ def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any
     exited or the agent finished the job; follows the standby when it takes over (``control``). Exits with the
     job's code where it learns it (see :func:`await_the_jobs_end`)."""
     reported: set[int] = set()
-    fence = {ident: incarnation_fence_key(ident, p.pid) if getattr(args, "join", None) else FENCE_KEY.format(ident)
+    fence = {ident: rank_fence_key(ident, p.pid if getattr(args, "join", None) else None)
              for ident, p in local.items()}
     stacks = StackRequests(local)
     if control is not None:  # (cut off from the agent's machine only: the standby's store says when they are fenced)

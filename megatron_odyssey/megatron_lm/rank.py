@@ -270,11 +270,11 @@ class MegatronRank(GenerationRank):
         from .stock_trace import StockMessages  # ... and its messages (hooks.traced_p2p)
 
         self.stock_messages = StockMessages(self.node, cfg.pp, cfg.dp, self.stock_timer)
-        from ..runtime.control_plane import ControlPlane, incarnation_fence_key, judged_lost_after
+        from ..runtime.control_plane import ControlPlane, judged_lost_after
 
         self.control = ControlPlane.from_env(self.store_addr, self.ident, store, cfg.timeout_s,
                                              judged_lost_after(cfg.heartbeat_timeout_s),
-                                             incarnation_fence_key(self.ident, os.getpid()) if joining else None)
+                                             joined_pid=os.getpid() if joining else None)
         if self.control.standby is None:
             self.control = None
         else:

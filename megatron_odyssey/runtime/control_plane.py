@@ -204,7 +204,7 @@ def say_slow_names(hosts: list[str], say: Callable[[str], None], ranks: int,
     it), and ``say``s the first slow one, once, with the remedy and its cost: the store here names each new
     connection's peer so, one connection after another, in its one thread (:func:`serve`), so the ``ranks``' clients
     (:data:`STORE_CLIENTS_PER_RANK` each) are all served only after that many lookups (``bench_store_names.py``: 300
-    clients in 16.9 s with a resolver 50 ms late, 1.9 s with /etc/hosts). The thread, started."""
+    clients in 16.3 s with a resolver 50 ms late, 1.9 s with /etc/hosts). The thread, started."""
     def check() -> None:
         slow = slow_name(hosts, lookup=lookup)
         if slow is not None:
@@ -572,7 +572,7 @@ class OrphanRank:
 
     def __init__(self, store: Any, ident: int, joined_pid: int | None = None):
         self.store, self.ident, self.code = store, ident, None
-        self.fence_key = FENCE_KEY.format(ident) if joined_pid is None else incarnation_fence_key(ident, joined_pid)
+        self.fence_key = rank_fence_key(ident, joined_pid)
 
     @property
     def exitcode(self) -> int | None:
@@ -616,10 +616,11 @@ def judged_lost_after(heartbeat_timeout_s: float) -> float:
     return silence_bound() + 2 * heartbeat_timeout_s
 
 
-def incarnation_fence_key(ident: int, pid: int) -> str:
-    """The fence key of a rank that joined the running job: its own, not its rank's earlier life's (which the
-    agent may set, late, while the replacement is already up, and writes into the standby's store too)."""
-    return FENCE_KEY.format(f"{ident}.{pid}")
+def rank_fence_key(ident: int, joined_pid: int | None = None) -> str:
+    """The key that fences rank ``ident``'s process: its rank's, or, for the process ``joined_pid`` that joined the
+    running job, its own, not its rank's earlier life's (which the agent may set, late, while the replacement is
+    already up, and writes into the standby's store too)."""
+    return FENCE_KEY.format(ident if joined_pid is None else f"{ident}.{joined_pid}")
 
 
 @dataclass
@@ -634,11 +635,11 @@ class ControlPlane:
     """Where a rank's agent is: its store, and the standby that takes over when it is lost."""
 
     def __init__(self, primary: tuple[str, int], standby: tuple[str, int] | None, ident: int,
-                 wait_s: float = 120.0, lost_after_s: float | None = None, fence_key: str | None = None):
+                 wait_s: float = 120.0, lost_after_s: float | None = None, joined_pid: int | None = None):
         self.current, self.standby, self.ident, self.wait_s = primary, standby, ident, wait_s
-        #: the key whose setting tells this rank to leave after a takeover: its rank's, or, for a rank that joined the
-        #: running job, its own process's (:func:`incarnation_fence_key`: its rank's earlier life may have been fenced)
-        self.fence_key = fence_key or FENCE_KEY.format(ident)
+        #: the key whose setting tells this rank to leave after a takeover (``joined_pid``: this process joined the
+        #: running job, and obeys its own key, not its rank's earlier life's)
+        self.fence_key = rank_fence_key(ident, joined_pid)
         self.lost_after_s = lost_after_s  # the job has dropped a machine that heard nobody this long (judged_lost_after)
         self.moved = False  # the standby took over: fence keys are watched from now on
         self.lock = threading.Lock()
@@ -649,7 +650,7 @@ class ControlPlane:
 
     @classmethod
     def from_env(cls, primary: tuple[str, int], ident: int, store: Any, wait_s: float,
-                 lost_after_s: float | None = None, fence_key: str | None = None) -> "ControlPlane":
+                 lost_after_s: float | None = None, joined_pid: int | None = None) -> "ControlPlane":
         """Launch mode: the standby (machine 1's launcher) registers its address in the agent's store
         while the ranks start; a job on more than one machine waits for it (``ODYSSEY_STANDBY=expected``)."""
         standby = None
@@ -657,7 +658,7 @@ class ControlPlane:
             from .generation import wait_key
 
             standby = parse_address(wait_key(store, STANDBY_KEY, "the standby agent's address", wait_s).decode())
-        return cls(primary, standby, ident, wait_s, lost_after_s, fence_key)
+        return cls(primary, standby, ident, wait_s, lost_after_s, joined_pid)
 
     def ready(self) -> None:
         """Connects the calling thread to the standby's store now, at start-up (each thread that may follow a

@@ -393,19 +393,19 @@ def _connections_to(port: int) -> int:
 def test_a_rank_that_joined_obeys_its_own_fence_not_its_earlier_lifes():
     """After a takeover a rank leaves when its fence key is set in the standby's store (``ControlPlane.fenced``).
     The agent writes every fence there, the one of a rank's earlier life too (its machine was lost, and came back:
-    ``odyssey-launch --join``); the process that joined obeys only its own (``incarnation_fence_key``), as its node
+    ``odyssey-launch --join``); the process that joined obeys only its own (``rank_fence_key``), as its node
     agent does. Before, it read its rank's key, and left at the takeover (found by
     ``test_a_rank_that_joined_is_still_judged_by_its_process_after_the_standby_takes_over`` on Megatron-LM main)."""
-    from megatron_odyssey.runtime.control_plane import FENCE_KEY, ControlPlane, incarnation_fence_key
+    from megatron_odyssey.runtime.control_plane import FENCE_KEY, ControlPlane, rank_fence_key
 
     store = _master(free_port())
-    joined = ControlPlane(("127.0.0.1", 1), ("127.0.0.1", 2), 3, fence_key=incarnation_fence_key(3, 4242))
+    joined = ControlPlane(("127.0.0.1", 1), ("127.0.0.1", 2), 3, joined_pid=4242)
     launched = ControlPlane(("127.0.0.1", 1), ("127.0.0.1", 2), 3)
     store.set(FENCE_KEY.format(3), "1")  # the rank's earlier life was fenced
     assert not joined.fenced(store) and not launched.fenced(store)  # (not before a takeover)
     joined.moved = launched.moved = True
     assert launched.fenced(store) and not joined.fenced(store)
-    store.set(incarnation_fence_key(3, 4242), "1")
+    store.set(rank_fence_key(3, 4242), "1")
     assert joined.fenced(store)
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_odyssey.launch import FENCE_KEY, FINISHED_KEY, RemoteExits, RemoteRank, parse, report_exit
+from megatron_odyssey.launch import FINISHED_KEY, RemoteExits, RemoteRank, parse, report_exit
+from megatron_odyssey.runtime.control_plane import FENCE_KEY
 from megatron_odyssey.testing.ports import job_port
 
 ENV_DUMP = """
@@ -524,7 +525,8 @@ def test_a_joined_rank_answers_to_its_own_fence_and_exit_not_its_earlier_lifes(t
     exit, not the earlier life's."""
     import threading
 
-    from megatron_odyssey.launch import exits_reported, incarnation_fence_key
+    from megatron_odyssey.launch import exits_reported
+    from megatron_odyssey.runtime.control_plane import rank_fence_key
     from megatron_odyssey.runtime.joining import JoinRequests, announce
 
     store, address = _job_store(nproc=2, tp=1)
@@ -540,7 +542,7 @@ def test_a_joined_rank_answers_to_its_own_fence_and_exit_not_its_earlier_lifes(t
     requests = JoinRequests()
     assert 1 in requests.poll(store) and requests.launched == {1}
     mine = RemoteRank(store, 1, RemoteExits(store, every_s=0.0, after=exits_reported(store)), joined_pid=pid)
-    assert mine.fence_key == incarnation_fence_key(1, pid) != FENCE_KEY.format(1)
+    assert mine.fence_key == rank_fence_key(1, pid) != FENCE_KEY.format(1)
     store.set(FENCE_KEY.format(1), "1")  # the earlier life's fence, set late
     time.sleep(1.0)
     assert launcher.is_alive() and mine.exitcode is None

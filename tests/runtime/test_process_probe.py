@@ -363,10 +363,10 @@ def test_after_a_takeover_a_joined_rank_is_asked_about_and_fenced_as_the_process
 
     import torch.distributed as dist
 
-    from megatron_odyssey.launch import FENCE_KEY, LocalRank, incarnation_fence_key, ranks_taken_over
+    from megatron_odyssey.launch import LocalRank, ranks_taken_over
     from megatron_odyssey.runtime.agent import Agent
     from megatron_odyssey.runtime.config import TrainConfig
-    from megatron_odyssey.runtime.control_plane import OrphanRank
+    from megatron_odyssey.runtime.control_plane import FENCE_KEY, OrphanRank, rank_fence_key
     from megatron_odyssey.runtime.joining import JOINING_KEY
     from megatron_odyssey.runtime.slow_nodes import Action
 
@@ -392,10 +392,10 @@ def test_after_a_takeover_a_joined_rank_is_asked_about_and_fenced_as_the_process
         procs = ranks_taken_over(standby_store, 4, 1, {1: here[1]}, state)
         assert isinstance(procs[0], OrphanRank) and procs[1] is here[1]
         assert procs[3].joined_pid is None and procs[3].fence_key == FENCE_KEY.format(3)
-        assert procs[2].joined_pid == joiner.pid and procs[2].fence_key == incarnation_fence_key(2, joiner.pid)
+        assert procs[2].joined_pid == joiner.pid and procs[2].fence_key == rank_fence_key(2, joiner.pid)
         # had it joined on machine 0 (three ranks a machine), orphaned with it, its fence would be its own key too
         orphaned = ranks_taken_over(standby_store, 4, 3, {}, state)
-        assert isinstance(orphaned[2], OrphanRank) and orphaned[2].fence_key == incarnation_fence_key(2, joiner.pid)
+        assert isinstance(orphaned[2], OrphanRank) and orphaned[2].fence_key == rank_fence_key(2, joiner.pid)
         assert orphaned[0].fence_key == FENCE_KEY.format(0)
         rank2 = procs[2]
         deadline = time.monotonic() + 20
