@@ -644,6 +644,8 @@ class ControlPlane:
         self.moved = False  # the standby took over: fence keys are watched from now on
         self.lock = threading.Lock()
         self.asking = threading.local()  # each thread's client of the standby's store while it asks (not shared)
+        #: the clients :meth:`ready` is making, by the thread they are for (None: on its way)
+        self.arriving: dict[int, Any] = {}
         #: a machine's node agent: its ranks' fence keys. The agent says each fence in the standby's store too
         #: (``Replica.fence``), so a machine that reaches only the standby learns there that the job dropped it
         self.fences: dict[int, str] = {}
@@ -661,17 +663,45 @@ class ControlPlane:
         return cls(primary, standby, ident, wait_s, lost_after_s, joined_pid)
 
     def ready(self) -> None:
-        """Connects the calling thread to the standby's store now, at start-up (each thread that may follow a
-        takeover calls it): a takeover then opens no connection from it. Each new connection costs the standby's one
-        store thread a reverse lookup of its peer (see :func:`serve`), and at a takeover every thread of every rank
-        would connect at once, on the job's way back. Nothing where the standby does not answer now (it is asked
-        afresh when needed)."""
-        if self.standby is None or getattr(self.asking, "standby", None) is not None:
-            return
-        try:
-            self.asking.standby = client_if_there(self.standby)
-        except Exception:  # noqa: BLE001 - not there now
-            pass
+        """Gives the calling thread a client of the standby's store, for a takeover (each thread that may follow one
+        calls it at its start): a takeover then opens no connection from it. Each new connection costs the standby's
+        one store thread a reverse lookup of its peer (see :func:`serve`), and at a takeover every thread of every
+        rank would connect at once, on the job's way back. Made in a thread of its own, while the calling thread goes
+        on: at the job's start the standby's store serves every rank's connections (and knocks) one lookup after
+        another, so a new client waits its turn, however short its timeout (eight threads at once behind a resolver
+        0.4 s late: 10-12 s each), and a heartbeat thread that waited so at its start did not beat. The caller holds
+        it from its first ask after it arrived (:meth:`_held`). Nothing where the standby does not answer now (it is
+        asked afresh when needed)."""
+        owner = threading.get_ident()
+        with self.lock:
+            if self.standby is None or owner in self.arriving or getattr(self.asking, "standby", None) is not None:
+                return
+            self.arriving[owner] = None
+
+        def connect() -> None:
+            try:
+                fresh = client_if_there(self.standby)
+            except Exception:  # noqa: BLE001 - not there now
+                fresh = None
+            with self.lock:
+                if fresh is None:
+                    self.arriving.pop(owner, None)
+                elif owner in self.arriving:
+                    self.arriving[owner] = fresh
+
+        threading.Thread(target=connect, daemon=True, name="odyssey-standby-client").start()
+
+    def _held(self) -> Any | None:
+        """The calling thread's client of the standby's store: the one it last asked with, else the one :meth:`ready`
+        made for it, once it arrived (one that arrives after the thread made its own is let go)."""
+        held = getattr(self.asking, "standby", None)
+        with self.lock:
+            arrived = self.arriving.get(threading.get_ident())
+            if arrived is not None or held is not None:
+                self.arriving.pop(threading.get_ident(), None)
+        if held is None and arrived is not None:
+            self.asking.standby = held = arrived
+        return held
 
     def connect(self, timeout_s: float = PROBE_TIMEOUT_S) -> Any:
         """A client of the store the job's agent answers on now (for a rank's background threads); after a takeover,
@@ -754,7 +784,7 @@ class ControlPlane:
         # one client per thread, held from start-up (ready) or while it asks (every 0.1 s until the takeover): a new
         # client per ask costs a reverse lookup in c10d, and many of them a DNS packet dropped, 5 s of this thread
         # (see serve). A held client that broke meanwhile is replaced at once
-        attempts = ("held", "new") if getattr(self.asking, "standby", None) is not None else ("new",)
+        attempts = ("held", "new") if self._held() is not None else ("new",)
         for attempt in attempts:
             try:
                 if attempt == "new":

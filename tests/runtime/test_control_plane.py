@@ -409,6 +409,14 @@ def test_a_rank_that_joined_obeys_its_own_fence_not_its_earlier_lifes():
     assert joined.fenced(store)
 
 
+def _held_once_arrived(control, within_s: float = 30.0):
+    """The calling thread's client of the standby's store, once ``ControlPlane.ready``'s thread made it (or None)."""
+    deadline = time.monotonic() + within_s
+    while (held := control._held()) is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return held
+
+
 def test_a_thread_ready_for_a_takeover_follows_it_without_a_new_connection():
     """``ControlPlane.ready``: a thread's client of the standby's store, made at its start, is the store it goes on
     with after the takeover (no connection is opened then: each costs the standby's one store thread a reverse
@@ -426,7 +434,7 @@ def test_a_thread_ready_for_a_takeover_follows_it_without_a_new_connection():
         control = ControlPlane(("127.0.0.1", agent_port), ("127.0.0.1", standby_port), 7, wait_s=10)
         before = _connections_to(standby_port)  # (the server's own client of itself)
         control.ready()
-        held = control.asking.standby
+        held = _held_once_arrived(control)
         assert held is not None and _connections_to(standby_port) == before + 1
         agent_store.kill()
         agent_store.wait()
@@ -437,7 +445,7 @@ def test_a_thread_ready_for_a_takeover_follows_it_without_a_new_connection():
 
         again = ControlPlane(("127.0.0.1", agent_port), ("127.0.0.1", standby_port), 8, wait_s=10)
         again.ready()
-        broken = again.asking.standby
+        broken = _held_once_arrived(again)
         for sock in tcp_connections():  # every client's connection to the standby's store breaks, as in a blip
             if sock.getpeername()[1] == standby_port:
                 sock.shutdown(socket.SHUT_RDWR)

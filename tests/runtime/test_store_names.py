@@ -58,3 +58,42 @@ def test_a_store_serves_a_new_connection_once_its_machine_named_the_peer(machine
     else:  # each new client waited for its own lookup (an answer that says "no name" is not kept either)
         assert asked.count(peer) >= 4, asked
         assert all(t >= DELAY_S for t in took), took
+
+
+READY = ("import json, sys, threading, time; from megatron_odyssey.runtime.control_plane import ControlPlane\n"
+         "address, took = (sys.argv[1], int(sys.argv[2])), []\n"
+         "def thread(k):\n"
+         "    control = ControlPlane(address, address, k)\n"
+         "    t = time.monotonic(); control.ready(); returned = time.monotonic() - t\n"
+         "    while control._held() is None and time.monotonic() - t < 60: time.sleep(0.02)\n"
+         "    took.append((returned, time.monotonic() - t if control._held() is not None else None))\n"
+         "threads = [threading.Thread(target=thread, args=(k,)) for k in range(8)]\n"
+         "[t.start() for t in threads]; [t.join() for t in threads]\n"
+         "print(json.dumps(took))")
+
+
+def test_a_thread_that_readies_its_client_of_a_standby_slow_to_name_it_goes_on_at_once(machines):
+    """``ControlPlane.ready`` at start-up, eight threads at once (a rank's main thread, heartbeat and abort watcher
+    call it as they start), against a standby's store whose machine's resolver answers 0.4 s late: each new
+    connection, and each knock before it, waits its turn behind the others' lookups, seconds in all; each thread
+    goes on at once and holds its client once it arrived. Before, ``ready`` made the client in the calling thread,
+    which waited that long (10-12 s here): a heartbeat thread that did not beat at its start."""
+    store_machine, ranks_machine = machines.machines
+    port = free_port()
+    with slow_names(store_machine, DELAY_S) as names:
+        server = store_machine.popen([sys.executable, "-c", SERVER, str(port)], stdout=subprocess.PIPE, text=True)
+        try:
+            assert server.stdout.readline().strip() == "up"
+            done = subprocess.run(["ip", "netns", "exec", ranks_machine.name, sys.executable, "-c", READY,
+                                   store_machine.ip, str(port)], capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, done.stderr[-2000:]
+            took = json.loads(done.stdout)
+        finally:
+            server.kill()
+            server.wait()
+        asked = names.stop()
+    returned, arrived = zip(*took)
+    assert len(took) == 8 and None not in arrived, took  # every thread holds its client
+    assert max(arrived) > 8 * DELAY_S, took  # (they did wait their turn, one lookup after another) ...
+    assert max(returned) < 1.0, took  # ... but not in the thread that asked
+    assert asked.count(reverse_name(ranks_machine.ip)) >= 16, asked  # (a knock and a client each)
