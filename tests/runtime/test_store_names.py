@@ -36,23 +36,30 @@ def machines():
         pytest.skip(f"no second machine here: {why}")
 
 
-@pytest.mark.parametrize("named", [False, True], ids=["resolver", "etc-hosts"])
-def test_a_store_serves_a_new_connection_once_its_machine_named_the_peer(machines, named):
+def _beside_a_store_slow_to_name(machines, script: str, named: bool = False) -> tuple[object, list[str]]:
+    """``script`` run on machine 1 (its arguments: the store's address and port; it prints JSON) against a store on
+    machine 0, whose resolver answers ``DELAY_S`` late (``named``: its /etc/hosts names machine 1): what the script
+    printed, and the names the resolver was asked about."""
     store_machine, ranks_machine = machines.machines
     port = free_port()
     with slow_names(store_machine, DELAY_S, (ranks_machine.ip,) if named else ()) as names:
         server = store_machine.popen([sys.executable, "-c", SERVER, str(port)], stdout=subprocess.PIPE, text=True)
         try:
             assert server.stdout.readline().strip() == "up"
-            done = subprocess.run(["ip", "netns", "exec", ranks_machine.name, sys.executable, "-c", CLIENTS,
+            done = subprocess.run(["ip", "netns", "exec", ranks_machine.name, sys.executable, "-c", script,
                                    store_machine.ip, str(port)], capture_output=True, text=True, timeout=120)
             assert done.returncode == 0, done.stderr[-2000:]
-            took = json.loads(done.stdout)
+            printed = json.loads(done.stdout)
         finally:
             server.kill()
             server.wait()
-        asked = names.stop()
-    peer = reverse_name(ranks_machine.ip)
+        return printed, names.stop()
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["resolver", "etc-hosts"])
+def test_a_store_serves_a_new_connection_once_its_machine_named_the_peer(machines, named):
+    took, asked = _beside_a_store_slow_to_name(machines, CLIENTS, named)
+    peer = reverse_name(machines.machines[1].ip)
     if named:
         assert peer not in asked, asked
     else:  # each new client waited for its own lookup (an answer that says "no name" is not kept either)
@@ -78,22 +85,9 @@ def test_a_thread_that_readies_its_client_of_a_standby_slow_to_name_it_goes_on_a
     connection, and each knock before it, waits its turn behind the others' lookups, seconds in all; each thread
     goes on at once and holds its client once it arrived. Before, ``ready`` made the client in the calling thread,
     which waited that long (10-12 s here): a heartbeat thread that did not beat at its start."""
-    store_machine, ranks_machine = machines.machines
-    port = free_port()
-    with slow_names(store_machine, DELAY_S) as names:
-        server = store_machine.popen([sys.executable, "-c", SERVER, str(port)], stdout=subprocess.PIPE, text=True)
-        try:
-            assert server.stdout.readline().strip() == "up"
-            done = subprocess.run(["ip", "netns", "exec", ranks_machine.name, sys.executable, "-c", READY,
-                                   store_machine.ip, str(port)], capture_output=True, text=True, timeout=120)
-            assert done.returncode == 0, done.stderr[-2000:]
-            took = json.loads(done.stdout)
-        finally:
-            server.kill()
-            server.wait()
-        asked = names.stop()
+    took, asked = _beside_a_store_slow_to_name(machines, READY)
     returned, arrived = zip(*took)
     assert len(took) == 8 and None not in arrived, took  # every thread holds its client
     assert max(arrived) > 8 * DELAY_S, took  # (they did wait their turn, one lookup after another) ...
     assert max(returned) < 1.0, took  # ... but not in the thread that asked
-    assert asked.count(reverse_name(ranks_machine.ip)) >= 16, asked  # (a knock and a client each)
+    assert asked.count(reverse_name(machines.machines[1].ip)) >= 16, asked  # (a knock and a client each)
