@@ -89,5 +89,5 @@ def test_a_thread_that_readies_its_client_of_a_standby_slow_to_name_it_goes_on_a
     returned, arrived = zip(*took)
     assert len(took) == 8 and None not in arrived, took  # every thread holds its client
     assert max(arrived) > 8 * DELAY_S, took  # (they did wait their turn, one lookup after another) ...
-    assert max(returned) < 1.0, took  # ... but not in the thread that asked
+    assert max(returned) < 2.0, took  # ... but not in the thread that asked
     assert asked.count(reverse_name(machines.machines[1].ip)) >= 16, asked  # (a knock and a client each)
