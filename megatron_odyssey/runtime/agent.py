@@ -551,7 +551,7 @@ class Agent:
         (the machine's other ranks' listeners where it refuses). A machine whose rank asked did not answer is asked
         once more, through its next rank, alone (the others' answers stand). Only ranks that said where they listen
         count."""
-        said = self._said_addresses(ranks)
+        said = reachability.said_addresses(self.store, ranks)
         members = reachability.machines(said)
         if len(members) < 2:
             return members, {}
@@ -578,21 +578,15 @@ class Agent:
                           for i, k in keys.items() if self.store.check([k])})
         return members, reach
 
-    def _said_addresses(self, ranks: list[int]) -> dict[int, str]:
-        """Where each of ``ranks`` that said so listens for reachability probes ("ip:port", ``reachability.Prober``):
-        its machine's address on the route to this store."""
-        said = [i for i in ranks if self.store.check([reachability.ADDRESS_KEY.format(i)])]
-        values = self.store.multi_get([reachability.ADDRESS_KEY.format(i) for i in said]) if said else []
-        return {i: v.decode() for i, v in zip(said, values)}
-
     def _check_names(self, lookup: Callable[[str], Any] | None = None, wait: bool = False) -> None:
         """Says on the terminal, once, where naming a rank's machine by its address is slow
         (``control_plane.say_slow_names``): this store names every new connection's peer so, at start-up, and again at
         each reconnection and takeover. ``lookup``, ``wait``: for tests."""
-        from .control_plane import named_hosts, say_slow_names
+        from .control_plane import say_slow_names
 
-        thread = say_slow_names(named_hosts(list(self._said_addresses(self.members()).values())), self.log_error,
-                                len(self.members()), lookup)
+        members = self.members()
+        thread = say_slow_names(list(reachability.said_addresses(self.store, members).values()), self.log_error,
+                                len(members), lookup)
         if wait:
             thread.join()
 
@@ -1693,8 +1687,6 @@ class Agent:
         self.cache = None
         if self.cache_depth == 0:
             return
-        import threading
-
         base = self.state_plan
         planner = Planner(self.profile, self.cfg.global_batch, self.cfg.micro_batch, self.options)
         cache = PlanCache(planner, base, self.cache_depth)

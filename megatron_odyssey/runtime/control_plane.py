@@ -191,20 +191,16 @@ def slow_name(hosts: list[str], limit_s: float = SLOW_NAME_S,
     return None
 
 
-def named_hosts(addresses: list[str]) -> list[str]:
-    """The machines a store here names, from the ranks' "ip:port" (``reachability.ADDRESS_KEY``): each address once,
-    the loopback left out (/etc/hosts names it)."""
-    hosts = {a.rpartition(":")[0] for a in addresses}
-    return sorted(h for h in hosts if h and not h.startswith("127."))
-
-
-def say_slow_names(hosts: list[str], say: Callable[[str], None], ranks: int,
+def say_slow_names(addresses: list[str], say: Callable[[str], None], ranks: int,
                    lookup: Callable[[str], Any] | None = None) -> threading.Thread:
-    """Times naming ``hosts`` (:func:`slow_name`) in a thread of its own (a slow lookup stops the thread that makes
-    it), and ``say``s the first slow one, once, with the remedy and its cost: the store here names each new
+    """Times naming the machines of ``addresses`` (the ranks' "ip:port", ``reachability.said_addresses``; each
+    machine once, the loopback left out: /etc/hosts names it) with :func:`slow_name`, in a thread of its own (a slow
+    lookup stops the thread that makes it), and ``say``s the first slow one, once, with the remedy and its cost: the store here names each new
     connection's peer so, one connection after another, in its one thread (:func:`serve`), so the ``ranks``' clients
     (:data:`STORE_CLIENTS_PER_RANK` each) are all served only after that many lookups (``bench_store_names.py``: 300
     clients in 16.3 s with a resolver 50 ms late, 1.9 s with /etc/hosts). The thread, started."""
+    hosts = sorted(h for h in {a.rpartition(":")[0] for a in addresses} if h and not h.startswith("127."))
+
     def check() -> None:
         slow = slow_name(hosts, lookup=lookup)
         if slow is not None:
@@ -456,22 +452,20 @@ class Standby:
         times naming their machines on this machine (:func:`say_slow_names`). This standby's store names them too, at
         their connections (each rank holds its clients from the start, ``ControlPlane.ready``) and at a takeover,
         and this machine's resolver is not the agent's. Asked at most once a second."""
-        from .reachability import ADDRESS_KEY
+        from .reachability import ADDRESS_KEY, said_addresses
 
         if not self.ranks or self.names_asked is None or time.time() - self.names_asked < 1.0:
             return
         self.names_asked = time.time()
-        keys = [ADDRESS_KEY.format(i) for i in range(self.ranks)]
-        try:
-            if not self._agent.check(keys):
-                if time.time() - self.started < NAMES_WAIT_S:
-                    return
-                keys = [k for k in keys if self._agent.check([k])]
-            addresses = [v.decode() for v in self._agent.multi_get(keys)] if keys else []
+        try:  # (every rank's key in one round trip, while it waits for them all)
+            if not self._agent.check([ADDRESS_KEY.format(i) for i in range(self.ranks)]) and \
+                    time.time() - self.started < NAMES_WAIT_S:
+                return
+            addresses = said_addresses(self._agent, list(range(self.ranks)))
         except Exception:  # noqa: BLE001 - a broken connection: the next probe knocks, and this is asked again
             return
         self.names_asked = None
-        say_slow_names(named_hosts(addresses), self.log, self.ranks, self.name_lookup)
+        say_slow_names(list(addresses.values()), self.log, self.ranks, self.name_lookup)
 
     def _agent_process_alive(self) -> bool:
         """On one machine: whether the agent's process lives (its pid from its state, or, while it is still

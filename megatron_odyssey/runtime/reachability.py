@@ -131,6 +131,14 @@ class Prober:
         self.running = (ANSWER_KEY.format(ask["round"], self.ident), thread, result)
 
 
+def said_addresses(store: Any, ranks: list[int]) -> dict[int, str]:
+    """Where each of ``ranks`` that said so in ``store`` listens for probes ("ip:port", :class:`Prober`): its
+    machine's address on the route to the agent's store."""
+    said = [i for i in ranks if store.check([ADDRESS_KEY.format(i)])]
+    values = store.multi_get([ADDRESS_KEY.format(i) for i in said]) if said else []
+    return {i: v.decode() for i, v in zip(said, values)}
+
+
 def machines(addresses: dict[int, str]) -> dict[int, list[int]]:
     """The ranks of ``addresses`` (rank -> "ip:port" of its listener) by machine: its first rank -> its ranks. A
     machine is an address its ranks reach the agent from."""
