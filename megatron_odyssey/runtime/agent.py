@@ -56,7 +56,7 @@ from ..planning.schedule import overlapped_nodes
 from ..planning.sharding import lost_units
 from .config import TrainConfig
 from .control_plane import TAKEOVER_KEY, Deposed, Replica, ReplicaLost, free_port, serve
-from .quorum import GONE, SILENT, NoQuorum, Quorum, Witness, standby_check
+from .quorum import GONE, NoQuorum, Quorum, Witness, standby_check
 from .plan_message import checkpoint_due, encode_plan_message
 from .liveness import COMM, WAITING, Beat
 from .process_probe import SilenceJudge
@@ -544,16 +544,18 @@ class Agent:
                 self._fence(ident, why)
         return set(cut)
 
-    def _reach_round(self, ranks: list[int]) -> tuple[dict[int, list[int]], dict[int, set[int]]]:
+    def _reach_round(self, ranks: list[int], target: str | None = None) -> tuple[dict[int, list[int]],
+                                                                                 dict[int, set[int]]]:
         """One round of ``reachability``: the machines of ``ranks`` (a machine's first rank -> its ranks) and each
         machine's reached machines, from those that answered in time. One rank per machine is asked, its first
         whose heartbeat is fresh (that thread answers, whatever the main thread is stuck in), and it is probed first
         (the machine's other ranks' listeners where it refuses). A machine whose rank asked did not answer is asked
         once more, through its next rank, alone (the others' answers stand). Only ranks that said where they listen
-        count."""
+        count. ``target`` ("ip:port"): each machine probes that address instead, and reached it where its answer
+        holds ``reachability.TARGET``."""
         said = reachability.said_addresses(self.store, ranks)
         members = reachability.machines(said)
-        if len(members) < 2:
+        if len(members) < 2 and target is None:
             return members, {}
         now = time.time()
         speakers = {m: sorted(group, key=lambda i: self._stale(i, now)) for m, group in members.items()}
@@ -566,7 +568,8 @@ class Agent:
             round_id = f"{os.getpid()}-{self.reach_round}"  # (a standby's rounds are not a lost agent's)
             first = {m: i for i, m in voice.items()}
             listeners = [[m, [said[r] for r in sorted(group, key=lambda r: r != first.get(m))]]
-                         for m, group in sorted(members.items())]
+                         for m, group in sorted(members.items())] if target is None else \
+                [[reachability.TARGET, [target]]]
             self.store.set(reachability.ASK_KEY, json.dumps({"round": round_id, "ranks": sorted(voice),
                                                              "machines": listeners}))
             keys = {i: reachability.ANSWER_KEY.format(round_id, i) for i in voice}
@@ -574,7 +577,8 @@ class Agent:
             deadline = time.time() + rounds * reachability.PROBE_TIMEOUT_S + 3 * self.cfg.heartbeat_interval_s + 2.0
             while time.time() < deadline and not self.store.check(list(keys.values())):
                 time.sleep(0.05)
-            reach.update({voice[i]: {m for m in json.loads(self.store.get(k)) if m in members}
+            reach.update({voice[i]: {m for m in json.loads(self.store.get(k)) if m in members or
+                                     (target is not None and m == reachability.TARGET)}
                           for i, k in keys.items() if self.store.check([k])})
         return members, reach
 
@@ -1248,8 +1252,8 @@ class Agent:
             return False
         sealed_at, finished_all = sealed
         survivors = [i for i in self.members() if i not in self.dead]
-        if takeover and takeover.get("lost_as") == SILENT:  # (a partition may have left the agent running)
-            standby_check(survivors, frozenset(self.members()), self.witness)
+        if takeover:  # (a partition may have left the agent running: silent, or behind a firewall that rejects)
+            standby_check(survivors, frozenset(self.members()), self.witness, takeover.get("lost_as", GONE))
         if not survivors and finished_all:
             return self._ended_before(replan, gen_failed)
         held = [int(v) for v in self.store.multi_get([f"{self.key('recover')}/{i}" for i in survivors])]
@@ -1575,18 +1579,62 @@ class Agent:
             self.replica.write_ahead(write)
             return True
         except ReplicaLost as lost:
-            if lost.answer == "refused":  # its process is gone: it can never take over
+            references = tuple(r for r in {self.replicated, members} if r)
+            tie = " (or half, and the witness)" if self.witness is not None else ""
+            alive = self._standby_may_live(references) if lost.answer == "refused" else None
+            if lost.answer == "refused" and alive is None:  # its process is gone: it can never take over
                 self.log_error(f"the standby agent's store stopped answering ({lost}): its process is gone; going "
                                f"on without a standby (losing this machine now ends the job)")
+            elif lost.answer == "refused":
+                self.quorum = Quorum(references, self.witness, GONE)
+                self.log_error(f"the standby agent's store stopped answering ({lost}): its machine refuses the "
+                               f"connection, but {alive}: a firewall between this machine and the standby's may "
+                               f"reject the connections while it runs on; going on without a standby, and only with "
+                               f"more than half of the job's {len(self.replicated)} ranks{tie}")
             else:
                 # (a standby that received no state cannot take over: Standby.watch)
-                self.quorum = Quorum(tuple(r for r in {self.replicated, members} if r), self.witness)
-                tie = " (or half, and the witness)" if self.witness is not None else ""
+                self.quorum = Quorum(references, self.witness)
                 self.log_error(f"the standby agent's store stopped answering ({lost}) and its machine is silent: it "
                                f"lost power, or this machine is cut off from the job; going on without a standby, and "
                                f"only with more than half of the job's {len(self.replicated)} ranks{tie}")
             self.replica = None
             return False
+
+    def _standby_may_live(self, references: tuple[frozenset[int], ...]) -> str | None:
+        """Where the standby's machine refused its store's connection, why it may still run on (None: it cannot
+        take the job). A refusal is its process gone, or a firewall that rejects between the two machines
+        (``runtime.quorum``); a standby that lives takes over, but goes on only with at least half of a reference
+        (``quorum.standby_check``), and the ranks that come to it are those that lost this agent. So the other
+        machines' ranks are asked whether they reach the standby's store (``runtime.reachability``, one round):
+        its side can hold only the ranks of machines that reach it or do not answer (their heartbeats stale, or
+        no answer in the round; this machine's ranks never). Under half of every reference: gone. In a job of two
+        machines without a witness, the other machine's ranks, lost with the standby, are half by themselves:
+        there the refusal is taken for the loss it almost always is (the price: a rejecting firewall between the
+        two is taken for it too, and both sides go on, ``quorum``'s docstring)."""
+        now = time.time()
+        live = [i for i in self.members() if i not in self.dead and i not in self.fenced]
+        remote = [i for i in live if getattr(self.procs.get(i), "fence_key", None) is not None]
+        if not remote:  # (only this machine's ranks: the standby cannot hold one)
+            return None
+        fresh = [i for i in live if not self._stale(i, now)]
+        host, port = self.replica.address
+        machines, reach = self._reach_round(fresh, target=f"{host}:{port}")
+        answered = {r for m, group in machines.items() if m in reach and reachability.TARGET not in reach[m]
+                    for r in group}
+        side = sorted(i for i in remote if i not in answered)
+        if not any(2 * len(reference & set(side)) >= len(reference) for reference in references):
+            return None
+        reached = sorted(r for m, group in machines.items() if reachability.TARGET in reach.get(m, ()) for r in group)
+        said = f"ranks {reached} reach the standby's store" if reached else \
+            f"ranks {side}, half of the job's or more, did not say whether they reach it"
+        addresses = reachability.said_addresses(self.store, remote)  # (the other machines: one, in a job of two)
+        two = len(addresses) == len(remote) and len(reachability.machines(addresses)) == 1
+        if self.witness is None and not reached and two:
+            self.log_error(f"the standby's machine refuses the connection and {said}: with two machines and no "
+                           f"--witness-dir, taking it for its processes' loss (a firewall that rejects between the "
+                           f"two would look the same)")
+            return None
+        return said
 
     def restore(self, state: dict[str, Any]) -> None:
         """Become the agent whose ``snapshot`` (with its newest commit merged in) this is."""
@@ -1662,9 +1710,7 @@ class Agent:
         self.store.set(g("abort"), reason)
         self.store.set(TAKEOVER_KEY, json.dumps({"generation": self.gen, "reason": reason}))
         self.log(f"taking over at generation {self.gen}, step {self.next_step}: {reason}")
-        lost_as = state.get("lost_as", GONE)
-        if lost_as != SILENT:  # (from a silent agent, the report is the standby's once it knows it holds the job)
-            self.write_report(ok=True, final=False)
+        lost_as = state.get("lost_as", GONE)  # (the report is the standby's once it knows it holds the job)
         info = {"reason": reason, "lost_agent_s": float(state.get("lost_agent_s", 0.0)), "lost_as": lost_as}
         dropped = self._fence_dropped_on_takeover()
         try:

@@ -352,7 +352,8 @@ class Deposed(RuntimeError):
 
 class ReplicaLost(RuntimeError):
     """The standby's store kept failing: the agent goes on without a standby. ``answer``: how its machine answered a
-    connection last (:func:`knock`): "refused" says its process is gone, anything else may be a partition."""
+    connection last (:func:`knock`): "refused" says its process is gone (or a firewall rejects: ``runtime.quorum``),
+    anything else may be a partition."""
 
     def __init__(self, message: str, answer: str):
         super().__init__(message)
@@ -429,7 +430,7 @@ class Standby:
                         self.log("the agent was lost before it started the job: nothing to take over")
                         return 1
                     self.copy_steps()
-                    # refused: its process is gone and its machine answers; silent: it may run on, cut off from us
+                    # refused: its process is gone (or a firewall rejects); silent: it may run on, cut off from us
                     return self.snapshot(GONE if self.agent_answer == "refused" else SILENT)
             time.sleep(self.poll_s)
 

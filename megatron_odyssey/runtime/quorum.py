@@ -5,18 +5,28 @@ A standby takes over when the agent's machine is silent. Silence does not say wh
 case, without this rule, both agents recover with the ranks they still reach, and where each side holds a full copy
 of the model both train on: two copies of one job, each writing checkpoints and the report.
 
-The rule, after an agent and its standby lost each other silently (a machine that refuses the connection has lost
-the process, not the network: its agent can never come back, and no rule is needed. This assumes that a cut drops
-packets, as a failed link, switch port or cloud security group does: a firewall between the two machines that
-*rejects* them, with a reset as a closed port answers, would be taken for a lost process on both sides. Here, unlike
-in a reachability round (``runtime.reachability``, where the rank probed is known to live because it answered),
-nothing tells the two apart: our every process on a machine being gone looks the same, and that is how a preempted
-spot machine goes, which must not cost a two-machine job its run):
+The rule, after an agent and its standby lost each other in a way that leaves the other side possibly running:
 
 - the agent starts a new generation only with **more than half** of the ranks of the generation its standby last
   received (the reference); otherwise it steps down;
 - the standby, once it has taken over and sealed the survivors, goes on only with **at least half** of the same
   reference; otherwise it steps down, and withdraws its takeover so the agent is not deposed when the network mends.
+
+When does the other side possibly run? Where it went **silent** (nothing answered), always: lost power, or a cut
+that drops packets (a failed link, switch port or cloud security group). Where it **refused** the connection, its
+process is usually gone (its machine answers, nothing listens), but a firewall between the two machines that
+*rejects* (a reset, as a closed port answers) looks the same from either side. So:
+
+- the standby applies its rule whichever way it lost the agent (it costs nothing: when the agent's process is
+  gone, every rank that lived comes to the standby, all but those of the agent's machine);
+- the agent applies its rule after a refusal only where the standby could hold half of a reference: its other
+  machines' ranks are asked whether they reach the standby's store (``Agent._standby_may_live``), and only ranks of
+  machines that reach it or do not answer could be on its side (a rank moves to the standby only once it lost
+  this agent). A standby's machine lost with its ranks in a job of three machines or more leaves too few for that,
+  and the job goes on as before. In a job of **two** machines it does not: there, with a witness, the tie goes to
+  whoever claims it (a standby that is gone claims nothing); without one, the refusal is taken for the loss it
+  almost always is, and a rejecting firewall between the two machines would let both sides go on (said on the
+  terminal when it happens; ``--witness-dir`` closes it).
 
 A rank is with one of them at a time: it moves to the standby only after its agent failed it, and never back.
 So the two sides' ranks are disjoint, more than half and at least half of one set cannot both hold, and ties (a
@@ -33,7 +43,7 @@ on storage both the agent's machine and the standby's reach, such as the checkpo
 ties only, so a majority goes on as before: a side holding exactly half of the reference goes on where it claims the
 witness for that reference first (an exclusive create, atomic on local and network file systems), and steps down
 where the other side did or the storage does not answer. With one vote more than the ranks, more than half of the
-votes still cannot be on both sides. The job asks for a witness only once per silent loss (neither side has a standby
+votes still cannot be on both sides. The job asks for a witness only once per such loss (neither side has a standby
 afterwards), so a claim is named by the reference's ranks, under a directory of the job's own (:meth:`Witness.create`).
 """
 from __future__ import annotations
@@ -44,7 +54,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-GONE = "gone"  # the peer's machine refused the connection: its process is gone, its machine answers
+GONE = "gone"  # the peer's machine refused the connection: its process is gone (or a firewall rejects)
 SILENT = "silent"  # nothing answered: lost power, or a partition (one side or the other is cut off)
 
 
@@ -146,6 +156,7 @@ class Quorum:
 
     references: tuple[frozenset[int], ...]  # the last generation the standby acknowledged (and the one it may hold)
     witness: Witness | None = None  # (odyssey-launch --witness-dir) who takes a tie
+    lost_as: str = SILENT  # how the standby was lost (GONE: refused, though it may run on)
 
     def check(self, ranks: Iterable[int]) -> None:
         """NoQuorum, saying whom this agent still has, unless it may start a generation of ``ranks``."""
@@ -158,18 +169,21 @@ class Quorum:
                 lift = ("; a tie is the standby's unless odyssey-launch --witness-dir names a directory both machines "
                         "share, which goes to the side that claims it first: with one, a standby's machine that lost "
                         "power does not stop the job" if tied and self.witness is None else "")
+                lost = "is silent" if self.lost_as == SILENT else "refused the connection, though it may run on"
                 raise NoQuorum(f"this agent holds {len(held)} of the job's {len(reference)} ranks ({held}) and its "
-                               f"standby's machine is silent{tie}: this machine is the one cut off (the standby "
+                               f"standby's machine {lost}{tie}: this machine is the one cut off (the standby "
                                f"takes the job over with the others, at least half of them), so it steps down rather "
                                f"than train a second copy of the job{lift}")
 
 
-def standby_check(ranks: Iterable[int], reference: frozenset[int], witness: Witness | None = None) -> None:
-    """NoQuorum unless a standby that took over from a silent agent may go on with ``ranks``."""
+def standby_check(ranks: Iterable[int], reference: frozenset[int], witness: Witness | None = None,
+                  lost_as: str = SILENT) -> None:
+    """NoQuorum unless a standby that took over from an agent lost ``lost_as`` may go on with ``ranks``."""
     ranks = set(ranks)
     if not standby_may_go_on(ranks, reference, witness):
         held = sorted(ranks & reference)
         tie = _tie_lost(witness, reference) if 2 * len(held) == len(reference) else ""
-        raise NoQuorum(f"the standby took over from a silent agent, but only {len(held)} of the job's "
+        agent = "a silent agent" if lost_as == SILENT else "an agent whose machine refused the connection"
+        raise NoQuorum(f"the standby took over from {agent}, but only {len(held)} of the job's "
                        f"{len(reference)} ranks ({held}) came to it{tie}: this machine is the one cut off (the agent "
                        f"goes on with the others), so the standby withdraws rather than train a second copy of the job")

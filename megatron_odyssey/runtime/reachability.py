@@ -39,6 +39,7 @@ ADDRESS_KEY = "odyssey/reach_at/{}"  # rank -> "ip:port" of its listener
 ASK_KEY = "odyssey/reach/ask"  # JSON {"round": id, "ranks": [...], "machines": [[machine, [address, ...]], ...]}:
 # each of those ranks probes the machines but its own (each through its ranks' listeners, in that order)
 ANSWER_KEY = "odyssey/reach/{}/{}"  # (round, rank) -> JSON list of the machines it reached
+TARGET = -1  # a round's one target that is no machine: the standby's store (``Agent._standby_may_live``)
 PROBE_TIMEOUT_S = 2.0
 PROBE_THREADS = 32
 

@@ -289,12 +289,14 @@ class Partition:
     (node rank) ``n`` runs in ``routed.machines[place[n]]``, the others on this host (machine 0 among them: every
     machine reaches it there). Once the last machine logged ``iteration``, the network between the machines
     ``between`` is cut, while each still reaches every other machine (a partition that is not transitive; a machine
-    on this host stands for all of them there)."""
+    on this host stands for all of them there); ``rejecting``: the cut resets every connection between the two, as a
+    firewall that rejects does, instead of dropping the packets."""
 
     routed: Any
     place: dict[int, int]
     iteration: int
     between: tuple[int, int]
+    rejecting: bool = False
 
 
 def run_odyssey(megatron_lm: str | Path, work: Path, flags: list[str], port: int, nproc: int = 4,
@@ -362,7 +364,7 @@ def run_odyssey(megatron_lm: str | Path, work: Path, flags: list[str], port: int
         lost = procs.pop(cut_off.node)
     if routed is not None and _until_logged(consoles[nodes - 1], partition.iteration,
                                             lambda: all(p.poll() is None for p in procs), deadline):
-        routed.cut(*(partition.place.get(n) for n in partition.between))
+        routed.cut(*(partition.place.get(n) for n in partition.between), rejecting=partition.rejecting)
     if sigterm_after_iteration is not None and _until_logged(consoles[0], sigterm_after_iteration,
                                                              lambda: procs[0].poll() is None, deadline):
         for p in procs:

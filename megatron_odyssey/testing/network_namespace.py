@@ -5,7 +5,8 @@ so its peers learn at once; ``faults.kind=kill-machine`` is that kinder loss).
 
 :func:`routed_machines`: several such machines behind a router (a namespace of its own that forwards), so that
 the network between two of them can be cut while each still reaches the others (a partition that is not
-transitive, as a failed switch port between two racks makes): :meth:`RoutedMachines.cut`.
+transitive, as a failed switch port between two racks makes): :meth:`RoutedMachines.cut`, which drops the packets,
+or resets every connection as a firewall that rejects does.
 
 Needs root and iproute2's ``ip`` (CI's machine has both); :class:`Unavailable` says why not otherwise.
 :func:`silent_address` needs neither: one address on the loopback that answers no connection."""
@@ -155,16 +156,49 @@ class RoutedMachines:
     router: str
     machines: tuple[NetworkNamespace, ...]
     subnets: tuple[str, ...]  # the host's /30 first, then each machine's
+    ports: tuple[str, ...]  # the router's links, in the same order
+    made: list[str]  # every namespace made (removed on the way out), the rejecting cuts' too
 
-    def cut(self, a: int | None, b: int | None) -> None:
+    def cut(self, a: int | None, b: int | None, rejecting: bool = False) -> None:
         """From now on nothing between machine ``a`` and machine ``b`` (None: the host) gets through, either way;
-        each still reaches every other. The router drops the packets silently, as a failed link does."""
+        each still reaches every other. The router drops the packets silently, as a failed link does; ``rejecting``:
+        every packet between the two is answered with a reset instead, as by a firewall that rejects (a connection
+        is refused, an open one reset), from the address it was sent to (:meth:`_rejector`)."""
         for src, dst in ((a, b), (b, a)):
-            _ip("netns", "exec", self.router, "ip", "rule", "add", "from", self._subnet(src), "to", self._subnet(dst),
-                "blackhole")
+            if rejecting:
+                table = str(100 + len(self.made))
+                _ip("netns", "exec", self.router, "ip", "route", "add", self._ip_of(dst), "via",
+                    self._rejector(self._ip_of(dst)), "table", table)
+                _ip("netns", "exec", self.router, "ip", "rule", "add", "iif", self._port(src), "from",
+                    self._subnet(src), "to", self._subnet(dst), "lookup", table)
+            else:
+                _ip("netns", "exec", self.router, "ip", "rule", "add", "from", self._subnet(src), "to",
+                    self._subnet(dst), "blackhole")
+
+    def _rejector(self, impersonated: str) -> str:
+        """A namespace of its own behind the router that holds ``impersonated`` (another machine's address) and
+        listens on nothing, so its kernel resets whatever reaches it, in that machine's name; returns its address
+        on its link to the router. (The router cannot answer so itself: it will not send from an address it does
+        not hold, and holding it would take the machine's traffic from every other machine too; this machine's
+        kernel has no netfilter to reject with.)"""
+        k, pid = len(self.made), os.getpid()
+        name, router_end, own_end = f"oj{k}x{pid}", f"oj{k}r{pid}", f"oj{k}s{pid}"
+        _ip("netns", "add", name)
+        self.made.append(name)
+        gateway, address = f"192.0.2.{4 * k + 1}", f"192.0.2.{4 * k + 2}"
+        _joined(self.router, router_end, gateway, name, own_end, address)
+        _ip("netns", "exec", name, "ip", "addr", "add", f"{impersonated}/32", "dev", own_end)
+        _ip("netns", "exec", name, "ip", "route", "add", "default", "via", gateway)
+        return address
 
     def _subnet(self, machine: int | None) -> str:
         return self.subnets[0 if machine is None else machine + 1]
+
+    def _port(self, machine: int | None) -> str:
+        return self.ports[0 if machine is None else machine + 1]
+
+    def _ip_of(self, machine: int | None) -> str:
+        return self.machines[0].host_ip if machine is None else self.machines[machine].ip
 
     def pids(self) -> list[int]:
         return [p for m in self.machines for p in m.pids()]
@@ -204,7 +238,8 @@ def routed_machines(count: int) -> Iterator[RoutedMachines]:
             machines.append(NetworkNamespace(name, link, ip, host_link, host_ip))
             addresses += [gateway, ip]
         _name_addresses(made, addresses)
-        yield RoutedMachines(router, tuple(machines), subnets)
+        ports = (router_host, *(f"or{k}p{pid}" for k in range(1, count + 1)))
+        yield RoutedMachines(router, tuple(machines), subnets, ports, made)
     finally:
         _unname(made)
         for name in made:

@@ -1612,7 +1612,7 @@ def test_machine_0_is_lost_with_the_agent_and_a_rank(stock: dict, tmp_path: Path
     job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--odyssey-inject-fault", "step=2,rank=0,phase=forward,kind=kill-machine"],
                       _port(60), nodes=4)
     takeover = _trained_on_without_machine_0(job, stock)
-    assert takeover["lost_as"] == "gone"  # (its machine refused the connection: no quorum is asked of the standby)
+    assert takeover["lost_as"] == "gone"  # (its machine refused the connection; the standby held 3 of the 4 ranks)
 
 
 def test_machine_0_loses_power_and_goes_silent(stock: dict, tmp_path: Path) -> None:
@@ -1742,9 +1742,11 @@ def _partitioned(tmp_path: Path, node: int, port: int) -> JobResult:
                            cut_off=CutOff(_namespace(stack), 2, node=node, power_loss=False))
 
 
-def _the_agent_trained_on_without(job: JobResult, ranks: list[int], stock: dict) -> None:
-    """No takeover: the agent dropped ``ranks`` and every iteration equals stock's."""
-    assert job.returncode == 0, job.tail()
+def _the_agent_trained_on_without(job: JobResult, ranks: list[int], stock: dict,
+                                  codes: list[int] | None = None) -> None:
+    """No takeover: the agent dropped ``ranks`` and every iteration equals stock's; ``codes``: each launcher's exit
+    code (default: the job's is 0)."""
+    assert (job.codes == codes) if codes else (job.returncode == 0), (job.codes, job.tail())
     report = job.report
     assert report["takeovers"] == [] and [f["ranks"] for f in report["failures"]] == [ranks], report["failures"]
     assert [s["step"] for s in report["steps"]] == list(range(ITERS)) and report["ok"] and not report["running"]
@@ -1804,6 +1806,29 @@ def test_a_worker_machine_cut_off_leaves_and_the_job_trains_on(stock_dp: dict, t
                      r"the job and stops its ranks", console)
     assert said and 30 <= int(said.group(1)) < 45 and "Traceback" not in console, console[-3000:]
     assert console.count("socket.cpp") < 20, console.count("socket.cpp")
+
+
+def test_a_firewall_that_rejects_between_the_agents_and_the_standbys_machines(stock_dp: dict,
+                                                                              tmp_path: Path) -> None:
+    """Four machines of one rank each, data parallel; after iteration 2 a firewall between machines 0 (the agent's)
+    and 1 (the standby's) rejects every connection, with a reset, as a closed port answers; each still reaches
+    machines 2 and 3. So each finds the other's store refusing, as where its process is gone. Before, that was taken
+    for gone on both sides: the standby took over with rank 1 (whose agent refused it too) and, holding the whole
+    model, trained on alone, while the agent trained with ranks 0, 2 and 3 (split brain). Now the standby, with 1
+    of the 4 ranks, withdraws and steps down; the agent asks ranks 2 and 3 whether they reach the standby's store,
+    they do, so it needs a majority from then on (``runtime.quorum``), holds 3 of 4, drops rank 1 and trains as
+    stock Megatron-LM."""
+    from megatron_odyssey.runtime.agent import STEPPED_DOWN_EXIT
+    from megatron_odyssey.testing.megatron_lm_job import Partition
+
+    with ExitStack() as stack:
+        routed = _routed(stack, 3)
+        job = run_odyssey(MLM, tmp_path, DATA_PARALLEL, _port(1910), nodes=4,
+                          partition=Partition(routed, {1: 0, 2: 1, 3: 2}, 2, (0, 1), rejecting=True))
+    _the_agent_trained_on_without(job, [1], stock_dp, codes=[0, STEPPED_DOWN_EXIT, 0, 0])
+    _stepped_down(job, tmp_path, 1, "the standby took over from an agent whose machine refused the connection, but "
+                  "only 1 of the job's 4 ranks ([1])", code=job.codes[1])
+    assert "its machine refuses the connection, but ranks [2, 3] reach the standby's store" in job.logs, job.tail()
 
 
 def _two_machines(tmp_path: Path, port: int, power_loss: bool, witness: bool,
@@ -1893,6 +1918,55 @@ def test_two_machines_cut_in_two_go_on_on_the_side_that_claimed_the_witness(stoc
         _stepped_down(job, tmp_path, 0, "this agent holds 2 of the job's 4 ranks ([0, 1]) and its standby's machine "
                       "is silent; the witness in", ranks=(0, 1), code=job.returncode)
         said = (tmp_path / "console0.txt").read_text(errors="replace")
+    assert f"was claimed first by the {claimed}" in said, said[-3000:]
+
+
+def test_two_machines_behind_a_firewall_that_rejects_go_on_on_the_side_that_claimed_the_witness(
+        stock_dp: dict, tmp_path: Path) -> None:
+    """Two machines of two ranks each, data parallel, with ``--witness-dir``; after iteration 2 a firewall between
+    them rejects every connection (a reset), so each finds the other's store refusing, as where its process is
+    gone, and each holds half of the ranks. Nobody else can say whether the standby runs on (its machine's ranks
+    are cut off with it), so the agent takes the tie to the witness, and so does the standby: only the first to
+    claim it trains on (so far always the agent, which finds the refusal first), the other steps down naming who
+    claimed it, and every iteration equals stock Megatron-LM's. Before, both sides took the refusal for the other's
+    loss and trained on (split brain). In 3 of 9 runs rank 0 stayed inside a gloo collective of a stock iteration
+    though every one of its gloo connections had closed (reset by the firewall, or shut by rank 1's recovery), until
+    the agent fenced it at the hard timeout: the agent's side then holds 1 rank, no tie, and the standby's side,
+    which claimed the witness meanwhile, trains on."""
+    from megatron_odyssey.runtime.agent import STEPPED_DOWN_EXIT
+    from megatron_odyssey.testing.megatron_lm_job import Partition
+
+    (tmp_path / "witness").mkdir()
+    with ExitStack() as stack:
+        routed = _routed(stack, 1)
+        job = run_odyssey(MLM, tmp_path, DATA_PARALLEL, _port(1920), nodes=2,
+                          launcher_flags=("--witness-dir", str(tmp_path / "witness")),
+                          partition=Partition(routed, {1: 0}, 2, (0, 1), rejecting=True))
+    claimed = _witness_claim(tmp_path)
+    refused = "an agent whose machine refused the connection"
+    if claimed.startswith("agent"):
+        _the_agent_trained_on_without(job, [2, 3], stock_dp, codes=[0, STEPPED_DOWN_EXIT])
+        assert "its machine refuses the connection, but ranks [2, 3], half of the job's or more, did not say" \
+               in job.logs, job.tail()
+        _stepped_down(job, tmp_path, 1, f"the standby took over from {refused}, but only 2 of the job's 4 ranks "
+                      f"([2, 3]) came to it; the witness in", ranks=(2, 3), code=job.codes[1])
+        said = (tmp_path / "console1.txt").read_text(errors="replace")
+    else:
+        assert claimed.startswith("standby on machine 1"), claimed
+        assert job.codes[1] == 0, job.tail()
+        (takeover,) = job.report["takeovers"]
+        assert takeover["ranks_lost"] == [0, 1] and takeover["lost_as"] == "gone", takeover
+        assert same_training(job.iterations(), stock_dp)
+        # (the agent's side holds ranks 0 and 1, or rank 1 alone where rank 0 stayed inside a gloo collective whose
+        # connections had all closed and was fenced at the hard timeout; then it no longer ties, and claims nothing)
+        console = (tmp_path / "console0.txt").read_text(errors="replace")
+        held = re.search(r"stepping down: this agent holds (2|1) of the job's 4 ranks \((\[0, 1\]|\[1\])\)", console)
+        assert held, console[-3000:]
+        _stepped_down(job, tmp_path, 0, held.group(0).removeprefix("stepping down: "), ranks=(0, 1),
+                      code=job.codes[0])
+        if held.group(1) == "1":
+            return
+        said = console
     assert f"was claimed first by the {claimed}" in said, said[-3000:]
 
 

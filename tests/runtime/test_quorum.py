@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_odyssey.runtime.quorum import (NoQuorum, Quorum, Witness, WitnessNotShared, agent_may_go_on,
+from megatron_odyssey.runtime.quorum import (GONE, NoQuorum, Quorum, Witness, WitnessNotShared, agent_may_go_on,
                                              standby_check, standby_may_go_on)
 
 RANKS = range(5)
@@ -79,6 +79,14 @@ def test_the_step_downs_say_whom_each_side_holds() -> None:
                                        r"cut off"):
         standby_check({1}, frozenset(range(4)))
     standby_check({2, 3}, frozenset(range(4)))
+    # a refusal, which a firewall that rejects gives too (the other side may run on)
+    with pytest.raises(NoQuorum, match=r"this agent holds 2 of the job's 4 ranks \(\[0, 1\]\) and its standby's "
+                                       r"machine refused the connection, though it may run on: this machine is the "
+                                       r"one cut off"):
+        Quorum((frozenset(range(4)),), lost_as=GONE).check({0, 1})
+    with pytest.raises(NoQuorum, match=r"the standby took over from an agent whose machine refused the connection, "
+                                       r"but only 1 of the job's 4 ranks \(\[1\]\) came to it"):
+        standby_check({1}, frozenset(range(4)), lost_as=GONE)
 
 
 def _sides(directory: Path) -> tuple[Witness, Witness]:

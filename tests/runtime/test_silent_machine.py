@@ -443,10 +443,14 @@ def routed() -> RoutedMachines:
         pytest.skip(f"no routed machines here: {why}")
 
 
-def test_a_cut_between_two_routed_machines_leaves_every_other_path_open(routed: RoutedMachines) -> None:
+@pytest.mark.parametrize("rejecting", [False, True], ids=["dropping", "rejecting"])
+def test_a_cut_between_two_routed_machines_leaves_every_other_path_open(routed: RoutedMachines,
+                                                                        rejecting: bool) -> None:
     """The harness of a partition that is not transitive (``testing.network_namespace.routed_machines``): after the
-    cut between machines 0 and 1, a connection between them times out (silent: no refusal), and each still reaches
-    machine 2 and this host, which reaches both."""
+    cut between machines 0 and 1, a connection between them times out (a cut that drops: no refusal) or is refused
+    at once (one that rejects, as a firewall's reset), both ways, and each still reaches machine 2 and this host,
+    which reaches both. A second, rejecting cut between this host and machine 2 leaves machines 0 and 1 reaching
+    both."""
     machines, port = routed, 29913
     for m in machines.machines:  # a listener on each machine
         server = m.popen([sys.executable, "-c", LISTEN, str(port)], stdout=subprocess.PIPE, start_new_session=True)
@@ -459,10 +463,101 @@ def test_a_cut_between_two_routed_machines_leaves_every_other_path_open(routed: 
 
     m0, m1, m2 = machines.machines
     assert reach(m0, m1.ip) == reach(None, m1.ip) == "reached"
-    machines.cut(0, 1)
-    assert reach(m0, m1.ip) == reach(m1, m0.ip) == "TimeoutError"  # silent, both ways
+    machines.cut(0, 1, rejecting=rejecting)
+    t0 = time.monotonic()
+    cut = "ConnectionRefusedError" if rejecting else "TimeoutError"
+    assert reach(m0, m1.ip) == reach(m1, m0.ip) == cut  # both ways
+    assert not rejecting or time.monotonic() - t0 < 1.9  # (refused at once: no probe's timeout waited out)
     assert reach(m0, m2.ip) == reach(m1, m2.ip) == reach(None, m0.ip) == reach(None, m1.ip) == "reached"
     assert reach(m0, m0.host_ip) == "ConnectionRefusedError"  # this host answers (nothing listens there)
+    if rejecting:
+        machines.cut(None, 2, rejecting=True)
+        assert reach(None, m2.ip) == "ConnectionRefusedError"
+        assert reach(m0, m2.ip) == reach(m1, m2.ip) == reach(m2, m0.ip) == reach(None, m0.ip) == "reached"
+
+
+PROBER = ("import sys, time, torch.distributed as d\nfrom datetime import timedelta\n"
+          "from megatron_odyssey.runtime.reachability import Prober\n"
+          "host, port, ident = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])\n"
+          "store = d.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))\n"
+          "prober = Prober(ident, host, port)\nprint('up', flush=True)\n"
+          "while True:\n    try:\n        prober.tick(store)\n    except Exception:\n        pass\n"
+          "    time.sleep(0.1)")
+
+
+@pytest.mark.parametrize("case", ["rejecting firewall", "standby's process gone", "standby's machine gone",
+                                  "two machines, machine gone", "two machines, machine gone, witness"])
+def test_a_standby_that_refuses_is_taken_for_gone_only_where_it_cannot_hold_half_of_the_ranks(
+        routed: RoutedMachines, tmp_path: Path, capsys: pytest.CaptureFixture, case: str) -> None:
+    """The agent on this host (rank 0), its standby's store on machine 0 with rank 1, ranks 2 and 3 on machines 1
+    and 2 (each a real prober beating to the agent's store, ``runtime.reachability``); "two machines": ranks 0 and 1
+    only. The standby's store stops answering with a refusal. A ``rejecting firewall`` between this host and machine
+    0 refuses too, while the standby runs on: ranks 2 and 3 still reach its store, so the agent needs a majority
+    from then on (``runtime.quorum``). Where the standby's process is gone (rank 1 says it does not reach it), or its
+    whole machine (rank 1 answers nothing: 1 of 4 ranks, too few to take the job), it is gone: no quorum, as before.
+    In a job of two machines the lost machine's rank is half: without a witness the refusal is taken for the loss
+    (said), with one the tie is the witness's."""
+    from megatron_odyssey.launch import LocalRank, RemoteRank
+    from megatron_odyssey.runtime.agent import Agent
+    from megatron_odyssey.runtime.config import TrainConfig
+    from megatron_odyssey.runtime.control_plane import Replica
+    from megatron_odyssey.runtime.quorum import NoQuorum, Witness
+    from megatron_odyssey.testing.processes import start_sleeper
+
+    two = case.startswith("two machines")
+    nproc = 2 if two else 4
+    m0 = routed.machines[0]
+    store_port = free_port()
+    store = dist.TCPStore("0.0.0.0", store_port, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=10))
+    server, address = _store_in(m0)
+    rank0 = start_sleeper(120.0)
+    probers = []
+    try:
+        for ident in range(1, nproc):
+            machine = routed.machines[ident - 1]
+            prober = machine.popen([sys.executable, "-c", PROBER, machine.host_ip, str(store_port), str(ident)],
+                                   stdout=subprocess.PIPE, start_new_session=True)
+            assert prober.stdout.readline().strip() == b"up"
+            probers.append(prober)
+        cfg = TrainConfig(nproc=nproc, tp=1, pp=1, layers=4, hidden=32, heads=4, seq=16, global_batch=nproc,
+                          micro_batch=1, steps=4)
+        procs = {0: LocalRank(rank0), **{i: RemoteRank(store, i) for i in range(1, nproc)}}
+        agent = Agent(cfg, None, tmp_path, procs=procs, store=store)
+        agent.witness = Witness.create(tmp_path, "agent on machine 0") if case.endswith("witness") else None
+        agent.replica = Replica(address, connect_timeout_s=30)
+        agent._replicate_state()
+        time.sleep(0.5)  # (each prober said where it listens)
+        if case == "rejecting firewall":
+            routed.cut(None, 0, rejecting=True)
+        else:
+            server.kill()
+            server.wait()
+            if "machine gone" in case:
+                probers[0].kill()
+        assert not agent._to_standby(lambda r: r.step({"committed": 0}, {"step": 0}))
+        err = capsys.readouterr().err
+        assert agent.replica is None and "the standby agent's store stopped answering" in err, err
+        if case == "rejecting firewall":
+            assert agent.quorum is not None and agent.quorum.references == (frozenset(range(4)),)
+            assert "its machine refuses the connection, but ranks [2, 3] reach the standby's store: a firewall " \
+                   "between this machine and the standby's may reject the connections while it runs on" in err, err
+            agent.quorum.check({0, 2, 3})
+            with pytest.raises(NoQuorum, match=r"holds 2 of the job's 4 ranks"):  # (ties: the standby's)
+                agent.quorum.check({0, 2})
+        elif case == "two machines, machine gone, witness":
+            assert agent.quorum is not None and "but ranks [1], half of the job's or more, did not say" in err, err
+            agent.quorum.check({0})  # (the tie: this agent claims the witness, which nobody else did)
+            assert agent.witness.holder_of(frozenset(range(2))) == "agent on machine 0"
+        else:
+            assert agent.quorum is None and "its process is gone; going on without a standby" in err, err
+            if two:
+                assert "with two machines and no --witness-dir, taking it for its processes' loss" in err, err
+    finally:
+        server.kill()
+        rank0.kill()
+        for prober in probers:
+            prober.kill()
 
 
 NAME = ("import socket, sys, time\n"
