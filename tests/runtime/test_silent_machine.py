@@ -517,7 +517,7 @@ def test_a_standby_that_refuses_is_taken_for_gone_only_where_it_cannot_hold_half
         for ident in range(1, nproc):
             machine = routed.machines[ident - 1]
             prober = machine.popen([sys.executable, "-c", PROBER, machine.host_ip, str(store_port), str(ident)],
-                                   stdout=subprocess.PIPE, start_new_session=True)
+                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
             assert prober.stdout.readline().strip() == b"up"
             probers.append(prober)
         cfg = TrainConfig(nproc=nproc, tp=1, pp=1, layers=4, hidden=32, heads=4, seq=16, global_batch=nproc,
