@@ -210,9 +210,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--witness-dir", default=None, metavar="DIR",
                    help=f"a directory on storage machines 0 and 1 share (e.g. the checkpoints' network file system): "
                         f"where a partition cuts the job into two halves (two machines: one each), the side that "
-                        f"claims it first trains on; without one the standby's side does, and a two-machine job whose "
-                        f"machine 1 goes silent stops (default ${WITNESS_ENV}; machine 0's is the job's: another one "
-                        f"given on machine 1 is refused)")
+                        f"claims it first trains on; without one the standby's side does, a two-machine job whose "
+                        f"machine 1 goes silent stops, and one whose two machines a firewall that rejects cuts apart "
+                        f"trains on both sides (default ${WITNESS_ENV}; machine 0's is the job's: another one given on "
+                        f"machine 1 is refused)")
     p.add_argument("--workdir", type=Path, default=Path("odyssey-run"), help="per-rank logs (default odyssey-run)")
     p.add_argument("--no-python", action="store_true", help="run the script as an executable (like torchrun)")
     p.add_argument("--join", default=None, metavar="HOST:PORT",
