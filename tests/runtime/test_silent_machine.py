@@ -502,6 +502,7 @@ def test_a_standby_that_refuses_is_taken_for_gone_only_where_it_cannot_hold_half
     from megatron_odyssey.runtime.config import TrainConfig
     from megatron_odyssey.runtime.control_plane import Replica
     from megatron_odyssey.runtime.quorum import NoQuorum, Witness
+    from megatron_odyssey.runtime.reachability import ADDRESS_KEY
     from megatron_odyssey.testing.processes import start_sleeper
 
     two = case.startswith("two machines")
@@ -527,7 +528,11 @@ def test_a_standby_that_refuses_is_taken_for_gone_only_where_it_cannot_hold_half
         agent.witness = Witness.create(tmp_path, "agent on machine 0") if case.endswith("witness") else None
         agent.replica = Replica(address, connect_timeout_s=30)
         agent._replicate_state()
-        time.sleep(0.5)  # (each prober said where it listens)
+        said = [ADDRESS_KEY.format(i) for i in range(1, nproc)]
+        deadline = time.monotonic() + 60
+        while not store.check(said) and time.monotonic() < deadline:  # (each prober says where it listens)
+            time.sleep(0.05)
+        assert store.check(said), "a prober never said where it listens"
         if case == "rejecting firewall":
             routed.cut(None, 0, rejecting=True)
         else:
