@@ -195,10 +195,11 @@ def say_slow_names(addresses: list[str], say: Callable[[str], None], ranks: int,
                    lookup: Callable[[str], Any] | None = None) -> threading.Thread:
     """Times naming the machines of ``addresses`` (the ranks' "ip:port", ``reachability.said_addresses``; each
     machine once, the loopback left out: /etc/hosts names it) with :func:`slow_name`, in a thread of its own (a slow
-    lookup stops the thread that makes it), and ``say``s the first slow one, once, with the remedy and its cost: the store here names each new
-    connection's peer so, one connection after another, in its one thread (:func:`serve`), so the ``ranks``' clients
-    (:data:`STORE_CLIENTS_PER_RANK` each) are all served only after that many lookups (``bench_store_names.py``: 300
-    clients in 16.3 s with a resolver 50 ms late, 1.9 s with /etc/hosts). The thread, started."""
+    lookup stops the thread that makes it), and ``say``s the first slow one, once, with the remedy and its cost: the
+    store here names each new connection's peer so, one connection after another, in its one thread (:func:`serve`),
+    so the ``ranks``' clients (:data:`STORE_CLIENTS_PER_RANK` each) are all served only after that many lookups
+    (``bench_store_names.py``: 300 clients in 16.3 s with a resolver 50 ms late, 1.9 s with /etc/hosts). The thread,
+    started."""
     hosts = sorted(h for h in {a.rpartition(":")[0] for a in addresses} if h and not h.startswith("127."))
 
     def check() -> None:
