@@ -54,13 +54,14 @@ from .hooks import ORIGINAL_ATTR, STATE, loss_reduction_as_communication, overri
 from .interleaved import InterleavedCapture, chunk_layer_start, reshuffle_transfers, shapes_for_layers
 from .plan_norms import plan_grad_norm, plan_params_norm, plan_zero_count, unit_owners
 from .views import TIED_NAMES, MegatronStageRunner, OptimizerStateView, megatron_global_names
-from ..runtime.errors import (GIVEUP_KEY, STARTED_KEY, dump_stacks_on_signals, fail_locally, giveup_reason,
-                              is_failure_abort, is_peer_failure, stop_now)
+from ..runtime.errors import (GIVEUP_KEY, STARTED_KEY, ErrorRecord, dump_stacks_on_signals, fail_locally,
+                              giveup_reason, is_failure_abort, is_peer_failure, leave_with, stop_now)
 from ..runtime.generation import GenerationRank, keys, node_stage
 from ..runtime.liveness import Heartbeat, Progress, StoreThread, communicating, track
 from ..runtime.transport import P2P
 from ..runtime.state import TIED_ALIASES
 from ..runtime.world import RankMap, abort_all_groups, plan_process_groups, shut_connections
+from ..runtime.stuck_call import StuckCall
 
 STORE_ENV = "ODYSSEY_STORE"  # HOST:PORT of the agent's store, set by the launcher
 WORKDIR_ENV = "ODYSSEY_WORKDIR"
@@ -77,15 +78,20 @@ class AbortWatcher(StoreThread):
     Gloo's groups close nothing when aborted: for an abort because ranks failed, this rank's connections are
     shut too (``world.shut_connections``, as its teardown does), since a failed rank the agent could not reach to
     kill (cut off from the agent's machine, not from this one) may live on and hold a collective open with it.
+    A main thread still inside the same torch.distributed call ``stuck_after_s`` after that shut is in a wait gloo
+    never ends (``runtime.stuck_call``): the rank then leaves, with a record that says so, and the job recovers
+    without it at once rather than fencing it at the hard timeout.
     When the agent gives up on the job (or stays unreachable), it ends the process at once: nothing will
     come. A store hiccup is retried (``StoreThread``), not taken for the end of the job."""
 
     what = "abort watcher"
 
     def __init__(self, runtime: "MegatronRank", host: str, port: int, interval_s: float = 0.05, control: Any = None,
-                 **kw: Any):
+                 stuck_after_s: float = 10.0, **kw: Any):
         super().__init__(host, port, runtime.ident, interval_s, control=control, **kw)  # (follows a takeover)
         self.runtime, self.handled = runtime, -1
+        self.stuck_after_s = stuck_after_s
+        self.shut: tuple[int, str, StuckCall] | None = None  # (generation, its abort, the watch) after a shut
 
     def tick(self, store: Any) -> None:
         gen = self.runtime.gen
@@ -93,7 +99,8 @@ class AbortWatcher(StoreThread):
         if store.check([GIVEUP_KEY]):
             stop_now(self.runtime.ident, f"the agent stopped the job: {giveup_reason(store) or 'no reason given'}")
         if aborted:
-            failed = is_failure_abort(store.get(f"odyssey/gen{gen}/abort"))
+            value = store.get(f"odyssey/gen{gen}/abort").decode(errors="replace")
+            failed = is_failure_abort(value)
             with self.runtime.gen_lock:
                 if self.runtime.gen == gen:
                     try:
@@ -102,7 +109,32 @@ class AbortWatcher(StoreThread):
                         pass
                     if failed and self.runtime.backend == "gloo":
                         shut_connections({self.runtime.store_addr[1]})
+                        self.shut = (gen, value, StuckCall(self.stuck_after_s))
             self.handled = gen
+        self._leave_if_stuck(store)
+
+    def _leave_if_stuck(self, store: Any) -> None:
+        if self.shut is None:
+            return
+        gen, abort, watch = self.shut
+        if self.runtime.gen != gen:  # the main thread left the call and recovers
+            self.shut = None
+            return
+        frame = watch.stuck()
+        if frame is None:
+            return
+        where = f"{frame.f_code.co_name} ({frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno})"
+        why = (f"the main thread is still inside torch.distributed's {where} {watch.waited_s():.0f} s after the abort "
+               f"({abort}) shut every connection of its gloo groups: a gloo send whose message was queued on a "
+               f"connection that then closed is never woken (runtime.stuck_call), and waits out the group's timeout "
+               f"(--distributed-timeout-minutes). Nothing in-process ends that wait: leaving the job, so that it "
+               f"recovers without this rank now rather than fencing it at --odyssey-hard-timeout")
+        progress = getattr(self.runtime, "progress", None)
+        record = ErrorRecord.stuck(self.runtime.ident, f"step {progress.step}" if progress is not None and
+                                   progress.step >= 0 else "training", why, frame)
+        print(f"[odyssey rank {self.runtime.ident}] {record.where}: {why}\n{record.traceback}", file=sys.stderr,
+              flush=True)
+        leave_with(store, self.runtime.ident, record)
 
     def lost(self, exc: BaseException) -> None:
         stop_now(self.runtime.ident, f"the agent is gone ({type(exc).__name__}: {str(exc)[:120]})")
@@ -281,7 +313,8 @@ class MegatronRank(GenerationRank):
             self.control.ready()  # (this main thread's client of the standby's store, for a takeover)
         if not joining:  # (a joining rank beats once it asks to join: its rank's earlier life may still be beating)
             self._start_heartbeat()
-        AbortWatcher(self, host, int(port), control=self.control).start()
+        AbortWatcher(self, host, int(port), control=self.control,
+                     stuck_after_s=min(10.0, self.cfg.heartbeat_timeout_s)).start()
         import atexit
 
         atexit.register(self._say_done_at_exit)  # (again: clean_exit says it first, before the teardown)

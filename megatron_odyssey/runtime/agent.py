@@ -658,7 +658,11 @@ class Agent:
         for ident in sorted(failed):
             record = read_error(self.store, ident)
             started = self._started(ident)
-            if record is not None:
+            if record is not None and record.failure:  # (its process, not the code: never stops the job)
+                self.log_error(f"rank {ident} failed ({record.where}): {record.headline()}\n" + indented(record.traceback))
+                if started:
+                    self.log_error(f"recovering without rank {ident}")
+            elif record is not None:
                 self.errors[ident] = record
                 self.log_error(f"rank {ident} failed with its own error ({record.where}): {record.headline()}\n"
                                + indented(record.traceback))

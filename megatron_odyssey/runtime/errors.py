@@ -96,7 +96,10 @@ def error_place(exc: BaseException) -> str:
     """``file:line in function`` of the innermost frame of ``exc``'s traceback in our code or the
     user's (Python's and torch's own frames are skipped); the file is shortened to its last three
     path parts, so the same bug reads the same on machines with different checkouts."""
-    frames = traceback.extract_tb(exc.__traceback__)
+    return _place(traceback.extract_tb(exc.__traceback__))
+
+
+def _place(frames: traceback.StackSummary) -> str:
     chosen = next((f for f in reversed(frames) if not _is_library(f.filename)), frames[-1] if frames else None)
     if chosen is None:
         return "unknown"
@@ -115,6 +118,8 @@ class ErrorRecord:
     traceback: str
     where: str  # "start-up", "step 3", "recovery"
     time: float
+    #: the rank's process failed (it cannot go on), not the code: the same on two ranks is no sign of a bug
+    failure: bool = False
 
     @property
     def signature(self) -> tuple[str, str]:
@@ -125,6 +130,13 @@ class ErrorRecord:
     def of(cls, exc: BaseException, rank: int, where: str) -> "ErrorRecord":
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         return cls(rank, type(exc).__qualname__, error_place(exc), str(exc)[:2000], text[-20000:], where, time.time())
+
+    @classmethod
+    def stuck(cls, rank: int, where: str, why: str, frame: Any) -> "ErrorRecord":
+        """A rank whose main thread can no longer leave the call it is in (``frame``): a failure of its process."""
+        stack = traceback.extract_stack(frame)
+        text = "Stack of the main thread (most recent call last):\n" + "".join(stack.format())
+        return cls(rank, "StuckInCollective", _place(stack), why[:2000], text[-20000:], where, time.time(), failure=True)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -156,6 +168,11 @@ def fail_locally(store: Any, rank: int, exc: BaseException, where: str,
         (abort or _abort_groups)()
     except Exception:
         pass
+    leave_with(store, rank, record)
+
+
+def leave_with(store: Any, rank: int, record: ErrorRecord) -> None:
+    """Publish ``record`` for the agent (its terminal shows it, wherever this rank runs) and exit. Never returns."""
     if store is not None:
         try:
             store.set(ERROR_KEY.format(rank), record.to_json())

@@ -108,8 +108,14 @@ def in_collective(thread_id: int | None = None) -> bool:
     collectives: its innermost Python frame is in ``distributed_c10d`` (the C++ wait below it has none). True for
     gloo's collectives and any collective's ``wait``; an NCCL collective returns at once and its rank waits later,
     in whatever first needs the result, which this does not see."""
+    return collective_frame(thread_id) is not None
+
+
+def collective_frame(thread_id: int | None = None) -> Any:
+    """The frame of the torch.distributed call the thread (the main one by default) is blocked in, or None
+    (:func:`in_collective`)."""
     frame = sys._current_frames().get(thread_id if thread_id is not None else threading.main_thread().ident)
-    return frame is not None and frame.f_code.co_filename.endswith(_C10D)
+    return frame if frame is not None and frame.f_code.co_filename.endswith(_C10D) else None
 
 
 def main_thread_place() -> str:

@@ -893,7 +893,7 @@ def abort_shuts_gloo_worker(rank: int, port: int, out) -> None:
         return
     runtime = SimpleNamespace(gen=0, gen_lock=threading.Lock(), backend="gloo", store_addr=("127.0.0.1", port),
                               ident=rank)
-    AbortWatcher(runtime, "127.0.0.1", port).start()
+    AbortWatcher(runtime, "127.0.0.1", port, stuck_after_s=1.0).start()
 
     def next_generation() -> None:  # (the test's word: the generation the failure abort is for; a client of its own)
         dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120)).wait(["generation 1"])
@@ -907,3 +907,40 @@ def abort_shuts_gloo_worker(rank: int, port: int, out) -> None:
     except Exception as exc:  # noqa: BLE001 - what the shut connections raise
         failed_at = float(store.get("failure abort at"))
         out.put((rank, type(exc).__name__, time.time() - failed_at))
+    store.wait(["done"])  # (out of the collective, the watcher must not take this rank for stuck meanwhile)
+
+
+def stuck_gloo_send_worker(rank: int, port: int, size: int) -> None:
+    """Two gloo ranks: rank 1 posts a receive of ``size`` floats and stops itself (SIGSTOP: alive, reading nothing),
+    so rank 0's send of them fills the socket and waits with the rest of its message in gloo's transmit queue.
+    Rank 0 runs Megatron's abort watcher over a stand-in of the rank's state, at step 3; the test sets the abort."""
+    import os
+    import signal
+    import threading
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from megatron_odyssey.megatron_lm.rank import AbortWatcher
+    from megatron_odyssey.runtime.liveness import Progress
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", store=dist.PrefixStore("world", store), rank=rank, world_size=2,
+                            timeout=timedelta(seconds=300))
+    message = torch.zeros(size)
+    if rank == 1:
+        dist.irecv(message, 0)
+        store.set("receiving", "1")
+        os.kill(os.getpid(), signal.SIGSTOP)
+        store.wait(["done"])
+        return
+    progress = Progress()
+    progress.mark(3, "backward")
+    runtime = SimpleNamespace(gen=0, gen_lock=threading.Lock(), backend="gloo", store_addr=("127.0.0.1", port),
+                              ident=rank, progress=progress)
+    AbortWatcher(runtime, "127.0.0.1", port, stuck_after_s=2.0).start()
+    store.wait(["receiving"])
+    store.set("sending", "1")
+    dist.send(message, 1)
+    store.set("send returned", "1")  # (what the test must not see: the send stays for the group's 300 s)

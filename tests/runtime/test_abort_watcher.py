@@ -45,9 +45,55 @@ def test_an_abort_for_failed_ranks_shuts_the_survivors_gloo_connections_and_a_re
         assert [(r, what) for r, what, _ in results] == [(0, "RuntimeError"), (1, "RuntimeError")], results
         assert all(after < 10.0 for _, _, after in results), results  # (the watcher polls every 50 ms)
         assert procs[2].is_alive()  # the "failed" rank lived on all along
+        store.set("done", "1")
+        for p in procs:
+            p.join(30)
+        # (out of the all-reduce for over a second, with the watcher's stuck check at 1 s: not taken for stuck)
+        assert [p.exitcode for p in procs] == [0, 0, 0]
     finally:
         store.set("done", "1")
         for p in procs:
             p.join(30)
             if p.is_alive():
                 p.kill()
+
+
+def test_a_rank_stuck_in_a_gloo_send_after_its_connections_were_shut_leaves_with_a_record_that_says_why() -> None:
+    """Gloo never wakes a send whose message sits in a connection's transmit queue when that connection closes
+    (``runtime.stuck_call``): rank 0's send of 64 MB to rank 1, which stopped reading, stays inside ``dist.send``
+    after the abort for rank 1's failure shut every connection (the group's timeout is 300 s). Its abort watcher finds
+    the main thread in the same call 2 s on, publishes a record (a failure of the process: the agent does not stop
+    the job when it recurs) and exits, so the job can recover without it at once."""
+    from _runtime_workers import stuck_gloo_send_worker
+
+    from megatron_odyssey.runtime.errors import LOCAL_ERROR_EXIT, read_error
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=stuck_gloo_send_worker, args=(r, port, 16 * 1024 * 1024)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        store.wait(["sending"], timedelta(seconds=120))
+        time.sleep(1.0)  # (inside the send, the socket full)
+        assert not store.check(["send returned"])
+        aborted = time.monotonic()
+        store.set("odyssey/gen0/abort", failure_abort({1}))
+        procs[0].join(60)
+        took = time.monotonic() - aborted
+        assert procs[0].exitcode == LOCAL_ERROR_EXIT, procs[0].exitcode
+        assert 2.0 <= took < 30.0, took
+        assert not store.check(["send returned"])  # (gloo's bug is still there: the send never came back)
+        record = read_error(store, 0)
+        assert record is not None and record.failure and record.type == "StuckInCollective", record
+        assert record.where == "step 3", record
+        assert record.message.startswith("the main thread is still inside torch.distributed's send "
+                                         "(distributed_c10d.py:"), record.message
+        assert "after the abort (ranks [1] failed) shut every connection of its gloo groups" in record.message
+        assert "distributed_c10d.py" in record.traceback and "in send" in record.traceback, record.traceback
+    finally:
+        store.set("done", "1")
+        for p in procs:
+            p.kill()
+            p.join(30)

@@ -237,3 +237,41 @@ def test_a_bug_in_the_agent_stops_the_job_promptly_with_its_traceback(tmp_path: 
     assert "in recover" in terminal  # the traceback, not only the message
     assert wall < TIMEOUT_S / 2, wall
     assert json.loads((tmp_path / "report.json").read_text())["ok"] is False
+
+
+def test_a_rank_stuck_in_a_collective_is_its_processs_failure_however_many_ranks_it_happens_to() -> None:
+    """The agent's judgement of the records failed ranks leave, over a real store: a rank that left stuck in a gloo
+    wait (``ErrorRecord.stuck``, from ``megatron_lm.rank.AbortWatcher``) is shown with its stack and recovered from,
+    on a second rank too (the same wait on two ranks is gloo's, not a bug of the job); the same plain error on a
+    second rank stops the job."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from megatron_odyssey.runtime.agent import Agent, free_port
+    from megatron_odyssey.runtime.errors import ERROR_KEY
+
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=30))
+    said: list[str] = []
+    agent = SimpleNamespace(store=store, errors={}, fenced=set(), _started=lambda ident: True, log_error=said.append)
+    why = "the main thread is still inside torch.distributed's all_reduce (distributed_c10d.py:3252) 10 s after ..."
+    for ident in (3, 1):
+        store.set(ERROR_KEY.format(ident), ErrorRecord.stuck(ident, "step 2", why, sys._getframe()).to_json())
+        assert Agent.judge(agent, {ident}) is None, said
+        shown, recovering = said[-2:]
+        assert shown.startswith(f"rank {ident} failed (step 2): StuckInCollective: {why} (")
+        assert "Stack of the main thread (most recent call last):" in shown and "in test_a_rank_stuck_in" in shown
+        assert recovering == f"recovering without rank {ident}"
+
+    def fail() -> None:
+        raise RuntimeError("a bug")
+
+    for ident in (0, 2):
+        try:
+            fail()
+        except RuntimeError as exc:
+            store.set(ERROR_KEY.format(ident), ErrorRecord.of(exc, ident, "step 3").to_json())
+    assert Agent.judge(agent, {0}) is None
+    assert "recurred on rank 2 after rank 0: it looks deterministic" in Agent.judge(agent, {2})

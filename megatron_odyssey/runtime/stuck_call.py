@@ -1,0 +1,51 @@
+"""A rank whose main thread stays inside one torch.distributed call after its gloo connections were all shut.
+
+Gloo (torch 2.13's) wakes an operation waiting on a connection that breaks only where the pair still lists it as
+pending (``Pair::signalException`` walks the pair's bound buffers, its pending sends and receives, and the bound
+buffers of its transmit queue). A send whose message was already handed to the transmit queue - a large message to a
+peer that reads slowly - holds an *unbound* buffer there, which that walk skips, and the queue is dropped with the
+connection. Its ``waitSend`` then lasts the group's whole timeout (Megatron's ``--distributed-timeout-minutes``, 10 by
+default) though nothing can come: neither ``abort()`` nor shutting the sockets reaches it, and no Python code runs
+in that thread until it ends. Seen with DDP's gradient all-reduce and the rerun state machine's all-reduce when a
+firewall reset the connections in the middle of a message (``tests/runtime/test_abort_watcher.py`` makes it with
+a peer that stopped reading).
+
+Nothing in-process ends that wait, so the rank leaves, and the job recovers without it at once instead of fencing it
+at ``--odyssey-hard-timeout``. Once every connection is shut, no collective can still be making progress; a call that
+returns or raises within ``after_s`` (a loop tick of gloo's, 10 ms, normally) is not stuck."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from types import FrameType
+
+from .liveness import collective_frame
+
+
+@dataclass
+class StuckCall:
+    """Watches the main thread from the moment its connections were shut (one instance per shut)."""
+
+    after_s: float  # how long one call may go on after the shut before it counts as stuck
+    shut_at: float = field(default_factory=time.monotonic)
+    frame: FrameType | None = None
+    lasti: int = -1
+    since: float = 0.0
+
+    def stuck(self, now: float | None = None) -> FrameType | None:
+        """The torch.distributed call the main thread has been inside, without moving, for ``after_s`` since the
+        shut (None while it moves, or is not in one). The same frame object at the same instruction is the same
+        call still going: a call made later, even at the same line, is another frame."""
+        now = time.monotonic() if now is None else now
+        frame = collective_frame()
+        if frame is None:
+            self.frame = None
+            return None
+        if frame is not self.frame or frame.f_lasti != self.lasti:
+            self.frame, self.lasti, self.since = frame, frame.f_lasti, max(now, self.shut_at)
+            return None
+        return frame if now - self.since >= self.after_s else None
+
+    def waited_s(self, now: float | None = None) -> float:
+        """How long after the shut the main thread has been inside the call :meth:`stuck` returned."""
+        return (time.monotonic() if now is None else now) - self.shut_at
