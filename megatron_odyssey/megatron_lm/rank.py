@@ -125,10 +125,10 @@ class AbortWatcher(StoreThread):
             return
         where = f"{frame.f_code.co_name} ({frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno})"
         why = (f"the main thread is still inside torch.distributed's {where} {watch.waited_s():.0f} s after the abort "
-               f"({abort}) shut every connection of its gloo groups: a gloo send whose message was queued on a "
-               f"connection that then closed is never woken (runtime.stuck_call), and waits out the group's timeout "
-               f"(--distributed-timeout-minutes). Nothing in-process ends that wait: leaving the job, so that it "
-               f"recovers without this rank now rather than fencing it at --odyssey-hard-timeout")
+               f"({abort}) shut every connection of its gloo groups: gloo never wakes an operation whose message "
+               f"was in flight when its connection closed (runtime.stuck_call); it waits out its group's timeout "
+               f"(--distributed-timeout-minutes in Megatron's own groups). Nothing in-process ends that wait: leaving "
+               f"the job, so that it recovers without this rank now rather than fencing it at --odyssey-hard-timeout")
         progress = getattr(self.runtime, "progress", None)
         record = ErrorRecord.stuck(self.runtime.ident, f"step {progress.step}" if progress is not None and
                                    progress.step >= 0 else "training", why, frame)

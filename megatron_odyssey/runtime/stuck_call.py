@@ -6,9 +6,11 @@ buffers of its transmit queue). A send whose message was already handed to the t
 peer that reads slowly - holds an *unbound* buffer there, which that walk skips, and the queue is dropped with the
 connection. Its ``waitSend`` then lasts the group's whole timeout (Megatron's ``--distributed-timeout-minutes``, 10 by
 default) though nothing can come: neither ``abort()`` nor shutting the sockets reaches it, and no Python code runs
-in that thread until it ends. Seen with DDP's gradient all-reduce and the rerun state machine's all-reduce when a
-firewall reset the connections in the middle of a message (``tests/runtime/test_abort_watcher.py`` makes it with
-a peer that stopped reading).
+in that thread until it ends. By the same code a receive whose message was partly read (its buffer is then the
+pair's read operation's, not a pending receive's) is not woken either. Seen, as ``waitSend`` under
+``gloo::allreduce`` (gdb), in DDP's gradient all-reduce and the rerun state machine's all-reduce when a firewall reset
+the connections in the middle of a message (``tests/runtime/test_abort_watcher.py`` makes it with a peer that
+stopped reading).
 
 Nothing in-process ends that wait, so the rank leaves, and the job recovers without it at once instead of fencing it
 at ``--odyssey-hard-timeout``. Once every connection is shut, no collective can still be making progress; a call that
