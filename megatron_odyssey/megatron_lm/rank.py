@@ -123,8 +123,7 @@ class AbortWatcher(StoreThread):
         frame = watch.stuck()
         if frame is None:
             return
-        where = f"{frame.f_code.co_name} ({frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno})"
-        why = (f"the main thread is still inside torch.distributed's {where} {watch.waited_s():.0f} s after the abort "
+        why = (f"the main thread is still inside {watch.place(frame)} {watch.waited_s():.0f} s after the abort "
                f"({abort}) shut every connection of its gloo groups: gloo never wakes an operation whose message "
                f"was in flight when its connection closed (runtime.stuck_call); it waits out its group's timeout "
                f"(--distributed-timeout-minutes in Megatron's own groups). Nothing in-process ends that wait: leaving "

@@ -23,10 +23,14 @@ stderr and retried with a fresh client; only a store that stays unreachable for 
 """
 from __future__ import annotations
 
+import inspect
+import linecache
 import os
+import re
 import sys
 import threading
 import time
+import types
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterator
@@ -113,9 +117,48 @@ def in_collective(thread_id: int | None = None) -> bool:
 
 def collective_frame(thread_id: int | None = None) -> Any:
     """The frame of the torch.distributed call the thread (the main one by default) is blocked in, or None
-    (:func:`in_collective`)."""
+    (:func:`in_collective`): a frame of ``distributed_c10d``, or one blocked at ``<name>.wait()`` where the name is a
+    torch.distributed ``Work`` (:func:`waits_on_work`)."""
     frame = sys._current_frames().get(thread_id if thread_id is not None else threading.main_thread().ident)
-    return frame if frame is not None and frame.f_code.co_filename.endswith(_C10D) else None
+    if frame is None:
+        return None
+    return frame if is_c10d_frame(frame) or waits_on_work(frame) else None
+
+
+def is_c10d_frame(frame: Any) -> bool:
+    """Whether ``frame`` is one of torch.distributed's own functions (``distributed_c10d``)."""
+    return frame.f_code.co_filename.endswith(_C10D)
+
+
+_WAIT_CALL = re.compile(r"(?<![\w.)\]])([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)\.wait\(\s*\)")
+
+
+def waits_on_work(frame: Any) -> bool:
+    """Whether the innermost ``frame`` is at a ``<name>.wait()`` whose name holds a torch.distributed ``Work``. A
+    Work's ``wait`` is C++ and makes no frame of its own, so a rank blocked in it - an asynchronous collective's
+    handle waited for later, as this package's gradient sync, transport and state transfer do - shows only the
+    caller's frame, outside ``distributed_c10d``. The name is looked up without running code (``getattr_static``):
+    this runs on another thread than the one waiting. (A handle waited on without a name, ``isend(...).wait()``, is
+    not seen.)"""
+    match = _WAIT_CALL.search(linecache.getline(frame.f_code.co_filename, frame.f_lineno))
+    if match is None:
+        return False
+    head, *attrs = match.group(1).split(".")
+    missing = object()
+    found = frame.f_locals.get(head, frame.f_globals.get(head, missing))
+    for attr in attrs:
+        if found is missing:
+            return False
+        owner, found = found, inspect.getattr_static(found, attr, missing)
+        if isinstance(found, types.MemberDescriptorType):  # a __slots__ field: its value, read without code
+            found = found.__get__(owner)
+    return found is not missing and _is_work(found)
+
+
+def _is_work(value: Any) -> bool:
+    """A torch.distributed ``Work`` (without importing torch here: a process that has none has no Work either)."""
+    work = getattr(sys.modules.get("torch.distributed"), "Work", None)
+    return work is not None and isinstance(value, work)
 
 
 def main_thread_place() -> str:

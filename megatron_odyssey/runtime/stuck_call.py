@@ -12,6 +12,11 @@ pair's read operation's, not a pending receive's) is not woken either. Seen, as 
 the connections in the middle of a message (``tests/runtime/test_abort_watcher.py`` makes it with a peer that
 stopped reading).
 
+"Inside a call" is :func:`liveness.collective_frame`: a function of ``distributed_c10d`` (a blocking collective, a
+coalesced handle's wait, as Megatron's overlapped gradient reduce waits), or a line ``<name>.wait()`` on a
+torch.distributed Work, whose C++ wait makes no frame (this package's gradient sync, transport and state transfer
+after the first recovery).
+
 Nothing in-process ends that wait, so the rank leaves, and the job recovers without it at once instead of fencing it
 at ``--odyssey-hard-timeout``. Once every connection is shut, no collective can still be making progress; a call that
 returns or raises within ``after_s`` (a loop tick of gloo's, 10 ms, normally) is not stuck."""
@@ -21,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from types import FrameType
 
-from .liveness import collective_frame
+from .liveness import collective_frame, is_c10d_frame
 
 
 @dataclass
@@ -47,6 +52,14 @@ class StuckCall:
             self.frame, self.lasti, self.since = frame, frame.f_lasti, max(now, self.shut_at)
             return None
         return frame if now - self.since >= self.after_s else None
+
+    def place(self, frame: FrameType) -> str:
+        """The call :meth:`stuck` returned, for a message: torch.distributed's own function, or the line that waits
+        on a Work handle."""
+        at = f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}"
+        if is_c10d_frame(frame):
+            return f"torch.distributed's {frame.f_code.co_name} ({at})"
+        return f"the wait() of a torch.distributed Work in {frame.f_code.co_name} ({at})"
 
     def waited_s(self, now: float | None = None) -> float:
         """How long after the shut the main thread has been inside the call :meth:`stuck` returned."""

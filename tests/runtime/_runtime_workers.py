@@ -283,9 +283,10 @@ def classify_gloo_errors_worker(rank: int, port: int, out) -> None:
 
 
 def in_collective_worker(rank: int, port: int, out) -> None:
-    """Two gloo ranks: rank 0's main thread waits in a barrier (then an all-gather of objects) that rank 1 joins
-    only after a while; a side thread of rank 0 samples ``liveness.in_collective`` while it waits and while it
-    sleeps; results go to ``out`` as (case, sampled)."""
+    """Two gloo ranks: rank 0's main thread waits in a barrier, an all-gather of objects, a receive's Work handle
+    (named, and held in a ``__slots__`` field) that rank 1 joins only after a while, and in a threading Event; a side
+    thread of rank 0 samples ``liveness.in_collective`` while it waits and while it sleeps; results go to ``out`` as
+    (case, sampled)."""
     import threading
     import time
     from datetime import timedelta
@@ -294,28 +295,50 @@ def in_collective_worker(rank: int, port: int, out) -> None:
 
     from megatron_odyssey.runtime.liveness import in_collective
 
+    class Slotted:
+        __slots__ = ("work",)
+
+        def __init__(self, work: dist.Work) -> None:
+            self.work = work
+
+    cases = ("barrier", "all_gather_object", "work", "slotted work", "event")
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60))
     if rank == 1:
-        for _ in range(2):
+        for case in cases:
             store.wait(["sampled"])
             store.delete_key("sampled")
-            dist.barrier() if not store.check(["objects"]) else dist.all_gather_object([None, None], rank)
+            if case == "barrier":
+                dist.barrier()
+            elif case == "all_gather_object":
+                dist.all_gather_object([None, None], rank)
+            elif case in ("work", "slotted work"):
+                dist.send(torch.ones(4), 0)
         return
     results: list = []
+    event = threading.Event()
 
     def sample(case: str) -> None:
         time.sleep(0.5)  # the main thread is in it by now
         results.append((case, in_collective()))
         store.set("sampled", "1")
+        event.set()
 
-    for case, wait in (("barrier", lambda: dist.barrier()), ("all_gather_object",
-                                                               lambda: dist.all_gather_object([None, None], rank))):
-        if case == "all_gather_object":
-            store.set("objects", "1")
+    for case in cases:
         side = threading.Thread(target=sample, args=(case,))
         side.start()
-        wait()
+        if case == "barrier":
+            dist.barrier()
+        elif case == "all_gather_object":
+            dist.all_gather_object([None, None], rank)
+        elif case == "work":
+            work = dist.irecv(torch.zeros(4), 1)
+            work.wait()
+        elif case == "slotted work":
+            held = Slotted(dist.irecv(torch.zeros(4), 1))
+            held.work.wait()
+        else:
+            event.wait()
         side.join()
     side = threading.Thread(target=lambda: results.append(("sleeping", in_collective())))
     side.start()
@@ -910,10 +933,12 @@ def abort_shuts_gloo_worker(rank: int, port: int, out) -> None:
     store.wait(["done"])  # (out of the collective, the watcher must not take this rank for stuck meanwhile)
 
 
-def stuck_gloo_send_worker(rank: int, port: int, size: int) -> None:
+def stuck_gloo_send_worker(rank: int, port: int, size: int, how: str = "send") -> None:
     """Two gloo ranks: rank 1 posts a receive of ``size`` floats and stops itself (SIGSTOP: alive, reading nothing),
     so rank 0's send of them fills the socket and waits with the rest of its message in gloo's transmit queue.
-    Rank 0 runs Megatron's abort watcher over a stand-in of the rank's state, at step 3; the test sets the abort."""
+    Rank 0 runs Megatron's abort watcher over a stand-in of the rank's state, at step 3; the test sets the abort.
+    ``how`` rank 0 sends: ``send`` (blocking, inside torch.distributed) or ``work`` (``isend``, then its handle's
+    ``wait()`` from here, as this package's transport does)."""
     import os
     import signal
     import threading
@@ -942,5 +967,9 @@ def stuck_gloo_send_worker(rank: int, port: int, size: int) -> None:
     AbortWatcher(runtime, "127.0.0.1", port, stuck_after_s=2.0).start()
     store.wait(["receiving"])
     store.set("sending", "1")
-    dist.send(message, 1)
+    if how == "send":
+        dist.send(message, 1)
+    else:
+        work = dist.isend(message, 1)
+        work.wait()
     store.set("send returned", "1")  # (what the test must not see: the send stays for the group's 300 s)

@@ -8,6 +8,7 @@ import queue
 import time
 from datetime import timedelta
 
+import pytest
 import torch.distributed as dist
 
 from megatron_odyssey.runtime.agent import free_port
@@ -58,12 +59,14 @@ def test_an_abort_for_failed_ranks_shuts_the_survivors_gloo_connections_and_a_re
                 p.kill()
 
 
-def test_a_rank_stuck_in_a_gloo_send_after_its_connections_were_shut_leaves_with_a_record_that_says_why() -> None:
+@pytest.mark.parametrize("how", ["send", "work"])
+def test_a_rank_stuck_in_a_gloo_send_after_its_connections_were_shut_leaves_with_a_record_that_says_why(how) -> None:
     """Gloo never wakes a send whose message sits in a connection's transmit queue when that connection closes
     (``runtime.stuck_call``): rank 0's send of 64 MB to rank 1, which stopped reading, stays inside ``dist.send``
     after the abort for rank 1's failure shut every connection (the group's timeout is 300 s). Its abort watcher finds
     the main thread in the same call 2 s on, publishes a record (a failure of the process: the agent does not stop
-    the job when it recurs) and exits, so the job can recover without it at once."""
+    the job when it recurs) and exits, so the job can recover without it at once. The same for a send whose Work
+    handle is waited on outside torch.distributed (``work``: the wait has no frame of its own)."""
     from _runtime_workers import stuck_gloo_send_worker
 
     from megatron_odyssey.runtime.errors import LOCAL_ERROR_EXIT, read_error
@@ -71,7 +74,7 @@ def test_a_rank_stuck_in_a_gloo_send_after_its_connections_were_shut_leaves_with
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=stuck_gloo_send_worker, args=(r, port, 16 * 1024 * 1024)) for r in range(2)]
+    procs = [ctx.Process(target=stuck_gloo_send_worker, args=(r, port, 16 * 1024 * 1024, how)) for r in range(2)]
     for p in procs:
         p.start()
     try:
@@ -88,10 +91,13 @@ def test_a_rank_stuck_in_a_gloo_send_after_its_connections_were_shut_leaves_with
         record = read_error(store, 0)
         assert record is not None and record.failure and record.type == "StuckInCollective", record
         assert record.where == "step 3", record
-        assert record.message.startswith("the main thread is still inside torch.distributed's send "
-                                         "(distributed_c10d.py:"), record.message
+        place = {"send": "torch.distributed's send (distributed_c10d.py:",
+                 "work": "the wait() of a torch.distributed Work in stuck_gloo_send_worker (_runtime_workers.py:"}[how]
+        assert record.message.startswith(f"the main thread is still inside {place}"), record.message
         assert "after the abort (ranks [1] failed) shut every connection of its gloo groups" in record.message
-        assert "distributed_c10d.py" in record.traceback and "in send" in record.traceback, record.traceback
+        innermost = {"send": ("distributed_c10d.py", "in send"), "work": ("_runtime_workers.py", "work.wait()")}[how]
+        assert all(part in record.traceback.splitlines()[-1] + record.traceback.splitlines()[-2]
+                   for part in innermost), record.traceback
     finally:
         store.set("done", "1")
         for p in procs:

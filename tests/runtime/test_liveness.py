@@ -82,11 +82,14 @@ def test_beat_tells_where_a_rank_is_between_steps() -> None:
 
 
 def test_a_main_thread_waiting_in_a_collective_is_seen_from_another_thread() -> None:
-    """What a heartbeat thread reports between steps: real gloo collectives over two processes, the peer late."""
+    """What a heartbeat thread reports between steps: real gloo collectives over two processes, the peer late. A
+    Work's wait() is C++ with no frame of its own: the line that calls it on a named handle tells (a local, a
+    ``__slots__`` field); a wait on anything else (a threading Event) is not a collective."""
     from _runtime_workers import in_collective_worker, on_two_gloo_ranks
 
     results = dict(on_two_gloo_ranks(in_collective_worker, 120))
-    assert results == {"barrier": True, "all_gather_object": True, "sleeping": False}
+    assert results == {"barrier": True, "all_gather_object": True, "work": True, "slotted work": True,
+                       "event": False, "sleeping": False}
 
 
 def test_heartbeat_retries_a_store_hiccup_and_says_so(server, capfd) -> None:
