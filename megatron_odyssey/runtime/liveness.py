@@ -109,9 +109,10 @@ _C10D = os.path.join("torch", "distributed", "distributed_c10d.py")
 
 def in_collective(thread_id: int | None = None) -> bool:
     """Whether the thread (the main one by default: where a rank trains) is blocked in one of torch.distributed's
-    collectives: its innermost Python frame is in ``distributed_c10d`` (the C++ wait below it has none). True for
-    gloo's collectives and any collective's ``wait``; an NCCL collective returns at once and its rank waits later,
-    in whatever first needs the result, which this does not see."""
+    collectives: its innermost Python frame is in ``distributed_c10d`` (the C++ wait below it has none), or at the
+    ``wait()`` of a named Work handle (:func:`collective_frame`). True for gloo's collectives and any collective's
+    ``wait``; an NCCL collective returns at once and its rank waits later, in whatever first needs the result, which
+    this does not see."""
     return collective_frame(thread_id) is not None
 
 
