@@ -32,10 +32,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .runtime.control_plane import (LEAVING_KEY, free_port,  # (no torch: the launcher starts fast)
+from .runtime.control_plane import (LEAVING_KEY, STANDBY_KEY, free_port,  # (no torch: the launcher starts fast)
                                     judged_lost_after, rank_fence_key)
 from .runtime.errors import (DUMP_STACKS_KEY, STACKS_ASKED_KEY, STOPPED_EXIT, describe_exit, rank_log_stack,
                              rank_log_traceback)
@@ -43,6 +44,7 @@ from .runtime.joining import CONFIG_KEY, read_job_config  # (rank 0 publishes th
 from .runtime.process_probe import RANK_PID_KEY, ProbeRequests, RemoteProcess
 from .runtime.quorum import Witness, WitnessNotShared
 from .runtime.sockets import MIN_UNACKED_S, SILENCE_ENV, UNACKED_S
+from .runtime.stuck_restart import MAX_RESTARTS, StuckRestarts
 
 FINISHED_KEY = "odyssey/finished"  # the agent ran the job to its end (its exit code): node agents stop
 AWAITING_END_KEY = "odyssey/awaiting-end"  # machines whose ranks ended before the job ("node;" each) wait for it
@@ -223,6 +225,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--termination-grace", type=float, default=30.0, metavar="S",
                    help="on SIGTERM to this launcher, the ranks get SIGTERM (Megatron's --exit-signal-handler saves "
                         "and exits) and are killed if still running S seconds later (default 30, as torchrun)")
+    p.add_argument("--stuck-restarts", type=int, default=MAX_RESTARTS, metavar="N",
+                   help=f"a node whose rank left the job stuck in a collective (gloo never wakes a send queued on a "
+                        f"connection that closed; the rank says so on the terminal) is healthy: its ranks are started "
+                        f"again to join the running job, at most N times per node (default {MAX_RESTARTS}; 0: never)")
     p.add_argument("--silence-timeout", type=float, default=None, metavar="S",
                    help=f"a machine whose kernel acknowledges nothing for S seconds (lost power or network) is taken "
                         f"as lost: every connection to it, the ranks' included, is aborted (default ${SILENCE_ENV}, "
@@ -236,6 +242,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 <= args.node_rank < args.nnodes:
         p.error(f"--node-rank {args.node_rank} is outside 0..{args.nnodes - 1}")
+    if args.stuck_restarts < 0:
+        p.error(f"--stuck-restarts must be 0 (never) or more, got {args.stuck_restarts}")
     if not args.termination_grace > 0:
         p.error(f"--termination-grace must be a positive number of seconds, got {args.termination_grace}")
     if args.silence_timeout is None:
@@ -272,16 +280,20 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def start_ranks(args: argparse.Namespace, joining: dict[str, Any] | None = None) -> dict[int, LocalRank]:
+def start_ranks(args: argparse.Namespace, joining: dict[str, Any] | None = None,
+                only: list[int] | None = None) -> dict[int, LocalRank]:
     """This machine's ranks, each with torchrun's environment plus the agent's store address. ``joining``
     (``--join``): each node (``tp`` ranks) gets torchrun's variables for a private world of its own, and the
-    global rank it joins as (``ODYSSEY_JOIN_RANK``)."""
+    global rank it joins as (``ODYSSEY_JOIN_RANK``). ``only``: these ranks of the machine (a node started again,
+    ``runtime.stuck_restart``), whose logs go on after their earlier life's."""
     world = args.nnodes * args.nproc_per_node
     args.workdir.mkdir(parents=True, exist_ok=True)
     procs = {}
     private_ports: dict[int, int] = {}
     for local in range(args.nproc_per_node):
         rank = args.node_rank * args.nproc_per_node + local
+        if only is not None and rank not in only:
+            continue
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world),
                    LOCAL_WORLD_SIZE=str(args.nproc_per_node), GROUP_RANK=str(args.node_rank),
                    MASTER_ADDR=args.master_addr, MASTER_PORT=str(args.master_port),
@@ -295,7 +307,10 @@ def start_ranks(args: argparse.Namespace, joining: dict[str, Any] | None = None)
                        ODYSSEY_STORE=joining["address"], ODYSSEY_JOIN_RANK=str(rank),
                        ODYSSEY_STANDBY="expected" if joining["standby"] else "none")
         cmd = ([args.script] if args.no_python else [sys.executable, "-u", args.script]) + args.script_args
-        log = open(args.workdir / f"rank{rank}.log", "w")
+        log = open(args.workdir / f"rank{rank}.log", "w" if only is None else "a")
+        if only is not None:
+            log.write(f"\n[odyssey launch] rank {rank} started again (joins the running job)\n")
+            log.flush()
         echo = rank == world - 1  # Megatron logs training progress on the last rank
         procs[rank] = LocalRank(subprocess.Popen(cmd, env=env, stdout=None if echo else log, stderr=log,
                                                  start_new_session=True))  # own process group (see kill)
@@ -343,7 +358,7 @@ def coordinate(args: argparse.Namespace, local: dict[int, LocalRank], terminatio
 
     (args.workdir / ADDRESS_FILE).write_text(f"{args.master_addr}:{args.odyssey_port}\n")  # for --join
     if args.standby:
-        from .runtime.control_plane import STANDBY_KEY, parse_address
+        from .runtime.control_plane import parse_address
         from .runtime.generation import wait_key
 
         # machine 1's launcher registers it at its start (the ranks wait for it too)
@@ -351,7 +366,11 @@ def coordinate(args: argparse.Namespace, local: dict[int, LocalRank], terminatio
                                                     cfg.timeout_s).decode()))
         if _witness_refused(args, store, local):  # (said before the address: read now)
             return 1
-    code = agent.supervise()
+    restarts, _ = restart_stuck_on_machine_0(args, local)
+    try:
+        code = agent.supervise()
+    finally:
+        restarts.set()
     finish_job(store, code)
     return code
 
@@ -395,7 +414,7 @@ def startup_errors(workdir: Path, ranks: list[int]) -> str:
 def serve_node(args: argparse.Namespace, local: dict[int, LocalRank], termination: Termination | None = None) -> int:
     """Machines 1..: report rank exits to the coordinator and fence ranks it asks to fence; machine 1 also
     runs the standby agent (see :func:`standby_node`)."""
-    from .runtime.control_plane import STANDBY_KEY, ControlPlane, client, parse_address
+    from .runtime.control_plane import ControlPlane, client, parse_address
     from .runtime.generation import wait_key
 
     store = client((args.master_addr, args.odyssey_port), 300)
@@ -441,46 +460,83 @@ def learn_when_lost(control: Any, store: Any) -> None:
 
 
 def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any, control: Any = None,
-               stop: Any = None, termination: Termination | None = None) -> int:
+               stop: Any = None, termination: Termination | None = None, direct: Iterable[int] = ()) -> int:
     """Report this machine's rank exits and fence the ranks the agent asks to fence, until every rank has
-    exited or the agent finished the job; follows the standby when it takes over (``control``). Exits with the
-    job's code where it learns it (see :func:`await_the_jobs_end`)."""
+    exited or the agent finished the job; follows the standby when it takes over (``control``); starts a node whose
+    rank left stuck in a collective again, to join the job (``runtime.stuck_restart``). Exits with the job's code
+    where it learns it (see :func:`await_the_jobs_end`). ``direct``: ranks the agent supervises itself (machine 0's:
+    :func:`restart_stuck_on_machine_0` runs this to start them again); their exits are neither reported nor said,
+    and only a life started here again is supervised as any machine's ranks are. ``local`` is updated in place with
+    the lives started again (the launcher stops them at its end, as the first ones)."""
+    direct = set(direct)
+    on_agents_machine = bool(direct)
+    joined = set(local) if getattr(args, "join", None) else set()  # ranks whose life here joined the running job
     reported: set[int] = set()
-    fence = {ident: rank_fence_key(ident, p.pid if getattr(args, "join", None) else None)
-             for ident, p in local.items()}
+    fence = {ident: rank_fence_key(ident, p.pid if ident in joined else None) for ident, p in local.items()}
     stacks = StackRequests(local)
+    restarts: StuckRestarts | None = None  # (made once training started: a node is the job's --tp ranks)
+    begun = time.time()
     if control is not None:  # (cut off from the agent's machine only: the standby's store says when they are fenced)
         control.fences = dict(fence)
         control.ready()
 
     def say_pids(to: Any) -> None:
-        """The pids of the ranks launched with the job, for the agent's asks about them (a joining machine's ranks
-        said theirs in their join requests: its rank's key stays its earlier life's)."""
-        if not getattr(args, "join", None):
-            for ident, p in local.items():
+        """The pids of the ranks launched with the job, for the agent's asks about them (a joining rank said its pid
+        in its join request: its rank's key stays its earlier life's)."""
+        for ident, p in local.items():
+            if ident not in joined and ident not in direct:
                 to.set(RANK_PID_KEY.format(ident), str(p.pid))
 
-    # a joining machine answers only asks that name its rank's process: the agent's asks about the new life do (its
-    # join request gave the pid); one that names none is about the rank's earlier life (a --rejoin replacement starts
+    def start_stuck_nodes_again() -> None:
+        nonlocal restarts
+        if restarts is None:
+            if not args.stuck_restarts or not store.check([CONFIG_KEY]):
+                return
+            restarts = StuckRestarts(read_job_config(store).tp, args.stuck_restarts)
+            restarts.lives_started(list(local), at=begun)
+        due, said = restarts.due(store, {ident: p.exitcode for ident, p in local.items()})
+        for line in said:
+            print(f"[odyssey launch node {args.node_rank}] {line}", file=sys.stderr, flush=True)
+        for node in due:
+            print(f"[odyssey launch node {args.node_rank}] {node.describe()}", file=sys.stderr, flush=True)
+            host, port = control.current if control is not None else (args.master_addr, args.odyssey_port)
+            lives = start_ranks(args, joining={"tp": restarts.tp, "address": f"{host}:{port}",
+                                               "standby": store.check([STANDBY_KEY])}, only=node.ranks)
+            restarts.lives_started(node.ranks)
+            for ident, p in lives.items():
+                local[ident], fence[ident] = p, rank_fence_key(ident, p.pid)
+                joined.add(ident)
+                direct.discard(ident)
+                reported.discard(ident)
+                if control is not None:
+                    control.fences[ident] = fence[ident]
+
+    # a joining rank answers only asks that name its process: the agent's asks about the new life do (its join
+    # request gave the pid); one that names none is about the rank's earlier life (a --rejoin replacement starts
     # early), and its answer would give a dead process the grace of a running one
-    probes = ProbeRequests(lambda: {ident: p.pid for ident, p in local.items() if ident not in reported},
-                           named_only=bool(getattr(args, "join", None)))
+    probes = ProbeRequests(lambda: {ident: p.pid for ident, p in local.items()
+                                    if ident not in reported and ident not in direct},
+                           named_only=lambda ident: ident in joined)
     say_pids(store)
     waits = False  # said it waits for the job's end (await_the_jobs_end), to the store it reports to
     while len(reported) < len(local):
         try:
             if store.check([FINISHED_KEY]) or (stop is not None and stop.is_set()):
                 break
-            stacks.poll(store, reported)
+            stacks.poll(store, reported | direct)
             probes.poll(store)
             learn_when_lost(control, store)
             for ident, p in local.items():
+                if ident in direct:  # (the agent sees it exit, fences it and says how it ended)
+                    if ident not in reported and p.exitcode is not None:
+                        reported.add(ident)
+                    continue
                 if ident not in reported and store.check([fence[ident]]):
                     p.kill()
                 if ident not in reported and p.exitcode is not None:
-                    if p.exitcode != 0 and not waits and store.check([CONFIG_KEY]):  # (training had started)
-                        # said before the exit is: the agent, which ends the job only once it knows of this exit,
-                        # then keeps its store up until this machine has read the end (finish_job)
+                    if p.exitcode != 0 and not waits and not on_agents_machine and store.check([CONFIG_KEY]):
+                        # (training had started) said before the exit is: the agent, which ends the job only once it
+                        # knows of this exit, then keeps its store up until this machine has read the end (finish_job)
                         store.append(AWAITING_END_KEY, f"{args.node_rank};")
                         waits = True
                     report_exit(store, ident, p.exitcode)
@@ -496,6 +552,7 @@ def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any
                               f"(from the stacks it dumped to its log):\n"
                               + "\n".join("    " + line for line in (stack or "(no stacks in its log)").splitlines()),
                               file=sys.stderr, flush=True)
+            start_stuck_nodes_again()
         except Exception:  # noqa: BLE001 - the agent's store is gone: follow the standby, if it took over
             moved = control.follow(store) if control is not None else None
             if moved is None:
@@ -518,6 +575,31 @@ def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any
     return await_the_jobs_end(args, local, store, control, own, stop)
 
 
+def restart_stuck_on_machine_0(args: argparse.Namespace,
+                               local: dict[int, LocalRank]) -> tuple[threading.Event, threading.Thread | None]:
+    """Machine 0: the agent supervises the ranks launched here itself, so a thread of this launcher only starts
+    again a node of them that left stuck (``runtime.stuck_restart``), and supervises the lives started again as a
+    joined machine's node agent does (exits reported in the store, fences by their own keys). Set the returned event
+    to stop the thread (None with ``--stuck-restarts 0``); it stops by itself when the job ends."""
+    from .runtime.control_plane import client
+
+    stop = threading.Event()
+
+    def run() -> None:
+        try:
+            node_agent(args, local, client((args.master_addr, args.odyssey_port), 60), stop=stop, direct=set(local))
+        except Exception as exc:  # noqa: BLE001 - the agent's store went away with the job
+            if not stop.is_set():
+                print(f"[odyssey launch] the watch for ranks stuck in a collective stopped: {type(exc).__name__}: "
+                      f"{exc}", file=sys.stderr, flush=True)
+
+    if not args.stuck_restarts:
+        return stop, None
+    thread = threading.Thread(target=run, name="odyssey-stuck-restarts", daemon=True)
+    thread.start()
+    return stop, thread
+
+
 def await_the_jobs_end(args: argparse.Namespace, local: dict[int, LocalRank], store: Any, control: Any, own: int,
                        stop: Any = None) -> int:
     """Every rank of this machine has ended, one at least with an error or a signal, after training started, and the
@@ -527,8 +609,9 @@ def await_the_jobs_end(args: argparse.Namespace, local: dict[int, LocalRank], st
     fails (``srun --kill-on-bad-exit``). Where the job's end cannot be learned (its agent is lost and no standby
     took over), this machine's own code: ``own``."""
     node = args.node_rank
-    print(f"[odyssey launch node {node}] this machine's ranks have ended (one {describe_exit(own)}); the job goes "
-          f"on without them: waiting for its end, to exit with the job's code", file=sys.stderr, flush=True)
+    if own:  # (else its ranks ended well, lives started again after one failed: the job ends now, without them)
+        print(f"[odyssey launch node {node}] this machine's ranks have ended (one {describe_exit(own)}); the job goes "
+              f"on without them: waiting for its end, to exit with the job's code", file=sys.stderr, flush=True)
     try:
         while stop is None or not stop.is_set():
             try:
@@ -579,7 +662,7 @@ def standby_node(args: argparse.Namespace, local: dict[int, LocalRank], agent_st
     is lost (the ranks of machine 0 are then seen only by their heartbeats: ``OrphanRank``)."""
     from .runtime.agent import Agent, take_over
     from .runtime.config import TrainConfig
-    from .runtime.control_plane import STANDBY_KEY, ControlPlane, Standby, every_interface, serve
+    from .runtime.control_plane import ControlPlane, Standby, every_interface, serve
     from .runtime.generation import wait_key
 
     from .runtime.sockets import route_address
@@ -655,7 +738,7 @@ def ranks_taken_over(store: Any, world: int, nproc_per_node: int, local: dict[in
 def join_running_job(args: argparse.Namespace) -> int:
     """``--join``: this machine's ranks join the running job (see the module docstring); this launcher then
     reports their exits and fences them for the agent, like any machine's node agent."""
-    from .runtime.control_plane import STANDBY_KEY, ControlPlane, client, listening, parse_address
+    from .runtime.control_plane import ControlPlane, client, listening, parse_address
 
     try:
         address = parse_address(args.join)

@@ -49,6 +49,8 @@ ERROR_KEY = "odyssey/error/{}"  # a rank's local error record (JSON of ErrorReco
 STARTED_KEY = "odyssey/started/{}"  # a rank finished start-up (reached its first training step)
 LOCAL_ERROR_EXIT = 13  # a rank exits with this after a local error
 STOPPED_EXIT = 14  # a rank exits with this when the agent gave up on the job
+#: the type of the record a rank leaves with when its main thread can no longer leave a collective (``stuck_call``)
+STUCK_TYPE = "StuckInCollective"
 
 # gloo's transport errors (plain RuntimeError); see the module docstring
 _PEER_MESSAGES = ("gloo/transport", "Connection closed by peer", "Connection reset by peer", "Connection refused",
@@ -136,7 +138,7 @@ class ErrorRecord:
         """A rank whose main thread can no longer leave the call it is in (``frame``): a failure of its process."""
         stack = traceback.extract_stack(frame)
         text = "Stack of the main thread (most recent call last):\n" + "".join(stack.format())
-        return cls(rank, "StuckInCollective", _place(stack), why[:2000], text[-20000:], where, time.time(), failure=True)
+        return cls(rank, STUCK_TYPE, _place(stack), why[:2000], text[-20000:], where, time.time(), failure=True)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -220,10 +220,13 @@ def probe_of(rank: Any) -> ProcessProbe | None:
 class ProbeRequests:
     """A node agent's half: each of its ranks the agent asked about (``PROBE_ASK_KEY``) is sampled and the sample
     written back, every ``every_s``, for as long as the ask stands. An ask that names another process than the
-    rank's here (its earlier or later life) is not answered, nor, with ``named_only``, one that names none."""
+    rank's here (its earlier or later life) is not answered, nor, with ``named_only`` (for every rank, or the ranks
+    for which it says True: those whose life here joined the job), one that names none."""
 
-    def __init__(self, pids: Callable[[], dict[int, int]], every_s: float = 0.5, named_only: bool = False):
-        self.pids, self.every_s, self.polled, self.named_only = pids, every_s, 0.0, named_only
+    def __init__(self, pids: Callable[[], dict[int, int]], every_s: float = 0.5,
+                 named_only: bool | Callable[[int], bool] = False):
+        self.pids, self.every_s, self.polled = pids, every_s, 0.0
+        self.named_only = named_only if callable(named_only) else (lambda ident: named_only)
 
     def poll(self, store: Any) -> None:
         if time.monotonic() - self.polled < self.every_s:
@@ -233,7 +236,7 @@ class ProbeRequests:
             ask = PROBE_ASK_KEY.format(ident)
             stamp = store.get(ask).decode() if store.check([ask]) else ""  # ("": withdrawn)
             meant = stamp.partition("@")[2]
-            ours = meant == str(pid) or not (meant or self.named_only)
+            ours = meant == str(pid) or not (meant or self.named_only(ident))
             if stamp and ours and (now := sample(pid)) is not None:
                 store.set(PROBE_KEY.format(ident), f"{stamp} {now.encode()}")
 

@@ -322,7 +322,7 @@ def _node_agent(tmp: Path, port: int, local: dict, node_rank: int = 2) -> tuple[
 
     client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=5))
     codes: list[int] = []
-    args = argparse.Namespace(node_rank=node_rank, workdir=tmp, join=None)
+    args = argparse.Namespace(node_rank=node_rank, workdir=tmp, join=None, stuck_restarts=0)
     thread = threading.Thread(target=lambda: codes.append(node_agent(args, local, client)), daemon=True)
     thread.start()
     return thread, codes
@@ -554,3 +554,168 @@ def test_a_joined_rank_answers_to_its_own_fence_and_exit_not_its_earlier_lifes(t
     store.set(FINISHED_KEY, "0")
     launcher.join(timeout=30)
     assert codes == [0]
+
+
+# -- a node whose rank left stuck in a collective is started again (runtime.stuck_restart) --
+
+LIVES = """
+import json, os, signal, sys, time
+ident = int(os.environ.get("ODYSSEY_JOIN_RANK") or os.environ["RANK"])
+out, plan = sys.argv[1], dict(item.split(":") for item in sys.argv[2].split(";"))
+life = sum(name.startswith(f"life{ident}.") for name in os.listdir(out))
+keys = ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "ODYSSEY_STORE", "ODYSSEY_JOIN_RANK"]
+open(f"{out}/life{ident}.{life}.json", "w").write(json.dumps({**{k: os.environ.get(k) for k in keys}, "pid": os.getpid()}))
+print(f"life {life} of rank {ident}", flush=True)
+what = plan[str(ident)].split(",")[life]
+if what == "ok":
+    sys.exit(0)
+if what == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+if what == "wait":
+    time.sleep(120)
+import torch.distributed as dist
+from megatron_odyssey.runtime.errors import ErrorRecord, leave_with
+host, port = os.environ["ODYSSEY_STORE"].rsplit(":", 1)
+record = ErrorRecord.stuck(ident, "step 3", "still inside gloo's send (a test's stand-in)", sys._getframe())
+leave_with(dist.TCPStore(host, int(port), is_master=False), ident, record)
+"""
+
+
+def _machine_with_lives(tmp: Path, address: str, node_rank: int, nproc: int, plan: str, restarts: int = 2,
+                        machine_0: bool = False):
+    """Machine ``node_rank``'s launcher, its ranks started as at launch, each life of each rank doing what ``plan``
+    says ("4:stuck,ok;5:ok,ok": rank 4's first life leaves stuck, with a real StuckInCollective record, its second
+    ends well); its node agent (or machine 0's watch for stuck ranks) in a thread. Returns the thread and its codes."""
+    import threading
+
+    from megatron_odyssey.launch import node_agent, restart_stuck_on_machine_0, start_ranks
+
+    (tmp / "out").mkdir(parents=True, exist_ok=True)
+    script = tmp / "lives.py"
+    script.write_text(LIVES)
+    port = int(address.rsplit(":", 1)[1])
+    args = parse(["--nnodes", "4", "--node-rank", str(node_rank), "--nproc-per-node", str(nproc), "--master-port",
+                  str(port - 1), "--no-standby", "--workdir", str(tmp / "logs"), "--stuck-restarts", str(restarts),
+                  str(script), str(tmp / "out"), plan])
+    local = start_ranks(args)
+    codes: list[int] = []
+    if machine_0:
+        stop, thread = restart_stuck_on_machine_0(args, local)
+        return thread, codes, local, stop
+    import torch.distributed as dist
+
+    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+    thread = threading.Thread(target=lambda: codes.append(node_agent(args, local, client)), daemon=True)
+    thread.start()
+    return thread, codes, local, None
+
+
+def _lives(tmp: Path, ident: int) -> list[dict]:
+    out = tmp / "out"
+    return [json.loads((out / f"life{ident}.{n}.json").read_text())
+            for n in range(sum(p.name.startswith(f"life{ident}.") for p in out.iterdir()))]
+
+
+def _until(condition, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_a_node_whose_rank_left_stuck_is_started_again_to_join_the_running_job(tmp_path: Path,
+                                                                              capfd: pytest.CaptureFixture) -> None:
+    """Machine 2 holds one node of two tensor-parallel ranks. Rank 4 leaves stuck in a collective (exit 13, a
+    StuckInCollective record); rank 5 leaves with 0 (its node has no place in the next generation). The process was
+    stuck, not the machine: the launcher starts both ranks again as a machine that comes back does (a private world
+    of the node's two ranks, the global rank each joins as, the job's store), their logs going on after the first
+    lives'. With ``--stuck-restarts 1``, when rank 4 is stuck again, the node is not started a third time, and the
+    terminal says why; every exit of both lives reaches the agent, and the launcher then exits with the job's code."""
+    from megatron_odyssey.launch import EXITS_KEY
+
+    store, address = _job_store(nproc=8, tp=2)
+    thread, codes, local, _ = _machine_with_lives(tmp_path, address, 2, 2, "4:stuck,stuck;5:ok,ok", restarts=1)
+    try:
+        _until(lambda: store.check([EXITS_KEY]) and store.get(EXITS_KEY).decode().count(";") == 4)
+        assert sorted(filter(None, store.get(EXITS_KEY).decode().split(";"))) == ["4:13", "4:13", "5:0", "5:0"]
+        first, second = zip(*(_lives(tmp_path, r) for r in (4, 5)))
+        assert [(e["RANK"], e["WORLD_SIZE"], e["ODYSSEY_JOIN_RANK"]) for e in first] == [("4", "8", None),
+                                                                                       ("5", "8", None)]
+        assert [(e["RANK"], e["WORLD_SIZE"], e["ODYSSEY_JOIN_RANK"]) for e in second] == [("0", "2", "4"),
+                                                                                        ("1", "2", "5")]
+        assert second[0]["MASTER_ADDR"] == "127.0.0.1" and second[0]["MASTER_PORT"] == second[1]["MASTER_PORT"]
+        assert {e["ODYSSEY_STORE"] for e in second} == {address}
+        assert len(_lives(tmp_path, 4)) == 2  # (not a third time)
+        log = (tmp_path / "logs" / "rank4.log").read_text()
+        assert log.index("life 0 of rank 4") < log.index("rank 4 started again") < log.index("life 1 of rank 4")
+        time.sleep(0.5)
+        assert thread.is_alive() and not codes  # waits for the job's end, as any machine whose rank failed
+        store.set(FINISHED_KEY, "0")
+        thread.join(30)
+        assert codes == [0]
+        err = capfd.readouterr().err
+        assert re.search(r"\[odyssey launch node 2\] rank\(s\) \[4\] left stuck in a collective \(rank 4 in "
+                         r".*lives.py:\d+ in <module> \(step 3\)\); the process was stuck, not the machine: starting "
+                         r"node 2's rank\(s\) \[4, 5\] again to join the running job \(restart 1\)", err), err
+        assert ("rank(s) [4] left stuck in a collective again; node 2 was started again 1 time(s) already "
+                "(--stuck-restarts 1): the job goes on without it") in err, err
+    finally:
+        for p in local.values():
+            p.kill()
+
+
+def test_a_node_whose_other_rank_died_is_not_started_again(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+    """Rank 4 leaves stuck, but rank 5 of its node was killed: that is the failure the job recovers from, and the
+    node stays out. So does a node with --stuck-restarts 0."""
+    from megatron_odyssey.launch import EXITS_KEY
+
+    for plan, restarts, said in (("4:stuck;5:kill", 2, "but node 2's rank(s) [5] ended otherwise (exit [-9]): not "
+                                                       "starting the node again"),
+                                 ("4:stuck;5:ok", 0, None)):
+        store, address = _job_store(nproc=8, tp=2)
+        thread, codes, local, _ = _machine_with_lives(tmp_path / str(restarts), address, 2, 2, plan, restarts=restarts)
+        try:
+            _until(lambda: store.check([EXITS_KEY]) and store.get(EXITS_KEY).decode().count(";") == 2)
+            time.sleep(1.0)  # (a restart would have begun)
+            assert [len(_lives(tmp_path / str(restarts), r)) for r in (4, 5)] == [1, 1]
+            store.set(FINISHED_KEY, "0")
+            thread.join(30)
+            assert codes == [0]
+            err = capfd.readouterr().err
+            assert "again to join the running job" not in err, err
+            assert said is None or said in err, err
+        finally:
+            for p in local.values():
+                p.kill()
+
+
+def test_machine_0s_rank_left_stuck_is_started_again_and_supervised_as_a_joined_machines(tmp_path: Path) -> None:
+    """On machine 0 the agent supervises the ranks launched with the job itself: the launcher's watch only starts the
+    node again, and neither reports nor says the first lives' exits (the agent does). The life started again is a
+    joined rank's: its exit is reported in the store, and it obeys its own fence key (its pid's), not the rank's."""
+    from megatron_odyssey.launch import EXITS_KEY
+    from megatron_odyssey.runtime.control_plane import rank_fence_key
+    from megatron_odyssey.runtime.process_probe import RANK_PID_KEY
+
+    store, address = _job_store(nproc=4, tp=2)
+    thread, _, local, stop = _machine_with_lives(tmp_path, address, 0, 2, "0:stuck,wait;1:ok,wait", machine_0=True)
+    try:
+        _until(lambda: all(len(_lives(tmp_path, r)) == 2 for r in (0, 1)))
+        second = [_lives(tmp_path, r)[1] for r in (0, 1)]
+        assert [(e["RANK"], e["ODYSSEY_JOIN_RANK"]) for e in second] == [("0", "0"), ("1", "1")]
+        assert not store.check([EXITS_KEY])  # (the first lives' exits are the agent's to see)
+        assert not store.check([RANK_PID_KEY.format(0)])
+        assert [p.pid for p in (local[0], local[1])] == [e["pid"] for e in second]
+        store.set(FENCE_KEY.format(0), "1")  # the earlier life's fence: not this one's
+        time.sleep(1.0)
+        assert local[0].exitcode is None
+        store.set(rank_fence_key(0, second[0]["pid"]), "1")
+        _until(lambda: store.check([EXITS_KEY]))
+        assert store.get(EXITS_KEY).decode() == "0:-9;"
+        store.set(FINISHED_KEY, "0")
+        thread.join(30)
+        assert not thread.is_alive()
+    finally:
+        stop.set()
+        for p in local.values():
+            p.kill()

@@ -148,8 +148,8 @@ def test_ranks_on_another_machine_are_sampled_by_their_node_agent(tmp_path, caps
     there = _four_ranks()
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     stop = threading.Event()
-    node = threading.Thread(target=node_agent, args=(argparse.Namespace(node_rank=1, workdir=tmp_path, join=None),
-                                                     there, dist.TCPStore("127.0.0.1", store.port), None, stop))
+    args = argparse.Namespace(node_rank=1, workdir=tmp_path, join=None, stuck_restarts=0)
+    node = threading.Thread(target=node_agent, args=(args, there, dist.TCPStore("127.0.0.1", store.port), None, stop))
     node.start()
     try:
         said = time.monotonic() + 10  # (its start's pids: long before any ask in a job, whose asks wait for silence)
@@ -272,7 +272,7 @@ def _machine_that_joined(tmp_path, node_rank: int, joiner, port: int, others: di
 
     stop = threading.Event()
     node = threading.Thread(target=node_agent, args=(argparse.Namespace(node_rank=node_rank, workdir=tmp_path,
-                                                                        join=node_rank),
+                                                                        join=node_rank, stuck_restarts=0),
                                                      {node_rank: joiner}, dist.TCPStore("127.0.0.1", port), None, stop))
     node.start()
     try:

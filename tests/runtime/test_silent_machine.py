@@ -81,8 +81,8 @@ def _launcher(tmp: Path, rank, agent: tuple[str, int], control: ControlPlane,
 
     def launcher() -> None:
         try:
-            node_agent(argparse.Namespace(node_rank=2, workdir=tmp, join=None), {5: rank}, client(agent, 300), control,
-                       stop)
+            node_agent(argparse.Namespace(node_rank=2, workdir=tmp, join=None, stuck_restarts=0), {5: rank},
+                       client(agent, 300), control, stop)
         except BaseException as exc:  # noqa: BLE001 - the test's verdict
             failed.append(exc)
 
@@ -197,7 +197,7 @@ def test_the_standby_takes_over_from_a_silent_agent_and_the_other_machines_follo
     rank = _idle_rank()
     try:
         control = ControlPlane(agent, standby, -1, wait_s=120)
-        args = argparse.Namespace(node_rank=2, workdir=tmp_path, join=None)
+        args = argparse.Namespace(node_rank=2, workdir=tmp_path, join=None, stuck_restarts=0)
         codes: list[int] = []
         node = threading.Thread(target=lambda: codes.append(node_agent(args, {5: rank}, client(agent, 300), control)),
                                 daemon=True)

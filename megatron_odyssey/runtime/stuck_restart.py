@@ -1,0 +1,103 @@
+"""A node whose rank left the job stuck in a collective is started again, and joins the running job.
+
+A rank leaves as ``StuckInCollective`` (:mod:`.stuck_call`) when gloo holds its main thread in a call that no
+connection can end any more: its process is stuck, its machine and its device are not. A job without spare nodes
+would lose a healthy node for the rest of its run, so the node's launcher starts its ranks again, the way a machine
+that comes back joins (``odyssey-launch --join``: a private world, then a join request that the planner admits at an
+iteration boundary, ``planning.join``, Eq. 8: fill the dead place, reconfigure onto it, or hold it as a standby).
+
+A node (its tensor-parallel ranks) comes back whole, once every rank of it has exited in this life: at least one
+stuck, the others stuck too or with exit code 0 (a rank leaves with 0 when the generation it is told to enter has no
+place for its node). A node where any rank ended otherwise (killed, by a signal, with its own error) is not started
+again: that is the failure the job recovers from, and a process that crashed may have crashed for a reason a new one
+would meet again. A node is started again at most ``limit`` times (``odyssey-launch --stuck-restarts``): one stuck
+again and again has something wrong with it that a new process does not mend. No torch here (the launcher's
+import stays fast).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import LOCAL_ERROR_EXIT, STUCK_TYPE, ErrorRecord, read_error
+
+MAX_RESTARTS = 2  # odyssey-launch --stuck-restarts' default
+#: a stuck record is this life's when written after its process started (the records of an earlier life stay in the
+#: store under the same rank); the slack covers the two processes' reading of one clock
+_CLOCK_SLACK_S = 1.0
+
+
+@dataclass
+class NodeToRestart:
+    node: int
+    ranks: list[int]
+    stuck: dict[int, ErrorRecord]  # the ranks that left stuck, with their records
+    time: int  # which restart this is (1 for the first)
+
+    def describe(self) -> str:
+        where = "; ".join(f"rank {i} in {r.place} ({r.where})" for i, r in sorted(self.stuck.items()))
+        return (f"rank(s) {sorted(self.stuck)} left stuck in a collective ({where}); the process was stuck, not the "
+                f"machine: starting node {self.node}'s rank(s) {self.ranks} again to join the running job "
+                f"(restart {self.time})")
+
+
+@dataclass
+class StuckRestarts:
+    """One launcher's bookkeeping: when each of its ranks' current life started, how often each node came back, and
+    which nodes were already judged (each exit is looked at once)."""
+
+    tp: int
+    limit: int = MAX_RESTARTS
+    started_at: dict[int, float] = field(default_factory=dict)  # rank -> time.time() its current life started
+    restarts: dict[int, int] = field(default_factory=dict)  # node -> times started again
+    judged: set[int] = field(default_factory=set)  # nodes whose lives all ended and were judged
+
+    def lives_started(self, ranks: list[int], at: float | None = None) -> None:
+        at = time.time() if at is None else at
+        for ident in ranks:
+            self.started_at[ident] = at
+            self.judged.discard(ident // self.tp)
+
+    def stuck_record(self, store: Any, ident: int, code: int | None) -> ErrorRecord | None:
+        """The record of this life's rank ``ident`` where it left stuck (exit 13 and a ``StuckInCollective``
+        record written in this life), else None."""
+        if code != LOCAL_ERROR_EXIT:
+            return None
+        record = read_error(store, ident)
+        if record is None or record.type != STUCK_TYPE:
+            return None
+        return record if record.time >= self.started_at.get(ident, 0.0) - _CLOCK_SLACK_S else None
+
+    def due(self, store: Any, codes: dict[int, int | None]) -> tuple[list[NodeToRestart], list[str]]:
+        """The nodes to start again now (``codes``: this machine's ranks' exit codes, None while running), and what
+        to say about nodes that left stuck but are not started again (once each)."""
+        nodes: dict[int, list[int]] = {}
+        for ident in sorted(codes):
+            nodes.setdefault(ident // self.tp, []).append(ident)
+        out, said = [], []
+        for node, ranks in nodes.items():
+            if node in self.judged or any(codes[i] is None for i in ranks):
+                continue
+            self.judged.add(node)
+            stuck = {i: r for i in ranks if (r := self.stuck_record(store, i, codes[i])) is not None}
+            if not stuck:
+                continue
+            others = {i: codes[i] for i in ranks if i not in stuck and codes[i] != 0}
+            if others:
+                said.append(f"rank(s) {sorted(stuck)} left stuck in a collective, but node {node}'s rank(s) "
+                            f"{sorted(others)} ended otherwise (exit {sorted(set(others.values()))}): not starting "
+                            f"the node again")
+                continue
+            if len(ranks) < self.tp:
+                said.append(f"rank(s) {sorted(stuck)} left stuck in a collective, but node {node} is split over "
+                            f"machines (only {ranks} here): not starting it again")
+                continue
+            done = self.restarts.get(node, 0)
+            if done >= self.limit:
+                said.append(f"rank(s) {sorted(stuck)} left stuck in a collective again; node {node} was started "
+                            f"again {done} time(s) already (--stuck-restarts {self.limit}): the job goes on without it")
+                continue
+            self.restarts[node] = done + 1
+            out.append(NodeToRestart(node, ranks, stuck, done + 1))
+        return out, said
