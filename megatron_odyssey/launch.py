@@ -38,8 +38,8 @@ from typing import Any
 
 from .runtime.control_plane import (LEAVING_KEY, STANDBY_KEY, free_port,  # (no torch: the launcher starts fast)
                                     judged_lost_after, rank_fence_key)
-from .runtime.errors import (DUMP_STACKS_KEY, STACKS_ASKED_KEY, STOPPED_EXIT, describe_exit, rank_log_stack,
-                             rank_log_traceback)
+from .runtime.errors import (DUMP_STACKS_KEY, GIVEUP_KEY, STACKS_ASKED_KEY, STOPPED_EXIT, describe_exit,
+                             rank_log_stack, rank_log_traceback, read_error)
 from .runtime.joining import CONFIG_KEY, read_job_config  # (rank 0 publishes the config when train() starts)
 from .runtime.process_probe import RANK_PID_KEY, ProbeRequests, RemoteProcess
 from .runtime.quorum import Witness, WitnessNotShared
@@ -475,7 +475,8 @@ def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any
     fence = {ident: rank_fence_key(ident, p.pid if ident in joined else None) for ident, p in local.items()}
     stacks = StackRequests(local)
     restarts: StuckRestarts | None = None  # (made once training started: a node is the job's --tp ranks)
-    begun = time.time()
+    # a joining machine's ranks may find their earlier lives' error records in the store: not theirs to judge
+    earlier = {ident: getattr(read_error(store, ident), "time", None) for ident in joined}
     if control is not None:  # (cut off from the agent's machine only: the standby's store says when they are fenced)
         control.fences = dict(fence)
         control.ready()
@@ -489,11 +490,12 @@ def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any
 
     def start_stuck_nodes_again() -> None:
         nonlocal restarts
+        if store.check([GIVEUP_KEY]):  # (the agent stopped the job: nothing to join)
+            return
         if restarts is None:
             if not args.stuck_restarts or not store.check([CONFIG_KEY]):
                 return
-            restarts = StuckRestarts(read_job_config(store).tp, args.stuck_restarts)
-            restarts.lives_started(list(local), at=begun)
+            restarts = StuckRestarts(read_job_config(store).tp, args.stuck_restarts, before=earlier)
         due, said = restarts.due(store, {ident: p.exitcode for ident, p in local.items()})
         for line in said:
             print(f"[odyssey launch node {args.node_rank}] {line}", file=sys.stderr, flush=True)
@@ -502,7 +504,7 @@ def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any
             host, port = control.current if control is not None else (args.master_addr, args.odyssey_port)
             lives = start_ranks(args, joining={"tp": restarts.tp, "address": f"{host}:{port}",
                                                "standby": store.check([STANDBY_KEY])}, only=node.ranks)
-            restarts.lives_started(node.ranks)
+            restarts.lives_started(store, node.ranks)
             for ident, p in lives.items():
                 local[ident], fence[ident] = p, rank_fence_key(ident, p.pid)
                 joined.add(ident)

@@ -16,16 +16,12 @@ import stays fast).
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import LOCAL_ERROR_EXIT, STUCK_TYPE, ErrorRecord, read_error
+from .errors import LOCAL_ERROR_EXIT, STOPPED_EXIT, STUCK_TYPE, ErrorRecord, read_error
 
 MAX_RESTARTS = 2  # odyssey-launch --stuck-restarts' default
-#: a stuck record is this life's when written after its process started (the records of an earlier life stay in the
-#: store under the same rank); the slack covers the two processes' reading of one clock
-_CLOCK_SLACK_S = 1.0
 
 
 @dataclass
@@ -44,30 +40,31 @@ class NodeToRestart:
 
 @dataclass
 class StuckRestarts:
-    """One launcher's bookkeeping: when each of its ranks' current life started, how often each node came back, and
-    which nodes were already judged (each exit is looked at once)."""
+    """One launcher's bookkeeping: which error record of each rank was there when its current life started (the
+    records of earlier lives stay in the store under the same rank), how often each node came back, and which nodes
+    were already judged (each exit is looked at once)."""
 
     tp: int
     limit: int = MAX_RESTARTS
-    started_at: dict[int, float] = field(default_factory=dict)  # rank -> time.time() its current life started
+    before: dict[int, float | None] = field(default_factory=dict)  # rank -> the time of the record before this life
     restarts: dict[int, int] = field(default_factory=dict)  # node -> times started again
     judged: set[int] = field(default_factory=set)  # nodes whose lives all ended and were judged
 
-    def lives_started(self, ranks: list[int], at: float | None = None) -> None:
-        at = time.time() if at is None else at
+    def lives_started(self, store: Any, ranks: list[int]) -> None:
         for ident in ranks:
-            self.started_at[ident] = at
+            record = read_error(store, ident)
+            self.before[ident] = record.time if record is not None else None
             self.judged.discard(ident // self.tp)
 
     def stuck_record(self, store: Any, ident: int, code: int | None) -> ErrorRecord | None:
         """The record of this life's rank ``ident`` where it left stuck (exit 13 and a ``StuckInCollective``
-        record written in this life), else None."""
+        record this life wrote: not the one there when it started), else None."""
         if code != LOCAL_ERROR_EXIT:
             return None
         record = read_error(store, ident)
-        if record is None or record.type != STUCK_TYPE:
+        if record is None or record.type != STUCK_TYPE or record.time == self.before.get(ident):
             return None
-        return record if record.time >= self.started_at.get(ident, 0.0) - _CLOCK_SLACK_S else None
+        return record
 
     def due(self, store: Any, codes: dict[int, int | None]) -> tuple[list[NodeToRestart], list[str]]:
         """The nodes to start again now (``codes``: this machine's ranks' exit codes, None while running), and what
@@ -81,7 +78,7 @@ class StuckRestarts:
                 continue
             self.judged.add(node)
             stuck = {i: r for i in ranks if (r := self.stuck_record(store, i, codes[i])) is not None}
-            if not stuck:
+            if not stuck or STOPPED_EXIT in (codes[i] for i in ranks):  # (the agent stopped the job: nothing to join)
                 continue
             others = {i: codes[i] for i in ranks if i not in stuck and codes[i] != 0}
             if others:
