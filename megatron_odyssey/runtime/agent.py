@@ -355,7 +355,8 @@ class Agent:
                     self.write_report(ok=False)
                     return 1
                 continue
-            if all(self.procs[i].exitcode is not None for i in self.members()):
+            # (a rank killed lingering after it finished is done too: its machine may never report the exit, cut off)
+            if all(self.procs[i].exitcode is not None or i in self.exits.killed_after_done for i in self.members()):
                 self._drop_not_taken(f"every rank finished the job after step {self.next_step - 1}")
                 break
             time.sleep(0.005)

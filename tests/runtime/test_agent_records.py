@@ -207,6 +207,45 @@ def test_a_rank_that_said_it_finished_is_not_taken_for_hung_and_is_killed_if_it_
         lingering.kill()
 
 
+def test_the_job_ends_when_a_finished_rank_killed_lingering_is_on_a_machine_that_never_reports(tmp_path,
+                                                                                                capsys) -> None:
+    """Rank 1 finished the job on a machine cut off from the agent's (a firewall between them once the last step was
+    done): the agent kills it after the hard timeout, but its machine never reports the exit. Its work is done, so
+    the job ends with 0; before, the agent waited for that report forever (seen in the two-machine firewall test,
+    when the cut landed after the last step)."""
+    import subprocess
+    import sys
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from megatron_odyssey.launch import LocalRank, RemoteRank
+    from megatron_odyssey.runtime.agent import Agent, free_port
+    from megatron_odyssey.runtime.config import TrainConfig
+    from megatron_odyssey.runtime.control_plane import DONE_KEY
+    from megatron_odyssey.runtime.liveness import Beat
+
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=10))
+    finished = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)  # rank 0: left with 0
+    assert finished.wait(timeout=30) == 0
+    cfg = TrainConfig(nproc=2, tp=1, pp=2, layers=4, hidden=32, heads=4, seq=16, global_batch=2, micro_batch=1,
+                      steps=4, soft_timeout_s=0.5, hard_timeout_s=1.0)
+    agent = Agent(cfg, None, tmp_path, procs={0: LocalRank(finished), 1: RemoteRank(store, 1)}, store=store)
+    agent.next_step = cfg.steps  # the last step committed
+    store.set(DONE_KEY.format(1), "1")
+    agent.beats = {0: Beat(time.time()), 1: Beat(time.time() - 6.0)}  # rank 1 silent (cut off) past the timeout
+    agent.beats_read = time.time() + 600
+    codes: list[int] = []
+    thread = threading.Thread(target=lambda: codes.append(agent.supervise()), daemon=True)
+    thread.start()
+    thread.join(60)
+    assert codes == [0], capsys.readouterr()
+    assert store.check([agent.procs[1].fence_key])  # (asked of its machine, which never answers)
+    assert "rank 1 finished the job but has not exited for 1 s: killing it" in capsys.readouterr().out
+
+
 def test_a_re_plan_the_ranks_ended_the_job_before_is_not_taken(tmp_path, capsys) -> None:
     """A re-plan decided after step 2 of 6, and every rank left with 0 meanwhile, having said it finished: the job
     ended by the training script's own decision after that step, one the agent cannot know ahead (Megatron's
