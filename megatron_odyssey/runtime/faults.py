@@ -1,10 +1,7 @@
 """Fault injection for tests and demos: ``--fail step=5,rank=3,phase=backward,kind=kill``.
 
 ``kill`` sends SIGKILL to the rank's own (real) process, ``hang`` SIGSTOP (the agent's heartbeat
-check must catch and fence it), ``freeze`` SIGSTOP too, but only once the main thread is inside the next
-torch.distributed call, its messages under way (a machine that freezes in the middle of a transfer: a peer's send to
-it stays queued; where gloo sends it from an unbound buffer, gloo does not wake it when the connection closes,
-``runtime.stuck_call``), ``stall`` stops the main thread inside a collective no peer joins (as a
+check must catch and fence it), ``stall`` stops the main thread inside a collective no peer joins (as a
 hung kernel or a lost message would: the process and its heartbeat thread live on, so only the agent's
 progress check can catch it), ``block`` stops the main thread in its own work, outside any collective (as a
 write to a hung file system or to a full terminal pipe would: the process and its heartbeat live on, and its peers
@@ -57,7 +54,7 @@ from ..planning.errors import PlanningError
 #: a waiting drop of a slow node named (drop_gate), at that step: fires only while a drop waits)
 PHASES = ("forward", "backward", "weight-grad", "grad-sync", "optimizer", "data", "recovery", "log", "save", "between",
           "eval", "exit", "end", "inside")
-KINDS = ("kill", "hang", "freeze", "stall", "block", "slow", "slow-link", "error", "crash", "kill-agent", "kill-with-agent",
+KINDS = ("kill", "hang", "stall", "block", "slow", "slow-link", "error", "crash", "kill-agent", "kill-with-agent",
          "kill-machine", "exit", "kill-writer", "sigterm", "deadline")
 SUSTAINED = ("slow", "slow-link")  # kinds that take factor=F and last from their step on
 SLOW_S = 2.0
@@ -204,8 +201,6 @@ class Injector:
                 os.kill(os.getpid(), signal.SIGKILL)
             elif spec.kind == "hang":
                 os.kill(os.getpid(), signal.SIGSTOP)
-            elif spec.kind == "freeze":
-                _stop_inside_the_next_collective()
             elif spec.kind == "stall":
                 _stall_in_a_collective()
             elif spec.kind == "block":
@@ -272,31 +267,6 @@ def _kill_machine() -> None:
     if os.getpgid(0) == os.getpid():
         os.killpg(os.getpid(), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _stop_inside_the_next_collective(under_way_s: float = 0.03, within_s: float = 600.0) -> None:
-    """``kind=freeze``: a thread stops this process (SIGSTOP) once the main thread has been inside a torch.distributed
-    call for ``under_way_s`` (its receives posted, its messages under way), and returns at once: the main thread
-    goes on into the phase's collective."""
-    import threading
-
-    from .liveness import collective_frame
-
-    def watch() -> None:
-        deadline = time.monotonic() + within_s
-        while time.monotonic() < deadline:
-            frame = collective_frame()
-            if frame is not None:
-                time.sleep(under_way_s)
-                if collective_frame() is frame:  # (still in that call: a short one that ended is not the moment)
-                    print(f"[odyssey fault] freezing (SIGSTOP) inside {frame.f_code.co_name} "
-                          f"({frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno})", file=sys.stderr,
-                          flush=True)
-                    os.kill(os.getpid(), signal.SIGSTOP)
-                    return
-            time.sleep(0.0005)
-
-    threading.Thread(target=watch, name="odyssey-freeze", daemon=True).start()
 
 
 def _stall_in_a_collective() -> None:
