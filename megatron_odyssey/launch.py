@@ -38,8 +38,8 @@ from typing import Any
 
 from .runtime.control_plane import (LEAVING_KEY, STANDBY_KEY, free_port,  # (no torch: the launcher starts fast)
                                     judged_lost_after, rank_fence_key)
-from .runtime.errors import (DUMP_STACKS_KEY, GIVEUP_KEY, STACKS_ASKED_KEY, STOPPED_EXIT, describe_exit,
-                             rank_log_stack, rank_log_traceback, read_error)
+from .runtime.errors import (DUMP_STACKS_KEY, GIVEUP_KEY, LOCAL_ERROR_EXIT, STACKS_ASKED_KEY, STOPPED_EXIT,
+                             describe_exit, rank_log_stack, rank_log_traceback, read_error)
 from .runtime.joining import CONFIG_KEY, read_job_config  # (rank 0 publishes the config when train() starts)
 from .runtime.process_probe import RANK_PID_KEY, ProbeRequests, RemoteProcess
 from .runtime.quorum import Witness, WitnessNotShared
@@ -489,16 +489,19 @@ def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any
                 to.set(RANK_PID_KEY.format(ident), str(p.pid))
 
     def start_stuck_nodes_again() -> None:
+        """(Asks the store nothing until a rank here left with a local error's exit code, which a stuck one uses.)"""
         nonlocal restarts
-        if store.check([GIVEUP_KEY]):  # (the agent stopped the job: nothing to join)
+        if not args.stuck_restarts or all(p.exitcode != LOCAL_ERROR_EXIT for p in local.values()):
             return
         if restarts is None:
-            if not args.stuck_restarts or not store.check([CONFIG_KEY]):
+            if not store.check([CONFIG_KEY]):
                 return
             restarts = StuckRestarts(read_job_config(store).tp, args.stuck_restarts, before=earlier)
         due, said = restarts.due(store, {ident: p.exitcode for ident, p in local.items()})
         for line in said:
             print(f"[odyssey launch node {args.node_rank}] {line}", file=sys.stderr, flush=True)
+        if due and store.check([GIVEUP_KEY]):  # (the agent stopped the job: nothing to join)
+            return
         for node in due:
             print(f"[odyssey launch node {args.node_rank}] {node.describe()}", file=sys.stderr, flush=True)
             host, port = control.current if control is not None else (args.master_addr, args.odyssey_port)
