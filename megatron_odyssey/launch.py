@@ -366,11 +366,13 @@ def coordinate(args: argparse.Namespace, local: dict[int, LocalRank], terminatio
                                                     cfg.timeout_s).decode()))
         if _witness_refused(args, store, local):  # (said before the address: read now)
             return 1
-    restarts, _ = restart_stuck_on_machine_0(args, local)
+    restarts, watch = restart_stuck_on_machine_0(args, local)
     try:
         code = agent.supervise()
     finally:
         restarts.set()
+        if watch is not None:  # (a thread left inside a store call when the interpreter exits aborts the process)
+            watch.join(10)
     finish_job(store, code)
     return code
 
