@@ -39,12 +39,12 @@ from typing import Any
 from .runtime.control_plane import (LEAVING_KEY, STANDBY_KEY, free_port,  # (no torch: the launcher starts fast)
                                     judged_lost_after, rank_fence_key)
 from .runtime.errors import (DUMP_STACKS_KEY, GIVEUP_KEY, LOCAL_ERROR_EXIT, STACKS_ASKED_KEY, STOPPED_EXIT,
-                             describe_exit, rank_log_stack, rank_log_traceback, read_error)
+                             describe_exit, rank_log_stack, rank_log_traceback)
 from .runtime.joining import CONFIG_KEY, read_job_config  # (rank 0 publishes the config when train() starts)
 from .runtime.process_probe import RANK_PID_KEY, ProbeRequests, RemoteProcess
 from .runtime.quorum import Witness, WitnessNotShared
 from .runtime.sockets import MIN_UNACKED_S, SILENCE_ENV, UNACKED_S
-from .runtime.stuck_restart import MAX_RESTARTS, StuckRestarts
+from .runtime.stuck_restart import MAX_RESTARTS, StuckRestarts, record_times
 
 FINISHED_KEY = "odyssey/finished"  # the agent ran the job to its end (its exit code): node agents stop
 AWAITING_END_KEY = "odyssey/awaiting-end"  # machines whose ranks ended before the job ("node;" each) wait for it
@@ -478,7 +478,7 @@ def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any
     stacks = StackRequests(local)
     restarts: StuckRestarts | None = None  # (made once training started: a node is the job's --tp ranks)
     # a joining machine's ranks may find their earlier lives' error records in the store: not theirs to judge
-    earlier = {ident: getattr(read_error(store, ident), "time", None) for ident in joined}
+    earlier = record_times(store, joined)
     if control is not None:  # (cut off from the agent's machine only: the standby's store says when they are fenced)
         control.fences = dict(fence)
         control.ready()

@@ -16,12 +16,19 @@ import stays fast).
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import LOCAL_ERROR_EXIT, STOPPED_EXIT, STUCK_TYPE, ErrorRecord, read_error
 
 MAX_RESTARTS = 2  # odyssey-launch --stuck-restarts' default
+
+
+def record_times(store: Any, ranks: Iterable[int]) -> dict[int, float | None]:
+    """Each rank's error record in the store now, by its time (None: none): what a life that starts now must not take
+    for its own (:attr:`StuckRestarts.before`)."""
+    return {ident: getattr(read_error(store, ident), "time", None) for ident in ranks}
 
 
 @dataclass
@@ -51,10 +58,8 @@ class StuckRestarts:
     judged: set[int] = field(default_factory=set)  # nodes whose lives all ended and were judged
 
     def lives_started(self, store: Any, ranks: list[int]) -> None:
-        for ident in ranks:
-            record = read_error(store, ident)
-            self.before[ident] = record.time if record is not None else None
-            self.judged.discard(ident // self.tp)
+        self.before.update(record_times(store, ranks))
+        self.judged.difference_update(ident // self.tp for ident in ranks)
 
     def stuck_record(self, store: Any, ident: int, code: int | None) -> ErrorRecord | None:
         """The record of this life's rank ``ident`` where it left stuck (exit 13 and a ``StuckInCollective``
