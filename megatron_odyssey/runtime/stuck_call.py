@@ -10,7 +10,10 @@ in that thread until it ends. By the same code a receive whose message was partl
 pair's read operation's, not a pending receive's) is not woken either. Seen, as ``waitSend`` under
 ``gloo::allreduce`` (gdb), in DDP's gradient all-reduce and the rerun state machine's all-reduce when a firewall reset
 the connections in the middle of a message (``tests/runtime/test_abort_watcher.py`` makes it with a peer that
-stopped reading).
+stopped reading). Gloo writes a message only to a receive the peer has posted (until then the send is a pending
+notice, which is woken): the peer stops after posting it, with the message larger than the sockets' buffers
+(``test_megatron_lm.py::test_a_rank_that_gloo_holds_in_a_send_is_started_again_and_joins`` does so in Megatron's
+pipeline send).
 
 "Inside a call" is :func:`liveness.collective_frame`: a function of ``distributed_c10d`` (a blocking collective, a
 coalesced handle's wait, as Megatron's overlapped gradient reduce waits), or a line ``<name>.wait()`` on a

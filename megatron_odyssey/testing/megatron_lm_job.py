@@ -299,18 +299,46 @@ class Partition:
     rejecting: bool = False
 
 
+@dataclass(frozen=True)
+class Freeze:
+    """Every machine of a :func:`run_odyssey` job runs in ``space`` (a ``testing.network_namespace.SmallBuffers``:
+    one loopback, sockets' buffers smaller than the tiny model's messages); ``after_s`` after the last machine
+    logged ``iteration``, every process of machine ``node`` (its launcher and ranks) is stopped, SIGSTOP, for the rest of
+    the job, while its kernel still holds its connections open: a machine whose processes hang whole, which neither
+    its launcher nor anything else of its own can end. A peer sending to it stops inside the send, its message in
+    flight; the harness kills the frozen processes at the end."""
+
+    space: Any
+    iteration: int
+    node: int
+    after_s: float = 0.0
+
+
+def _process_tree(pid: int) -> list[int]:
+    """``pid`` and every process under it (ranks lead process groups of their own: a group signal would miss them)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        return [pid, *(child.pid for child in root.children(recursive=True))]
+    except psutil.NoSuchProcess:
+        return []
+
+
 def run_odyssey(megatron_lm: str | Path, work: Path, flags: list[str], port: int, nproc: int = 4,
                 nodes: int = 1, gpu: bool = False, join: tuple[int, ...] = (),
                 sigterm_after_iteration: int | None = None, shared: str = "",
                 refusal_expected: bool = False, launcher_flags: tuple[str, ...] = (),
-                cut_off: CutOff | None = None, partition: Partition | None = None) -> JobResult:
+                cut_off: CutOff | None = None, partition: Partition | None = None,
+                freeze: Freeze | None = None) -> JobResult:
     """``odyssey-launch`` on ``nodes`` launchers (each standing for a machine) with ``--odyssey``; ``join``:
     machines (by node rank) that come back, each a launcher with ``--join``, started once the job trains
     (it then sets itself up; when it asks to join is the job's ``--odyssey-rejoin``); ``sigterm_after_iteration``:
     SIGTERM to every launcher once Megatron logged that iteration (a scheduler stopping the job); ``shared``: as
     :func:`job_env`; ``launcher_flags``: more of odyssey-launch's own; ``cut_off``: a machine that goes silent
     (:class:`CutOff`); the job's code is then the other machines'; ``partition``: two machines that stop reaching
-    each other (:class:`Partition`). A test that saves where stock cannot is skipped,
+    each other (:class:`Partition`); ``freeze``: a machine whose processes all stop (:class:`Freeze`), the job's
+    code then the other machines'. A test that saves where stock cannot is skipped,
     unless it expects that refusal."""
     if not refusal_expected:
         skip_where_stock_cannot_save(megatron_lm, flags)
@@ -343,6 +371,9 @@ def run_odyssey(megatron_lm: str | Path, work: Path, flags: list[str], port: int
             machine = routed.machines[partition.place[node]] if node in partition.place else None
             env["GLOO_SOCKET_IFNAME"] = machine.link if machine else routed.machines[0].host_link
             argv = ["ip", "netns", "exec", machine.name, *argv] if machine else argv
+        if freeze is not None:  # (every machine on the namespace's loopback)
+            env["GLOO_SOCKET_IFNAME"] = "lo"
+            argv = freeze.space.argv(argv)
         with console.open("w") as out:
             return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -365,6 +396,15 @@ def run_odyssey(megatron_lm: str | Path, work: Path, flags: list[str], port: int
     if routed is not None and _until_logged(consoles[nodes - 1], partition.iteration,
                                             lambda: all(p.poll() is None for p in procs), deadline):
         routed.cut(*(partition.place.get(n) for n in partition.between), rejecting=partition.rejecting)
+    frozen: list[int] = []
+    if freeze is not None:
+        if _until_logged(consoles[nodes - 1], freeze.iteration, lambda: all(p.poll() is None for p in procs),
+                         deadline):
+            time.sleep(freeze.after_s)
+            frozen = _process_tree(procs[freeze.node].pid)
+            for pid in frozen:
+                os.kill(pid, signal.SIGSTOP)
+        lost = procs.pop(freeze.node)
     if sigterm_after_iteration is not None and _until_logged(consoles[0], sigterm_after_iteration,
                                                              lambda: procs[0].poll() is None, deadline):
         for p in procs:
@@ -389,6 +429,13 @@ def run_odyssey(megatron_lm: str | Path, work: Path, flags: list[str], port: int
             cut_off_code = lost.poll()  # (None: still running)
         for pid in space.pids():  # the cut-off machine, frozen since it went silent (or still running)
             os.kill(pid, signal.SIGKILL)
+        lost.wait(30)
+    if freeze is not None:
+        for pid in frozen or _process_tree(lost.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         lost.wait(30)
     wall = time.perf_counter() - t0
     logs = "".join(c.read_text(errors="replace") for c in consoles)

@@ -8,6 +8,8 @@ the network between two of them can be cut while each still reaches the others (
 transitive, as a failed switch port between two racks makes): :meth:`RoutedMachines.cut`, which drops the packets,
 or resets every connection as a firewall that rejects does.
 
+:func:`small_buffers`: a namespace whose sockets' buffers are smaller than a tiny model's messages.
+
 Needs root and iproute2's ``ip`` (CI's machine has both); :class:`Unavailable` says why not otherwise.
 :func:`silent_address` needs neither: one address on the loopback that answers no connection."""
 from __future__ import annotations
@@ -144,6 +146,51 @@ def network_namespace() -> Iterator[NetworkNamespace]:
             except ProcessLookupError:
                 pass
         subprocess.run(["ip", "link", "del", host_link], capture_output=True)
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+@dataclass(frozen=True)
+class SmallBuffers:
+    """A network namespace with its loopback alone, whose TCP sockets get ``buffer_bytes`` of send and receive
+    buffer (Linux keeps ``net.ipv4.tcp_wmem``/``tcp_rmem`` per namespace): machines run in it as a tiny model's
+    job on the loopback, with messages as much larger than their sockets' buffers as a real model's are than a real
+    machine's (a send to a peer that stopped reading then stops inside gloo, with its message in flight)."""
+
+    name: str
+    buffer_bytes: int
+
+    def argv(self, argv: list[str]) -> list[str]:
+        """``argv`` run inside the namespace (``ip netns exec`` execs it: the same pid)."""
+        return ["ip", "netns", "exec", self.name, *argv]
+
+    def pids(self) -> list[int]:
+        return NetworkNamespace(self.name, "", "", "", "").pids()
+
+
+@contextmanager
+def small_buffers(buffer_bytes: int = 4096) -> Iterator[SmallBuffers]:
+    """A :class:`SmallBuffers` namespace of this process's own; its processes are SIGKILLed and it is removed on the
+    way out."""
+    if os.geteuid() != 0:
+        raise Unavailable("needs root (a network namespace)")
+    if shutil.which("ip") is None:
+        raise Unavailable("needs iproute2's `ip`")
+    name = f"osb{os.getpid()}"
+    _ip("netns", "add", name)
+    try:
+        _ip("netns", "exec", name, "ip", "link", "set", "lo", "up")
+        sizes = f"{buffer_bytes} {buffer_bytes} {buffer_bytes}"
+        done = subprocess.run(["ip", "netns", "exec", name, "sh", "-c", f"echo {sizes} > /proc/sys/net/ipv4/tcp_rmem && "
+                               f"echo {sizes} > /proc/sys/net/ipv4/tcp_wmem"], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise Unavailable(f"the namespace's socket buffers cannot be set: {done.stderr.strip()}")
+        yield SmallBuffers(name, buffer_bytes)
+    finally:
+        for p in SmallBuffers(name, buffer_bytes).pids():
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 

@@ -933,12 +933,13 @@ def abort_shuts_gloo_worker(rank: int, port: int, out) -> None:
     store.wait(["done"])  # (out of the collective, the watcher must not take this rank for stuck meanwhile)
 
 
-def stuck_gloo_send_worker(rank: int, port: int, size: int, how: str = "send") -> None:
+def stuck_gloo_send_worker(rank: int, port: int, size: int, how: str = "send", posted: bool = True) -> None:
     """Two gloo ranks: rank 1 posts a receive of ``size`` floats and stops itself (SIGSTOP: alive, reading nothing),
     so rank 0's send of them fills the socket and waits with the rest of its message in gloo's transmit queue.
     Rank 0 runs Megatron's abort watcher over a stand-in of the rank's state, at step 3; the test sets the abort.
     ``how`` rank 0 sends: ``send`` (blocking, inside torch.distributed) or ``work`` (``isend``, then its handle's
-    ``wait()`` from here, as this package's transport does)."""
+    ``wait()`` from here, as this package's transport does). ``posted=False``: rank 1 stops without posting the
+    receive (gloo then sends a notice only, and waits for the peer's answer as a pending send)."""
     import os
     import signal
     import threading
@@ -955,7 +956,8 @@ def stuck_gloo_send_worker(rank: int, port: int, size: int, how: str = "send") -
                             timeout=timedelta(seconds=300))
     message = torch.zeros(size)
     if rank == 1:
-        dist.irecv(message, 0)
+        if posted:
+            dist.irecv(message, 0)
         store.set("receiving", "1")
         os.kill(os.getpid(), signal.SIGSTOP)
         store.wait(["done"])
@@ -967,9 +969,13 @@ def stuck_gloo_send_worker(rank: int, port: int, size: int, how: str = "send") -
     AbortWatcher(runtime, "127.0.0.1", port, stuck_after_s=2.0).start()
     store.wait(["receiving"])
     store.set("sending", "1")
-    if how == "send":
-        dist.send(message, 1)
-    else:
-        work = dist.isend(message, 1)
-        work.wait()
+    try:
+        if how == "send":
+            dist.send(message, 1)
+        else:
+            work = dist.isend(message, 1)
+            work.wait()
+    except RuntimeError as exc:  # (woken: the connection closed)
+        store.set("send raised", str(exc)[:200])
+        return
     store.set("send returned", "1")  # (what the test must not see: the send stays for the group's 300 s)

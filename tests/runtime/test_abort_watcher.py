@@ -103,3 +103,38 @@ def test_a_rank_stuck_in_a_gloo_send_after_its_connections_were_shut_leaves_with
         for p in procs:
             p.kill()
             p.join(30)
+
+
+def test_a_send_whose_peer_stopped_before_posting_its_receive_is_woken_by_the_abort() -> None:
+    """The other side of gloo's bug: gloo writes a message only to a receive the peer posted; until then the send
+    is a pending notice, which a closing connection does wake. Rank 1 stops without posting its receive: rank 0's
+    send of 64 MB raises within seconds of the abort that shut its connections, and its watcher leaves no record
+    (it was not stuck). A fault that stops a peer meets the bug only when the peer had posted the receive
+    (``test_megatron_lm.py::test_a_rank_that_gloo_holds_in_a_send_is_started_again_and_joins`` stops it there)."""
+    from _runtime_workers import stuck_gloo_send_worker
+
+    from megatron_odyssey.runtime.errors import read_error
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=stuck_gloo_send_worker, args=(r, port, 16 * 1024 * 1024, "send", False))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        store.wait(["sending"], timedelta(seconds=120))
+        time.sleep(1.0)
+        assert not store.check(["send returned"]) and not store.check(["send raised"])  # (waits for the receive)
+        aborted = time.monotonic()
+        store.set("odyssey/gen0/abort", failure_abort({1}))
+        store.wait(["send raised"], timedelta(seconds=30))
+        assert time.monotonic() - aborted < 10.0
+        procs[0].join(30)
+        assert procs[0].exitcode == 0, procs[0].exitcode
+        assert read_error(store, 0) is None
+    finally:
+        store.set("done", "1")
+        for p in procs:
+            p.kill()
+            p.join(30)

@@ -1983,6 +1983,55 @@ def test_two_machines_behind_a_firewall_that_rejects_go_on_on_the_side_that_clai
     assert f"was claimed first by the {claimed}" in said, said[-3000:]
 
 
+@pytest.mark.parametrize("stuck, frozen", [(1, 3), (0, 2)])
+def test_a_rank_that_gloo_holds_in_a_send_is_started_again_and_joins(stock: dict, tmp_path: Path, stuck: int,
+                                                                    frozen: int) -> None:
+    """Four machines of one rank each, on one loopback whose sockets' buffers (4 KiB) are smaller than the tiny
+    model's messages (8 KiB of activations a micro-batch), as a real model's are than a real machine's. Rank 1
+    sleeps 2 s into iteration 3; meanwhile every process of machine 3 (rank 3, the second pipeline's last stage)
+    stops, its connections left open, rank 3 inside the receive of rank 1's activations it had posted. Gloo sends a
+    message only to a receive posted (before, a notice that waits): rank 1's send writes what the buffers take and
+    stays inside ``_communicate``'s wait, its message in flight. The agent finds rank 3 silent and aborts the
+    generation for its failure; rank 1's gloo connections are shut, and gloo never wakes that send
+    (``runtime.stuck_call``): rank 1 leaves as ``StuckInCollective`` 10 s on. Its process was stuck, not its machine:
+    machine 1's launcher starts rank 1 again (``--stuck-restarts``), as a machine that comes back with ``--join``; it
+    asks to join once iteration 3 is committed (``--odyssey-rejoin 1@2``), is admitted, and every iteration equals
+    stock Megatron-LM's. The same with rank 0 stuck and machine 2 frozen: machine 0's launcher, whose agent
+    supervises the ranks launched there, starts rank 0 again from its watch thread. Needs root (the namespace)."""
+    from megatron_odyssey.testing.megatron_lm_job import Freeze
+
+    with ExitStack() as stack:
+        job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--odyssey-inject-fault",
+                                          f"step=2,rank={stuck},phase=forward,kind=slow", "--odyssey-rejoin",
+                                          f"{stuck}@2"], _port(1700 + 10 * stuck), nodes=4,
+                          freeze=Freeze(_small_buffers(stack), 2, node=frozen, after_s=0.5))
+    assert job.returncode == 0, job.tail()
+    assert re.search(rf"rank {stuck} failed \(step 2\): StuckInCollective: the main thread is still inside the wait\(\) "
+                     r"of a torch.distributed Work in _communicate \(p2p_communication.py:\d+\) 10 s after the abort",
+                     job.logs), job.tail()
+    assert re.search(rf"node {stuck}'s rank\(s\) \[{stuck}\] again to join the running job \(restart 1\)",
+                     job.logs), job.tail()
+    report = job.report
+    # (the stuck rank leaves while the survivors recover from the frozen one's failure: one recovery, without both)
+    assert [f["ranks"] for f in report["failures"]] in ([sorted((stuck, frozen))], [[frozen], [stuck]]), \
+        report["failures"]
+    (joined,) = report["joins"]
+    assert joined["ranks"] == [stuck] and joined["step"] == 4, joined
+    assert [s["step"] for s in report["steps"]] == list(range(ITERS))
+    assert same_training(job.iterations(), stock)
+
+
+def _small_buffers(stack: ExitStack):
+    """A ``testing.network_namespace.small_buffers`` namespace for the test's ``ExitStack``; skipped only where one
+    cannot be made."""
+    from megatron_odyssey.testing.network_namespace import Unavailable, small_buffers
+
+    try:
+        return stack.enter_context(small_buffers())
+    except Unavailable as why:
+        pytest.skip(f"no namespace here: {why}")
+
+
 def test_a_lost_machine_comes_back_and_joins(stock: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Four machines of one rank each; machine 3 is lost in iteration 2 (its launcher and rank killed) and the
     survivors reroute. A repaired machine 3 is started with ``odyssey-launch --join`` while the job trains: its
