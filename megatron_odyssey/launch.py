@@ -44,6 +44,7 @@ from .runtime.joining import CONFIG_KEY, read_job_config  # (rank 0 publishes th
 from .runtime.process_probe import RANK_PID_KEY, ProbeRequests, RemoteProcess
 from .runtime.quorum import Witness, WitnessNotShared
 from .runtime.sockets import MIN_UNACKED_S, SILENCE_ENV, UNACKED_S
+from .runtime.pause_clock import PauseClock
 from .runtime.stuck_restart import MAX_RESTARTS, StuckRestarts, record_times
 
 FINISHED_KEY = "odyssey/finished"  # the agent ran the job to its end (its exit code): node agents stop
@@ -227,8 +228,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                         "and exits) and are killed if still running S seconds later (default 30, as torchrun)")
     p.add_argument("--stuck-restarts", type=int, default=MAX_RESTARTS, metavar="N",
                    help=f"a node whose rank left the job stuck in a collective (gloo never wakes a send queued on a "
-                        f"connection that closed; the rank says so on the terminal) is healthy: its ranks are started "
-                        f"again to join the running job, at most N times per node (default {MAX_RESTARTS}; 0: never)")
+                        f"connection that closed; the rank says so on the terminal), or was fenced for its silence "
+                        f"while this machine stood still whole (a VM paused by its host, then resumed), is healthy: "
+                        f"its ranks are started again to join the running job, at most N times per node (default "
+                        f"{MAX_RESTARTS}; 0: never)")
     p.add_argument("--silence-timeout", type=float, default=None, metavar="S",
                    help=f"a machine whose kernel acknowledges nothing for S seconds (lost power or network) is taken "
                         f"as lost: every connection to it, the ranks' included, is aborted (default ${SILENCE_ENV}, "
@@ -477,6 +480,14 @@ def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any
     fence = {ident: rank_fence_key(ident, p.pid if ident in joined else None) for ident, p in local.items()}
     stacks = StackRequests(local)
     restarts: StuckRestarts | None = None  # (made once training started: a node is the job's --tp ranks)
+    # this machine standing still whole (runtime.pause_clock): the agent fences its ranks for their silence meanwhile,
+    # though nothing of theirs broke; such a node is started again as a stuck one is (machine 0 stands still with
+    # its agent: nothing is fenced meanwhile)
+    clock = PauseClock().start() if not on_agents_machine else None
+    paused: dict[int, float] = {}  # rank -> how long this machine stood still before its fence was seen
+    fence_seen: set[int] = set()
+    pause_s: float | None = None  # a stand-still this long may have got a rank fenced: half the heartbeat timeout
+    pass_began = previous_pass = time.monotonic()  # (a fence seen now was set after the previous pass began)
     # a joining machine's ranks may find their earlier lives' error records in the store: not theirs to judge
     earlier = record_times(store, joined)
     if control is not None:  # (cut off from the agent's machine only: the standby's store says when they are fenced)
@@ -490,16 +501,31 @@ def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any
             if ident not in joined and ident not in direct:
                 to.set(RANK_PID_KEY.format(ident), str(p.pid))
 
+    def fenced_while_standing_still(ident: int) -> None:
+        """The fence of ``ident`` is seen for the first time: note it if this machine stood still just before."""
+        nonlocal pause_s
+        fence_seen.add(ident)
+        if clock is None or not args.stuck_restarts:
+            return
+        pause = clock.longest_since(previous_pass)
+        if pause is None:
+            return
+        if pause_s is None and store.check([CONFIG_KEY]):
+            pause_s = read_job_config(store).heartbeat_timeout_s / 2
+        if pause_s is not None and pause.seconds >= pause_s:
+            paused[ident] = pause.seconds
+
     def start_stuck_nodes_again() -> None:
-        """(Asks the store nothing until a rank here left with a local error's exit code, which a stuck one uses.)"""
+        """(Asks the store nothing until a rank here left with a local error's exit code, which a stuck one uses, or
+        was fenced while this machine stood still.)"""
         nonlocal restarts
-        if not args.stuck_restarts or all(p.exitcode != LOCAL_ERROR_EXIT for p in local.values()):
+        if not args.stuck_restarts or (not paused and all(p.exitcode != LOCAL_ERROR_EXIT for p in local.values())):
             return
         if restarts is None:
             if not store.check([CONFIG_KEY]):
                 return
             restarts = StuckRestarts(read_job_config(store).tp, args.stuck_restarts, before=earlier)
-        due, said = restarts.due(store, {ident: p.exitcode for ident, p in local.items()})
+        due, said = restarts.due(store, {ident: p.exitcode for ident, p in local.items()}, paused)
         for line in said:
             print(f"[odyssey launch node {args.node_rank}] {line}", file=sys.stderr, flush=True)
         if due and store.check([GIVEUP_KEY]):  # (the agent stopped the job: nothing to join)
@@ -515,6 +541,8 @@ def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any
                 joined.add(ident)
                 direct.discard(ident)
                 reported.discard(ident)
+                paused.pop(ident, None)
+                fence_seen.discard(ident)
                 if control is not None:
                     control.fences[ident] = fence[ident]
 
@@ -528,6 +556,7 @@ def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any
     waits = False  # said it waits for the job's end (await_the_jobs_end), to the store it reports to
     while len(reported) < len(local):
         try:
+            previous_pass, pass_began = pass_began, time.monotonic()
             if store.check([FINISHED_KEY]) or (stop is not None and stop.is_set()):
                 break
             stacks.poll(store, reported | direct)
@@ -539,6 +568,8 @@ def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any
                         reported.add(ident)
                     continue
                 if ident not in reported and store.check([fence[ident]]):
+                    if ident not in fence_seen:
+                        fenced_while_standing_still(ident)
                     p.kill()
                 if ident not in reported and p.exitcode is not None:
                     if p.exitcode != 0 and not waits and not on_agents_machine and store.check([CONFIG_KEY]):
@@ -570,6 +601,8 @@ def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any
                 say_pids(store)
             continue
         time.sleep(0.01)
+    if clock is not None:
+        clock.stop()
     own = max((p.exitcode or 0 for p in local.values()), key=abs, default=0)
     if not waits:
         return own

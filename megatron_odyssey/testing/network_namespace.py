@@ -8,7 +8,8 @@ the network between two of them can be cut while each still reaches the others (
 transitive, as a failed switch port between two racks makes): :meth:`RoutedMachines.cut`, which drops the packets,
 or resets every connection as a firewall that rejects does.
 
-:func:`small_buffers`: a namespace whose sockets' buffers are smaller than a tiny model's messages.
+:func:`loopback`: a namespace of one loopback for a whole job, its sockets' buffers smaller than a tiny model's
+messages where asked.
 
 Needs root and iproute2's ``ip`` (CI's machine has both); :class:`Unavailable` says why not otherwise.
 :func:`silent_address` needs neither: one address on the loopback that answers no connection."""
@@ -150,14 +151,16 @@ def network_namespace() -> Iterator[NetworkNamespace]:
 
 
 @dataclass(frozen=True)
-class SmallBuffers:
-    """A network namespace with its loopback alone, whose TCP sockets get ``buffer_bytes`` of send and receive
-    buffer (Linux keeps ``net.ipv4.tcp_wmem``/``tcp_rmem`` per namespace): machines run in it as a tiny model's
-    job on the loopback, with messages as much larger than their sockets' buffers as a real model's are than a real
-    machine's (a send to a peer that stopped reading then stops inside gloo, with its message in flight)."""
+class Loopback:
+    """A network namespace with its loopback alone, where the machines of a test's job run (their processes can be
+    stopped whole while their kernel, this one, keeps their connections open). ``buffer_bytes``: its TCP sockets
+    get that much send and receive buffer (Linux keeps ``net.ipv4.tcp_wmem``/``tcp_rmem`` per namespace), so that
+    a tiny model's messages are as much larger than their sockets' buffers as a real model's are than a real
+    machine's (a send to a peer that stopped reading then stops inside gloo, with its message in flight); None: the
+    host's."""
 
     name: str
-    buffer_bytes: int
+    buffer_bytes: int | None
 
     def argv(self, argv: list[str]) -> list[str]:
         """``argv`` run inside the namespace (``ip netns exec`` execs it: the same pid)."""
@@ -168,25 +171,27 @@ class SmallBuffers:
 
 
 @contextmanager
-def small_buffers(buffer_bytes: int = 4096) -> Iterator[SmallBuffers]:
-    """A :class:`SmallBuffers` namespace of this process's own; its processes are SIGKILLed and it is removed on the
+def loopback(buffer_bytes: int | None = None) -> Iterator[Loopback]:
+    """A :class:`Loopback` namespace of this process's own; its processes are SIGKILLed and it is removed on the
     way out."""
     if os.geteuid() != 0:
         raise Unavailable("needs root (a network namespace)")
     if shutil.which("ip") is None:
         raise Unavailable("needs iproute2's `ip`")
-    name = f"osb{os.getpid()}"
+    name = f"olb{os.getpid()}"
     _ip("netns", "add", name)
     try:
         _ip("netns", "exec", name, "ip", "link", "set", "lo", "up")
-        sizes = f"{buffer_bytes} {buffer_bytes} {buffer_bytes}"
-        done = subprocess.run(["ip", "netns", "exec", name, "sh", "-c", f"echo {sizes} > /proc/sys/net/ipv4/tcp_rmem && "
-                               f"echo {sizes} > /proc/sys/net/ipv4/tcp_wmem"], capture_output=True, text=True)
-        if done.returncode != 0:
-            raise Unavailable(f"the namespace's socket buffers cannot be set: {done.stderr.strip()}")
-        yield SmallBuffers(name, buffer_bytes)
+        if buffer_bytes is not None:
+            sizes = f"{buffer_bytes} {buffer_bytes} {buffer_bytes}"
+            done = subprocess.run(["ip", "netns", "exec", name, "sh", "-c",
+                                   f"echo {sizes} > /proc/sys/net/ipv4/tcp_rmem && "
+                                   f"echo {sizes} > /proc/sys/net/ipv4/tcp_wmem"], capture_output=True, text=True)
+            if done.returncode != 0:
+                raise Unavailable(f"the namespace's socket buffers cannot be set: {done.stderr.strip()}")
+        yield Loopback(name, buffer_bytes)
     finally:
-        for p in SmallBuffers(name, buffer_bytes).pids():
+        for p in Loopback(name, buffer_bytes).pids():
             try:
                 os.kill(p, signal.SIGKILL)
             except ProcessLookupError:

@@ -2004,7 +2004,7 @@ def test_a_rank_that_gloo_holds_in_a_send_is_started_again_and_joins(stock: dict
         job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--odyssey-inject-fault",
                                           f"step=2,rank={stuck},phase=forward,kind=slow", "--odyssey-rejoin",
                                           f"{stuck}@2"], _port(1700 + 10 * stuck), nodes=4,
-                          freeze=Freeze(_small_buffers(stack), 2, node=frozen, after_s=0.5))
+                          freeze=Freeze(_loopback(stack, 4096), 2, node=frozen, after_s=0.5))
     assert job.returncode == 0, job.tail()
     assert re.search(rf"rank {stuck} failed \(step 2\): StuckInCollective: the main thread is still inside the wait\(\) "
                      r"of a torch.distributed Work in _communicate \(p2p_communication.py:\d+\) 10 s after the abort",
@@ -2021,13 +2021,39 @@ def test_a_rank_that_gloo_holds_in_a_send_is_started_again_and_joins(stock: dict
     assert same_training(job.iterations(), stock)
 
 
-def _small_buffers(stack: ExitStack):
-    """A ``testing.network_namespace.small_buffers`` namespace for the test's ``ExitStack``; skipped only where one
-    cannot be made."""
-    from megatron_odyssey.testing.network_namespace import Unavailable, small_buffers
+def test_a_machine_that_stood_still_is_started_again_and_joins(stock: dict, tmp_path: Path) -> None:
+    """Four machines of one rank each on one loopback. Once iteration 2 is logged every process of machine 3 stops
+    (its launcher and rank 3, SIGSTOP), its kernel holding its connections open; the agent fences rank 3 for its
+    silence and the job goes on without it. Once iteration 3 is logged the machine goes on, as a VM its host paused
+    and resumed does: its launcher kills rank 3 (fenced), sees that no process of the machine ran for longer than
+    half the heartbeat timeout (``runtime.pause_clock``), so that nothing of rank 3 broke, and starts it again as a
+    machine that comes back (``--join``); it asks to join once iteration 3 is committed (``--odyssey-rejoin 3@2``), is
+    admitted, and every iteration equals stock Megatron-LM's. Before, the machine sat out the rest of the job.
+    Needs root (the namespace)."""
+    from megatron_odyssey.testing.megatron_lm_job import Freeze
+
+    with ExitStack() as stack:
+        job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--odyssey-rejoin", "3@2"], _port(1720), nodes=4,
+                          freeze=Freeze(_loopback(stack), 2, node=3, thaw_after=3))
+    assert job.returncode == 0, job.tail()
+    assert job.codes == [0, 0, 0, 0], job.codes
+    assert re.search(r"rank\(s\) \[3\] were fenced while this machine stood still for \d+ s .*: starting node 3's "
+                     r"rank\(s\) \[3\] again to join the running job \(restart 1\)", job.logs), job.tail()
+    report = job.report
+    assert [f["ranks"] for f in report["failures"]] == [[3]], report["failures"]
+    (joined,) = report["joins"]
+    assert joined["ranks"] == [3] and joined["step"] == 4, joined
+    assert [s["step"] for s in report["steps"]] == list(range(ITERS))
+    assert same_training(job.iterations(), stock)
+
+
+def _loopback(stack: ExitStack, buffer_bytes: int | None = None):
+    """A ``testing.network_namespace.loopback`` namespace for the test's ``ExitStack``; skipped only where one cannot
+    be made."""
+    from megatron_odyssey.testing.network_namespace import Unavailable, loopback
 
     try:
-        return stack.enter_context(small_buffers())
+        return stack.enter_context(loopback(buffer_bytes))
     except Unavailable as why:
         pytest.skip(f"no namespace here: {why}")
 

@@ -66,3 +66,27 @@ def test_a_node_where_a_rank_ended_otherwise_or_the_job_stopped_stays_out() -> N
     # a joining machine's rank, whose earlier life (on the machine that was lost) left stuck
     earlier = StuckRestarts(tp=1, before={3: ErrorRecord.from_json(store.get(ERROR_KEY.format(3))).time})
     assert earlier.due(store, {3: 13}) == ([], [])
+
+
+def test_a_node_fenced_while_its_machine_stood_still_comes_back_whole() -> None:
+    """Ranks the agent fenced while this machine stood still (``paused``: how long) count as stuck ones do: a node
+    whose ranks were all fenced so, or stuck, or ended with 0, is started again, and the terminal says why; a rank
+    fenced otherwise (killed, -9, without a stand-still) still keeps its node out; the restarts count together."""
+    store = _store()
+    restarts = StuckRestarts(tp=2, limit=1)
+    (node,), said = restarts.due(store, {2: -9, 3: -9}, paused={2: 12.4, 3: 12.4})
+    assert (node.node, node.ranks, node.stuck, node.paused, node.time, said) == (1, [2, 3], {}, {2: 12.4, 3: 12.4},
+                                                                                 1, [])
+    assert node.describe() == ("rank(s) [2, 3] were fenced while this machine stood still for 12 s (paused whole, "
+                               "as a VM paused by its host or a hung kernel: no process of it ran), for their silence "
+                               "meanwhile; the machine goes on now: starting node 1's rank(s) [2, 3] again to join "
+                               "the running job (restart 1)")
+    restarts.lives_started(store, [2, 3])
+    _stuck(store, 2)
+    due, said = restarts.due(store, {2: 13, 3: -9}, paused={3: 6.0})
+    assert due == [] and said == ["rank(s) [2] left stuck in a collective; rank(s) [3] were fenced while this machine "
+                                  "stood still again; node 1 was started again 1 time(s) already (--stuck-restarts 1): "
+                                  "the job goes on without it"]
+    due, said = StuckRestarts(tp=2).due(store, {0: -9, 1: -9}, paused={0: 8.0})
+    assert due == [] and said == ["rank(s) [0] were fenced while this machine stood still, but node 0's rank(s) [1] "
+                                  "ended otherwise (exit [-9]): not starting the node again"]

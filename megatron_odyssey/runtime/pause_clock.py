@@ -1,0 +1,57 @@
+"""When this process was stopped whole: a machine paused (a VM paused for a live migration or by its host, a hung
+kernel, every process SIGSTOPped) and then going on.
+
+A launcher's own loop cannot tell: it spends its time in store calls, which may also block for a network blip while
+the process runs. A thread that does nothing but tick can: its clock jumps only where no thread of the process ran,
+so a jump says the process (or its machine) stood still for that long. CLOCK_MONOTONIC goes on during a SIGSTOP.
+No torch here (the launcher's import stays fast)."""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Pause:
+    began: float  # time.monotonic() of the last tick before it
+    ended: float  # ... and of the first tick after it
+
+    @property
+    def seconds(self) -> float:
+        return self.ended - self.began
+
+
+@dataclass
+class PauseClock:
+    """Ticks every ``tick_s``; a gap of ``at_least_s`` or more between two ticks is a :class:`Pause`."""
+
+    at_least_s: float = 2.0
+    tick_s: float = 0.05
+    pauses: list[Pause] = field(default_factory=list)
+    last_tick: float = field(default_factory=time.monotonic)
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def start(self) -> "PauseClock":
+        self.last_tick = time.monotonic()
+        threading.Thread(target=self._run, name="odyssey-pause-clock", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.tick_s):
+            now = time.monotonic()
+            if now - self.last_tick >= self.at_least_s:
+                self.pauses.append(Pause(self.last_tick, now))
+            self.last_tick = now
+
+    def longest_since(self, t: float) -> Pause | None:
+        """The longest pause that ended at or after ``t`` (time.monotonic()), if any, the one the clock has not
+        ticked after yet included (a thread woken from the same pause may ask before this one's next tick)."""
+        now, last = time.monotonic(), self.last_tick
+        pauses = [p for p in list(self.pauses) if p.ended >= t]
+        if now - last >= self.at_least_s:
+            pauses.append(Pause(last, now))
+        return max(pauses, key=lambda p: p.seconds, default=None)

@@ -1,0 +1,52 @@
+"""``runtime.pause_clock``: a real process stopped whole (SIGSTOP) and continued sees exactly that stand-still."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from megatron_odyssey.runtime.pause_clock import PauseClock
+
+CHILD = """
+import json, sys, time
+from pathlib import Path
+from megatron_odyssey.runtime.pause_clock import PauseClock
+clock = PauseClock(at_least_s=1.5).start()
+print("ready", flush=True)
+go_on = Path(sys.argv[1])
+while not go_on.exists():
+    time.sleep(0.2)  # (a busy main thread is no stand-still: the clock ticks in its own thread)
+print(json.dumps([p.seconds for p in clock.pauses]), flush=True)
+"""
+
+
+def test_a_process_stopped_whole_sees_one_pause_of_that_length(tmp_path: Path) -> None:
+    go_on = tmp_path / "go_on"
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(go_on)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        time.sleep(1.5)  # (running: no pause)
+        os.kill(child.pid, signal.SIGSTOP)
+        time.sleep(3.0)
+        os.kill(child.pid, signal.SIGCONT)
+        time.sleep(0.5)
+        go_on.touch()
+        pauses = json.loads(child.stdout.readline())
+        assert len(pauses) == 1 and 2.9 <= pauses[0] < 5.0, pauses
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_stand_still_the_clock_has_not_ticked_after_yet_is_seen() -> None:
+    """A thread woken from the same stand-still may ask before the clock's next tick: the gap since its last tick
+    counts (here a clock that never started, its last tick 3 s ago)."""
+    clock = PauseClock(at_least_s=2.0)
+    clock.last_tick = time.monotonic() - 3.0
+    pause = clock.longest_since(time.monotonic() - 10.0)
+    assert pause is not None and 3.0 <= pause.seconds < 4.0
+    assert PauseClock(at_least_s=2.0).longest_since(0.0) is None  # (just made: no gap)
