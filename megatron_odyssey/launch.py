@@ -41,10 +41,10 @@ from .runtime.control_plane import (LEAVING_KEY, STANDBY_KEY, free_port,  # (no 
 from .runtime.errors import (DUMP_STACKS_KEY, GIVEUP_KEY, LOCAL_ERROR_EXIT, STACKS_ASKED_KEY, STOPPED_EXIT,
                              describe_exit, rank_log_stack, rank_log_traceback)
 from .runtime.joining import CONFIG_KEY, read_job_config  # (rank 0 publishes the config when train() starts)
+from .runtime.pause_clock import StandStillFences
 from .runtime.process_probe import RANK_PID_KEY, ProbeRequests, RemoteProcess
 from .runtime.quorum import Witness, WitnessNotShared
 from .runtime.sockets import MIN_UNACKED_S, SILENCE_ENV, UNACKED_S
-from .runtime.pause_clock import PauseClock
 from .runtime.stuck_restart import MAX_RESTARTS, StuckRestarts, record_times
 
 FINISHED_KEY = "odyssey/finished"  # the agent ran the job to its end (its exit code): node agents stop
@@ -483,11 +483,7 @@ def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any
     # this machine standing still whole (runtime.pause_clock): the agent fences its ranks for their silence meanwhile,
     # though nothing of theirs broke; such a node is started again as a stuck one is (machine 0 stands still with
     # its agent: nothing is fenced meanwhile)
-    clock = PauseClock().start() if not on_agents_machine else None
-    paused: dict[int, float] = {}  # rank -> how long this machine stood still before its fence was seen
-    fence_seen: set[int] = set()
-    pause_s: float | None = None  # a stand-still this long may have got a rank fenced: half the heartbeat timeout
-    pass_began = previous_pass = time.monotonic()  # (a fence seen now was set after the previous pass began)
+    still = StandStillFences() if args.stuck_restarts and not on_agents_machine else None
     # a joining machine's ranks may find their earlier lives' error records in the store: not theirs to judge
     earlier = record_times(store, joined)
     if control is not None:  # (cut off from the agent's machine only: the standby's store says when they are fenced)
@@ -501,24 +497,14 @@ def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any
             if ident not in joined and ident not in direct:
                 to.set(RANK_PID_KEY.format(ident), str(p.pid))
 
-    def fenced_while_standing_still(ident: int) -> None:
-        """The fence of ``ident`` is seen for the first time: note it if this machine stood still just before."""
-        nonlocal pause_s
-        fence_seen.add(ident)
-        if clock is None or not args.stuck_restarts:
-            return
-        pause = clock.longest_since(previous_pass)
-        if pause is None:
-            return
-        if pause_s is None and store.check([CONFIG_KEY]):
-            pause_s = read_job_config(store).heartbeat_timeout_s / 2
-        if pause_s is not None and pause.seconds >= pause_s:
-            paused[ident] = pause.seconds
+    def heartbeat_timeout_s() -> float | None:
+        return read_job_config(store).heartbeat_timeout_s if store.check([CONFIG_KEY]) else None
 
     def start_stuck_nodes_again() -> None:
         """(Asks the store nothing until a rank here left with a local error's exit code, which a stuck one uses, or
         was fenced while this machine stood still.)"""
         nonlocal restarts
+        paused = still.fenced if still is not None else {}
         if not args.stuck_restarts or (not paused and all(p.exitcode != LOCAL_ERROR_EXIT for p in local.values())):
             return
         if restarts is None:
@@ -541,8 +527,8 @@ def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any
                 joined.add(ident)
                 direct.discard(ident)
                 reported.discard(ident)
-                paused.pop(ident, None)
-                fence_seen.discard(ident)
+                if still is not None:
+                    still.life_started(ident)
                 if control is not None:
                     control.fences[ident] = fence[ident]
 
@@ -556,7 +542,8 @@ def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any
     waits = False  # said it waits for the job's end (await_the_jobs_end), to the store it reports to
     while len(reported) < len(local):
         try:
-            previous_pass, pass_began = pass_began, time.monotonic()
+            if still is not None:
+                still.new_pass()
             if store.check([FINISHED_KEY]) or (stop is not None and stop.is_set()):
                 break
             stacks.poll(store, reported | direct)
@@ -568,8 +555,8 @@ def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any
                         reported.add(ident)
                     continue
                 if ident not in reported and store.check([fence[ident]]):
-                    if ident not in fence_seen:
-                        fenced_while_standing_still(ident)
+                    if still is not None:
+                        still.fence_seen(ident, heartbeat_timeout_s)
                     p.kill()
                 if ident not in reported and p.exitcode is not None:
                     if p.exitcode != 0 and not waits and not on_agents_machine and store.check([CONFIG_KEY]):
@@ -601,8 +588,8 @@ def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any
                 say_pids(store)
             continue
         time.sleep(0.01)
-    if clock is not None:
-        clock.stop()
+    if still is not None:
+        still.stop()
     own = max((p.exitcode or 0 for p in local.values()), key=abs, default=0)
     if not waits:
         return own

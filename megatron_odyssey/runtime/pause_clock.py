@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -55,3 +56,42 @@ class PauseClock:
         if now - last >= self.at_least_s:
             pauses.append(Pause(last, now))
         return max(pauses, key=lambda p: p.seconds, default=None)
+
+
+@dataclass
+class StandStillFences:
+    """A launcher's ranks that the agent fenced while their machine stood still, and for how long it did: the
+    fence of each is judged when the launcher first sees it, against the stand-stills since its previous pass began
+    (a fence seen now was set after that). A stand-still counts from half the job's heartbeat timeout (``at_least_s``
+    once the job's config is known): the agent fences a silent rank after the whole timeout, less one beat."""
+
+    clock: PauseClock = field(default_factory=lambda: PauseClock().start())
+    at_least_s: float | None = None
+    fenced: dict[int, float] = field(default_factory=dict)  # rank -> seconds the machine stood still
+    seen: set[int] = field(default_factory=set)
+    pass_began: float = field(default_factory=time.monotonic)
+    previous_pass: float = field(default_factory=time.monotonic)
+
+    def new_pass(self) -> None:
+        self.previous_pass, self.pass_began = self.pass_began, time.monotonic()
+
+    def fence_seen(self, ident: int, heartbeat_timeout_s: Callable[[], float | None]) -> None:
+        """The launcher sees rank ``ident``'s fence (judged the first time only); ``heartbeat_timeout_s``: the job's,
+        None while unknown (asked only after a stand-still)."""
+        if ident in self.seen:
+            return
+        self.seen.add(ident)
+        pause = self.clock.longest_since(self.previous_pass)
+        if pause is None:
+            return
+        if self.at_least_s is None and (timeout := heartbeat_timeout_s()) is not None:
+            self.at_least_s = timeout / 2
+        if self.at_least_s is not None and pause.seconds >= self.at_least_s:
+            self.fenced[ident] = pause.seconds
+
+    def life_started(self, ident: int) -> None:
+        self.fenced.pop(ident, None)
+        self.seen.discard(ident)
+
+    def stop(self) -> None:
+        self.clock.stop()

@@ -50,3 +50,31 @@ def test_a_stand_still_the_clock_has_not_ticked_after_yet_is_seen() -> None:
     pause = clock.longest_since(time.monotonic() - 10.0)
     assert pause is not None and 3.0 <= pause.seconds < 4.0
     assert PauseClock(at_least_s=2.0).longest_since(0.0) is None  # (just made: no gap)
+
+
+def test_a_fence_first_seen_after_a_stand_still_of_half_the_heartbeat_timeout_is_the_stand_stills() -> None:
+    """``StandStillFences``: judged at the first sight of each fence, against the stand-stills since the previous
+    pass began; the threshold, half the job's heartbeat timeout, asked for only once a stand-still is there."""
+    from megatron_odyssey.runtime.pause_clock import StandStillFences
+
+    asked: list[int] = []
+
+    def timeout() -> float:
+        asked.append(1)
+        return 10.0
+
+    still = StandStillFences(clock=PauseClock(at_least_s=1.0))
+    still.new_pass()
+    still.fence_seen(2, timeout)  # no stand-still: a fence as any other
+    assert still.fenced == {} and asked == []
+    still.clock.last_tick = time.monotonic() - 3.0  # a 3 s stand-still, shorter than 5 s
+    still.new_pass()
+    still.fence_seen(3, timeout)
+    assert still.fenced == {} and asked == [1] and still.at_least_s == 5.0
+    still.clock.last_tick = time.monotonic() - 12.0
+    still.new_pass()
+    still.fence_seen(2, timeout)  # (seen before: judged then)
+    still.fence_seen(4, timeout)
+    assert list(still.fenced) == [4] and 12.0 <= still.fenced[4] < 13.0 and asked == [1]
+    still.life_started(4)  # a new life: its fence will be judged afresh
+    assert still.fenced == {} and 4 not in still.seen
