@@ -187,6 +187,9 @@ class Injector:
                     self.store.set(f"odyssey/slowed/{self.ident}", f"{time.time()!r} {spec.kind} {spec.factor!r}")
                 continue
             self.fired.add(spec)
+            # said where the rank's output goes, before it acts (a test's harness may act on it: a freeze)
+            print(f"[odyssey rank {self.ident}] injected fault: step={step},rank={self.ident},phase={phase},"
+                  f"kind={spec.kind}", file=sys.stderr, flush=True)
             if self.store is not None:
                 self.store.set(f"odyssey/injected/{self.ident}", repr(time.time()))
             if spec.kind == "kill-machine":

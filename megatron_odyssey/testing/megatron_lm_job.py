@@ -262,16 +262,19 @@ def run_stock(megatron_lm: str | Path, work: Path, flags: list[str], port: int, 
 def _until_logged(console: Path, iteration: int, running: Callable[[], bool], deadline: float) -> bool:
     """Whether Megatron logged ``iteration`` on ``console`` (looked for until it does, ``running`` turns false, or
     ``deadline`` passes)."""
-    return _until_logged_anywhere(lambda: [console], iteration, running, deadline)
+    return _until_seen(lambda: [console], _logged(iteration), running, deadline)
 
 
-def _until_logged_anywhere(files: Callable[[], list[Path]], iteration: int, running: Callable[[], bool],
-                           deadline: float) -> bool:
-    """:func:`_until_logged` on any of ``files()`` (after a failure the last rank, which logs, may be another
-    machine's, and it logs to its rank log only)."""
-    logged = re.compile(rf"iteration\s+{iteration}/")
+def _logged(iteration: int) -> re.Pattern:
+    return re.compile(rf"iteration\s+{iteration}/")
+
+
+def _until_seen(files: Callable[[], list[Path]], line: re.Pattern, running: Callable[[], bool],
+                deadline: float) -> bool:
+    """Whether ``line`` is in any of ``files()`` (looked for until it is, ``running`` turns false, or ``deadline``
+    passes)."""
     while running() and time.monotonic() < deadline:
-        if any(logged.search(f.read_text(errors="replace")) for f in files() if f.exists()):
+        if any(line.search(f.read_text(errors="replace")) for f in files() if f.exists()):
             return True
         time.sleep(0.05)
     return False
@@ -309,17 +312,18 @@ class Partition:
 @dataclass(frozen=True)
 class Freeze:
     """Every machine of a :func:`run_odyssey` job runs in ``space`` (a ``testing.network_namespace.Loopback``: one
-    loopback, its sockets' buffers smaller than the tiny model's messages where the test asks); ``after_s`` after the last machine
-    logged ``iteration``, every process of machine ``node`` (its launcher and ranks) is stopped, SIGSTOP, for the rest of
-    the job, while its kernel still holds its connections open: a machine whose processes hang whole, which neither
-    its launcher nor anything else of its own can end. A peer sending to it stops inside the send, its message in
-    flight; the harness kills the frozen processes at the end. ``thaw_after``: they go on instead (SIGCONT) once
-    another machine logged that iteration (a VM paused by its host and resumed), and the job's code counts
-    that machine's launcher too."""
+    loopback, its sockets' buffers smaller than the tiny model's messages where the test asks). ``after_s`` after
+    ``line`` (a regular expression) appears on any machine's terminal or rank log, every process of machine ``node``
+    (its launcher and ranks) is stopped, SIGSTOP, for the rest of the job, while its kernel still holds its
+    connections open: a machine whose processes hang whole, which neither its launcher nor anything else of its own
+    can end. A peer sending to it stops inside the send, its message in flight; the harness kills the frozen
+    processes at the end. ``thaw_after``: they go on instead (SIGCONT) once another machine logged that iteration (a
+    VM paused by its host and resumed), and the job's code counts that machine's launcher too (where the job ends
+    before, they are killed, as without)."""
 
     space: Any
-    iteration: int
     node: int
+    line: str
     after_s: float = 0.0
     thaw_after: int | None = None
 
@@ -407,21 +411,24 @@ def run_odyssey(megatron_lm: str | Path, work: Path, flags: list[str], port: int
                                             lambda: all(p.poll() is None for p in procs), deadline):
         routed.cut(*(partition.place.get(n) for n in partition.between), rejecting=partition.rejecting)
     frozen: list[int] = []
+    thawed = False
     if freeze is not None:
-        if _until_logged(consoles[nodes - 1], freeze.iteration, lambda: all(p.poll() is None for p in procs),
-                         deadline):
+        def logs(but: int | None = None) -> list[Path]:  # (the last rank logs to its rank log after a failure)
+            return [*(c for n, c in enumerate(consoles) if n != but),
+                    *(f for n in range(nodes) if n != but for f in (work / f"logs{n}").glob("rank*.log"))]
+
+        if _until_seen(logs, re.compile(freeze.line), lambda: all(p.poll() is None for p in procs), deadline):
             time.sleep(freeze.after_s)
             frozen = _process_tree(procs[freeze.node].pid)
             for pid in frozen:
                 os.kill(pid, signal.SIGSTOP)
-        if freeze.thaw_after is None:
+        thawed = bool(freeze.thaw_after is not None and frozen and
+                      _until_seen(lambda: logs(but=freeze.node), _logged(freeze.thaw_after),
+                                  lambda: procs[0].poll() is None, deadline))
+        for pid in frozen if thawed else []:
+            os.kill(pid, signal.SIGCONT)
+        if not thawed:
             lost = procs.pop(freeze.node)
-        elif frozen and _until_logged_anywhere(lambda: [*(c for n, c in enumerate(consoles) if n != freeze.node),
-                                                        *(f for n in range(nodes) if n != freeze.node
-                                                          for f in (work / f"logs{n}").glob("rank*.log"))],
-                                                freeze.thaw_after, lambda: procs[0].poll() is None, deadline):
-            for pid in frozen:
-                os.kill(pid, signal.SIGCONT)
     if sigterm_after_iteration is not None and _until_logged(consoles[0], sigterm_after_iteration,
                                                              lambda: procs[0].poll() is None, deadline):
         for p in procs:
@@ -447,7 +454,7 @@ def run_odyssey(megatron_lm: str | Path, work: Path, flags: list[str], port: int
         for pid in space.pids():  # the cut-off machine, frozen since it went silent (or still running)
             os.kill(pid, signal.SIGKILL)
         lost.wait(30)
-    if freeze is not None and freeze.thaw_after is None:
+    if freeze is not None and not thawed:
         for pid in frozen or _process_tree(lost.pid):
             try:
                 os.kill(pid, signal.SIGKILL)

@@ -1988,8 +1988,9 @@ def test_a_rank_that_gloo_holds_in_a_send_is_started_again_and_joins(stock: dict
                                                                     frozen: int) -> None:
     """Four machines of one rank each, on one loopback whose sockets' buffers (4 KiB) are smaller than the tiny
     model's messages (8 KiB of activations a micro-batch), as a real model's are than a real machine's. Rank 1
-    sleeps 2 s into iteration 3; meanwhile every process of machine 3 (rank 3, the second pipeline's last stage)
-    stops, its connections left open, rank 3 inside the receive of rank 1's activations it had posted. Gloo sends a
+    sleeps 2 s into iteration 3; 0.5 s into that sleep (once its fault's line is seen) every process of machine 3
+    (rank 3, the second pipeline's last stage) stops, its connections left open, rank 3 inside the receive of rank
+    1's activations it had posted. Gloo sends a
     message only to a receive posted (before, a notice that waits): rank 1's send writes what the buffers take and
     stays inside ``_communicate``'s wait, its message in flight. The agent finds rank 3 silent and aborts the
     generation for its failure; rank 1's gloo connections are shut, and gloo never wakes that send
@@ -2004,7 +2005,8 @@ def test_a_rank_that_gloo_holds_in_a_send_is_started_again_and_joins(stock: dict
         job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--odyssey-inject-fault",
                                           f"step=2,rank={stuck},phase=forward,kind=slow", "--odyssey-rejoin",
                                           f"{stuck}@2"], _port(1700 + 10 * stuck), nodes=4,
-                          freeze=Freeze(_loopback(stack, 4096), 2, node=frozen, after_s=0.5))
+                          freeze=Freeze(_loopback(stack, 4096), frozen, rf"\[odyssey rank {stuck}\] injected fault",
+                                        after_s=0.5))
     assert job.returncode == 0, job.tail()
     assert re.search(rf"rank {stuck} failed \(step 2\): StuckInCollective: the main thread is still inside the wait\(\) "
                      r"of a torch.distributed Work in _communicate \(p2p_communication.py:\d+\) 10 s after the abort",
@@ -2022,8 +2024,9 @@ def test_a_rank_that_gloo_holds_in_a_send_is_started_again_and_joins(stock: dict
 
 
 def test_a_machine_that_stood_still_is_started_again_and_joins(stock: dict, tmp_path: Path) -> None:
-    """Four machines of one rank each on one loopback. Once iteration 2 is logged every process of machine 3 stops
-    (its launcher and rank 3, SIGSTOP), its kernel holding its connections open; the agent fences rank 3 for its
+    """Four machines of one rank each on one loopback. Rank 3 sleeps 2 s into iteration 3, and meanwhile (once its
+    fault's line is seen) every process of machine 3 stops (its launcher and rank 3, SIGSTOP: a harness that lags
+    does not move the moment), its kernel holding its connections open; the agent fences rank 3 for its
     silence and the job goes on without it. Once iteration 3 is logged the machine goes on, as a VM its host paused
     and resumed does: its launcher kills rank 3 (fenced), sees that no process of the machine ran for longer than
     half the heartbeat timeout (``runtime.pause_clock``), so that nothing of rank 3 broke, and starts it again as a
@@ -2033,14 +2036,15 @@ def test_a_machine_that_stood_still_is_started_again_and_joins(stock: dict, tmp_
     from megatron_odyssey.testing.megatron_lm_job import Freeze
 
     with ExitStack() as stack:
-        job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--odyssey-rejoin", "3@2"], _port(1720), nodes=4,
-                          freeze=Freeze(_loopback(stack), 2, node=3, thaw_after=3))
+        job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--odyssey-inject-fault", "step=2,rank=3,phase=forward,kind=slow",
+                                          "--odyssey-rejoin", "3@2"], _port(1720), nodes=4,
+                          freeze=Freeze(_loopback(stack), 3, r"\[odyssey rank 3\] injected fault", thaw_after=3))
     assert job.returncode == 0, job.tail()
     assert job.codes == [0, 0, 0, 0], job.codes
     assert re.search(r"rank\(s\) \[3\] were fenced while this machine stood still for \d+ s .*: starting node 3's "
                      r"rank\(s\) \[3\] again to join the running job \(restart 1\)", job.logs), job.tail()
     report = job.report
-    assert [f["ranks"] for f in report["failures"]] == [[3]], report["failures"]
+    assert [(f["ranks"], f["step"]) for f in report["failures"]] == [([3], 2)], report["failures"]
     (joined,) = report["joins"]
     assert joined["ranks"] == [3] and joined["step"] == 4, joined
     assert [s["step"] for s in report["steps"]] == list(range(ITERS))
