@@ -3,8 +3,11 @@ kernel, every process SIGSTOPped) and then going on.
 
 A launcher's own loop cannot tell: it spends its time in store calls, which may also block for a network blip while
 the process runs. A thread that does nothing but tick can: its clock jumps only where no thread of the process ran,
-so a jump says the process (or its machine) stood still for that long. CLOCK_MONOTONIC goes on during a SIGSTOP.
-No torch here (the launcher's import stays fast)."""
+so a jump says the process (or its machine) stood still for that long. CLOCK_MONOTONIC goes on during a SIGSTOP
+or a hung kernel; a paused VM's guest clock may not count the pause (up to its hypervisor), but its wall clock is
+set right on resume (its time sync): a gap is the larger of the two clocks' (a wall clock stepped while the process
+runs only matters with a fence seen just after it). Checked with SIGSTOP only (no VM here). No torch here (the
+launcher's import stays fast)."""
 from __future__ import annotations
 
 import threading
@@ -17,10 +20,11 @@ from dataclasses import dataclass, field
 class Pause:
     began: float  # time.monotonic() of the last tick before it
     ended: float  # ... and of the first tick after it
+    wall_s: float = 0.0  # time.time()'s gap over the same two ticks
 
     @property
     def seconds(self) -> float:
-        return self.ended - self.began
+        return max(self.ended - self.began, self.wall_s)
 
 
 @dataclass
@@ -31,10 +35,11 @@ class PauseClock:
     tick_s: float = 0.05
     pauses: list[Pause] = field(default_factory=list)
     last_tick: float = field(default_factory=time.monotonic)
+    last_wall: float = field(default_factory=time.time)
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def start(self) -> "PauseClock":
-        self.last_tick = time.monotonic()
+        self.last_tick, self.last_wall = time.monotonic(), time.time()
         threading.Thread(target=self._run, name="odyssey-pause-clock", daemon=True).start()
         return self
 
@@ -43,18 +48,19 @@ class PauseClock:
 
     def _run(self) -> None:
         while not self._stop.wait(self.tick_s):
-            now = time.monotonic()
-            if now - self.last_tick >= self.at_least_s:
-                self.pauses.append(Pause(self.last_tick, now))
-            self.last_tick = now
+            now, wall = time.monotonic(), time.time()
+            pause = Pause(self.last_tick, now, wall - self.last_wall)
+            if pause.seconds >= self.at_least_s:
+                self.pauses.append(pause)
+            self.last_tick, self.last_wall = now, wall
 
     def longest_since(self, t: float) -> Pause | None:
         """The longest pause that ended at or after ``t`` (time.monotonic()), if any, the one the clock has not
         ticked after yet included (a thread woken from the same pause may ask before this one's next tick)."""
-        now, last = time.monotonic(), self.last_tick
+        ongoing = Pause(self.last_tick, time.monotonic(), time.time() - self.last_wall)
         pauses = [p for p in list(self.pauses) if p.ended >= t]
-        if now - last >= self.at_least_s:
-            pauses.append(Pause(last, now))
+        if ongoing.seconds >= self.at_least_s:
+            pauses.append(ongoing)
         return max(pauses, key=lambda p: p.seconds, default=None)
 
 

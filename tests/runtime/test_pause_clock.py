@@ -50,6 +50,11 @@ def test_a_stand_still_the_clock_has_not_ticked_after_yet_is_seen() -> None:
     pause = clock.longest_since(time.monotonic() - 10.0)
     assert pause is not None and 3.0 <= pause.seconds < 4.0
     assert PauseClock(at_least_s=2.0).longest_since(0.0) is None  # (just made: no gap)
+    # a paused VM whose guest's monotonic clock did not count the pause: its wall clock, set right on resume, did
+    clock = PauseClock(at_least_s=2.0)
+    clock.last_wall = time.time() - 8.0
+    pause = clock.longest_since(time.monotonic() - 10.0)
+    assert pause is not None and 8.0 <= pause.seconds < 9.0
 
 
 def test_a_fence_first_seen_after_a_stand_still_of_half_the_heartbeat_timeout_is_the_stand_stills() -> None:
