@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from .processes import kill_all
+
 ROOT = Path(__file__).resolve().parents[2]  # the repository (patches/ beside the package)
 PATCHES = ROOT / "patches"
 
@@ -451,15 +453,10 @@ def run_odyssey(megatron_lm: str | Path, work: Path, flags: list[str], port: int
             except subprocess.TimeoutExpired:
                 pass
             cut_off_code = lost.poll()  # (None: still running)
-        for pid in space.pids():  # the cut-off machine, frozen since it went silent (or still running)
-            os.kill(pid, signal.SIGKILL)
+        kill_all(space.pids())  # the cut-off machine, frozen since it went silent (or still running)
         lost.wait(30)
     if freeze is not None and not thawed:
-        for pid in frozen or _process_tree(lost.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_all(frozen or _process_tree(lost.pid))
         lost.wait(30)
     wall = time.perf_counter() - t0
     logs = "".join(c.read_text(errors="replace") for c in consoles)

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+from .processes import kill_all
 
 
 @contextmanager
@@ -73,8 +74,34 @@ class NetworkNamespace:
         _ip("netns", "exec", self.name, "ip", "link", "set", self.link, "up")
 
     def pids(self) -> list[int]:
-        out = subprocess.run(["ip", "netns", "pids", self.name], capture_output=True, text=True)
-        return [int(p) for p in out.stdout.split()]
+        return _pids(self.name)
+
+
+def _pids(space: str) -> list[int]:
+    """The processes running in namespace ``space``."""
+    out = subprocess.run(["ip", "netns", "pids", space], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def _kill_everything_in(space: str) -> None:
+    kill_all(_pids(space))
+
+
+def _can_make_namespaces(what: str) -> None:
+    """Unavailable unless this process can make ``what`` (root and iproute2's ``ip``)."""
+    if os.geteuid() != 0:
+        raise Unavailable(f"needs root ({what})")
+    if shutil.which("ip") is None:
+        raise Unavailable("needs iproute2's `ip`")
+
+
+def _write_proc_sys(space: str, values: dict[str, str], unless: str) -> None:
+    """Write each of ``values`` (a path under /proc/sys: its value) inside namespace ``space``, whose kernel
+    settings of that kind are its own; Unavailable, starting with ``unless``, where it refuses."""
+    script = " && ".join(f"echo {value} > /proc/sys/{path}" for path, value in values.items())
+    done = subprocess.run(["ip", "netns", "exec", space, "sh", "-c", script], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise Unavailable(f"{unless}: {done.stderr.strip()}")
 
 
 def _ip(*argv: str) -> None:
@@ -123,10 +150,7 @@ def _unname(spaces: list[str]) -> None:
 def network_namespace() -> Iterator[NetworkNamespace]:
     """A namespace of its own per process (names and a /30 subnet from the pid, so parallel test workers do not
     meet); its processes are SIGKILLed and it is removed on the way out."""
-    if os.geteuid() != 0:
-        raise Unavailable("needs root (a network namespace)")
-    if shutil.which("ip") is None:
-        raise Unavailable("needs iproute2's `ip`")
+    _can_make_namespaces("a network namespace")
     pid = os.getpid()
     name, host_link, link = f"ody{pid}", f"oh{pid}", f"on{pid}"
     net = f"10.{200 + (pid >> 14) % 50}.{(pid >> 6) & 0xff}.{(pid & 0x3f) << 2}"  # a /30 of its own
@@ -140,12 +164,7 @@ def network_namespace() -> Iterator[NetworkNamespace]:
         yield NetworkNamespace(name, link, ip, host_link, host_ip)
     finally:
         _unname([name])
-        space = NetworkNamespace(name, link, ip, host_link, host_ip)
-        for p in space.pids():
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill_everything_in(name)
         subprocess.run(["ip", "link", "del", host_link], capture_output=True)
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
@@ -167,35 +186,25 @@ class Loopback:
         return ["ip", "netns", "exec", self.name, *argv]
 
     def pids(self) -> list[int]:
-        return NetworkNamespace(self.name, "", "", "", "").pids()
+        return _pids(self.name)
 
 
 @contextmanager
 def loopback(buffer_bytes: int | None = None) -> Iterator[Loopback]:
     """A :class:`Loopback` namespace of this process's own; its processes are SIGKILLed and it is removed on the
     way out."""
-    if os.geteuid() != 0:
-        raise Unavailable("needs root (a network namespace)")
-    if shutil.which("ip") is None:
-        raise Unavailable("needs iproute2's `ip`")
+    _can_make_namespaces("a network namespace")
     name = f"olb{os.getpid()}"
     _ip("netns", "add", name)
     try:
         _ip("netns", "exec", name, "ip", "link", "set", "lo", "up")
         if buffer_bytes is not None:
             sizes = f"{buffer_bytes} {buffer_bytes} {buffer_bytes}"
-            done = subprocess.run(["ip", "netns", "exec", name, "sh", "-c",
-                                   f"echo {sizes} > /proc/sys/net/ipv4/tcp_rmem && "
-                                   f"echo {sizes} > /proc/sys/net/ipv4/tcp_wmem"], capture_output=True, text=True)
-            if done.returncode != 0:
-                raise Unavailable(f"the namespace's socket buffers cannot be set: {done.stderr.strip()}")
+            _write_proc_sys(name, {"net/ipv4/tcp_rmem": sizes, "net/ipv4/tcp_wmem": sizes},
+                            "the namespace's socket buffers cannot be set")
         yield Loopback(name, buffer_bytes)
     finally:
-        for p in Loopback(name, buffer_bytes).pids():
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill_everything_in(name)
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
@@ -260,10 +269,7 @@ class RoutedMachines:
 def routed_machines(count: int) -> Iterator[RoutedMachines]:
     """``count`` machines behind a router, each on a /30 of its own (from the pid, so parallel test workers do not
     meet; 10.100-199.x.0/24 holds up to 63); their processes are SIGKILLed and everything removed on the way out."""
-    if os.geteuid() != 0:
-        raise Unavailable("needs root (network namespaces)")
-    if shutil.which("ip") is None:
-        raise Unavailable("needs iproute2's `ip`")
+    _can_make_namespaces("network namespaces")
     pid = os.getpid()
     net = f"10.{100 + (pid >> 8) % 100}.{pid & 0xff}"
     subnets = tuple(f"{net}.{4 * k}/30" for k in range(count + 1))
@@ -278,10 +284,7 @@ def routed_machines(count: int) -> Iterator[RoutedMachines]:
             _ip("netns", "exec", name, "ip", "link", "set", "lo", "up")
         _joined(None, host_link, host_ip, router, router_host, router_ip)
         _ip("route", "add", f"{net}.0/24", "via", router_ip)  # (our own /30 is more specific: stays direct)
-        done = subprocess.run(["ip", "netns", "exec", router, "sh", "-c", "echo 1 > /proc/sys/net/ipv4/ip_forward"],
-                              capture_output=True, text=True)
-        if done.returncode != 0:
-            raise Unavailable(f"the router namespace cannot forward: {done.stderr.strip()}")
+        _write_proc_sys(router, {"net/ipv4/ip_forward": "1"}, "the router namespace cannot forward")
         machines, addresses = [], [host_ip, router_ip]
         for k, name in enumerate(names, start=1):
             gateway, ip, link, port = f"{net}.{4 * k + 1}", f"{net}.{4 * k + 2}", f"om{k}l{pid}", f"or{k}p{pid}"
@@ -295,11 +298,7 @@ def routed_machines(count: int) -> Iterator[RoutedMachines]:
     finally:
         _unname(made)
         for name in made:
-            for p in NetworkNamespace(name, "", "", "", "").pids():
-                try:
-                    os.kill(p, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            _kill_everything_in(name)
         subprocess.run(["ip", "route", "del", f"{net}.0/24"], capture_output=True)
         subprocess.run(["ip", "link", "del", host_link], capture_output=True)
         for name in made:  # (a namespace's links go with it)

@@ -8,11 +8,13 @@ test's store (a stopped process's store then holds the probe for seconds).
 """
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 from megatron_odyssey.runtime.process_probe import sample
@@ -42,3 +44,12 @@ def refusing_address() -> Iterator[tuple[str, int]]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         yield s.getsockname()
+
+
+def kill_all(pids: Iterable[int]) -> None:
+    """SIGKILL each of ``pids``; one already gone is no error (a test's processes end on their own too)."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
