@@ -40,7 +40,7 @@ from .runtime.control_plane import (LEAVING_KEY, STANDBY_KEY, free_port,  # (no 
                                     judged_lost_after, rank_fence_key)
 from .runtime.errors import (DUMP_STACKS_KEY, GIVEUP_KEY, LOCAL_ERROR_EXIT, STACKS_ASKED_KEY, STOPPED_EXIT,
                              describe_exit, rank_log_stack, rank_log_traceback)
-from .runtime.joining import CONFIG_KEY, read_job_config  # (rank 0 publishes the config when train() starts)
+from .runtime.joining import CONFIG_KEY, PublishedConfig, read_job_config  # (rank 0 publishes it at train()
 from .runtime.pause_clock import StandStillFences
 from .runtime.process_probe import RANK_PID_KEY, ProbeRequests, RemoteProcess
 from .runtime.quorum import Witness, WitnessNotShared
@@ -457,11 +457,11 @@ class StackRequests:
                     pass
 
 
-def learn_when_lost(control: Any, store: Any) -> None:
-    """Once training started (rank 0 published the job's config): when the job will have dropped this machine's
-    ranks, which bounds a wait for agents this machine cannot reach (``ControlPlane.lost_after_s``)."""
-    if control is not None and control.lost_after_s is None and store.check([CONFIG_KEY]):
-        control.lost_after_s = judged_lost_after(read_job_config(store).heartbeat_timeout_s)
+def learn_when_lost(control: Any, cfg: Any) -> None:
+    """Once training started (``cfg``: the job's config, once rank 0 published it): when the job will have dropped
+    this machine's ranks, which bounds a wait for agents this machine cannot reach (``ControlPlane.lost_after_s``)."""
+    if control is not None and control.lost_after_s is None and cfg is not None:
+        control.lost_after_s = judged_lost_after(cfg.heartbeat_timeout_s)
 
 
 def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any, control: Any = None,
@@ -486,6 +486,7 @@ def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any
     still = StandStillFences() if args.stuck_restarts and not on_agents_machine else None
     # a joining machine's ranks may find their earlier lives' error records in the store: not theirs to judge
     earlier = record_times(store, joined)
+    job = PublishedConfig()  # (training started once it is there)
     if control is not None:  # (cut off from the agent's machine only: the standby's store says when they are fenced)
         control.fences = dict(fence)
         control.ready()
@@ -498,7 +499,7 @@ def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any
                 to.set(RANK_PID_KEY.format(ident), str(p.pid))
 
     def heartbeat_timeout_s() -> float | None:
-        return read_job_config(store).heartbeat_timeout_s if store.check([CONFIG_KEY]) else None
+        return cfg.heartbeat_timeout_s if (cfg := job.get(store)) is not None else None
 
     def start_stuck_nodes_again() -> None:
         """(Asks the store nothing until a rank here left with a local error's exit code, which a stuck one uses, or
@@ -508,9 +509,9 @@ def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any
         if not args.stuck_restarts or (not paused and all(p.exitcode != LOCAL_ERROR_EXIT for p in local.values())):
             return
         if restarts is None:
-            if not store.check([CONFIG_KEY]):
+            if (cfg := job.get(store)) is None:
                 return
-            restarts = StuckRestarts(read_job_config(store).tp, args.stuck_restarts, before=earlier)
+            restarts = StuckRestarts(cfg.tp, args.stuck_restarts, before=earlier)
         due, said = restarts.due(store, {ident: p.exitcode for ident, p in local.items()}, paused)
         for line in said:
             print(f"[odyssey launch node {args.node_rank}] {line}", file=sys.stderr, flush=True)
@@ -548,7 +549,7 @@ def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any
                 break
             stacks.poll(store, reported | direct)
             probes.poll(store)
-            learn_when_lost(control, store)
+            learn_when_lost(control, job.get(store))
             for ident, p in local.items():
                 if ident in direct:  # (the agent sees it exit, fences it and says how it ended)
                     if ident not in reported and p.exitcode is not None:
@@ -559,7 +560,7 @@ def node_agent(args: argparse.Namespace, local: dict[int, LocalRank], store: Any
                         still.fence_seen(ident, heartbeat_timeout_s)
                     p.kill()
                 if ident not in reported and p.exitcode is not None:
-                    if p.exitcode != 0 and not waits and not on_agents_machine and store.check([CONFIG_KEY]):
+                    if p.exitcode != 0 and not waits and not on_agents_machine and job.get(store) is not None:
                         # (training had started) said before the exit is: the agent, which ends the job only once it
                         # knows of this exit, then keeps its store up until this machine has read the end (finish_job)
                         store.append(AWAITING_END_KEY, f"{args.node_rank};")

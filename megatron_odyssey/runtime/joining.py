@@ -42,6 +42,20 @@ def read_job_config(store: Any) -> Any:
     return TrainConfig(**json.loads(store.get(CONFIG_KEY)))
 
 
+@dataclass
+class PublishedConfig:
+    """The running job's TrainConfig for a launcher that starts before training does: None until rank 0 (or the
+    agent) publishes it, read once then (it never changes; a standby that takes over publishes the same one)."""
+
+    config: Any = None
+
+    def get(self, store: Any) -> Any:
+        """(``store``: the agent's, or the standby's once it took over.)"""
+        if self.config is None and store.check([CONFIG_KEY]):
+            self.config = read_job_config(store)
+        return self.config
+
+
 def announce(store: Any, ident: int, launched: bool = False) -> None:
     store.append(JOINING_KEY, f"{ident}:{os.getpid()}{':launched' if launched else ''};")
 

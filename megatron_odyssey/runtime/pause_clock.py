@@ -29,10 +29,13 @@ class Pause:
 
 @dataclass
 class PauseClock:
-    """Ticks every ``tick_s``; a gap of ``at_least_s`` or more between two ticks is a :class:`Pause`."""
+    """Ticks every ``tick_s``; a gap of ``at_least_s`` or more between two ticks is a :class:`Pause`. The default
+    records short gaps too (a loaded machine's scheduler makes some): who asks judges a pause's length against its
+    own threshold, which may be short (half a heartbeat timeout of 2 s); the newest ``keep`` are kept."""
 
-    at_least_s: float = 2.0
+    at_least_s: float = 0.25
     tick_s: float = 0.05
+    keep: int = 1024
     pauses: list[Pause] = field(default_factory=list)
     last_tick: float = field(default_factory=time.monotonic)
     last_wall: float = field(default_factory=time.time)
@@ -48,11 +51,14 @@ class PauseClock:
 
     def _run(self) -> None:
         while not self._stop.wait(self.tick_s):
-            now, wall = time.monotonic(), time.time()
-            pause = Pause(self.last_tick, now, wall - self.last_wall)
-            if pause.seconds >= self.at_least_s:
-                self.pauses.append(pause)
-            self.last_tick, self.last_wall = now, wall
+            self.tick()
+
+    def tick(self) -> None:
+        now, wall = time.monotonic(), time.time()
+        pause = Pause(self.last_tick, now, wall - self.last_wall)
+        if pause.seconds >= self.at_least_s:
+            self.pauses = [*self.pauses, pause][-self.keep:]  # (a new list: a reader's copy stays whole)
+        self.last_tick, self.last_wall = now, wall
 
     def longest_since(self, t: float) -> Pause | None:
         """The longest pause that ended at or after ``t`` (time.monotonic()), if any, the one the clock has not
@@ -69,7 +75,8 @@ class StandStillFences:
     """A launcher's ranks that the agent fenced while their machine stood still, and for how long it did: the
     fence of each is judged when the launcher first sees it, against the stand-stills since its previous pass began
     (a fence seen now was set after that). A stand-still counts from half the job's heartbeat timeout (``at_least_s``
-    once the job's config is known): the agent fences a silent rank after the whole timeout, less one beat."""
+    once the job's config is known; the clock records shorter ones too): the agent fences a silent rank after the
+    whole timeout, less one beat."""
 
     clock: PauseClock = field(default_factory=lambda: PauseClock().start())
     at_least_s: float | None = None

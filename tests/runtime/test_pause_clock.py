@@ -83,3 +83,33 @@ def test_a_fence_first_seen_after_a_stand_still_of_half_the_heartbeat_timeout_is
     assert list(still.fenced) == [4] and 12.0 <= still.fenced[4] < 13.0 and asked == [1]
     still.life_started(4)  # a new life: its fence will be judged afresh
     assert still.fenced == {} and 4 not in still.seen
+
+
+def test_a_stand_still_shorter_than_two_seconds_counts_under_a_short_heartbeat_timeout() -> None:
+    """The clock records short gaps; the judge is half the job's heartbeat timeout, here 2 s: a 1.5 s stand-still
+    that the clock ticked after is one (a clock that kept only gaps of 2 s or more missed it)."""
+    from megatron_odyssey.runtime.pause_clock import StandStillFences
+
+    still = StandStillFences(clock=PauseClock())
+    still.new_pass()
+    still.clock.last_tick = time.monotonic() - 1.5
+    still.clock.tick()
+    assert [round(p.seconds, 1) for p in still.clock.pauses] == [1.5]
+    still.new_pass()
+    still.fence_seen(5, lambda: 2.0)
+    assert list(still.fenced) == [5] and 1.5 <= still.fenced[5] < 1.6
+    still.fence_seen(6, lambda: 2.0)  # (the same stand-still: another rank of the machine fenced for it)
+    assert list(still.fenced) == [5, 6]
+    still.clock.last_tick = time.monotonic() - 0.6  # shorter than half of 2 s: recorded, not a stand-still of note
+    still.clock.tick()
+    still.new_pass()
+    still.fence_seen(7, lambda: 2.0)
+    assert 7 not in still.fenced and [round(p.seconds, 1) for p in still.clock.pauses] == [1.5, 0.6]
+
+
+def test_the_clock_keeps_only_its_newest_pauses() -> None:
+    clock = PauseClock(keep=3)
+    for gap in (1.0, 2.0, 3.0, 4.0):
+        clock.last_tick = time.monotonic() - gap
+        clock.tick()
+    assert [round(p.seconds) for p in clock.pauses] == [2, 3, 4]
