@@ -60,7 +60,7 @@ from ..runtime.generation import GenerationRank, keys, node_stage
 from ..runtime.liveness import Heartbeat, Progress, StoreThread, communicating, track
 from ..runtime.transport import P2P
 from ..runtime.state import TIED_ALIASES
-from ..runtime.world import RankMap, abort_all_groups, plan_process_groups, shut_connections
+from ..runtime.world import RankMap, abort_all_groups, holds_gloo_groups, plan_process_groups, shut_connections
 from ..runtime.stuck_call import StuckCall
 
 STORE_ENV = "ODYSSEY_STORE"  # HOST:PORT of the agent's store, set by the launcher
@@ -76,7 +76,8 @@ class AbortWatcher(StoreThread):
     collective never polls the store, and NCCL/HCCL do not see a dead peer's closed connection the way
     gloo does (they would wait for the watchdog timeout); aborting from here unblocks the op at once.
     Gloo's groups close nothing when aborted: for an abort because ranks failed, this rank's connections are
-    shut too (``world.shut_connections``, as its teardown does), since a failed rank the agent could not reach to
+    shut too (``world.shut_connections``, as its teardown does; in a GPU job as well where it holds gloo groups,
+    which Megatron makes beside the NCCL/HCCL ones), since a failed rank the agent could not reach to
     kill (cut off from the agent's machine, not from this one) may live on and hold a collective open with it.
     A main thread still inside the same torch.distributed call ``stuck_after_s`` after that shut is in a wait gloo
     never ends (``runtime.stuck_call``): the rank then leaves, with a record that says so, and the job recovers
@@ -107,7 +108,7 @@ class AbortWatcher(StoreThread):
                         abort_all_groups()
                     except Exception:  # the main thread is tearing the same groups down
                         pass
-                    if failed and self.runtime.backend == "gloo":
+                    if failed and (self.runtime.backend == "gloo" or holds_gloo_groups()):
                         shut_connections({self.runtime.store_addr[1]})
                         self.shut = (gen, value, StuckCall(self.stuck_after_s))
             self.handled = gen

@@ -44,8 +44,8 @@ from .liveness import IDLE, WAITING, Progress
 from .plan_message import checkpoint_due, decode_plan_message
 from .transport import P2P
 from .sockets import bound_silence
-from .world import (RankMap, abort_all_groups, build_plan_groups, clear_parallel_state, connect_peers, init_world,
-                    install_parallel_state, peer_pairs, shut_connections)
+from .world import (RankMap, abort_all_groups, build_plan_groups, clear_parallel_state, connect_peers,
+                    holds_gloo_groups, init_world, install_parallel_state, peer_pairs, shut_connections)
 
 
 class Abort(RuntimeError):
@@ -450,9 +450,10 @@ class GenerationRank(abc.ABC):
     def teardown(self) -> None:
         """Close this generation's connections now, so peers blocked on this rank fail at once instead
         of waiting out a timeout: abort every group (NCCL/HCCL), shut the TCP connections (gloo, see
-        ``world.shut_connections``), capture the state, and drop every holder of a group."""
+        ``world.shut_connections``; a GPU world's gloo groups too), capture the state, and drop every holder of a
+        group."""
         abort_all_groups()
-        if self.backend == "gloo":
+        if self.backend == "gloo" or holds_gloo_groups():
             shut_connections({self.store_addr[1]})
         if self.saved is None and self.model is not None:
             self.saved = self._capture()

@@ -232,6 +232,14 @@ def abort_all_groups() -> None:
             pass
 
 
+def holds_gloo_groups() -> bool:
+    """Whether a process group of this rank speaks gloo, whose abort closes nothing: in a GPU job too (Megatron's
+    gloo groups beside its NCCL/HCCL ones, the distributed optimizer's among them), a rank may wait in one."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return any("gloo" in str(backend) for backend, _ in list(getattr(c10d._world, "pg_map", {}).values()))
+
+
 def shut_connections(keep_peer_ports: set[int]) -> int:
     """Shut down every TCP connection of this process except those to ``keep_peer_ports`` (the control
     store); returns how many. For gloo, the only way to make a peer blocked on this rank fail at once:

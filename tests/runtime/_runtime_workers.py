@@ -895,10 +895,13 @@ def plan_norms_worker(rank: int, world: int, store_file: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def abort_shuts_gloo_worker(rank: int, port: int, out) -> None:
+def abort_shuts_gloo_worker(rank: int, port: int, out, world: str = "gloo") -> None:
     """Three gloo ranks: 0 and 1 wait in an all-reduce that rank 2, alive, never enters (as a failed rank the agent
     could not reach to kill). Ranks 0 and 1 run Megatron's abort watcher over a stand-in of the rank's state; the
-    test sets the aborts. Results go to ``out`` as (rank, what happened, seconds after the failure abort)."""
+    test sets the aborts. Results go to ``out`` as (rank, what happened, seconds after the failure abort).
+    ``world="nccl"``: a GPU job's, its all-reduce in a gloo group beside the world's (Megatron's gloo groups); the
+    world's backend is torch's ``fake`` one here (no NCCL on a CPU), which the watcher's abort leaves alone."""
+    import importlib
     import threading
     import time
     from datetime import timedelta
@@ -909,12 +912,19 @@ def abort_shuts_gloo_worker(rank: int, port: int, out) -> None:
     from megatron_odyssey.megatron_lm.rank import AbortWatcher
 
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
-    dist.init_process_group("gloo", store=dist.PrefixStore("world", store), rank=rank, world_size=3,
-                            timeout=timedelta(seconds=120))
+    group = None
+    if world == "nccl":
+        importlib.import_module("torch.testing._internal.distributed.fake_pg")  # registers the "fake" backend
+
+        dist.init_process_group("fake", store=dist.PrefixStore("world", store), rank=rank, world_size=3)
+        group = dist.new_group([0, 1, 2], backend="gloo", timeout=timedelta(seconds=120))
+    else:
+        dist.init_process_group("gloo", store=dist.PrefixStore("world", store), rank=rank, world_size=3,
+                                timeout=timedelta(seconds=120))
     if rank == 2:
         store.wait(["done"])
         return
-    runtime = SimpleNamespace(gen=0, gen_lock=threading.Lock(), backend="gloo", store_addr=("127.0.0.1", port),
+    runtime = SimpleNamespace(gen=0, gen_lock=threading.Lock(), backend=world, store_addr=("127.0.0.1", port),
                               ident=rank)
     AbortWatcher(runtime, "127.0.0.1", port, stuck_after_s=1.0).start()
 
@@ -925,7 +935,7 @@ def abort_shuts_gloo_worker(rank: int, port: int, out) -> None:
     threading.Thread(target=next_generation, daemon=True).start()
     store.set(f"entered/{rank}", "1")
     try:
-        dist.all_reduce(torch.ones(4))
+        dist.all_reduce(torch.ones(4), group=group)
         out.put((rank, "returned", None))
     except Exception as exc:  # noqa: BLE001 - what the shut connections raise
         failed_at = float(store.get("failure abort at"))

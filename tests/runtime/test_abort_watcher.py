@@ -15,17 +15,19 @@ from megatron_odyssey.runtime.agent import free_port
 from megatron_odyssey.runtime.errors import failure_abort
 
 
-def test_an_abort_for_failed_ranks_shuts_the_survivors_gloo_connections_and_a_re_plan_does_not() -> None:
+@pytest.mark.parametrize("world", ["gloo", "nccl"])
+def test_an_abort_for_failed_ranks_shuts_the_survivors_gloo_connections_and_a_re_plan_does_not(world: str) -> None:
     """A re-plan's abort leaves the all-reduce waiting (its ranks finish the step in flight: the abort must not cut a
     collective between steps); the abort for rank 2's failure makes ranks 0 and 1 leave it within seconds, with the
-    error a broken connection raises (which they take for a peer's failure and recover from)."""
+    error a broken connection raises (which they take for a peer's failure and recover from). ``nccl``: a GPU job's
+    ranks waiting in a gloo group beside their world (as in Megatron's gloo groups), which aborting closes no more."""
     from _runtime_workers import abort_shuts_gloo_worker
 
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=abort_shuts_gloo_worker, args=(r, port, out)) for r in range(3)]
+    procs = [ctx.Process(target=abort_shuts_gloo_worker, args=(r, port, out, world)) for r in range(3)]
     for p in procs:
         p.start()
     try:
