@@ -690,7 +690,7 @@ def standby_node(args: argparse.Namespace, local: dict[int, LocalRank], agent_st
     is lost (the ranks of machine 0 are then seen only by their heartbeats: ``OrphanRank``)."""
     from .runtime.agent import Agent, take_over
     from .runtime.config import TrainConfig
-    from .runtime.control_plane import ControlPlane, Standby, every_interface, serve
+    from .runtime.control_plane import ControlPlane, Dismissed, Standby, every_interface, serve
     from .runtime.generation import wait_key
 
     from .runtime.sockets import route_address
@@ -710,9 +710,14 @@ def standby_node(args: argparse.Namespace, local: dict[int, LocalRank], agent_st
     control = ControlPlane((args.master_addr, args.odyssey_port), (host, args.standby_port), -1, wait_s=120)
     codes: list[int] = []
     stop = threading.Event()
-    node = threading.Thread(target=lambda: codes.append(node_agent(args, local, agent_store, control, stop,
-                                                                    termination)),
-                            name="odyssey-node-agent", daemon=True)
+
+    def run_node_agent() -> None:
+        try:
+            codes.append(node_agent(args, local, agent_store, control, stop, termination))
+        except ConnectionError as lost:  # (neither the agent nor a standby that can take over answers)
+            codes.append(_cut_off(args, lost))
+
+    node = threading.Thread(target=run_node_agent, name="odyssey-node-agent", daemon=True)
     node.start()
     watcher = Standby(store, (args.master_addr, args.odyssey_port), args.workdir / "standby.steps.jsonl",
                       log=lambda msg: print(f"[odyssey standby, node 1] {msg}", file=sys.stderr, flush=True),
@@ -733,6 +738,9 @@ def standby_node(args: argparse.Namespace, local: dict[int, LocalRank], agent_st
     if isinstance(result, int):  # the agent ran the job to its end
         node.join()
         return codes[0] if codes else result
+    if isinstance(result, Dismissed):  # (said by the watch) a machine of the job's as any other from now on
+        node.join()
+        return codes[0] if codes else 1
     cfg = TrainConfig(**json.loads(cfg_text))
     store.set(CONFIG_KEY, cfg_text)  # the job trains: what the lost agent's store said to machines (node_agent)
     procs = ranks_taken_over(store, args.nnodes * args.nproc_per_node, args.nproc_per_node, local, result)

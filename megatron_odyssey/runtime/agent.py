@@ -55,7 +55,7 @@ from ..planning.planner import Candidate, Decision, Planner, PlannerOptions
 from ..planning.schedule import overlapped_nodes
 from ..planning.sharding import lost_units
 from .config import TrainConfig
-from .control_plane import TAKEOVER_KEY, Deposed, Replica, ReplicaLost, free_port, serve
+from .control_plane import DISMISSED_KEY, TAKEOVER_KEY, Deposed, Replica, ReplicaLost, free_port, serve
 from .quorum import GONE, NoQuorum, Quorum, Witness, standby_check
 from .plan_message import checkpoint_due, encode_plan_message
 from .liveness import COMM, WAITING, Beat
@@ -1603,6 +1603,9 @@ class Agent:
                                f"lost power, or this machine is cut off from the job; going on without a standby, and "
                                f"only with more than half of the job's {len(self.replicated)} ranks{tie}")
             self.replica = None
+            if self.store is not None:  # a standby that comes back reads here that its copy of the state ends there
+                when = f"step {self.next_step - 1} committed" if self.next_step > 0 else "before the first commit"
+                self.store.set(DISMISSED_KEY, f"its store stopped answering at generation {self.gen}, {when}: {lost}")
             return False
 
     def _standby_may_live(self, references: tuple[frozenset[int], ...]) -> str | None:
@@ -1713,7 +1716,8 @@ class Agent:
             for ident in self.checkpoints.get(int(latest), ()):
                 self.store.set(f"{g('ckpt')}/{latest}/{ident}", "1")
         self.store.set(g("abort"), reason)
-        self.store.set(TAKEOVER_KEY, json.dumps({"generation": self.gen, "reason": reason}))
+        self.store.set(TAKEOVER_KEY, json.dumps({"generation": self.gen, "committed": self.next_step - 1,
+                                                 "reason": reason}))
         self.log(f"taking over at generation {self.gen}, step {self.next_step}: {reason}")
         lost_as = state.get("lost_as", GONE)  # (the report is the standby's once it knows it holds the job)
         info = {"reason": reason, "lost_agent_s": float(state.get("lost_agent_s", 0.0)), "lost_as": lost_as}

@@ -52,7 +52,11 @@ from .process_probe import is_zombie
 from .quorum import GONE, SILENT
 
 STANDBY_KEY = "odyssey/standby"  # in the agent's store: HOST:PORT of the standby's store (launch mode)
-TAKEOVER_KEY = "odyssey/takeover"  # in the standby's store: set when it takes over (JSON: generation, reason)
+TAKEOVER_KEY = "odyssey/takeover"  # in the standby's store: set when it takes over (JSON: generation, committed step,
+# reason)
+#: the agent went on without its standby (why): in the agent's store, set as it drops it; and in the standby's, set by
+#: the standby once it read that there (its copy of the job's state stops there: it must never take the job over)
+DISMISSED_KEY = "odyssey/standby/dismissed"
 FINISHED_KEY = "odyssey/replica/finished"  # in the standby's store: the agent ended the job (its exit code)
 STATE_KEY = "odyssey/replica/state"  # the agent's state of this generation (written at each decision)
 AGENT_PID_KEY = "odyssey/replica/agent_pid"  # the agent's pid, said at once (before its slow start-up)
@@ -254,6 +258,10 @@ class Dropped(ConnectionError):
     it is cut off from the agent's machine only, and waiting for it would only keep its ranks for nothing."""
 
 
+class NoTakeover(ConnectionError):
+    """The standby says it will never take over: the agent went on without it (``DISMISSED_KEY``)."""
+
+
 class NotThere(ConnectionError):
     """A store's machine did not accept a connection; ``answer``: how it answered (:func:`knock`)."""
 
@@ -363,6 +371,13 @@ class ReplicaLost(RuntimeError):
 
 # -- the standby's side ---------------------------------------------------------------------------------
 @dataclass
+class Dismissed:
+    """:meth:`Standby.watch`'s answer where the agent went on without this standby (``DISMISSED_KEY``)."""
+
+    why: str
+
+
+@dataclass
 class Standby:
     """Watches the agent, keeps a copy of its committed steps on this machine, and says when to take over.
 
@@ -393,11 +408,16 @@ class Standby:
         self.steps_path.parent.mkdir(parents=True, exist_ok=True)
         self.steps_path.write_text("")
         self._agent: Any = None
+        self.dismissed: str | None = None  # the agent went on without this standby: why (DISMISSED_KEY)
         self.agent_answer = "accepted"  # how the agent's machine last answered a connection (knock)
         self.names_asked = 0.0  # when the agent's store was last asked where the ranks listen (None: names checked)
 
-    def watch(self) -> dict[str, Any] | int:
-        """Until the agent ends the job (its exit code) or is lost (the state to take over with)."""
+    def watch(self) -> dict[str, Any] | int | Dismissed:
+        """Until the agent ends the job (its exit code) or is lost (the state to take over with), or went on without
+        this standby (:class:`Dismissed`): its machine stood still, or a blip outlasted the agent's write-ahead, and
+        the agent dropped it. Its copy of the job's state ends there, and the agent writes it nothing more (nor the
+        job's end): taking over from it later, at the agent's loss or at the job's end, would resume the job from a
+        step long past. It says so in its own store, for the ranks that ask it after a loss of the agent."""
         while True:
             if self.store.check([FINISHED_KEY]):
                 self.copy_steps()
@@ -410,6 +430,12 @@ class Standby:
             if self._agent_answers():
                 self.lost_since = None
                 self.last_contact = time.time()
+                if self.dismissed is not None:
+                    self.store.set(DISMISSED_KEY, self.dismissed)
+                    self.log(f"the agent went on without this standby ({self.dismissed}); its copy of the job's state "
+                             f"ends there, so it will not take the job over: this machine's ranks train on, and a "
+                             f"loss of the agent's machine now ends the job")
+                    return Dismissed(self.dismissed)
                 self._check_names()
             else:
                 now = time.time()
@@ -439,7 +465,8 @@ class Standby:
         try:
             if self._agent is None:
                 self._agent = client_if_there(self.agent_address)
-            self._agent.check([TAKEOVER_KEY])
+            if self._agent.check([DISMISSED_KEY]):  # (the round trip that says the agent answers)
+                self.dismissed = self._agent.get(DISMISSED_KEY).decode(errors="replace")
             self.agent_answer = "accepted"
             return True
         except NotThere as gone:  # (the knock says how: the takeover needs it, and knocking again costs up to 1 s)
@@ -788,11 +815,12 @@ class ControlPlane:
                 standby = self.asking.standby
                 if not standby.check([TAKEOVER_KEY]):
                     self._dropped(standby)
+                    self._dismissed(standby)
                     return None, "accepted"
                 break
             except NotThere as gone:  # the standby is not there either (yet)
                 return None, gone.answer
-            except Dropped:
+            except (Dropped, NoTakeover):
                 raise
             except Exception:  # noqa: BLE001 - its machine accepted, its store did not answer (yet); or held broke
                 self.asking.standby = None
@@ -818,6 +846,33 @@ class ControlPlane:
                       f"{sorted(self.fences)} (rank {first} {why}): this machine is cut off from the "
                       f"agent's, and the job goes on without it")
 
+    def _dismissed(self, standby: Any) -> None:
+        """Raises :class:`NoTakeover` where the standby says the agent went on without it (``DISMISSED_KEY``): it will
+        never take over, so a rank that lost the agent need not wait for it. (Asked only while the agent does not
+        answer.)"""
+        if standby.check([DISMISSED_KEY]):
+            why = standby.get(DISMISSED_KEY).decode(errors="replace")
+            raise NoTakeover(f"the agent's store {self.current[0]}:{self.current[1]} does not answer, and the "
+                             f"standby at {self.standby[0]}:{self.standby[1]} will not take over: the agent had "
+                             f"gone on without it ({why}), so its copy of the job's state is out of date; the "
+                             f"job stops (relaunch it from its last checkpoint)")
+
     def fenced(self, store: Any) -> bool:
         """After a takeover: the agent asked this rank (whose launcher may be gone) to leave."""
         return self.moved and store.check([self.fence_key])
+
+
+def stale_takeover(store: Any, generation: int, committed: int) -> str | None:
+    """Why the standby that took over (``store``: its store, ``TAKEOVER_KEY`` set) holds an older state than a rank
+    that saw ``generation`` and the commit of step ``committed``, or None. The agent writes ahead to its standby
+    before each plan and each commit, so a standby it kept holds at least what any rank saw: an older one was
+    dropped by the agent and took over before it could read that (its machine came back as the agent's was lost).
+    Going on from it would train steps the ranks already applied."""
+    said = json.loads(store.get(TAKEOVER_KEY))
+    theirs = (int(said.get("generation", -1)), int(said.get("committed", -1)))
+    if theirs >= (generation, committed) or ("committed" not in said and theirs[0] >= generation):
+        return None
+    return (f"the standby agent took over from a copy of the job's state older than this rank's (generation "
+            f"{theirs[0]}, step {theirs[1]} committed, against generation {generation}, step {committed}): the agent "
+            f"had gone on without it, so the job cannot go on from it; the job stops (relaunch it from its last "
+            f"checkpoint)")

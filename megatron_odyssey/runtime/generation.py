@@ -404,6 +404,12 @@ class GenerationRank(abc.ABC):
             stop_now(self.ident, str(exc))
         if moved is None:
             return False
+        if moved.took_over:
+            from .control_plane import stale_takeover
+
+            stale = stale_takeover(moved.store, self.gen, self.committed)
+            if stale is not None:
+                stop_now(self.ident, stale)
         self.store, self.store_addr = moved.store, self.control.current
         self.injector.store = moved.store
         return moved.took_over

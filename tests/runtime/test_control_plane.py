@@ -359,6 +359,58 @@ def test_standby_copies_every_committed_step_and_takes_over_with_the_newest_stat
     assert state["pending_drop"] == {"gen": 1, "step": 201, "ranks": [3]}  # (control_plane.DROP_KEY)
 
 
+def test_a_standby_the_agent_went_on_without_never_takes_the_job_over(tmp_path):
+    """The agent dropped its standby (its machine stood still, or a blip outlasted the write-ahead): the standby's copy
+    of the job's state ends there. Back, it reads in the agent's store that it was dismissed (``DISMISSED_KEY``),
+    says so, says it in its own store, and watches no more; when the agent is lost later, a rank that asks the
+    standby learns at once that nobody takes over (before, the standby took the job over from its old copy, at the
+    agent's loss or at the job's end: steps the ranks had applied would be trained again). A standby that took over
+    before it could read that is found out by the first rank that follows it (``stale_takeover``)."""
+    from megatron_odyssey.runtime.control_plane import (DISMISSED_KEY, ControlPlane, Dismissed, client,
+                                                        stale_takeover)
+
+    agent_port, standby_port = free_port(), free_port()
+    agent_store = _store_server(agent_port)
+    standby_store = _master(standby_port)
+    said: list[str] = []
+    try:
+        Replica(("127.0.0.1", standby_port)).state({"gen": 1, "plan": {}, "next_step": 3})  # its copy: step 2
+        lost = client(("127.0.0.1", agent_port), 5)
+        lost.set(DISMISSED_KEY, "its store stopped answering at generation 1, step 2 committed: a test's")
+        standby = Standby(standby_store, ("127.0.0.1", agent_port), tmp_path / "steps.jsonl", takeover_after_s=0.2,
+                          poll_s=0.01, log=said.append)
+        results: list = []  # (in a thread: a standby that missed the dismissal would watch for ever)
+        watch = threading.Thread(target=lambda: results.append(standby.watch()), daemon=True)
+        watch.start()
+        watch.join(30)
+        (result,) = results
+        assert result == Dismissed("its store stopped answering at generation 1, step 2 committed: a test's")
+        assert said[-1].startswith("the agent went on without this standby (its store stopped answering at "
+                                   "generation 1, step 2 committed: a test's); its copy of the job's state ends "
+                                   "there, so it will not take the job over"), said
+        assert standby_store.get(DISMISSED_KEY) == lost.get(DISMISSED_KEY)
+        agent_store.kill()
+        agent_store.wait()
+        control = ControlPlane(("127.0.0.1", agent_port), ("127.0.0.1", standby_port), 5, wait_s=60)
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionError, match=r"the standby at 127\.0\.0\.1:\d+ will not take over: the agent "
+                                                  r"had gone on without it \(its store stopped answering"):
+            control.follow(lost)
+        assert time.monotonic() - t0 < 10  # (not the 60 s a rank waits for a standby that may yet take over)
+        assert not standby_store.check([TAKEOVER_KEY])
+    finally:
+        agent_store.kill()
+    # a standby that took over from an older copy than a rank saw
+    standby_store.set(TAKEOVER_KEY, json.dumps({"generation": 1, "committed": 2, "reason": "test"}))
+    assert stale_takeover(standby_store, 1, 2) is None and stale_takeover(standby_store, 0, 40) is None
+    assert stale_takeover(standby_store, 1, 1) is None  # (it knows of commits no rank saw: the ranks apply them)
+    assert stale_takeover(standby_store, 1, 5) == (
+        "the standby agent took over from a copy of the job's state older than this rank's (generation 1, step 2 "
+        "committed, against generation 1, step 5): the agent had gone on without it, so the job cannot go on from it; "
+        "the job stops (relaunch it from its last checkpoint)")
+    assert stale_takeover(standby_store, 2, 2) is not None
+
+
 def test_a_control_store_serves_more_clients_than_its_process_could_open_files_at_start():
     """A store served from a process whose soft limit of open files is 64 (its hard limit higher) serves 100 clients:
     ``serve`` raises the soft limit to the hard one (``sockets.open_files_allowed``). Without, the 51st client was

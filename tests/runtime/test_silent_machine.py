@@ -363,17 +363,19 @@ def test_an_agent_whose_standby_goes_silent_needs_a_majority_from_then_on(silent
     """The standby's store is in the silent machine: the agent cannot tell its power loss from its own machine being
     cut off, so from then on it starts a generation only with more than half of the ranks of the generation the standby
     last acknowledged (``runtime.quorum``), or half where it claims the job's witness (``--witness-dir``); a standby
-    whose machine refuses the connection instead is gone for good (``test_agent_records``: no quorum)."""
-    from megatron_odyssey.runtime.agent import Agent
+    whose machine refuses the connection instead is gone for good (``test_agent_records``: no quorum). The agent says
+    in its store that it went on without the standby, which reads it there if its machine comes back
+    (``control_plane.DISMISSED_KEY``; ``test_a_standby_the_agent_went_on_without_never_takes_the_job_over``)."""
+    from megatron_odyssey.runtime.agent import Agent, free_port
     from megatron_odyssey.runtime.config import TrainConfig
-    from megatron_odyssey.runtime.control_plane import Replica
+    from megatron_odyssey.runtime.control_plane import DISMISSED_KEY, Replica, serve
     from megatron_odyssey.runtime.quorum import NoQuorum, Witness
 
     server, address = _store_in(silent)
     try:
         cfg = TrainConfig(nproc=4, tp=1, pp=1, layers=4, hidden=32, heads=4, seq=16, global_batch=4, micro_batch=1,
                           steps=4)
-        agent = Agent(cfg, None, tmp_path, procs={}, store=None)
+        agent = Agent(cfg, None, tmp_path, procs={}, store=serve("127.0.0.1", free_port(), 10))
         agent.witness = Witness.create(tmp_path, "agent on machine 0") if witness else None
         agent.replica = Replica(address, connect_timeout_s=30)
         agent._replicate_state()
@@ -385,6 +387,8 @@ def test_an_agent_whose_standby_goes_silent_needs_a_majority_from_then_on(silent
         assert agent.replica is None and agent.quorum is not None
         assert agent.quorum.references == (frozenset(range(4)),)
         assert "its machine is silent: it lost power, or this machine is cut off" in capsys.readouterr().err
+        assert agent.store.get(DISMISSED_KEY).decode().startswith("its store stopped answering at generation 0, "
+                                                                  "before the first commit: ")
         agent.quorum.check({0, 1, 2})
         with pytest.raises(NoQuorum, match=r"holds 1 of the job's 4 ranks"):
             agent.quorum.check({0})
