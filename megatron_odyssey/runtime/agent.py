@@ -1600,7 +1600,7 @@ class Agent:
                 # (a standby that received no state cannot take over: Standby.watch)
                 self.quorum = Quorum(references, self.witness)
                 self.log_error(f"the standby agent's store stopped answering ({lost}) and its machine is silent: it "
-                               f"lost power, or this machine is cut off from the job; going on without a standby, and "
+                               f"lost power or stands still, or this machine is cut off from the job; going on without a standby, and "
                                f"only with more than half of the job's {len(self.replicated)} ranks{tie}")
             self.replica = None
             if self.store is not None:  # a standby that comes back reads here that its copy of the state ends there

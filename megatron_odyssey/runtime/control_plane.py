@@ -290,8 +290,14 @@ class Replica:
     """The agent's write-ahead copy of its state in the standby's store."""
 
     def __init__(self, address: tuple[str, int], connect_timeout_s: float = 60.0):
+        from .sockets import bound_answers, connection_fds, silence_bound
+
         self.address = address
+        before = connection_fds()
         self.store = client(address, connect_timeout_s)  # the standby starts before the agent (or with it)
+        # every request of the write-ahead is one a live standby answers at once: none within the silence bound comes
+        # from a process that stands still (write_ahead); before, the agent waited for it for ever
+        bound_answers(connection_fds() - before, silence_bound())
         self.seq = -1  # commits written (a restart from a checkpoint commits a step number again)
 
     def state(self, state: dict[str, Any]) -> None:
@@ -337,6 +343,12 @@ class Replica:
                 raise
             except Exception as exc:  # noqa: BLE001 - a broken connection to the standby's store
                 first, last = first or exc, exc
+                if "Socket Timeout" in str(exc):
+                    # its machine acknowledged the request, its process answered nothing within the silence bound: it
+                    # stands still (paused whole, SIGSTOP), and may go on, as a silent machine may. Not asked again:
+                    # a new client of a process that stands still waits for ever in torch's constructor
+                    answer = "silent"
+                    break
                 time.sleep(0.2 * (attempt + 1))
                 try:  # (a standby that is gone refuses at once)
                     self.store = client_if_there(self.address, REPLICA_RECONNECT_S)

@@ -115,3 +115,25 @@ def bound_silence(peer: tuple[str, int] | None = None, unacked_s: float | None =
         except OSError:  # closed meanwhile
             continue
     return bounded
+
+
+def bound_answers(fds: set[int], answer_s: float) -> int:
+    """Make each of these connections' receives fail once nothing arrived for ``answer_s`` (``SO_RCVTIMEO``; torch's
+    store client then raises "Socket Timeout"). For a client that only makes requests its store answers at once: a
+    stopped process (SIGSTOP, a hung process, a machine paused whole) answers nothing while its kernel still accepts
+    and acknowledges, so :func:`bound_silence` never ends such a wait, and a store client's own timeout does not
+    bound it either (torch 2.13). Not for a client that waits in the store for a key. Returns how many."""
+    import struct
+
+    bounded = 0
+    for sock in tcp_connections():
+        if sock.fileno() in fds:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(answer_s),
+                                                                               int(answer_s % 1 * 1e6)))
+            bounded += 1
+    return bounded
+
+
+def connection_fds() -> set[int]:
+    """The descriptors of this process's TCP connections now (to find the ones a new client opens)."""
+    return {sock.fileno() for sock in tcp_connections()}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -409,6 +410,40 @@ def test_a_standby_the_agent_went_on_without_never_takes_the_job_over(tmp_path):
         "committed, against generation 1, step 5): the agent had gone on without it, so the job cannot go on from it; "
         "the job stops (relaunch it from its last checkpoint)")
     assert stale_takeover(standby_store, 2, 2) is not None
+
+
+def test_a_standby_whose_process_stands_still_is_dropped_within_the_silence_bound(tmp_path, monkeypatch):
+    """The standby's process stops whole (SIGSTOP, as its machine paused by its host): its kernel still accepts and
+    acknowledges the agent's write-ahead, so only its answer can tell. Within the silence bound (3 s here) the write
+    fails as from a silent machine, and the agent goes on without the standby, a majority needed from then on, and
+    says so in its store. Before, the agent waited for the answer for ever (over 400 s measured), and the job with it."""
+    from megatron_odyssey.runtime.agent import Agent
+    from megatron_odyssey.runtime.config import TrainConfig
+    from megatron_odyssey.runtime.control_plane import DISMISSED_KEY, ReplicaLost, serve
+
+    monkeypatch.setenv("ODYSSEY_SILENCE_TIMEOUT_S", "3")
+    standby_port = free_port()
+    standby_store = _store_server(standby_port)
+    try:
+        cfg = TrainConfig(nproc=4, tp=1, pp=1, layers=4, hidden=32, heads=4, seq=16, global_batch=4, micro_batch=1,
+                          steps=4)
+        agent = Agent(cfg, None, tmp_path, procs={}, store=serve("127.0.0.1", free_port(), 10))
+        agent.replica = Replica(("127.0.0.1", standby_port), connect_timeout_s=30)
+        agent._replicate_state()
+        assert agent.replicated == frozenset(range(4)) and agent.quorum is None
+        os.kill(standby_store.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(ReplicaLost) as lost:
+            Replica.write_ahead(agent.replica, lambda r: r.step({"committed": 0}, {"step": 0}))
+        assert lost.value.answer == "silent" and "Socket Timeout" in str(lost.value)
+        assert 2.5 < time.monotonic() - t0 < 10
+        assert not agent._to_standby(lambda r: r.step({"committed": 0}, {"step": 0}))
+        assert agent.replica is None and agent.quorum is not None
+        assert agent.store.get(DISMISSED_KEY).decode().startswith("its store stopped answering at generation 0")
+    finally:
+        os.kill(standby_store.pid, signal.SIGCONT)
+        standby_store.kill()
+        standby_store.wait()
 
 
 def test_a_control_store_serves_more_clients_than_its_process_could_open_files_at_start():

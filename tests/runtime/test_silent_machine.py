@@ -386,7 +386,7 @@ def test_an_agent_whose_standby_goes_silent_needs_a_majority_from_then_on(silent
         assert time.monotonic() - t0 < 3 * (UNACKED_S + SLACK_S)  # (three attempts, each within the bound)
         assert agent.replica is None and agent.quorum is not None
         assert agent.quorum.references == (frozenset(range(4)),)
-        assert "its machine is silent: it lost power, or this machine is cut off" in capsys.readouterr().err
+        assert "its machine is silent: it lost power or stands still, or this machine is cut off" in capsys.readouterr().err
         assert agent.store.get(DISMISSED_KEY).decode().startswith("its store stopped answering at generation 0, "
                                                                   "before the first commit: ")
         agent.quorum.check({0, 1, 2})
