@@ -2051,6 +2051,34 @@ def test_a_machine_that_stood_still_is_started_again_and_joins(stock: dict, tmp_
     assert same_training(job.iterations(), stock)
 
 
+def test_the_standbys_machine_that_stood_still_is_dismissed_and_its_rank_joins(stock: dict, tmp_path: Path) -> None:
+    """As the test above, for machine 1, which also runs the standby agent: while it stands still the agent's
+    write-ahead finds the standby's process answering nothing (its kernel still acknowledges), drops it within the
+    silence bound and trains on without rank 1 (3 of 4 ranks: a majority). Once the machine goes on, the standby reads
+    that the agent went on without it and stops watching (before, it would have taken the job over from its old copy
+    at the job's end), and its launcher starts rank 1 again to join; every iteration equals stock's, every machine's
+    code is 0. Needs root (the namespace)."""
+    from megatron_odyssey.testing.megatron_lm_job import Freeze
+
+    with ExitStack() as stack:
+        job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--odyssey-inject-fault", "step=2,rank=1,phase=forward,kind=slow",
+                                          "--odyssey-rejoin", "1@2"], _port(1740), nodes=4,
+                          freeze=Freeze(_loopback(stack), 1, r"\[odyssey rank 1\] injected fault", thaw_after=3))
+    assert job.returncode == 0, job.tail()
+    assert job.codes == [0, 0, 0, 0], job.codes
+    assert "its machine is silent: it lost power or stands still" in job.logs, job.tail()
+    assert "the agent went on without this standby" in job.logs, job.tail()
+    assert re.search(r"rank\(s\) \[1\] were fenced while this machine stood still for \d+ s .*: starting node 1's "
+                     r"rank\(s\) \[1\] again to join the running job \(restart 1\)", job.logs), job.tail()
+    report = job.report
+    assert [(f["ranks"], f["step"]) for f in report["failures"]] == [([1], 2)], report["failures"]
+    assert not report.get("takeovers"), report.get("takeovers")
+    (joined,) = report["joins"]
+    assert joined["ranks"] == [1], joined
+    assert [s["step"] for s in report["steps"]] == list(range(ITERS))
+    assert same_training(job.iterations(), stock)
+
+
 def _loopback(stack: ExitStack, buffer_bytes: int | None = None):
     """A ``testing.network_namespace.loopback`` namespace for the test's ``ExitStack``; skipped only where one cannot
     be made."""
