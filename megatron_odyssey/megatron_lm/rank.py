@@ -108,7 +108,7 @@ class AbortWatcher(StoreThread):
                         abort_all_groups()
                     except Exception:  # the main thread is tearing the same groups down
                         pass
-                    if failed and (self.runtime.backend == "gloo" or holds_gloo_groups()):
+                    if failed and holds_gloo_groups(self.runtime.backend):
                         shut_connections({self.runtime.store_addr[1]})
                         self.shut = (gen, value, StuckCall(self.stuck_after_s))
             self.handled = gen

@@ -1600,8 +1600,9 @@ class Agent:
                 # (a standby that received no state cannot take over: Standby.watch)
                 self.quorum = Quorum(references, self.witness)
                 self.log_error(f"the standby agent's store stopped answering ({lost}) and its machine is silent: it "
-                               f"lost power or stands still, or this machine is cut off from the job; going on without a standby, and "
-                               f"only with more than half of the job's {len(self.replicated)} ranks{tie}")
+                               f"lost power or stands still, or this machine is cut off from the job; going on without "
+                               f"a standby, and only with more than half of the job's "
+                               f"{len(self.replicated)} ranks{tie}")
             self.replica = None
             if self.store is not None:  # a standby that comes back reads here that its copy of the state ends there
                 when = f"step {self.next_step - 1} committed" if self.next_step > 0 else "before the first commit"

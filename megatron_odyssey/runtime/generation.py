@@ -459,7 +459,7 @@ class GenerationRank(abc.ABC):
         ``world.shut_connections``; a GPU world's gloo groups too), capture the state, and drop every holder of a
         group."""
         abort_all_groups()
-        if self.backend == "gloo" or holds_gloo_groups():
+        if holds_gloo_groups(self.backend):
             shut_connections({self.store_addr[1]})
         if self.saved is None and self.model is not None:
             self.saved = self._capture()

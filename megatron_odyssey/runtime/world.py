@@ -232,12 +232,14 @@ def abort_all_groups() -> None:
             pass
 
 
-def holds_gloo_groups() -> bool:
-    """Whether a process group of this rank speaks gloo, whose abort closes nothing: in a GPU job too (Megatron's
-    gloo groups beside its NCCL/HCCL ones, the distributed optimizer's among them), a rank may wait in one."""
+def holds_gloo_groups(backend: str) -> bool:
+    """Whether this rank (its world on ``backend``) holds a gloo group, whose abort closes nothing, so its connections
+    must be shut: a gloo world's, and in a GPU job too (Megatron's gloo groups beside its NCCL/HCCL ones, the
+    distributed optimizer's among them), where a rank may wait in one."""
     from torch.distributed import distributed_c10d as c10d
 
-    return any("gloo" in str(backend) for backend, _ in list(getattr(c10d._world, "pg_map", {}).values()))
+    return backend == "gloo" or any("gloo" in str(group_backend)
+                                    for group_backend, _ in list(getattr(c10d._world, "pg_map", {}).values()))
 
 
 def shut_connections(keep_peer_ports: set[int]) -> int:

@@ -2033,12 +2033,7 @@ def test_a_machine_that_stood_still_is_started_again_and_joins(stock: dict, tmp_
     machine that comes back (``--join``); it asks to join once iteration 3 is committed (``--odyssey-rejoin 3@2``), is
     admitted, and every iteration equals stock Megatron-LM's. Before, the machine sat out the rest of the job.
     Needs root (the namespace)."""
-    from megatron_odyssey.testing.megatron_lm_job import Freeze
-
-    with ExitStack() as stack:
-        job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--odyssey-inject-fault", "step=2,rank=3,phase=forward,kind=slow",
-                                          "--odyssey-rejoin", "3@2"], _port(1720), nodes=4,
-                          freeze=Freeze(_loopback(stack), 3, r"\[odyssey rank 3\] injected fault", thaw_after=3))
+    job = _a_machine_stands_still(tmp_path, 3, _port(1720))
     assert job.returncode == 0, job.tail()
     assert job.codes == [0, 0, 0, 0], job.codes
     assert re.search(r"rank\(s\) \[3\] were fenced while this machine stood still for \d+ s .*: starting node 3's "
@@ -2058,12 +2053,7 @@ def test_the_standbys_machine_that_stood_still_is_dismissed_and_its_rank_joins(s
     that the agent went on without it and stops watching (before, it would have taken the job over from its old copy
     at the job's end), and its launcher starts rank 1 again to join; every iteration equals stock's, every machine's
     code is 0. Needs root (the namespace)."""
-    from megatron_odyssey.testing.megatron_lm_job import Freeze
-
-    with ExitStack() as stack:
-        job = run_odyssey(MLM, tmp_path, [*ODYSSEY, "--odyssey-inject-fault", "step=2,rank=1,phase=forward,kind=slow",
-                                          "--odyssey-rejoin", "1@2"], _port(1740), nodes=4,
-                          freeze=Freeze(_loopback(stack), 1, r"\[odyssey rank 1\] injected fault", thaw_after=3))
+    job = _a_machine_stands_still(tmp_path, 1, _port(1740))
     assert job.returncode == 0, job.tail()
     assert job.codes == [0, 0, 0, 0], job.codes
     assert "its machine is silent: it lost power or stands still" in job.logs, job.tail()
@@ -2077,6 +2067,19 @@ def test_the_standbys_machine_that_stood_still_is_dismissed_and_its_rank_joins(s
     assert joined["ranks"] == [1], joined
     assert [s["step"] for s in report["steps"]] == list(range(ITERS))
     assert same_training(job.iterations(), stock)
+
+
+def _a_machine_stands_still(tmp_path: Path, rank: int, port: int) -> JobResult:
+    """Four machines of one rank each on one loopback; rank ``rank`` sleeps 2 s into iteration 3, its machine stops
+    whole at its fault's line and goes on once iteration 3 is logged; the rank asks to join after iteration 3."""
+    from megatron_odyssey.testing.megatron_lm_job import Freeze
+
+    with ExitStack() as stack:
+        return run_odyssey(MLM, tmp_path, [*ODYSSEY, "--odyssey-inject-fault",
+                                           f"step=2,rank={rank},phase=forward,kind=slow", "--odyssey-rejoin",
+                                           f"{rank}@2"], port, nodes=4,
+                           freeze=Freeze(_loopback(stack), rank, rf"\[odyssey rank {rank}\] injected fault",
+                                         thaw_after=3))
 
 
 def _loopback(stack: ExitStack, buffer_bytes: int | None = None):
